@@ -1,0 +1,57 @@
+"""Speculation policies of the five papers, as pure code (stdlib + numpy; no torch, grpc or
+transformers), with randomness and time passed in.
+
+- :mod:`.goodspeed` — smoothing (eqs. 3-4) and the draft-length allocation (eq. 5) of GoodSpeed
+- :mod:`.baselines` — Fixed-S and Random-S
+- :mod:`.tetris` — TETRIS token selection (Alg. 1)
+- :mod:`.adaserve` — AdaServe's SLO-customized tree selection (Alg. 2, eqs. 8-9)
+- :mod:`.turbospec` — TurboSpec's latency model and goodput-maximising proposal length
+- :mod:`.nightjar` — Nightjar's switching-cost-aware bandit (Alg. 1, eq. 3)
+- :mod:`.policy` — the by-name interface the verifier uses
+"""
+
+from goodspeed.scheduler.adaserve import (
+    CandidateTree,
+    TreeSelection,
+    select_tree_nodes,
+    slo_need,
+    speculation_shape,
+)
+from goodspeed.scheduler.baselines import fixed_draft_lengths, random_draft_lengths
+from goodspeed.scheduler.goodspeed import (
+    GoodputEstimator,
+    SmoothingConfig,
+    allocate_draft_lengths,
+    allocation_objective,
+    expected_goodput,
+)
+from goodspeed.scheduler.nightjar import NightjarBandit
+from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, make_policy, POLICIES
+from goodspeed.scheduler.tetris import select_tokens, verification_success_rate
+from goodspeed.scheduler.turbospec import LatencyModel, ProposalChoice, choose_proposal_length, fit_latency_model
+
+__all__ = [
+    "AllocationInputs",
+    "CandidateTree",
+    "DraftLengthPolicy",
+    "GoodputEstimator",
+    "LatencyModel",
+    "NightjarBandit",
+    "POLICIES",
+    "ProposalChoice",
+    "SmoothingConfig",
+    "TreeSelection",
+    "allocate_draft_lengths",
+    "allocation_objective",
+    "choose_proposal_length",
+    "expected_goodput",
+    "fit_latency_model",
+    "fixed_draft_lengths",
+    "make_policy",
+    "random_draft_lengths",
+    "select_tokens",
+    "select_tree_nodes",
+    "slo_need",
+    "speculation_shape",
+    "verification_success_rate",
+]
