@@ -1,0 +1,1 @@
+"""The draft node: a small model that drafts with its own KV cache and applies verdicts."""

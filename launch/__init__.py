@@ -1,0 +1,1 @@
+"""Launchers: wire engines and drafters together (in-process, local processes)."""

@@ -1,0 +1,1 @@
+"""The shared LM layer: model loading, logits processing, tokenizer fingerprints, demo models."""

@@ -1,0 +1,174 @@
+"""Distribution tests: speculative verification must reproduce the target's own samples."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.verifier.rejection import verify_chains, verify_tree
+
+V = 6
+
+
+@functools.lru_cache(maxsize=None)
+def _logits(prefix, seed):
+    rng = np.random.default_rng([seed, len(prefix), *prefix])
+    return rng.normal(size=V) * 1.5
+
+
+def logits_for(prefix, seed):
+    return _logits(tuple(prefix), seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _p(prefix):
+    return torch.softmax(torch.tensor(logits_for(prefix, 1)), -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _q(prefix, top_k):
+    logits = torch.tensor(logits_for(prefix, 1) + logits_for(prefix, 2))
+    return process_logits(logits, SamplingParams(temperature=1.0, top_k=top_k))
+
+
+def p_dist(prefix):
+    return _p(tuple(prefix))
+
+
+def q_dist(prefix, top_k=0):
+    """Correlated with p but different, optionally truncated (then it is sparse)."""
+    return _q(tuple(prefix), top_k)
+
+
+def exact_pairs():
+    out = np.zeros((V, V))
+    p1 = p_dist([]).numpy()
+    for a in range(V):
+        out[a] = p1[a] * p_dist([a]).numpy()
+    return out
+
+
+def chain_round(prefixes, num_drafted, rng, top_k=0, lossy=False):
+    """One speculative round for every prefix at once; returns the emitted tokens per row."""
+    n = len(prefixes)
+    tokens = np.zeros((n, num_drafted), dtype=np.int64)
+    q = torch.zeros(n, num_drafted, V, dtype=torch.float64)
+    p = torch.zeros(n, num_drafted + 1, V, dtype=torch.float64)
+    for i, pre in enumerate(prefixes):
+        cur = list(pre)
+        for j in range(num_drafted + 1):
+            p[i, j] = p_dist(cur)
+            if j < num_drafted:
+                q[i, j] = q_dist(cur, top_k)
+                tokens[i, j] = rng.choice(V, p=q[i, j].numpy() / q[i, j].sum().item())
+                cur.append(int(tokens[i, j]))
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    res = verify_chains(p, q, torch.tensor(tokens), torch.full((n,), num_drafted), torch.rand(n, num_drafted, generator=gen, dtype=torch.float64), torch.rand(n, generator=gen, dtype=torch.float64))
+    out = []
+    for i in range(n):
+        m = int(res.num_accepted[i])
+        nxt = int(res.next_token[i])
+        if lossy and m < num_drafted:  # the known-wrong shortcut: resample from p, not the residual
+            nxt = int(sample_from(p[i, m], torch.rand(1, dtype=torch.float64)).item())
+        out.append([*tokens[i, :m].tolist(), nxt])
+    return out
+
+
+def sample_pairs(n, num_drafted, seed, **kw):
+    rng = np.random.default_rng(seed)
+    seqs = [[] for _ in range(n)]
+    while True:
+        todo = [i for i, s in enumerate(seqs) if len(s) < 2]
+        if not todo:
+            break
+        for i, emitted in zip(todo, chain_round([seqs[i] for i in todo], num_drafted, rng, **kw)):
+            seqs[i].extend(emitted)
+    counts = np.zeros((V, V))
+    for s in seqs:
+        counts[s[0], s[1]] += 1
+    return counts
+
+
+def tv(counts):
+    return 0.5 * np.abs(counts / counts.sum() - exact_pairs()).sum()
+
+
+def chi2_stat(counts):
+    expected = exact_pairs() * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+CHI2_CRIT_35DOF_P001 = 66.6  # chi-square 0.999 quantile with V*V - 1 = 35 degrees of freedom
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_chain_sampling_matches_target_and_tv_shrinks(top_k):
+    small = sample_pairs(1000, 3, seed=1, top_k=top_k)
+    large = sample_pairs(16000, 3, seed=2, top_k=top_k)
+    assert chi2_stat(large) < CHI2_CRIT_35DOF_P001
+    assert tv(large) < tv(small)
+    assert tv(large) < 0.04
+
+
+def test_lossy_shortcut_is_detected():
+    # Resampling from p instead of norm(max(0, p - q)) is biased; the same test must catch it.
+    assert chi2_stat(sample_pairs(16000, 3, seed=3, lossy=True)) > 3 * CHI2_CRIT_35DOF_P001
+
+
+def tree_sample(rng, sampled_children):
+    """Depth-2, width-2 tree; children either iid from q (sampled) or q's top-2 (deterministic)."""
+    tokens, parents, q_rows, prefixes = [], [], [], {-1: []}
+    frontier = [-1]
+    for _ in range(2):
+        nxt = []
+        for parent in frontier:
+            pre = prefixes[parent]
+            q = q_dist(pre)
+            picks = rng.choice(V, size=2, p=q.numpy()) if sampled_children else torch.topk(q, 2).indices.numpy()
+            for tok in picks:
+                tokens.append(int(tok))
+                parents.append(parent)
+                q_rows.append(q)
+                prefixes[len(tokens) - 1] = pre + [int(tok)]
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    target = torch.stack([p_dist(prefixes[k]) for k in range(-1, len(tokens))])
+    u = torch.tensor(rng.random(len(tokens) + 1))
+    draft = torch.stack(q_rows) if sampled_children else None
+    res = verify_tree(target, torch.tensor(tokens), parents, u, draft)
+    return [tokens[k] for k in res.accepted_nodes] + [res.next_token]
+
+
+@pytest.mark.parametrize("sampled_children", [False, True])
+def test_tree_sampling_matches_target(sampled_children):
+    rng = np.random.default_rng(5)
+    counts = np.zeros((V, V))
+    for _ in range(12000):
+        seq = tree_sample(rng, sampled_children)
+        while len(seq) < 2:  # only the root's correction: one more plain target draw
+            seq.append(int(rng.choice(V, p=p_dist(seq).numpy())))
+        counts[seq[0], seq[1]] += 1
+    assert chi2_stat(counts) < CHI2_CRIT_35DOF_P001
+    assert tv(counts) < 0.04
+
+
+def test_greedy_is_argmax_matching():
+    logits = torch.tensor([[0.1, 2.0, 0.3], [1.0, 0.0, 0.5], [0.0, 0.0, 3.0]])
+    p = process_logits(logits, SamplingParams())[None]  # one-hot rows: argmax 1, 0, 2
+    draft = torch.tensor([[1, 2]])
+    q = torch.nn.functional.one_hot(draft, 3).double()
+    res = verify_chains(p.double(), q, draft, torch.tensor([2]), torch.zeros(1, 2, dtype=torch.float64), torch.full((1,), 0.99, dtype=torch.float64))
+    assert res.num_accepted.tolist() == [1] and res.next_token.tolist() == [0]
+    assert res.acceptance_ratios.tolist() == [[1.0, 0.0]]
+
+
+def test_ragged_rows_and_empty_drafts():
+    p = torch.softmax(torch.randn(2, 3, 4, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(2, 2, 4, dtype=torch.float64), -1)
+    res = verify_chains(p, q, torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 0]), torch.zeros(2, 2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    assert res.num_accepted[1] == 0 and res.acceptance_ratios[1].tolist() == [0.0, 0.0]
+    assert res.acceptance_ratios[0].tolist() == pytest.approx((p[0, :2].gather(-1, torch.tensor([[1], [2]])).squeeze(-1) / q[0, :2].gather(-1, torch.tensor([[1], [2]])).squeeze(-1)).clamp(max=1).tolist())
+    none = verify_chains(p, q[:, :0], torch.zeros(2, 0, dtype=torch.long), torch.tensor([0, 0]), torch.zeros(2, 0), torch.zeros(2, dtype=torch.float64))
+    assert none.num_accepted.tolist() == [0, 0]

@@ -1,0 +1,1 @@
+"""The verifier: batched lossless verification of many drafters against one target."""

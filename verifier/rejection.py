@@ -1,0 +1,138 @@
+"""Lossless speculative verification: chains (batched) and token trees.
+
+Vocabulary (DESIGN.md section 3): ``p_j`` is the target's processed distribution at drafted
+position ``j`` and ``q_j`` the draft's, both after the SAME logits processing. For a chain of ``S``
+drafted tokens, accept ``s_j`` while ``u_j < p_j(s_j) / q_j(s_j)``; at the first rejection ``m + 1``
+the correction is drawn from ``norm(max(0, p_{m+1} - q_{m+1}))``; if all ``S`` are accepted the bonus
+is drawn from ``p_{S+1}`` (Leviathan et al.; GoodSpeed section II). The emitted tokens are then
+distributed exactly as the target's own samples. Greedy is the same rule with one-hot ``p`` and
+``q``: accept while ``s_j = argmax p_j``, correct with ``argmax p_{m+1}``.
+
+Trees use recursive rejection over siblings (SpecInfer's multi-step speculative sampling): at a
+node with target distribution ``p``, try its children in order; child ``c`` was proposed from
+``q_c`` (a sampled child: the draft distribution; a deterministic child such as a beam-search
+candidate: the point mass on its token), is accepted with probability ``min(1, p(c) / q_c(c))``, and
+on rejection ``p <- norm(max(0, p - q_c))``. If no child is accepted the correction is drawn from the
+final ``p``; at an accepted leaf the bonus is drawn from the leaf's target distribution. Each test is
+exact for any candidate drawn independently of the earlier tests, so the walk emits an exact
+target sample. A chain is the tree with one child per node.
+
+All randomness is passed in as uniforms in ``[0, 1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from goodspeed.lm.sampling import sample_from
+
+
+@dataclass(frozen=True)
+class ChainVerdicts:
+    """Per row of a batch: ``num_accepted`` ``m``, the correction-or-bonus token, and
+    ``min(1, p/q)`` at every drafted position (eq. 3's terms; 0 past the row's draft)."""
+
+    num_accepted: torch.Tensor  # [B] int64
+    next_token: torch.Tensor  # [B] int64
+    acceptance_ratios: torch.Tensor  # [B, S_max]
+
+
+def _residual_or_target(p_at: torch.Tensor, q_at: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` where rejected, else ``p``. A rejection implies some token has
+    ``p > q``, so the residual is never empty in exact arithmetic; where rounding empties it the
+    target distribution is used (it is what the residual approximates when ``p ~= q``)."""
+    residual = (p_at - q_at).clamp_min(0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    return torch.where(rejected.unsqueeze(-1) & ~empty, residual, p_at)
+
+
+def verify_chains(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    num_drafted: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+) -> ChainVerdicts:
+    """Verify ``B`` ragged chains at once.
+
+    target_probs    [B, S_max + 1, V]  p_1 .. p_{S+1} per row (rows past ``S_b + 1`` ignored)
+    draft_probs     [B, S_max, V]      q_1 .. q_S (``q_j(s_j) > 0`` for drafted positions)
+    draft_tokens    [B, S_max]         s_1 .. s_S (padding ignored)
+    num_drafted     [B]                S_b
+    accept_uniforms [B, S_max]         u_j
+    sample_uniforms [B]                one uniform for the correction/bonus draw
+    """
+    batch, s_max = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    if s_max == 0:
+        token = sample_from(target_probs[:, 0], sample_uniforms)
+        zeros = torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
+        return ChainVerdicts(zeros, token, target_probs.new_zeros(batch, 0))
+    valid = torch.arange(s_max, device=draft_tokens.device) < num_drafted.unsqueeze(1)  # [B, S_max]
+    tokens = draft_tokens.masked_fill(~valid, 0).unsqueeze(-1)
+    p_tok = target_probs[:, :s_max].gather(-1, tokens).squeeze(-1)
+    q_tok = draft_probs.gather(-1, tokens).squeeze(-1)
+    ratio = torch.where(valid, p_tok / torch.where(valid, q_tok, torch.ones_like(q_tok)), torch.zeros_like(p_tok))
+    accepted = (accept_uniforms.to(ratio.dtype) < ratio) & valid
+    num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # leading accepts
+    rejected = num_accepted < num_drafted
+    p_at = target_probs[rows, num_accepted]  # [B, V]
+    q_at = draft_probs[rows, num_accepted.clamp(max=s_max - 1)]
+    dist = _residual_or_target(p_at, q_at.to(p_at.dtype), rejected)
+    return ChainVerdicts(num_accepted, sample_from(dist, sample_uniforms), ratio.clamp(max=1.0))
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """The accepted path (node indices from the root down), the correction-or-bonus token, and
+    ``min(1, p/q)`` of every candidate tested on the way."""
+
+    accepted_nodes: list[int]
+    next_token: int
+    tested_ratios: list[float]
+
+
+def verify_tree(
+    target_probs: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: list[int],
+    uniforms: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> TreeVerdict:
+    """Verify one token tree.
+
+    target_probs [N + 1, V]  row 0: p after the root (the pending token); row k + 1: p after node k
+    tokens       [N]         token of each drafted node
+    parents      N ints      parent node index, -1 for the root; parents come before children
+    uniforms     [N + 1]     consumed in order: one per tested candidate, one for the final draw
+    draft_probs  [N, V]      the distribution each node was sampled from, or None: every node is
+                             a deterministic candidate (point mass on its token)
+    """
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    node, p = -1, target_probs[0]
+    accepted, ratios, draw = [], [], 0
+    while True:
+        moved = False
+        for child in children[node + 1]:
+            tok = int(tokens[child])
+            q = draft_probs[child] if draft_probs is not None else None
+            q_tok = float(q[tok]) if q is not None else 1.0
+            ratio = min(1.0, float(p[tok]) / q_tok)
+            ratios.append(ratio)
+            u = float(uniforms[draw])
+            draw += 1
+            if u < ratio:
+                accepted.append(child)
+                node, p, moved = child, target_probs[child + 1], True
+                break
+            q_dense = q if q is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([tok]), 1.0)
+            p = _residual_or_target(p, q_dense.to(p.dtype), torch.tensor(True))
+            p = p / p.sum()
+        if not moved:
+            token = int(sample_from(p, uniforms[draw : draw + 1].to(p.dtype)).item())
+            return TreeVerdict(accepted, token, ratios)
