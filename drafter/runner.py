@@ -1,0 +1,71 @@
+"""Draft-side model runner: drafts exactly ``S`` tokens with its own KV cache and applies verdicts.
+
+The committed text (prompt + generated) is authoritative on the verifier; the runner mirrors it.
+Its KV cache holds a prefix of the committed tokens plus the drafts it has fed; after a verdict
+the cache is cropped to the committed tokens plus the accepted drafts (rollback), and whatever
+committed tokens are not yet cached (at least the correction/bonus token) are fed at the start of
+the next draft. The draft distribution ``q_j`` of every drafted token is returned after the same
+:func:`goodspeed.lm.sampling.process_logits` the verifier applies to the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    token_ids: list[int]  # [S]
+    probs: torch.Tensor  # [S, V] q_j after logits processing
+
+
+class DraftRunner:
+    """One drafter's model state for one request at a time."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.committed: list[int] = []
+        self.cache = DynamicCache()
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        """Begin a request (or resynchronise with the verifier's committed tokens)."""
+        self.committed = [int(t) for t in prompt_ids]
+        self.cache = DynamicCache()
+
+    @property
+    def cached_len(self) -> int:
+        return self.cache.get_seq_length()
+
+    def _logits_after(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        return out.logits[0, -1]
+
+    def draft(self, num_tokens: int, sampling: SamplingParams, generator: torch.Generator) -> DraftOutput:
+        """Draft ``num_tokens`` tokens after the committed text."""
+        if num_tokens <= 0:
+            return DraftOutput([], torch.zeros(0, self.model.config.vocab_size))
+        feed = self.committed[self.cached_len :]
+        tokens, probs = [], []
+        for j in range(num_tokens):
+            q = process_logits(self._logits_after(feed).double(), sampling)
+            token = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
+            tokens.append(token)
+            probs.append(q)
+            feed = [token]
+        return DraftOutput(tokens, torch.stack(probs))
+
+    def apply(self, emitted: Sequence[int], num_accepted: int) -> None:
+        """Append the verdict's tokens; keep cached KV only for committed tokens."""
+        keep = min(len(self.committed) + num_accepted, self.cached_len)
+        if keep < self.cached_len:
+            self.cache.crop(keep - self.cached_len)
+        self.committed.extend(int(t) for t in emitted)

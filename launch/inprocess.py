@@ -1,0 +1,117 @@
+"""Drive a verification engine and draft runners in one process (tests, benchmarks, examples).
+
+This is the distributed protocol without the network: each round every drafter with a request
+drafts exactly its allotted ``S_i`` tokens, submits them with their draft distributions (sparse
+when the sampling truncates, so the transfer is exact), the engine verifies all of them in one
+forward, and each drafter applies its verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from goodspeed.drafter.runner import DraftOutput, DraftRunner
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.verifier.engine import VerificationEngine
+from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
+
+
+@dataclass
+class InProcessDrafter:
+    """A drafter and its queue of prompts; it joins at ``join_round`` and leaves at ``leave_round``."""
+
+    name: str
+    runner: DraftRunner
+    prompts: list[list[int]]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 32
+    seed: int = 0
+    join_round: int = 0
+    leave_round: int | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+    session_id: str | None = None
+    draft_length: int = 0
+    round_index: int = 0  # the session's next round, counted by the drafter itself
+    generator: torch.Generator | None = None
+    next_prompt: int = 0
+    busy: bool = False  # a request is in progress
+    left: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.left or (not self.busy and self.next_prompt >= len(self.prompts))
+
+
+def to_engine_draft(round_index: int, out: DraftOutput, sampling: SamplingParams) -> Draft:
+    """Greedy drafts need no q; truncated q travels sparse (exact); otherwise dense."""
+    if sampling.greedy or not out.token_ids:
+        return Draft(round_index, out.token_ids)
+    if sampling.truncates:
+        sparse = []
+        for row in out.probs:
+            ids = torch.nonzero(row > 0).squeeze(-1)
+            sparse.append(SparseProbs(ids.tolist(), row[ids].tolist()))
+        return Draft(round_index, out.token_ids, sparse_probs=sparse)
+    return Draft(round_index, out.token_ids, dense_probs=out.probs.cpu().numpy())
+
+
+def _start_next(engine: VerificationEngine, d: InProcessDrafter, eos_token_ids: Sequence[int]) -> None:
+    d.busy = d.next_prompt < len(d.prompts)
+    if not d.busy:
+        return
+    prompt = d.prompts[d.next_prompt]
+    d.next_prompt += 1
+    d.runner.start(prompt)
+    d.draft_length = engine.start_request(d.session_id, prompt, d.sampling, d.max_new_tokens, eos_token_ids)
+
+
+def _update_membership(engine: VerificationEngine, drafters: Sequence[InProcessDrafter], t: int, eos_token_ids) -> None:
+    for d in drafters:
+        if d.session_id is None and not d.done and t >= d.join_round:
+            d.session_id = engine.join(d.name)
+            d.generator = torch.Generator().manual_seed(d.seed)
+            _start_next(engine, d, eos_token_ids)
+        elif d.session_id is not None and d.leave_round is not None and t >= d.leave_round:
+            engine.leave(d.session_id)
+            d.session_id, d.busy, d.left = None, False, True
+
+
+def _apply_verdict(engine, d: InProcessDrafter, result: RoundResult, eos_token_ids) -> None:
+    verdict = result.verdicts[d.session_id]
+    d.runner.apply(verdict.token_ids, verdict.num_accepted)
+    d.draft_length = verdict.next_draft_length
+    d.round_index += 1
+    if verdict.finished:
+        d.outputs.append(d.runner.committed[len(d.prompts[d.next_prompt - 1]) :])
+        _start_next(engine, d, eos_token_ids)
+
+
+def run_inprocess(
+    engine: VerificationEngine,
+    drafters: Sequence[InProcessDrafter],
+    eos_token_ids: Sequence[int] = (),
+    max_rounds: int = 100_000,
+    on_round: Callable[[RoundResult], None] | None = None,
+) -> list[RoundResult]:
+    """Run until every drafter has finished its prompts or left; returns every round's result."""
+    results = []
+    for t in range(max_rounds):
+        _update_membership(engine, drafters, t, eos_token_ids)
+        if all(d.done for d in drafters):
+            break
+        active = [d for d in drafters if d.session_id is not None and d.busy]
+        if not active:
+            continue
+        for d in active:
+            out = d.runner.draft(d.draft_length, d.sampling, d.generator)
+            engine.submit(d.session_id, to_engine_draft(d.round_index, out, d.sampling))
+        result = engine.run_round()
+        results.append(result)
+        for d in active:
+            _apply_verdict(engine, d, result, eos_token_ids)
+        if on_round:
+            on_round(result)
+    return results

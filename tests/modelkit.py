@@ -1,0 +1,42 @@
+"""Tiny models built from configs (never downloaded) and the obvious references tests compare with."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(seed: int, vocab: int = 48, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, init: float = 0.3, dtype=torch.float64):
+    """A random Llama with large init so its distributions are peaked (greedy ties are rare)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        initializer_range=init,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def perturbed(model, scale: float, seed: int):
+    """A draft correlated with ``model``: the same weights plus Gaussian noise."""
+    torch.manual_seed(seed)
+    clone = type(model)(model.config).to(next(model.parameters()).dtype)
+    clone.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return clone.eval()
+
+
+def greedy_reference(model, prompt, max_new_tokens):
+    """The target's own greedy decoding, recomputed from scratch every step (no cache)."""
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
+            seq.append(int(torch.argmax(logits)))
+    return seq[len(prompt) :]

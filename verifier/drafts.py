@@ -1,0 +1,106 @@
+"""Validating submitted drafts and turning their draft distributions into dense ``q`` rows.
+
+Every check raises its own :mod:`goodspeed.verifier.errors` class, before anything touches the
+model or another session. A draft's ``q`` arrives dense ``[S, V]``, sparse (the exact support of a
+truncated distribution) or not at all (greedy sessions and deterministic tree candidates: the
+point mass on the drafted token). Rows must sum to 1 within ``PROB_SUM_TOLERANCE`` and are
+renormalised exactly afterwards, since ``max(0, p - q)`` needs a true distribution.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from goodspeed.verifier.errors import (
+    DraftTooLongError,
+    InvalidProbabilityError,
+    InvalidTokenError,
+    MalformedDraftError,
+)
+from goodspeed.verifier.types import Draft
+
+PROB_SUM_TOLERANCE = 1e-3
+
+
+def validate_draft(draft: Draft, vocab_size: int, allotted: int, needs_probs: bool) -> None:
+    """Check a draft's shape, token ids, tree structure and probabilities."""
+    n = draft.num_tokens
+    if n > allotted:
+        raise DraftTooLongError(f"drafted {n} tokens but the allocation for this round is {allotted}")
+    ids = np.asarray(draft.token_ids, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
+    if ids.ndim != 1 or np.any(ids < 0) or np.any(ids >= vocab_size):
+        raise InvalidTokenError(f"token ids must lie in [0, {vocab_size})")
+    if draft.parents is not None:
+        _validate_parents(list(draft.parents), n)
+    if draft.dense_probs is not None and draft.sparse_probs is not None:
+        raise MalformedDraftError("send dense_probs or sparse_probs, not both")
+    if draft.dense_probs is not None:
+        _validate_dense(np.asarray(draft.dense_probs), ids, vocab_size)
+    elif draft.sparse_probs is not None:
+        _validate_sparse(draft, ids, vocab_size)
+    elif needs_probs and n and draft.parents is None:
+        raise MalformedDraftError("a sampled (temperature > 0) chain needs its draft distributions")
+
+
+def _validate_parents(parents: list[int], n: int) -> None:
+    if len(parents) != n:
+        raise MalformedDraftError(f"{len(parents)} parents for {n} tree nodes")
+    for k, parent in enumerate(parents):
+        if not -1 <= parent < k:
+            raise MalformedDraftError(f"node {k}'s parent {parent} must be -1 or an earlier node")
+
+
+def _check_row(row: np.ndarray, drafted_prob: float, where: str) -> None:
+    if not np.all(np.isfinite(row)) or np.any(row < 0) or np.any(row > 1):
+        raise InvalidProbabilityError(f"{where}: probabilities must be finite and in [0, 1]")
+    if not drafted_prob > 0:
+        raise InvalidProbabilityError(f"{where}: the drafted token has probability {drafted_prob} <= 0")
+    if abs(float(row.sum()) - 1.0) > PROB_SUM_TOLERANCE:
+        raise InvalidProbabilityError(f"{where}: probabilities sum to {float(row.sum()):.6f}, not 1")
+
+
+def _validate_dense(dense: np.ndarray, ids: np.ndarray, vocab_size: int) -> None:
+    if dense.shape != (ids.size, vocab_size):
+        raise MalformedDraftError(f"dense_probs must be [{ids.size}, {vocab_size}], got {list(dense.shape)}")
+    for j, tok in enumerate(ids):
+        _check_row(dense[j], float(dense[j, tok]), f"position {j}")
+
+
+def _validate_sparse(draft: Draft, ids: np.ndarray, vocab_size: int) -> None:
+    if len(draft.sparse_probs) != ids.size:
+        raise MalformedDraftError(f"{len(draft.sparse_probs)} sparse distributions for {ids.size} tokens")
+    for j, (tok, sp) in enumerate(zip(ids, draft.sparse_probs)):
+        support = np.asarray(sp.token_ids, dtype=np.int64)
+        probs = np.asarray(sp.probs, dtype=np.float64)
+        if support.ndim != 1 or support.shape != probs.shape or support.size == 0:
+            raise MalformedDraftError(f"position {j}: sparse ids and probs must be equal-length, non-empty lists")
+        if np.any(support < 0) or np.any(support >= vocab_size):
+            raise InvalidTokenError(f"position {j}: support ids must lie in [0, {vocab_size})")
+        if np.unique(support).size != support.size:
+            raise MalformedDraftError(f"position {j}: repeated support ids")
+        if not np.all(np.isfinite(probs)) or np.any(probs <= 0):
+            raise InvalidProbabilityError(f"position {j}: sparse probabilities must be finite and > 0")
+        hit = probs[support == tok]
+        _check_row(probs, float(hit[0]) if hit.size else math.nan, f"position {j}")
+
+
+def dense_q(draft: Draft, vocab_size: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[S, V]`` draft distributions, renormalised; ``None`` for point masses (no ``q`` sent)."""
+    n = draft.num_tokens
+    if draft.dense_probs is not None:
+        q = torch.as_tensor(np.asarray(draft.dense_probs), dtype=dtype)
+    elif draft.sparse_probs is not None:
+        q = torch.zeros(n, vocab_size, dtype=dtype)
+        for j, sp in enumerate(draft.sparse_probs):
+            q[j, torch.as_tensor(np.asarray(sp.token_ids, dtype=np.int64))] = torch.as_tensor(np.asarray(sp.probs), dtype=dtype)
+    else:
+        return None
+    return q / q.sum(dim=-1, keepdim=True)
+
+
+def point_mass_q(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[S, V]`` one-hot rows: the draft distribution of deterministic (e.g. greedy) drafts."""
+    return torch.nn.functional.one_hot(token_ids, vocab_size).to(dtype)

@@ -1,0 +1,420 @@
+"""The verification engine: one session per drafter, one batched target forward per round.
+
+A round (GoodSpeed Alg. 1, lines 12-16; DESIGN.md sections 3, 4, 6):
+
+1. assemble every submitted draft as one row of new tokens — the session's pending token (the
+   last committed token, not yet in the KV cache) followed by its drafts — over a contiguous
+   window of KV slots, with per-row positions and an additive 4-D mask (trees get ancestor masks);
+2. run ONE target forward;
+3. process the target logits with each request's sampling settings and verify losslessly
+   (:mod:`goodspeed.verifier.rejection`); keep the KV of the pending token and the accepted
+   drafts, roll back the rest;
+4. update each drafter's smoothed acceptance and goodput (eqs. 3-4) and ask the configured policy
+   for next round's draft lengths under the budget ``C``; answer each drafter with a verdict.
+
+Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any state changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.scheduler import AllocationInputs, GoodputEstimator, SmoothingConfig, make_policy
+from goodspeed.verifier import errors
+from goodspeed.verifier.drafts import dense_q, point_mass_q, validate_draft
+from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
+from goodspeed.verifier.rejection import verify_chains, verify_tree
+from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict, prefix_hash
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Budget ``C`` per round, the draft-length policy, smoothing, and limits."""
+
+    budget: int = 16
+    policy: str = "goodspeed"
+    smoothing: SmoothingConfig = field(default_factory=SmoothingConfig)
+    max_drafters: int = 64
+    max_draft_len: int = 16
+    max_seq_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
+            raise ValueError("budget and max_draft_len must be >= 0, max_drafters >= 1")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError("max_seq_len must be >= 2")
+        make_policy(self.policy)  # unknown names fail here, not on the first round
+
+
+@dataclass
+class _Request:
+    committed: list[int]  # prompt + generated token ids; the last one is pending (not in KV)
+    prompt_len: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - (len(self.committed) - self.prompt_len)
+
+
+@dataclass
+class _Session:
+    session_id: str
+    name: str
+    request: _Request | None = None
+    allotted: int = 0
+    round_index: int = 0  # the round the session submits next
+    pending: Draft | None = None
+    last_draft: Draft | None = None
+    last_verdict: Verdict | None = None
+
+
+@dataclass
+class _Row:
+    """One participant of a round."""
+
+    session: _Session
+    slot: int
+    draft: Draft
+    tokens: list[int]  # pending token + drafted tokens
+    parents: list[int] | None  # None for a chain; else parent of each new token (-1: prefix)
+
+
+class VerificationEngine:
+    """In-process verifier. Not thread-safe: the serving layer calls it from one thread."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, tokenizer_fingerprint: str | None = None) -> None:
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        self.fingerprint = tokenizer_fingerprint
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_seq_len = self.config.max_seq_len or int(getattr(model.config, "max_position_embeddings", 4096))
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        # Probabilities are compared in at least float32, whatever the model's dtype.
+        self._work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.cache = SlotKVCache(int(model.config.num_hidden_layers))
+        self.estimator = GoodputEstimator(self.config.smoothing)
+        self.policy = make_policy(self.config.policy)
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.np_rng = np.random.default_rng(self.config.seed)
+        self.round_index = 0
+        self._sessions: dict[str, _Session] = {}
+        self._slot_owner: list[str] = []
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------- sessions and requests
+
+    def join(self, name: str, tokenizer_fingerprint: str | None = None) -> str:
+        """Register a drafter; returns its session id."""
+        if len(self._sessions) >= self.config.max_drafters:
+            raise errors.TooManyDraftersError(f"already serving {self.config.max_drafters} drafters")
+        if tokenizer_fingerprint and self.fingerprint and tokenizer_fingerprint != self.fingerprint:
+            raise errors.TokenizerMismatchError(
+                f"drafter {name!r} tokenizer {tokenizer_fingerprint[:12]} != target tokenizer {self.fingerprint[:12]}: "
+                "draft and target must share one tokenizer"
+            )
+        session_id = f"{name}#{next(self._ids)}"
+        self._sessions[session_id] = _Session(session_id, name)
+        self.estimator.join(session_id)
+        return session_id
+
+    def leave(self, session_id: str) -> None:
+        """Drop a drafter and free its KV memory."""
+        session = self._session(session_id)
+        if session.request is not None:
+            self._end_request(session)
+        self.estimator.leave(session_id)
+        del self._sessions[session_id]
+
+    @property
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def start_request(
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+    ) -> int:
+        """Prefill the prompt into a fresh KV slot; returns the draft length for the first round."""
+        session = self._session(session_id)
+        if session.request is not None:
+            raise errors.RequestInProgressError(f"session {session_id} already has a request running")
+        prompt = [int(t) for t in prompt_ids]
+        self._check_request(prompt, max_new_tokens)
+        slot = self.cache.add_slot()
+        self._slot_owner.append(session_id)
+        session.request = _Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids))
+        if len(prompt) > 1:
+            self._forward(slice(slot, slot + 1), [prompt[:-1]], [None])
+            self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
+        session.allotted = self._first_allotment(session)
+        return session.allotted
+
+    def _check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise errors.MalformedDraftError("the prompt must hold at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise errors.InvalidTokenError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if max_new_tokens < 1:
+            raise errors.MalformedDraftError("max_new_tokens must be >= 1")
+        if len(prompt) >= self.max_seq_len:
+            raise errors.PromptTooLongError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len}")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise errors.LengthLimitError(
+                f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context limit {self.max_seq_len}"
+            )
+
+    def _cap(self, session: _Session) -> int:
+        """Most tokens worth drafting: the last new token always comes from the target."""
+        return max(0, min(self.config.max_draft_len, session.request.remaining - 1))
+
+    def _first_allotment(self, session: _Session) -> int:
+        """A newcomer gets an equal share of the budget, but only what others leave free this round."""
+        active = [s for s in self._sessions.values() if s.request is not None]
+        free = self.config.budget - sum(s.allotted for s in active if s is not session)
+        share = self.config.budget // len(active)
+        return max(0, min(share, free, self._cap(session)))
+
+    def _end_request(self, session: _Session) -> None:
+        slot = self._slot_owner.index(session.session_id)
+        moved = self.cache.free_slot(slot)
+        if moved is not None:
+            self._slot_owner[slot] = self._slot_owner[moved]
+        self._slot_owner.pop()
+        session.request, session.allotted, session.pending = None, 0, None
+
+    def set_allotment(self, session_id: str, num_tokens: int) -> None:
+        """Override the session's draft length for its next round: for callers that choose lengths
+        themselves (local serving with TETRIS or AdaServe) instead of the engine's policy."""
+        session = self._session(session_id)
+        if session.request is None:
+            raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
+        if not 0 <= num_tokens <= session.request.remaining - 1 or num_tokens > self.config.max_draft_len:
+            raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, {self._cap(session)}]")
+        session.allotted = int(num_tokens)
+
+    def next_round(self, session_id: str) -> int:
+        """The round index the session's next draft must carry."""
+        return self._session(session_id).round_index
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise errors.UnknownSessionError(f"unknown or evicted session {session_id!r}") from None
+
+    # ------------------------------------------------------------------------- submissions
+
+    def submit(self, session_id: str, draft: Draft) -> Verdict | None:
+        """Queue a draft for the next round. A repeat of the last verified round returns its
+        verdict again (idempotent retries); anything older is stale."""
+        session = self._session(session_id)
+        if draft.round_index < session.round_index:
+            last = session.last_draft
+            if last is not None and last.round_index == draft.round_index and list(last.token_ids) == list(draft.token_ids):
+                return session.last_verdict
+            raise errors.StaleRoundError(f"round {draft.round_index} is over; session {session_id} is at round {session.round_index}")
+        if draft.round_index > session.round_index:
+            raise errors.FutureRoundError(f"session {session_id} is at round {session.round_index}, not {draft.round_index}")
+        if session.request is None:
+            raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
+        if session.pending is not None:
+            if list(session.pending.token_ids) == list(draft.token_ids):
+                return None
+            raise errors.MalformedDraftError(f"a different draft for round {draft.round_index} is already queued")
+        validate_draft(draft, self.vocab_size, session.allotted, needs_probs=not session.request.sampling.greedy)
+        session.pending = draft
+        return None
+
+    def has_pending(self) -> bool:
+        return any(s.pending is not None for s in self._sessions.values())
+
+    # ------------------------------------------------------------------------------- rounds
+
+    def run_round(self, uniforms: dict[str, np.ndarray] | None = None) -> RoundResult:
+        """Verify every queued draft in one target forward.
+
+        ``uniforms[session_id]`` (tests): at least ``S + 1`` uniforms in ``[0, 1)`` consumed as
+        the accept tests then the correction/bonus draw; otherwise they come from the engine's
+        seeded generator.
+        """
+        t0 = time.perf_counter()
+        rows = self._assemble()
+        t1 = time.perf_counter()
+        logits = self._forward_rows(rows) if rows else None
+        t2 = time.perf_counter()
+        outcomes = [self._apply(row, *out) for row, out in zip(rows, self._verify(rows, logits, uniforms or {}))]
+        t3 = time.perf_counter()
+        verdicts = self._schedule(outcomes)
+        t4 = time.perf_counter()
+        self.round_index += 1
+        q_len = max((len(r.tokens) for r in rows), default=0)
+        window = (max(r.slot for r in rows) - min(r.slot for r in rows) + 1) if rows else 0
+        return RoundResult(
+            round_index=self.round_index - 1,
+            verdicts=verdicts,
+            timings=RoundTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3),
+            batch_rows=window,
+            batch_tokens=window * q_len,
+            draft_lengths={s.session_id: s.allotted for s in self._sessions.values() if s.request is not None},
+        )
+
+    def _assemble(self) -> list[_Row]:
+        rows = []
+        for slot, session_id in enumerate(self._slot_owner):
+            session = self._sessions[session_id]
+            draft = session.pending
+            if draft is None:
+                continue
+            pending_token = session.request.committed[-1]
+            parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
+            rows.append(_Row(session, slot, draft, [pending_token, *map(int, draft.token_ids)], parents))
+        return rows
+
+    def _forward_rows(self, rows: list[_Row]) -> torch.Tensor:
+        """One forward over the slot window spanning the participants; idle slots get padding."""
+        first, last = rows[0].slot, rows[-1].slot
+        tokens: list[list[int]] = [[] for _ in range(last - first + 1)]
+        parents: list[list[int] | None] = [None] * len(tokens)
+        for row in rows:
+            tokens[row.slot - first], parents[row.slot - first] = row.tokens, row.parents
+        return self._forward(slice(first, last + 1), tokens, parents)[[r.slot - first for r in rows]]
+
+    def _forward(self, window: slice, tokens: list[list[int]], parents: list[list[int] | None]) -> torch.Tensor:
+        """Logits ``[window_slots, q_len, V]`` for new tokens written at each slot's committed length."""
+        q_len = max(len(t) for t in tokens)
+        ids = torch.zeros(len(tokens), q_len, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        kv_len = self.cache.prepare(q_len, window)
+        mask, positions = build_attention(self.cache.lengths[window], parents, q_len, kv_len, self.dtype, self.device)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
+            )
+        return out.logits
+
+    def _uniforms(self, row: _Row, given: dict[str, np.ndarray]) -> torch.Tensor:
+        need = row.draft.num_tokens + 1
+        u = given.get(row.session.session_id)
+        if u is None:
+            return torch.rand(need, generator=self.generator, dtype=torch.float64)
+        return torch.as_tensor(np.asarray(u, dtype=np.float64)[:need])
+
+    def _verify(self, rows: list[_Row], logits: torch.Tensor | None, given: dict[str, np.ndarray]) -> list[tuple]:
+        """Per row: (accepted new-token offsets to keep, tokens to emit, min(1, p/q) terms)."""
+        results: list[tuple | None] = [None] * len(rows)
+        chains = [i for i, r in enumerate(rows) if r.parents is None]
+        if chains:
+            for i, res in zip(chains, self._verify_chains([rows[i] for i in chains], logits[chains], given)):
+                results[i] = res
+        for i, row in enumerate(rows):
+            if row.parents is not None:
+                results[i] = self._verify_tree(row, logits[i], given)
+        return results
+
+    def _verify_chains(self, rows: list[_Row], logits: torch.Tensor, given) -> list[tuple]:
+        s_max = max(r.draft.num_tokens for r in rows)
+        work = self._work_dtype
+        p = process_logits(logits[:, : s_max + 1].to(work), [r.session.request.sampling for r in rows])
+        q = torch.zeros(len(rows), s_max, self.vocab_size, dtype=work, device=self.device)
+        drafted = torch.zeros(len(rows), s_max, dtype=torch.long)
+        accept_u = torch.zeros(len(rows), s_max, dtype=torch.float64)
+        sample_u = torch.zeros(len(rows), dtype=torch.float64)
+        for b, row in enumerate(rows):
+            n = row.draft.num_tokens
+            drafted[b, :n] = torch.tensor(row.tokens[1:], dtype=torch.long)
+            q_row = dense_q(row.draft, self.vocab_size, work) if not row.session.request.sampling.greedy else None
+            q[b, :n] = q_row.to(self.device) if q_row is not None else point_mass_q(drafted[b, :n], self.vocab_size, work)
+            u = self._uniforms(row, given)
+            accept_u[b, :n], sample_u[b] = u[:n], u[n]
+        num = torch.tensor([r.draft.num_tokens for r in rows])
+        dev = self.device
+        res = verify_chains(p, q, drafted.to(dev), num.to(dev), accept_u.to(dev), sample_u.to(dev))
+        accepted, next_tokens, ratios = res.num_accepted.tolist(), res.next_token.tolist(), res.acceptance_ratios.tolist()
+        out = []
+        for b, row in enumerate(rows):
+            m, n = accepted[b], row.draft.num_tokens
+            out.append((list(range(m + 1)), row.tokens[1 : m + 1] + [next_tokens[b]], ratios[b][:n]))
+        return out
+
+    def _verify_tree(self, row: _Row, logits: torch.Tensor, given) -> tuple:
+        n = row.draft.num_tokens
+        work = self._work_dtype
+        p = process_logits(logits[: n + 1].to(work).cpu(), row.session.request.sampling)
+        q = dense_q(row.draft, self.vocab_size, work)
+        res = verify_tree(p, torch.tensor(row.tokens[1:]), list(row.draft.parents), self._uniforms(row, given), q)
+        kept = [0] + [node + 1 for node in res.accepted_nodes]
+        return kept, [row.tokens[k] for k in kept[1:]] + [res.next_token], res.tested_ratios
+
+    def _apply(self, row: _Row, kept: list[int], emitted: list[int], ratios: list[float]) -> tuple:
+        """Commit the verified tokens to the request and its KV slot; end finished requests."""
+        session, request = row.session, row.session.request
+        base = self.cache.lengths[row.slot]
+        self.cache.commit(row.slot, base, kept)
+        cut, reason = len(emitted), None
+        eos_at = next((i for i, tok in enumerate(emitted) if tok in request.eos_token_ids), None)
+        if eos_at is not None:
+            cut, reason = eos_at + 1, "eos"
+        if cut > request.remaining or (cut == request.remaining and reason is None):
+            cut, reason = request.remaining, "length"
+        request.committed.extend(emitted[:cut])
+        self.estimator.observe(session.session_id, ratios, len(kept) - 1)
+        return row, emitted[:cut], len(kept) - 1, reason
+
+    def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
+        """Eq. (5) (or the configured baseline) for next round, then the verdicts."""
+        finished = {row.session.session_id: reason for row, _, _, reason in outcomes if reason}
+        participants = [row.session for row, *_ in outcomes if row.session.session_id not in finished]
+        others = [s for s in self._sessions.values() if s.request is not None and s.pending is None]
+        budget = max(0, self.config.budget - sum(s.allotted for s in others))
+        if participants:
+            ids = [s.session_id for s in participants]
+            acceptance, goodput = self.estimator.arrays(ids)
+            caps = np.array([self._cap(s) for s in participants])
+            inputs = AllocationInputs(ids, acceptance, goodput, budget, caps, self.round_index, self.np_rng)
+            for s, length in zip(participants, self.policy.allocate(inputs)):
+                s.allotted = int(length)
+        verdicts = {}
+        for row, emitted, accepted, reason in outcomes:
+            verdicts[row.session.session_id] = self._verdict(row, emitted, accepted, reason)
+        return verdicts
+
+    def _verdict(self, row: _Row, emitted: list[int], accepted: int, reason: str | None) -> Verdict:
+        session = row.session
+        committed = session.request.committed
+        est = self.estimator.get(session.session_id)
+        verdict = Verdict(
+            session_id=session.session_id,
+            round_index=row.draft.round_index,
+            num_drafted=row.draft.num_tokens,
+            num_accepted=accepted,
+            token_ids=emitted,
+            committed_length=len(committed),
+            prefix_hash=prefix_hash(committed),
+            next_draft_length=0 if reason else session.allotted,
+            finished=reason is not None,
+            finish_reason=reason,
+            acceptance=est.acceptance,
+            goodput=est.goodput,
+        )
+        session.last_draft, session.last_verdict = row.draft, verdict
+        session.round_index += 1
+        session.pending = None
+        if reason:
+            self._end_request(session)
+        return verdict

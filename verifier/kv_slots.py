@@ -1,0 +1,156 @@
+"""The verifier's KV cache: one slot (batch row) per drafter session, each written at its own offset.
+
+DESIGN.md section 6: a round must cost O(new tokens), never O(prefix). Every layer keeps one
+buffer ``[num_slots, kv_heads, capacity, head_dim]``; a forward over all slots writes row ``b``'s
+new keys at ``lengths[b] ..`` and hands attention a view of the buffer (no copy), while an
+additive 4-D mask and explicit position ids keep each row to its own prefix. Rolling back
+rejected positions is setting a length; a token tree's accepted path is moved onto consecutive
+positions (a copy of at most a few entries). Freeing a slot moves the last slot into the hole,
+so the live slots are always ``0 .. num_slots - 1``.
+
+Buffers are created under ``torch.inference_mode`` (the engine's forward), so every method that
+moves entries runs in inference mode too. The object implements the two methods transformers' attention layers call on a cache
+(``update`` and ``get_seq_length``), so any causal LM that accepts ``past_key_values`` works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """Per-session target KV in shared per-layer buffers, grown by doubling."""
+
+    def __init__(self, num_layers: int, initial_capacity: int = 256) -> None:
+        self.num_layers = num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths: list[int] = []  # committed KV entries per slot
+        self._capacity = initial_capacity
+        self._write_pos: torch.Tensor | None = None  # [window_slots, q_len] positions of this forward
+        self._rows = slice(0, 0)
+        self._kv_len = 0
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    def add_slot(self) -> int:
+        self.lengths.append(0)
+        return self.num_slots - 1
+
+    @torch.inference_mode()
+    def free_slot(self, slot: int) -> int | None:
+        """Drop ``slot``; returns the index of the slot moved into its place (or None)."""
+        last = self.num_slots - 1
+        moved = None
+        if slot != last:
+            for buf in (*self.keys, *self.values):
+                if buf is not None and buf.shape[0] > last:
+                    buf[slot, :, : self.lengths[last]] = buf[last, :, : self.lengths[last]]
+            self.lengths[slot] = self.lengths[last]
+            moved = last
+        self.lengths.pop()
+        return moved
+
+    def prepare(self, q_len: int, rows: slice) -> int:
+        """Set up a forward over the slots ``rows`` (a contiguous window) that writes ``q_len``
+        positions per slot at its committed length; returns the key length attention will see."""
+        lengths = self.lengths[rows]
+        self._rows = rows
+        self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(q_len)
+        self._kv_len = max(lengths) + q_len
+        while self._kv_len > self._capacity:
+            self._capacity *= 2
+        return self._kv_len
+
+    def _buffer(self, layer: int, like: torch.Tensor, which: list, slots: int) -> torch.Tensor:
+        buf = which[layer]
+        _, heads, _, dim = like.shape
+        if buf is None or buf.shape[0] < slots or buf.shape[2] < self._capacity:
+            have = buf.shape[0] if buf is not None else 0
+            rows = have if slots <= have else max(slots, 2 * have)
+            grown = like.new_zeros((rows, heads, self._capacity, dim))
+            if buf is not None:
+                grown[: buf.shape[0], :, : buf.shape[2]] = buf
+            which[layer] = buf = grown
+        return buf
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``[num_slots, heads, q_len, dim]`` new keys/values; return views of all keys/values
+        ``[num_slots, heads, kv_len, dim]`` for attention."""
+        if self._write_pos is None:
+            raise RuntimeError("SlotKVCache.prepare() must run before a forward")
+        start, stop = self._rows.start, self._rows.stop
+        rows = torch.arange(start, stop).unsqueeze(1).expand_as(self._write_pos)
+        out = []
+        for states, which in ((key_states, self.keys), (value_states, self.values)):
+            buf = self._buffer(layer_idx, states, which, stop)
+            buf[rows.to(buf.device), :, self._write_pos.to(buf.device)] = states.transpose(1, 2)
+            out.append(buf[start:stop, :, : self._kv_len])
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths) if self.lengths else 0
+
+    @torch.inference_mode()
+    def commit(self, slot: int, base: int, kept: list[int]) -> None:
+        """Keep, as committed entries ``base, base + 1, ...``, the entries this forward wrote at
+        offsets ``kept`` (ascending, relative to ``base``) and drop the rest of the forward."""
+        moves = [(dst, src) for dst, src in enumerate(kept) if dst != src]
+        if moves:
+            dst = torch.tensor([base + d for d, _ in moves])
+            src = torch.tensor([base + s for _, s in moves])
+            for buf in (*self.keys, *self.values):
+                if buf is not None:
+                    buf[slot, :, dst.to(buf.device)] = buf[slot, :, src.to(buf.device)]
+        self.lengths[slot] = base + len(kept)
+
+    def reset_slot(self, slot: int, length: int = 0) -> None:
+        self.lengths[slot] = length
+
+
+def ancestor_matrix(parents: list[int], size: int) -> torch.Tensor:
+    """``[size, size]`` bool: ``anc[j, i]`` when new token ``i`` is ``j`` or one of its ancestors.
+
+    ``parents[j]`` indexes the row's new tokens (-1: the committed prefix); rows past
+    ``len(parents)`` (padding) see only themselves.
+    """
+    anc = torch.eye(size, dtype=torch.bool)
+    for j, parent in enumerate(parents):
+        if parent >= 0:
+            anc[j] |= anc[parent]
+    return anc
+
+
+def build_attention(
+    lengths: list[int],
+    parents: list[list[int] | None],
+    q_len: int,
+    kv_len: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive mask ``[num_slots, 1, q_len, kv_len]`` and position ids ``[num_slots, q_len]``.
+
+    A row with ``parents=None`` is a chain (causal over its new tokens); otherwise its new tokens
+    form a tree: each sees the committed prefix and its own ancestors, at position
+    ``length + depth``. Padding queries are causal too; their outputs are ignored and the
+    entries they write lie beyond the committed length.
+    """
+    base = torch.tensor(lengths, dtype=torch.long).view(-1, 1, 1)
+    key = torch.arange(kv_len).view(1, 1, -1)
+    query = torch.arange(q_len).view(1, -1, 1)
+    allowed = key <= base + query  # chains: causal with a per-row offset
+    positions = base.view(-1, 1) + torch.arange(q_len)
+    for row, tree in enumerate(parents):
+        if tree is None:
+            continue
+        anc = ancestor_matrix(tree, q_len)  # [q_len, q_len]
+        length = lengths[row]
+        allowed[row] = key[0] < length
+        allowed[row, :, length : length + q_len] |= anc
+        positions[row] = length + anc.sum(dim=1) - 1  # depth = number of ancestors
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1).to(device), positions.to(device)

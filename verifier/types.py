@@ -1,0 +1,89 @@
+"""Plain dataclasses the engine takes and returns (the gRPC layer converts its messages to these)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SparseProbs:
+    """One drafted position's draft distribution restricted to its support (exact when the
+    drafter truncates with top-k/top-p): ``token_ids [k]`` with ``probs [k]``, summing to 1."""
+
+    token_ids: Sequence[int]
+    probs: Sequence[float]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a drafter submits for one round.
+
+    ``token_ids``: the ``S`` drafted tokens (a chain), or the nodes of a tree when ``parents``
+    is given (``parents[k]``: index of node ``k``'s parent, -1 for the pending token).
+    The draft distribution ``q`` is either ``dense_probs [S, V]`` or ``sparse_probs`` (one
+    :class:`SparseProbs` per token). Greedy sessions send neither: their ``q`` is the point mass.
+    A tree without ``q`` holds deterministic candidates (e.g. beam search).
+    """
+
+    round_index: int
+    token_ids: Sequence[int]
+    parents: Sequence[int] | None = None
+    dense_probs: np.ndarray | None = None
+    sparse_probs: Sequence[SparseProbs] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's answer to one draft."""
+
+    session_id: str
+    round_index: int
+    num_drafted: int
+    num_accepted: int
+    token_ids: list[int]  # tokens appended this round: the accepted drafts, then correction/bonus
+    committed_length: int  # prompt + generated tokens after this round
+    prefix_hash: str  # hash of those committed token ids (see prefix_hash())
+    next_draft_length: int  # S for the session's next round
+    finished: bool
+    finish_reason: str | None  # "length", "eos" or None
+    acceptance: float  # alpha_hat after this round (eq. 3)
+    goodput: float  # X after this round (eq. 4)
+
+
+@dataclass(frozen=True)
+class RoundTimings:
+    """Seconds spent per phase of one round."""
+
+    assembly_s: float
+    forward_s: float
+    sampling_s: float
+    scheduling_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.assembly_s + self.forward_s + self.sampling_s + self.scheduling_s
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    round_index: int
+    verdicts: dict[str, Verdict]
+    timings: RoundTimings
+    batch_rows: int  # rows in the target forward (all live slots)
+    batch_tokens: int  # query positions in the forward, padding included
+    draft_lengths: dict[str, int] = field(default_factory=dict)  # next S of every active session
+
+
+def prefix_hash(token_ids: Sequence[int]) -> str:
+    """16 hex digits of BLAKE2b over the token ids as little-endian int64: both sides compute it
+    to detect a drafter whose committed text drifted from the verifier's."""
+    data = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
