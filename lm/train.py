@@ -1,0 +1,114 @@
+"""Training, distilling and evaluating the small Llama models of the demo.
+
+Everything is fixed by seeds and step counts (never wall time), so a build is reproducible on the
+same corpus. Distillation trains the draft on the target's next-token distributions (forward KL),
+which is what raises speculative acceptance (AdaServe section 4.2 cites distilled drafts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    name: str
+    role: str  # "target" or "draft"
+    layers: int
+    hidden: int
+    steps: int
+    seed: int
+    distill: bool = False
+    lr: float = 3e-3
+    batch: int = 16
+    seq_len: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+
+
+def llama_config(recipe: ModelRecipe, vocab_size: int, eos_id: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=recipe.hidden,
+        intermediate_size=int(recipe.hidden * 8 / 3 + 63) // 64 * 64,
+        num_hidden_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def _batches(ids: np.ndarray, recipe: ModelRecipe, rng: np.random.Generator) -> torch.Tensor:
+    starts = rng.integers(0, ids.size - recipe.seq_len - 1, recipe.batch)
+    return torch.from_numpy(np.stack([ids[s : s + recipe.seq_len] for s in starts]).astype(np.int64))
+
+
+def _lr(step: int, recipe: ModelRecipe) -> float:
+    warmup = max(1, recipe.steps // 20)
+    if step < warmup:
+        return recipe.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, recipe.steps - warmup)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_model(
+    recipe: ModelRecipe, ids: np.ndarray, vocab_size: int, eos_id: int, teacher: torch.nn.Module | None = None, progress: bool = True
+) -> LlamaForCausalLM:
+    """Train from scratch on ``ids`` (cross-entropy), or distil from ``teacher`` (forward KL)."""
+    torch.manual_seed(recipe.seed)
+    model = LlamaForCausalLM(llama_config(recipe, vocab_size, eos_id))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
+    rng = np.random.default_rng(recipe.seed)
+    bar = tqdm(range(recipe.steps), desc=f"train {recipe.name}", disable=not progress, unit="step")
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, recipe)
+        x = _batches(ids, recipe, rng)
+        logits = model(input_ids=x).logits[:, :-1]
+        if teacher is not None:
+            with torch.no_grad():
+                target_logp = F.log_softmax(teacher(input_ids=x).logits[:, :-1], dim=-1)
+            loss = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="batchmean") / x.shape[1]
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, vocab_size), x[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 25 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model.eval()
+
+
+def _eval_windows(ids: np.ndarray, seq_len: int, num: int) -> torch.Tensor:
+    starts = np.linspace(0, ids.size - seq_len - 1, num).astype(np.int64)
+    return torch.from_numpy(np.stack([ids[s : s + seq_len] for s in starts]).astype(np.int64))
+
+
+@torch.inference_mode()
+def heldout_cross_entropy(model: torch.nn.Module, ids: np.ndarray, seq_len: int = 128, num: int = 32) -> float:
+    x = _eval_windows(ids, seq_len, num)
+    logits = model(input_ids=x).logits[:, :-1]
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)))
+
+
+@torch.inference_mode()
+def acceptance_against(target: torch.nn.Module, draft: torch.nn.Module, ids: np.ndarray, seq_len: int = 128, num: int = 32) -> tuple[float, float]:
+    """Mean acceptance rate on held-out text: ``E[sum_x min(p, q)]`` at temperature 1 (the
+    paper's alpha) and the greedy rate ``P[argmax p = argmax q]``."""
+    x = _eval_windows(ids, seq_len, num)
+    p = torch.softmax(target(input_ids=x).logits.double(), -1)
+    q = torch.softmax(draft(input_ids=x).logits.double(), -1)
+    sampled = torch.minimum(p, q).sum(-1).mean()
+    greedy = (p.argmax(-1) == q.argmax(-1)).double().mean()
+    return float(sampled), float(greedy)
