@@ -87,6 +87,16 @@ def _validate_sparse(draft: Draft, ids: np.ndarray, vocab_size: int) -> None:
         _check_row(probs, float(hit[0]) if hit.size else math.nan, f"position {j}")
 
 
+def draft_depth(draft: Draft) -> int:
+    """Longest root-to-node path: the most drafted tokens one round can accept (a chain: its length)."""
+    if draft.parents is None:
+        return draft.num_tokens
+    depth: list[int] = []
+    for parent in draft.parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return max(depth, default=0)
+
+
 def dense_q(draft: Draft, vocab_size: int, dtype: torch.dtype) -> torch.Tensor | None:
     """``[S, V]`` draft distributions, renormalised; ``None`` for point masses (no ``q`` sent)."""
     n = draft.num_tokens

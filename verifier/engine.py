@@ -28,7 +28,7 @@ import torch
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from goodspeed.scheduler import AllocationInputs, GoodputEstimator, SmoothingConfig, make_policy
 from goodspeed.verifier import errors
-from goodspeed.verifier.drafts import dense_q, point_mass_q, validate_draft
+from goodspeed.verifier.drafts import dense_q, draft_depth, point_mass_q, validate_draft
 from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
 from goodspeed.verifier.rejection import verify_chains, verify_tree
 from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict, prefix_hash
@@ -203,8 +203,8 @@ class VerificationEngine:
         session = self._session(session_id)
         if session.request is None:
             raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
-        if not 0 <= num_tokens <= session.request.remaining - 1 or num_tokens > self.config.max_draft_len:
-            raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, {self._cap(session)}]")
+        if not 0 <= num_tokens <= self.config.budget:
+            raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {self.config.budget}]")
         session.allotted = int(num_tokens)
 
     def next_round(self, session_id: str) -> int:
@@ -237,6 +237,12 @@ class VerificationEngine:
                 return None
             raise errors.MalformedDraftError(f"a different draft for round {draft.round_index} is already queued")
         validate_draft(draft, self.vocab_size, session.allotted, needs_probs=not session.request.sampling.greedy)
+        depth = draft_depth(draft)
+        if depth > session.request.remaining - 1:
+            raise errors.DraftTooLongError(
+                f"draft depth {depth} reaches past the request's end ({session.request.remaining} tokens left, "
+                "the last of which the verifier adds)"
+            )
         session.pending = draft
         return None
 

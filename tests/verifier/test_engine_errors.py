@@ -55,6 +55,18 @@ def bad_drafts():
     ]
 
 
+def test_draft_reaching_past_the_request_end_is_refused(engine):
+    engine.leave(engine.bad)
+    short = engine.join("short")
+    engine.start_request(short, [1, 2], SamplingParams(), max_new_tokens=3)
+    engine.set_allotment(short, 3)
+    with pytest.raises(errors.DraftTooLongError, match="depth 3"):
+        engine.submit(short, Draft(0, [4, 5, 6]))
+    engine.submit(short, Draft(0, [4, 5, 6], parents=[-1, -1, 0]))  # 3 nodes, depth 2: fine
+    with pytest.raises(errors.DraftTooLongError):
+        engine.set_allotment(short, 9)
+
+
 @pytest.mark.parametrize("draft,error", bad_drafts())
 def test_bad_draft_raises_specific_error_and_others_keep_working(engine, draft, error):
     with pytest.raises(error):
