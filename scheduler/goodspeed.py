@@ -271,14 +271,15 @@ class GoodputEstimator:
         alone (nothing was measured) but still records ``x = 1``.
         """
         est = self.get(client_id)
-        ratios = np.asarray(acceptance_ratios, dtype=np.float64).reshape(-1)
-        if np.any(~np.isfinite(ratios)) or np.any((ratios < 0) | (ratios > 1)):
+        # Plain Python: a round has a handful of ratios, where numpy's call overhead dominates.
+        ratios = acceptance_ratios.tolist() if isinstance(acceptance_ratios, np.ndarray) else list(acceptance_ratios)
+        if not all(0.0 <= r <= 1.0 for r in ratios):  # also False for NaN
             raise ValueError("acceptance ratios must lie in [0, 1]")
-        if not 0 <= num_accepted <= ratios.size:
-            raise ValueError(f"num_accepted={num_accepted} outside [0, {ratios.size}]")
+        if not 0 <= num_accepted <= len(ratios):
+            raise ValueError(f"num_accepted={num_accepted} outside [0, {len(ratios)}]")
         eta, beta = self.config.eta, self.config.beta
-        if ratios.size:
-            est.acceptance = (1.0 - eta) * est.acceptance + eta * float(ratios.mean())
+        if ratios:
+            est.acceptance = (1.0 - eta) * est.acceptance + eta * (math.fsum(ratios) / len(ratios))
         est.goodput = (1.0 - beta) * est.goodput + beta * (num_accepted + 1)
         est.rounds += 1
 

@@ -17,6 +17,7 @@ Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any s
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -25,13 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.scheduler import AllocationInputs, GoodputEstimator, SmoothingConfig, make_policy
 from goodspeed.verifier import errors
-from goodspeed.verifier.drafts import dense_q, draft_depth, point_mass_q, validate_draft
+from goodspeed.verifier.attention import use_gqa_attention
+from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
-from goodspeed.verifier.rejection import verify_chains, verify_tree
-from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict, prefix_hash
+from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict, new_prefix_hasher
+from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,18 @@ class _Request:
     sampling: SamplingParams
     max_new_tokens: int
     eos_token_ids: frozenset[int]
+    hasher: "hashlib._Hash" = field(default_factory=new_prefix_hasher)
+
+    def __post_init__(self) -> None:
+        self.hasher.update(np.asarray(self.committed, dtype="<i8").tobytes())
 
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - (len(self.committed) - self.prompt_len)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.committed.extend(tokens)
+        self.hasher.update(np.asarray(tokens, dtype="<i8").tobytes())  # O(new tokens) per round
 
 
 @dataclass
@@ -85,9 +95,16 @@ class _Row:
 
     session: _Session
     slot: int
-    draft: Draft
-    tokens: list[int]  # pending token + drafted tokens
+    input: RowInput
     parents: list[int] | None  # None for a chain; else parent of each new token (-1: prefix)
+
+    @property
+    def draft(self) -> Draft:
+        return self.input.draft
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.input.tokens
 
 
 class VerificationEngine:
@@ -95,6 +112,7 @@ class VerificationEngine:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None, tokenizer_fingerprint: str | None = None) -> None:
         self.model = model.eval()
+        use_gqa_attention(self.model)
         self.config = config or EngineConfig()
         self.fingerprint = tokenizer_fingerprint
         self.vocab_size = int(model.config.vocab_size)
@@ -107,6 +125,7 @@ class VerificationEngine:
         self.estimator = GoodputEstimator(self.config.smoothing)
         self.policy = make_policy(self.config.policy)
         self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.row_verifier = RowVerifier(self.vocab_size, self.device, self._work_dtype, self.generator)
         self.np_rng = np.random.default_rng(self.config.seed)
         self.round_index = 0
         self._sessions: dict[str, _Session] = {}
@@ -263,7 +282,8 @@ class VerificationEngine:
         t1 = time.perf_counter()
         logits = self._forward_rows(rows) if rows else None
         t2 = time.perf_counter()
-        outcomes = [self._apply(row, *out) for row, out in zip(rows, self._verify(rows, logits, uniforms or {}))]
+        checked = self.row_verifier.verify([r.input for r in rows], logits, uniforms or {}) if rows else []
+        outcomes = [self._apply(row, out) for row, out in zip(rows, checked)]
         t3 = time.perf_counter()
         verdicts = self._schedule(outcomes)
         t4 = time.perf_counter()
@@ -288,7 +308,8 @@ class VerificationEngine:
                 continue
             pending_token = session.request.committed[-1]
             parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
-            rows.append(_Row(session, slot, draft, [pending_token, *map(int, draft.token_ids)], parents))
+            tokens = [pending_token, *map(int, draft.token_ids)]
+            rows.append(_Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents))
         return rows
 
     def _forward_rows(self, rows: list[_Row]) -> torch.Tensor:
@@ -314,73 +335,22 @@ class VerificationEngine:
             )
         return out.logits
 
-    def _uniforms(self, row: _Row, given: dict[str, np.ndarray]) -> torch.Tensor:
-        need = row.draft.num_tokens + 1
-        u = given.get(row.session.session_id)
-        if u is None:
-            return torch.rand(need, generator=self.generator, dtype=torch.float64)
-        return torch.as_tensor(np.asarray(u, dtype=np.float64)[:need])
-
-    def _verify(self, rows: list[_Row], logits: torch.Tensor | None, given: dict[str, np.ndarray]) -> list[tuple]:
-        """Per row: (accepted new-token offsets to keep, tokens to emit, min(1, p/q) terms)."""
-        results: list[tuple | None] = [None] * len(rows)
-        chains = [i for i, r in enumerate(rows) if r.parents is None]
-        if chains:
-            for i, res in zip(chains, self._verify_chains([rows[i] for i in chains], logits[chains], given)):
-                results[i] = res
-        for i, row in enumerate(rows):
-            if row.parents is not None:
-                results[i] = self._verify_tree(row, logits[i], given)
-        return results
-
-    def _verify_chains(self, rows: list[_Row], logits: torch.Tensor, given) -> list[tuple]:
-        s_max = max(r.draft.num_tokens for r in rows)
-        work = self._work_dtype
-        p = process_logits(logits[:, : s_max + 1].to(work), [r.session.request.sampling for r in rows])
-        q = torch.zeros(len(rows), s_max, self.vocab_size, dtype=work, device=self.device)
-        drafted = torch.zeros(len(rows), s_max, dtype=torch.long)
-        accept_u = torch.zeros(len(rows), s_max, dtype=torch.float64)
-        sample_u = torch.zeros(len(rows), dtype=torch.float64)
-        for b, row in enumerate(rows):
-            n = row.draft.num_tokens
-            drafted[b, :n] = torch.tensor(row.tokens[1:], dtype=torch.long)
-            q_row = dense_q(row.draft, self.vocab_size, work) if not row.session.request.sampling.greedy else None
-            q[b, :n] = q_row.to(self.device) if q_row is not None else point_mass_q(drafted[b, :n], self.vocab_size, work)
-            u = self._uniforms(row, given)
-            accept_u[b, :n], sample_u[b] = u[:n], u[n]
-        num = torch.tensor([r.draft.num_tokens for r in rows])
-        dev = self.device
-        res = verify_chains(p, q, drafted.to(dev), num.to(dev), accept_u.to(dev), sample_u.to(dev))
-        accepted, next_tokens, ratios = res.num_accepted.tolist(), res.next_token.tolist(), res.acceptance_ratios.tolist()
-        out = []
-        for b, row in enumerate(rows):
-            m, n = accepted[b], row.draft.num_tokens
-            out.append((list(range(m + 1)), row.tokens[1 : m + 1] + [next_tokens[b]], ratios[b][:n]))
-        return out
-
-    def _verify_tree(self, row: _Row, logits: torch.Tensor, given) -> tuple:
-        n = row.draft.num_tokens
-        work = self._work_dtype
-        p = process_logits(logits[: n + 1].to(work).cpu(), row.session.request.sampling)
-        q = dense_q(row.draft, self.vocab_size, work)
-        res = verify_tree(p, torch.tensor(row.tokens[1:]), list(row.draft.parents), self._uniforms(row, given), q)
-        kept = [0] + [node + 1 for node in res.accepted_nodes]
-        return kept, [row.tokens[k] for k in kept[1:]] + [res.next_token], res.tested_ratios
-
-    def _apply(self, row: _Row, kept: list[int], emitted: list[int], ratios: list[float]) -> tuple:
+    def _apply(self, row: _Row, outcome: RowOutcome) -> tuple:
         """Commit the verified tokens to the request and its KV slot; end finished requests."""
         session, request = row.session, row.session.request
         base = self.cache.lengths[row.slot]
-        self.cache.commit(row.slot, base, kept)
+        self.cache.commit(row.slot, base, outcome.kept)
+        emitted = outcome.emitted
         cut, reason = len(emitted), None
         eos_at = next((i for i, tok in enumerate(emitted) if tok in request.eos_token_ids), None)
         if eos_at is not None:
             cut, reason = eos_at + 1, "eos"
         if cut > request.remaining or (cut == request.remaining and reason is None):
             cut, reason = request.remaining, "length"
-        request.committed.extend(emitted[:cut])
-        self.estimator.observe(session.session_id, ratios, len(kept) - 1)
-        return row, emitted[:cut], len(kept) - 1, reason
+        request.commit(emitted[:cut])
+        accepted = len(outcome.kept) - 1
+        self.estimator.observe(session.session_id, outcome.ratios, accepted)
+        return row, emitted[:cut], accepted, reason
 
     def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
         """Eq. (5) (or the configured baseline) for next round, then the verdicts."""
@@ -411,7 +381,7 @@ class VerificationEngine:
             num_accepted=accepted,
             token_ids=emitted,
             committed_length=len(committed),
-            prefix_hash=prefix_hash(committed),
+            prefix_hash=session.request.hasher.hexdigest(),
             next_draft_length=0 if reason else session.allotted,
             finished=reason is not None,
             finish_reason=reason,

@@ -59,6 +59,7 @@ class SlotKVCache:
         lengths = self.lengths[rows]
         self._rows = rows
         self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(q_len)
+        self._write_rows = torch.arange(rows.start, rows.stop).unsqueeze(1).expand_as(self._write_pos)
         self._kv_len = max(lengths) + q_len
         while self._kv_len > self._capacity:
             self._capacity *= 2
@@ -82,11 +83,12 @@ class SlotKVCache:
         if self._write_pos is None:
             raise RuntimeError("SlotKVCache.prepare() must run before a forward")
         start, stop = self._rows.start, self._rows.stop
-        rows = torch.arange(start, stop).unsqueeze(1).expand_as(self._write_pos)
+        if self._write_pos.device != key_states.device:  # once per forward, not per layer
+            self._write_pos, self._write_rows = self._write_pos.to(key_states.device), self._write_rows.to(key_states.device)
         out = []
         for states, which in ((key_states, self.keys), (value_states, self.values)):
             buf = self._buffer(layer_idx, states, which, stop)
-            buf[rows.to(buf.device), :, self._write_pos.to(buf.device)] = states.transpose(1, 2)
+            buf[self._write_rows, :, self._write_pos] = states.transpose(1, 2)
             out.append(buf[start:stop, :, : self._kv_len])
         return out[0], out[1]
 

@@ -85,6 +85,23 @@ def verify_chains(
     return ChainVerdicts(num_accepted, sample_from(dist, sample_uniforms), ratio.clamp(max=1.0))
 
 
+def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafted: torch.Tensor) -> ChainVerdicts:
+    """Greedy rows without probabilities: accept while ``s_j = argmax p_j``, then ``argmax p_{m+1}``.
+
+    Identical to :func:`verify_chains` on one-hot ``p`` and ``q`` (``process_logits`` at
+    temperature 0 is the one-hot of this same argmax), without building either.
+
+    target_logits [B, S_max + 1, V]; draft_tokens [B, S_max]; num_drafted [B]
+    """
+    batch, s_max = draft_tokens.shape
+    best = target_logits.argmax(dim=-1)  # [B, S_max + 1]
+    valid = torch.arange(s_max, device=draft_tokens.device) < num_drafted.unsqueeze(1)
+    match = (draft_tokens == best[:, :s_max]) & valid
+    num_accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
+    next_token = best[torch.arange(batch, device=best.device), num_accepted]
+    return ChainVerdicts(num_accepted, next_token, match.to(torch.float64))
+
+
 @dataclass(frozen=True)
 class TreeVerdict:
     """The accepted path (node indices from the root down), the correction-or-bonus token, and

@@ -82,8 +82,14 @@ class RoundResult:
     draft_lengths: dict[str, int] = field(default_factory=dict)  # next S of every active session
 
 
+def new_prefix_hasher():
+    """A BLAKE2b (8-byte digest) to feed token ids as little-endian int64, incrementally."""
+    return hashlib.blake2b(digest_size=8)
+
+
 def prefix_hash(token_ids: Sequence[int]) -> str:
     """16 hex digits of BLAKE2b over the token ids as little-endian int64: both sides compute it
     to detect a drafter whose committed text drifted from the verifier's."""
-    data = np.asarray(token_ids, dtype="<i8").tobytes()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
+    hasher = new_prefix_hasher()
+    hasher.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return hasher.hexdigest()

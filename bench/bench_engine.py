@@ -1,0 +1,156 @@
+"""Benchmarks of the verification engine on the embedded demo models.
+
+    python -m bench.bench_engine [--rounds 40] [--max-new-tokens 64] [--json]
+
+Needs the demo models (`goodspeed models build-demo`). Figures:
+
+* round time with 8 drafters x 4 drafted tokens at prefix 1024 vs prefix 64 (median over rounds);
+* one batched round of 8 drafters vs 8 rounds of one drafter each;
+* share of round time outside the target forward at N = 8;
+* verifier throughput: generated tokens per second of verifier time (prefill + rounds) for 8
+  greedy requests through in-process drafters, per demo draft, against batched autoregressive
+  decoding of the same requests on the same engine (every draft length 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.corpus import load_corpus, prompt_snippets
+from goodspeed.lm.demo import list_models
+from goodspeed.lm.loading import load_causal_lm
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.types import Draft
+
+N = 8
+S = 4
+
+
+def timed_rounds(engine: VerificationEngine, sessions: list[str], rounds: int, rng: np.random.Generator) -> list:
+    """Submit S random tokens for each session, run a round; returns every round's RoundResult."""
+    out = []
+    for _ in range(rounds):
+        for sid in sessions:
+            engine.set_allotment(sid, S)
+            engine.submit(sid, Draft(engine.next_round(sid), rng.integers(0, engine.vocab_size, S).tolist()))
+        out.append(engine.run_round())
+    return out
+
+
+def engine_with_prefix(target, prefix_len: int, rng, rounds: int) -> VerificationEngine:
+    engine = VerificationEngine(target, EngineConfig(budget=N * S, policy="fixed", max_draft_len=S, max_seq_len=prefix_len + 8 * rounds + 64))
+    for i in range(N):
+        sid = engine.join(f"d{i}")
+        engine.start_request(sid, rng.integers(0, engine.vocab_size, prefix_len).tolist(), SamplingParams(), 8 * rounds)
+    return engine
+
+
+def round_figures(target, rounds: int) -> dict:
+    rng = np.random.default_rng(0)
+    med = {}
+    for prefix in (64, 1024):
+        engine = engine_with_prefix(target, prefix, rng, 2 * rounds)
+        timed_rounds(engine, engine.session_ids, 3, rng)  # warm-up
+        results = timed_rounds(engine, engine.session_ids, rounds, rng)
+        med[prefix] = statistics.median(r.timings.total_s for r in results)
+        if prefix == 64:
+            share = statistics.median(1 - r.timings.forward_s / r.timings.total_s for r in results)
+            separate = [statistics.median(r.timings.total_s for r in timed_rounds(engine, [sid], rounds // 4 + 1, rng)) for sid in engine.session_ids]
+    return {
+        "round_s_prefix64": med[64],
+        "round_s_prefix1024": med[1024],
+        "prefix_ratio": med[1024] / med[64],
+        "batched_round_s": med[64],
+        "separate_rounds_s": sum(separate),
+        "batched_over_separate": med[64] / sum(separate),
+        "non_forward_share": share,
+    }
+
+
+class VerifierClock:
+    """Accumulates the time the engine spends in prefill (start_request) and rounds."""
+
+    def __init__(self, engine: VerificationEngine) -> None:
+        self.seconds = 0.0
+        for name in ("start_request", "run_round"):
+            setattr(engine, name, self._wrap(getattr(engine, name)))
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def throughput(target, draft_model, prompts: list[list[int]], max_new: int, budget: int) -> dict:
+    engine = VerificationEngine(target.model, EngineConfig(budget=budget, policy="goodspeed" if budget else "fixed", max_draft_len=8))
+    clock = VerifierClock(engine)
+    drafters = [InProcessDrafter(f"d{i}", DraftRunner(draft_model.model), [p], SamplingParams(), max_new) for i, p in enumerate(prompts)]
+    results = run_inprocess(engine, drafters)
+    generated = sum(len(o) for d in drafters for o in d.outputs)
+    drafted = sum(v.num_drafted for r in results for v in r.verdicts.values())
+    accepted = sum(v.num_accepted for r in results for v in r.verdicts.values())
+    return {
+        "tokens": generated,
+        "verifier_s": clock.seconds,
+        "tok_per_verifier_s": generated / clock.seconds,
+        "rounds": len(results),
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "outputs": [o for d in drafters for o in d.outputs],
+    }
+
+
+def throughput_figures(max_new: int) -> dict:
+    target = load_causal_lm("demo:target")
+    snippets = prompt_snippets(load_corpus().heldout_text, N, 200, seed=1)
+    prompts = [target.tokenizer(s)["input_ids"] for s in snippets]
+    base = throughput(target, target, prompts, max_new, budget=0)
+    rows = {"autoregressive": {k: v for k, v in base.items() if k != "outputs"}}
+    for m in list_models():
+        if m["role"] != "draft":
+            continue
+        res = throughput(target, load_causal_lm(f"demo:{m['name']}"), prompts, max_new, budget=N * S)
+        assert res["outputs"] == base["outputs"], "greedy speculative output differs from autoregressive"
+        res.pop("outputs")
+        res["speedup"] = res["tok_per_verifier_s"] / base["tok_per_verifier_s"]
+        rows[m["name"]] = res
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="verification engine benchmarks on the demo models")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    target = load_causal_lm("demo:target")
+    report = {"rounds": round_figures(target.model, args.rounds), "throughput": throughput_figures(args.max_new_tokens)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    r = report["rounds"]
+    print(f"round time, N={N} x S={S}: prefix 64 {r['round_s_prefix64'] * 1e3:.2f} ms, prefix 1024 {r['round_s_prefix1024'] * 1e3:.2f} ms, ratio {r['prefix_ratio']:.2f} (goal <= 1.3)")
+    print(f"one batched round {r['batched_round_s'] * 1e3:.2f} ms vs 8 separate {r['separate_rounds_s'] * 1e3:.2f} ms: {r['batched_over_separate']:.2f} (goal <= 0.3)")
+    print(f"share of round time outside the forward at N={N}: {r['non_forward_share']:.1%} (goal <= 10%)")
+    print(f"{'drafter':<18} {'tok/s of verifier':>18} {'speedup':>8} {'acceptance':>10} {'rounds':>7}")
+    for name, row in report["throughput"].items():
+        print(f"{name:<18} {row['tok_per_verifier_s']:>18.1f} {row.get('speedup', 1.0):>8.2f} {row['acceptance']:>10.3f} {row['rounds']:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

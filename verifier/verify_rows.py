@@ -1,0 +1,103 @@
+"""Turn one round's target logits into per-drafter outcomes: which KV entries to keep, which
+tokens to emit, and eq. (3)'s ``min(1, p/q)`` terms.
+
+Rows are grouped so the common cases cost a few batched tensor operations per round:
+
+* greedy chains: argmax comparison on the raw logits (:func:`verify_greedy_chains`);
+* sampled chains: logits processing and the batched rejection sampler (:func:`verify_chains`),
+  with one draw of uniforms for the whole group;
+* trees: the recursive multi-candidate walk (:func:`verify_tree`), one row at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.verifier.drafts import dense_q
+from goodspeed.verifier.rejection import verify_chains, verify_greedy_chains, verify_tree
+from goodspeed.verifier.types import Draft
+
+
+@dataclass(frozen=True)
+class RowInput:
+    key: str  # session id: selects caller-given uniforms
+    tokens: list[int]  # the pending token, then the drafted tokens
+    draft: Draft
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    kept: list[int]  # offsets (from the row's first new position) of KV entries to keep
+    emitted: list[int]  # accepted drafted tokens, then the correction or bonus token
+    ratios: list[float]  # min(1, p/q) of every tested drafted token
+
+
+class RowVerifier:
+    def __init__(self, vocab_size: int, device: torch.device, work_dtype: torch.dtype, generator: torch.Generator) -> None:
+        self.vocab_size, self.device, self.work_dtype, self.generator = vocab_size, device, work_dtype, generator
+
+    def verify(self, rows: Sequence[RowInput], logits: torch.Tensor, given: dict[str, np.ndarray]) -> list[RowOutcome]:
+        """``logits [len(rows), q_len, V]`` in row order; ``given[key]``: uniforms for that row."""
+        out: list[RowOutcome | None] = [None] * len(rows)
+        greedy = [i for i, r in enumerate(rows) if r.draft.parents is None and r.sampling.greedy]
+        sampled = [i for i, r in enumerate(rows) if r.draft.parents is None and not r.sampling.greedy]
+        for group, fn in ((greedy, self._greedy), (sampled, self._sampled)):
+            if group:
+                for i, res in zip(group, fn([rows[i] for i in group], logits[group], given)):
+                    out[i] = res
+        for i, row in enumerate(rows):
+            if row.draft.parents is not None:
+                out[i] = self._tree(row, logits[i], given)
+        return out
+
+    def _drafted(self, rows: Sequence[RowInput]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        s_max = max(r.draft.num_tokens for r in rows)
+        padded = [r.tokens[1:] + [0] * (s_max - r.draft.num_tokens) for r in rows]
+        drafted = torch.tensor(padded, dtype=torch.long).view(len(rows), s_max)
+        num = torch.tensor([r.draft.num_tokens for r in rows])
+        return drafted.to(self.device), num.to(self.device), s_max
+
+    @staticmethod
+    def _outcomes(rows, accepted: list[int], next_tokens: list[int], ratios: list[list[float]]) -> list[RowOutcome]:
+        return [
+            RowOutcome(list(range(m + 1)), row.tokens[1 : m + 1] + [nxt], r[: row.draft.num_tokens])
+            for row, m, nxt, r in zip(rows, accepted, next_tokens, ratios)
+        ]
+
+    def _greedy(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
+        drafted, num, s_max = self._drafted(rows)
+        res = verify_greedy_chains(logits[:, : s_max + 1], drafted, num)
+        return self._outcomes(rows, res.num_accepted.tolist(), res.next_token.tolist(), res.acceptance_ratios.tolist())
+
+    def _sampled(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
+        drafted, num, s_max = self._drafted(rows)
+        p = process_logits(logits[:, : s_max + 1].to(self.work_dtype), [r.sampling for r in rows])
+        q = torch.zeros(len(rows), s_max, self.vocab_size, dtype=self.work_dtype)
+        u = torch.rand(len(rows), s_max + 1, generator=self.generator, dtype=torch.float64)
+        for b, row in enumerate(rows):
+            n = row.draft.num_tokens
+            if n:
+                q[b, :n] = dense_q(row.draft, self.vocab_size, self.work_dtype)
+            if row.key in given:
+                u[b, : n + 1] = torch.as_tensor(np.asarray(given[row.key], dtype=np.float64)[: n + 1])
+            u[b, s_max] = u[b, n]  # the correction/bonus uniform sits right after the row's drafts
+        res = verify_chains(p, q.to(self.device), drafted, num, u[:, :s_max].to(self.device), u[:, s_max].to(self.device))
+        return self._outcomes(rows, res.num_accepted.tolist(), res.next_token.tolist(), res.acceptance_ratios.tolist())
+
+    def _tree(self, row: RowInput, logits: torch.Tensor, given) -> RowOutcome:
+        n = row.draft.num_tokens
+        p = process_logits(logits[: n + 1].to(self.work_dtype).cpu(), row.sampling)
+        if row.key in given:
+            u = torch.as_tensor(np.asarray(given[row.key], dtype=np.float64)[: n + 1])
+        else:
+            u = torch.rand(n + 1, generator=self.generator, dtype=torch.float64)
+        q = dense_q(row.draft, self.vocab_size, self.work_dtype)
+        res = verify_tree(p, torch.tensor(row.tokens[1:]), list(row.draft.parents), u, q)
+        kept = [0] + [node + 1 for node in res.accepted_nodes]
+        return RowOutcome(kept, [row.tokens[k] for k in kept[1:]] + [res.next_token], res.tested_ratios)
