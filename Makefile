@@ -1,19 +1,22 @@
-# Two entry points, each setting up what it needs in .venv:
+# Entry points, each setting up what it needs in .venv:
+#   make demo   - the main job on the embedded default (builds the demo models on first run)
 #   make test   - the test suite (what CI runs, via .ci/run)
-#   make bench  - the benchmark harness (figures in docs/BENCHMARKS.md)
+#   make bench  - the benchmark harnesses (figures in docs/BENCHMARKS.md)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.goodspeed-installed
 
-.PHONY: test test-all bench clean
+.PHONY: demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/goodspeed demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -23,6 +26,8 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.bench_scheduler
+	$(BIN)/goodspeed models build-demo
+	$(BIN)/python -m bench.bench_engine
 
 clean:
 	rm -rf $(VENV)

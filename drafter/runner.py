@@ -53,6 +53,9 @@ class DraftRunner:
         """Draft ``num_tokens`` tokens after the committed text."""
         if num_tokens <= 0:
             return DraftOutput([], torch.zeros(0, self.model.config.vocab_size))
+        pending = len(self.committed) - 1  # the last committed token is always fed again
+        if self.cached_len > pending:  # drafting again without a verdict: drop the old drafts
+            self.cache.crop(pending - self.cached_len)
         feed = self.committed[self.cached_len :]
         tokens, probs = [], []
         for j in range(num_tokens):

@@ -32,6 +32,13 @@ def _models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from goodspeed.launch.demo import DemoConfig, run_demo
+
+    summary = run_demo(DemoConfig(budget=args.budget, policy=args.policy, max_new_tokens=args.max_new_tokens))
+    return 0 if summary["lossless"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="goodspeed", description="Fast, fair, lossless speculative decoding across edge drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     listing = models.add_parser("list", help="list built demo models with their measured acceptance")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     listing.set_defaults(func=_models_list)
+    demo = sub.add_parser("demo", help="run the embedded default in one process (builds the demo models if needed)")
+    demo.add_argument("--budget", type=int, default=16, help="tokens per round, C")
+    demo.add_argument("--policy", default="goodspeed", choices=["goodspeed", "fixed", "random"])
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.set_defaults(func=_demo)
     return parser
 
 

@@ -8,6 +8,7 @@ which is what raises speculative acceptance (AdaServe section 4.2 cites distille
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,9 @@ def train_model(
     model = LlamaForCausalLM(llama_config(recipe, vocab_size, eos_id))
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
     rng = np.random.default_rng(recipe.seed)
-    bar = tqdm(range(recipe.steps), desc=f"train {recipe.name}", disable=not progress, unit="step")
+    # On a terminal the bar redraws in place; in logs (CI, pipes) a line every 10 s is enough.
+    interval = 0.1 if sys.stderr.isatty() else 10.0
+    bar = tqdm(range(recipe.steps), desc=f"train {recipe.name}", disable=not progress, unit="step", mininterval=interval)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = _lr(step, recipe)
