@@ -39,6 +39,69 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary["lossless"] else 1
 
 
+def _verifier(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from goodspeed.launch.serve import VerifierOptions, serve
+
+    opts = VerifierOptions(
+        target=args.target, host=args.host, port=args.port, budget=args.budget, policy=args.policy, eta=args.eta,
+        beta=args.beta, round_deadline_ms=args.round_deadline_ms, max_missed_rounds=args.max_missed_rounds,
+        max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
+        device=args.device, dtype=args.dtype, seed=args.seed,
+    )
+    return asyncio.run(serve(opts))
+
+
+def _drafter(args: argparse.Namespace) -> int:
+    from goodspeed.launch.draft_node import DrafterOptions, run_drafter
+
+    return run_drafter(DrafterOptions(
+        verifier=args.verifier, draft=args.draft, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, out=args.out, name=args.name,
+        device=args.device, dtype=args.dtype, seed=args.seed, connect_timeout_s=args.connect_timeout_s,
+        progress=not args.quiet,
+    ))
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_serving_parsers(sub) -> None:
+    ver = sub.add_parser("verifier", help="run the verification daemon (gRPC)")
+    ver.add_argument("--target", required=True, help="hub id, directory or demo:<name>")
+    ver.add_argument("--host", default="127.0.0.1")
+    ver.add_argument("--port", type=int, default=50051)
+    ver.add_argument("--budget", type=int, default=16, help="C: drafted tokens per round, all drafters together")
+    ver.add_argument("--policy", default="goodspeed", choices=["goodspeed", "fixed", "random"])
+    ver.add_argument("--eta", type=float, default=0.2, help="acceptance smoothing (eq. 3)")
+    ver.add_argument("--beta", type=float, default=0.5, help="goodput smoothing (eq. 4)")
+    ver.add_argument("--round-deadline-ms", type=float, default=250.0, help="close a round this long after its first draft")
+    ver.add_argument("--max-missed-rounds", type=int, default=3, help="drop a drafter after this many consecutive misses")
+    ver.add_argument("--max-drafters", type=int, default=64)
+    ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
+    ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    _add_model_args(ver)
+    ver.set_defaults(func=_verifier)
+    dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
+    dr.add_argument("--verifier", required=True, help="HOST:PORT")
+    dr.add_argument("--draft", required=True, help="hub id, directory or demo:<name>")
+    dr.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line")
+    dr.add_argument("--max-new-tokens", type=int, default=64)
+    dr.add_argument("--temperature", type=float, default=0.0)
+    dr.add_argument("--top-k", type=int, default=0)
+    dr.add_argument("--top-p", type=float, default=1.0)
+    dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
+    dr.add_argument("--name", default="drafter")
+    dr.add_argument("--connect-timeout-s", type=float, default=60.0)
+    dr.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_model_args(dr)
+    dr.set_defaults(func=_drafter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="goodspeed", description="Fast, fair, lossless speculative decoding across edge drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--policy", default="goodspeed", choices=["goodspeed", "fixed", "random"])
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(func=_demo)
+    _add_serving_parsers(sub)
     return parser
 
 

@@ -17,7 +17,6 @@ Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any s
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -32,7 +31,8 @@ from goodspeed.verifier import errors
 from goodspeed.verifier.attention import use_gqa_attention
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
-from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict, new_prefix_hasher
+from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict
 from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier
 
 
@@ -63,10 +63,10 @@ class _Request:
     sampling: SamplingParams
     max_new_tokens: int
     eos_token_ids: frozenset[int]
-    hasher: "hashlib._Hash" = field(default_factory=new_prefix_hasher)
+    hasher: object = field(default_factory=new_prefix_hasher)  # BLAKE2b of ``committed`` so far
 
     def __post_init__(self) -> None:
-        self.hasher.update(np.asarray(self.committed, dtype="<i8").tobytes())
+        update_prefix_hasher(self.hasher, self.committed)
 
     @property
     def remaining(self) -> int:
@@ -74,7 +74,7 @@ class _Request:
 
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
-        self.hasher.update(np.asarray(tokens, dtype="<i8").tobytes())  # O(new tokens) per round
+        update_prefix_hasher(self.hasher, tokens)  # O(new tokens) per round
 
 
 @dataclass
@@ -225,6 +225,19 @@ class VerificationEngine:
         if not 0 <= num_tokens <= self.config.budget:
             raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {self.config.budget}]")
         session.allotted = int(num_tokens)
+
+    def committed(self, session_id: str) -> list[int]:
+        """The current request's committed tokens (prompt + generated): the verifier's truth."""
+        session = self._session(session_id)
+        if session.request is None:
+            raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
+        return list(session.request.committed)
+
+    def allotment(self, session_id: str) -> int:
+        return self._session(session_id).allotted
+
+    def has_request(self, session_id: str) -> bool:
+        return self._session(session_id).request is not None
 
     def next_round(self, session_id: str) -> int:
         """The round index the session's next draft must carry."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,7 +49,7 @@ class Verdict:
     num_accepted: int
     token_ids: list[int]  # tokens appended this round: the accepted drafts, then correction/bonus
     committed_length: int  # prompt + generated tokens after this round
-    prefix_hash: str  # hash of those committed token ids (see prefix_hash())
+    prefix_hash: str  # goodspeed.lm.prefix.prefix_hash of those committed token ids
     next_draft_length: int  # S for the session's next round
     finished: bool
     finish_reason: str | None  # "length", "eos" or None
@@ -80,16 +79,3 @@ class RoundResult:
     batch_rows: int  # rows in the target forward (all live slots)
     batch_tokens: int  # query positions in the forward, padding included
     draft_lengths: dict[str, int] = field(default_factory=dict)  # next S of every active session
-
-
-def new_prefix_hasher():
-    """A BLAKE2b (8-byte digest) to feed token ids as little-endian int64, incrementally."""
-    return hashlib.blake2b(digest_size=8)
-
-
-def prefix_hash(token_ids: Sequence[int]) -> str:
-    """16 hex digits of BLAKE2b over the token ids as little-endian int64: both sides compute it
-    to detect a drafter whose committed text drifted from the verifier's."""
-    hasher = new_prefix_hasher()
-    hasher.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    return hasher.hexdigest()

@@ -7,6 +7,7 @@ import torch
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import to_engine_draft
+from goodspeed.lm.prefix import prefix_hash
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
@@ -71,6 +72,7 @@ def test_batched_rounds_equal_reference(seed):
             assert (v.num_accepted, v.token_ids[-1]) == (m, token), (round_index, sid)
             runner.apply(v.token_ids, v.num_accepted)
             assert v.committed_length == len(runner.committed)
+            assert v.prefix_hash == prefix_hash(runner.committed)
 
 
 def test_tree_round_equals_reference_tree_walk():

@@ -1,0 +1,195 @@
+"""The draft node's gRPC client: join, follow the verdict stream, draft exactly S_i per round.
+
+The verifier owns the committed text. After every verdict the client checks its own committed
+length and prefix hash against the verdict's; on a mismatch it fetches the verifier's tokens
+(``Resync``) and rebuilds its draft cache from them. If the verifier dropped the session (e.g. the
+node was frozen past the round deadline), the client joins again and resumes the request from its
+committed text: the continuation of a prefix under the target is still the target's own
+distribution, so the output stays lossless. While the verifier is unavailable, calls are retried
+with jittered exponential backoff up to ``connect_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
+from goodspeed.lm.prefix import prefix_hash
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+
+PROTOCOL_VERSION = 1
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class DrafterError(RuntimeError):
+    """The drafter cannot continue (verifier gone past the timeout, or a refused request)."""
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    verifier: str  # HOST:PORT
+    name: str
+    model_name: str = ""
+    fingerprint: str = ""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 64
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    connect_timeout_s: float = 60.0
+    verdict_timeout_s: float = 120.0
+
+
+@dataclass
+class RequestResult:
+    id: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    wall_s: float = 0.0
+    repairs: int = 0
+
+
+class DrafterClient:
+    def __init__(self, config: DrafterConfig, runner: DraftRunner) -> None:
+        self.config, self.runner = config, runner
+        self.channel = grpc.insecure_channel(config.verifier)
+        self.stub = pb_grpc.VerifierStub(self.channel)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.session_id = ""
+        self._verdicts: queue.Queue = queue.Queue()
+        self._stream = None
+
+    # ------------------------------------------------------------------------- plumbing
+
+    def _retry(self, fn, request):
+        """Call ``fn(request)``, retrying UNAVAILABLE with jittered exponential backoff."""
+        deadline, delay = time.monotonic() + self.config.connect_timeout_s, 0.05
+        while True:
+            try:
+                return fn(request, timeout=self.config.verdict_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 2.0)
+
+    def wait_until_serving(self) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline, delay = time.monotonic() + self.config.connect_timeout_s, 0.05
+        while time.monotonic() < deadline:
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 1.0)
+        raise DrafterError(f"verifier {self.config.verifier} not serving after {self.config.connect_timeout_s} s")
+
+    def join(self) -> None:
+        reply = self._retry(self.stub.Join, pb.JoinRequest(
+            drafter_name=self.config.name, model_name=self.config.model_name,
+            tokenizer_fingerprint=self.config.fingerprint, protocol_version=PROTOCOL_VERSION))
+        self.session_id = reply.session_id
+        self._verdicts = queue.Queue()
+        self._stream = self.stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=self.session_id))
+        threading.Thread(target=self._pump, args=(self._stream, self._verdicts), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream, sink: queue.Queue) -> None:
+        try:
+            for verdict in stream:
+                sink.put(verdict)
+        except grpc.RpcError as exc:
+            sink.put(exc)
+        sink.put(None)
+
+    def _next_verdict(self) -> pb.Verdict:
+        try:
+            item = self._verdicts.get(timeout=self.config.verdict_timeout_s)
+        except queue.Empty:
+            raise DrafterError(f"no verdict within {self.config.verdict_timeout_s} s") from None
+        if not isinstance(item, pb.Verdict):
+            raise _SessionLost()
+        return item
+
+    def close(self) -> None:
+        if self.session_id:
+            try:
+                self.stub.Leave(pb.LeaveRequest(session_id=self.session_id), timeout=5.0)
+            except grpc.RpcError:
+                pass
+        if self._stream is not None:
+            self._stream.cancel()
+        self.channel.close()
+
+    # ------------------------------------------------------------------------ generation
+
+    def _start(self, committed: list[int], remaining: int) -> tuple[int, int]:
+        self.runner.start(committed)
+        reply = self._retry(self.stub.StartRequest, pb.StartRequestRequest(
+            session_id=self.session_id, prompt_ids=committed, sampling=sampling_to_pb(self.config.sampling),
+            max_new_tokens=remaining, eos_token_ids=list(self.config.eos_token_ids)))
+        return reply.draft_length, reply.round_index
+
+    def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:
+        result = RequestResult(request_id, list(prompt_ids))
+        started = time.perf_counter()
+        length, round_index = self._start(list(prompt_ids), self.config.max_new_tokens)
+        while True:
+            try:
+                verdict = self._round(length, round_index, result)
+            except _SessionLost:
+                result.repairs += 1
+                self.join()
+                committed = list(prompt_ids) + result.token_ids  # the verifier's tokens, from its verdicts
+                length, round_index = self._start(committed, self.config.max_new_tokens - len(result.token_ids))
+                continue
+            result.token_ids.extend(verdict.token_ids)
+            if verdict.finished:
+                break
+            length, round_index = self._check_drift(verdict, result)
+        result.wall_s = time.perf_counter() - started
+        return result
+
+    def _round(self, length: int, round_index: int, result: RequestResult) -> pb.Verdict:
+        out = self.runner.draft(length, self.config.sampling, self.generator)
+        try:
+            reply = self._retry(self.stub.SubmitDraft, draft_to_pb(self.session_id, round_index, out, self.config.sampling))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise _SessionLost() from None
+            raise DrafterError(f"draft refused: {exc.code().name}: {exc.details()}") from None
+        verdict = reply.verdict if reply.HasField("verdict") else self._next_verdict()
+        self.runner.apply(verdict.token_ids, verdict.num_accepted)
+        result.rounds += 1
+        result.drafted_tokens += verdict.num_drafted
+        result.accepted_tokens += verdict.num_accepted
+        return verdict
+
+    def _check_drift(self, verdict: pb.Verdict, result: RequestResult) -> tuple[int, int]:
+        committed = self.runner.committed
+        if len(committed) == verdict.committed_length and prefix_hash(committed) == verdict.prefix_hash:
+            return verdict.next_draft_length, verdict.round_index + 1
+        reply = self._retry(self.stub.Resync, pb.ResyncRequest(session_id=self.session_id))
+        self.runner.start(list(reply.committed_ids))
+        result.repairs += 1
+        return reply.draft_length, reply.round_index
+
+
+class _SessionLost(Exception):
+    """The verdict stream ended or the verifier no longer knows the session."""

@@ -1,0 +1,51 @@
+"""Prometheus metrics (bounded labels) and structured JSON log lines for the verifier daemon.
+
+Per-drafter detail goes to the JSON round log only (one line per round, read by the experiment
+runner and the launcher's live table); metrics carry no drafter labels, so their cardinality does
+not grow with the fleet.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import TextIO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PHASES = ("receive", "assembly", "forward", "sampling", "scheduling", "send")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        buckets = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+        self.phase_seconds = Histogram("goodspeed_round_phase_seconds", "Round time by phase", ["phase"], buckets=buckets, registry=self.registry)
+        self.batch_size = Gauge("goodspeed_round_batch_drafters", "Drafters verified in the last round", registry=self.registry)
+        self.drafted = Counter("goodspeed_drafted_tokens", "Drafted tokens verified", registry=self.registry)
+        self.accepted = Counter("goodspeed_accepted_tokens", "Drafted tokens accepted", registry=self.registry)
+        self.active = Gauge("goodspeed_active_drafters", "Joined drafter sessions", registry=self.registry)
+        self.rounds = Counter("goodspeed_rounds", "Verified rounds", registry=self.registry)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def observe_round(self, phases: dict[str, float], batch: int, drafted: int, accepted: int) -> None:
+        for phase, seconds in phases.items():
+            self.phase_seconds.labels(phase=phase).observe(seconds)
+        self.batch_size.set(batch)
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+        self.rounds.inc()
+
+
+class JsonLog:
+    """One JSON object per line: ``{"ts": ..., "event": ..., ...}``."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+
+    def event(self, event: str, **fields) -> None:
+        self.stream.write(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}) + "\n")
+        self.stream.flush()

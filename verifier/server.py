@@ -1,0 +1,306 @@
+"""The verifier daemon: the verification engine behind a ``grpc.aio`` server.
+
+Every engine call runs on one worker thread (the engine is single-threaded; a target forward
+must not block the event loop). The round loop closes a round when every drafter with a request
+in progress has submitted, or when ``round_deadline_ms`` has passed since the round's first
+draft; drafts that arrive while a round is being verified join the next one. A drafter that
+misses more than ``max_missed_rounds`` consecutive rounds, or whose verdict stream closes, is
+dropped and its KV freed, and the next allocation is computed without it. SIGTERM (see the CLI)
+calls :meth:`VerifierServer.drain`: new sessions and requests are refused, rounds continue until
+the requests in progress finish or the drain timeout passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.verifier import errors
+from goodspeed.verifier.engine import VerificationEngine
+from goodspeed.verifier.observability import JsonLog, Metrics
+from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
+
+PROTOCOL_VERSION = 1
+SERVICE_NAME = "goodspeed.v1.Verifier"
+STATUS = {
+    errors.UnknownSessionError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NoActiveRequestError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.RequestInProgressError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.TokenizerMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.StaleRoundError: grpc.StatusCode.ABORTED,
+    errors.PromptTooLongError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.LengthLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.TooManyDraftersError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.MalformedDraftError: grpc.StatusCode.INVALID_ARGUMENT,  # and its subclasses
+}
+
+
+def status_for(exc: errors.EngineError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    round_deadline_ms: float = 250.0
+    max_missed_rounds: int = 3
+    max_message_bytes: int = 32 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    target_name: str = ""
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
+            raise ValueError("round_deadline_ms > 0, max_missed_rounds >= 0 and max_message_bytes >= 1024 are required")
+
+
+@dataclass
+class _Drafter:
+    session_id: str
+    name: str
+    verdicts: asyncio.Queue
+    missed: int = 0
+    in_request: bool = False
+
+
+def _rpc(handler):
+    """Map engine errors to their status codes; the engine and other sessions are unaffected."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except errors.EngineError as exc:
+            await context.abort(status_for(exc), str(exc))
+
+    return wrapper
+
+
+class VerifierService(pb_grpc.VerifierServicer):
+    def __init__(self, engine: VerificationEngine, config: ServerConfig, metrics: Metrics, log: JsonLog) -> None:
+        self.engine, self.config, self.metrics, self.log = engine, config, metrics, log
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
+        self._drafters: dict[str, _Drafter] = {}
+        self._queued: set[str] = set()  # sessions with a draft waiting for the next round
+        self._wakeup = asyncio.Event()
+        self._round_opened = time.perf_counter()
+        self.draining = False
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _drafter(self, session_id: str) -> _Drafter:
+        drafter = self._drafters.get(session_id)
+        if drafter is None:
+            raise errors.UnknownSessionError(f"unknown or evicted session {session_id!r}")
+        return drafter
+
+    async def _refuse_if_draining(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is draining")
+
+    @_rpc
+    async def Join(self, request, context):
+        await self._refuse_if_draining(context)
+        if request.protocol_version != PROTOCOL_VERSION:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {request.protocol_version} != {PROTOCOL_VERSION}")
+        session_id = await self.call(self.engine.join, request.drafter_name or "drafter", request.tokenizer_fingerprint or None)
+        self._drafters[session_id] = _Drafter(session_id, request.drafter_name, asyncio.Queue())
+        self.metrics.active.set(len(self._drafters))
+        self.log.event("join", session=session_id, name=request.drafter_name, model=request.model_name)
+        return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)
+
+    async def StreamVerdicts(self, request, context):
+        drafter = self._drafters.get(request.session_id)
+        if drafter is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or evicted session {request.session_id!r}")
+        try:
+            while (item := await drafter.verdicts.get()) is not None:
+                yield item
+        finally:
+            await self.drop(request.session_id, "verdict stream closed")
+
+    @_rpc
+    async def StartRequest(self, request, context):
+        await self._refuse_if_draining(context)
+        drafter = self._drafter(request.session_id)
+        sampling = sampling_from_pb(request.sampling)
+        args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids))
+        length = await self.call(self.engine.start_request, *args)
+        drafter.in_request, drafter.missed = True, 0
+        return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
+
+    @_rpc
+    async def SubmitDraft(self, request, context):
+        self._drafter(request.session_id)
+        draft = draft_from_pb(request, self.engine.vocab_size)
+        verdict = await self.call(self.engine.submit, request.session_id, draft)
+        if verdict is not None:
+            return pb.SubmitReply(queued=False, verdict=verdict_to_pb(verdict))
+        self._queued.add(request.session_id)
+        self._wakeup.set()
+        return pb.SubmitReply(queued=True)
+
+    @_rpc
+    async def Resync(self, request, context):
+        self._drafter(request.session_id)
+        sid = request.session_id
+        committed = await self.call(self.engine.committed, sid)
+        return pb.ResyncReply(committed_ids=committed, round_index=await self.call(self.engine.next_round, sid), draft_length=await self.call(self.engine.allotment, sid))
+
+    @_rpc
+    async def Leave(self, request, context):
+        self._drafter(request.session_id)
+        await self.drop(request.session_id, "left")
+        return pb.LeaveReply()
+
+    async def drop(self, session_id: str, reason: str) -> None:
+        """Forget a drafter, close its verdict stream and free its engine session (idempotent)."""
+        drafter = self._drafters.pop(session_id, None)
+        if drafter is None:
+            return
+        drafter.verdicts.put_nowait(None)
+        self._queued.discard(session_id)
+        try:
+            await self.call(self.engine.leave, session_id)
+        except errors.UnknownSessionError:
+            pass
+        self.metrics.active.set(len(self._drafters))
+        self.log.event("drop", session=session_id, name=drafter.name, reason=reason)
+        self._wakeup.set()  # the round may now be complete without it
+
+    # ------------------------------------------------------------------------ round loop
+
+    def _everyone_submitted(self) -> bool:
+        return all(d.session_id in self._queued for d in self._drafters.values() if d.in_request)
+
+    async def run_rounds(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._queued:
+                continue
+            deadline = loop.time() + self.config.round_deadline_ms / 1000
+            while not self._everyone_submitted() and (left := deadline - loop.time()) > 0:
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+                self._wakeup.clear()
+            if self._queued:
+                await self._close_round()
+
+    async def _close_round(self) -> None:
+        receive_s = time.perf_counter() - self._round_opened
+        result = await self.call(self.engine.run_round)
+        sent = time.perf_counter()
+        for session_id, verdict in result.verdicts.items():
+            self._queued.discard(session_id)
+            drafter = self._drafters.get(session_id)
+            if drafter is not None:
+                drafter.missed, drafter.in_request = 0, not verdict.finished
+                drafter.verdicts.put_nowait(verdict_to_pb(verdict))
+        send_s = time.perf_counter() - sent
+        self._round_opened = time.perf_counter()
+        await self._count_missed(result.verdicts)
+        self._record(result, receive_s, send_s)
+        if self._queued:
+            self._wakeup.set()  # drafts that arrived during verification open the next round
+
+    async def _count_missed(self, verified) -> None:
+        for drafter in list(self._drafters.values()):
+            if drafter.in_request and drafter.session_id not in verified and drafter.session_id not in self._queued:
+                drafter.missed += 1
+                if drafter.missed > self.config.max_missed_rounds:
+                    await self.drop(drafter.session_id, f"missed {drafter.missed} rounds")
+
+    def _record(self, result, receive_s: float, send_s: float) -> None:
+        t = result.timings
+        phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s, "scheduling": t.scheduling_s, "send": send_s}
+        verdicts = result.verdicts.values()
+        self.metrics.observe_round(phases, len(result.verdicts), sum(v.num_drafted for v in verdicts), sum(v.num_accepted for v in verdicts))
+        rows = [
+            {"session": v.session_id, "name": self._drafters[v.session_id].name if v.session_id in self._drafters else "",
+             "drafted": v.num_drafted, "accepted": v.num_accepted, "x": len(v.token_ids), "alpha_hat": v.acceptance,
+             "X": v.goodput, "S_next": v.next_draft_length, "finished": v.finished}
+            for v in verdicts
+        ]
+        self.log.event("round", round=result.round_index, receive_s=receive_s, verify_s=t.total_s, send_s=send_s,
+                       forward_s=t.forward_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows)
+
+    def warm_up(self) -> None:
+        """One tiny request through the engine (thread-safe: runs on the engine thread)."""
+        sid = self.engine.join("warmup")
+        self.engine.start_request(sid, [0], SamplingParams(), 2)
+        self.engine.run_round()
+        self.engine.leave(sid)
+
+    def requests_in_progress(self) -> int:
+        return sum(d.in_request for d in self._drafters.values())
+
+
+class VerifierServer:
+    """An unstarted server: ``port = await start()``, then ``await drain()`` / ``await stop()``."""
+
+    def __init__(self, engine: VerificationEngine, config: ServerConfig = ServerConfig(), metrics: Metrics | None = None, log: JsonLog | None = None) -> None:
+        self.engine, self.config = engine, config
+        self.metrics, self.log = metrics or Metrics(), log or JsonLog()
+        self.health = health.aio.HealthServicer()
+        self.service: VerifierService | None = None
+        self._server: grpc.aio.Server | None = None
+        self._rounds: asyncio.Task | None = None
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        self.service = VerifierService(self.engine, self.config, self.metrics, self.log)
+        limit = self.config.max_message_bytes
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        pb_grpc.add_VerifierServicer_to_server(self.service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self._server.start()
+        if self.config.warmup:
+            await self.service.call(self.service.warm_up)
+        self._rounds = asyncio.create_task(self.service.run_rounds())
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.log.event("serving", host=self.config.host, port=port, target=self.config.target_name)
+        return port
+
+    async def drain(self) -> None:
+        """Refuse new sessions and requests; let the requests in progress finish (bounded)."""
+        self.service.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.log.event("draining", requests_in_progress=self.service.requests_in_progress())
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.service.requests_in_progress() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._rounds is not None:
+            self._rounds.cancel()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        self.log.event("stopped")
+
+
+def make_server(engine: VerificationEngine, config: ServerConfig = ServerConfig(), **kwargs) -> VerifierServer:
+    """Build an unstarted verifier server (tests run it on 127.0.0.1:0)."""
+    return VerifierServer(engine, config, **kwargs)
