@@ -1,0 +1,39 @@
+"""Run a real verifier server on 127.0.0.1:0 in a background event-loop thread (tests only)."""
+
+import asyncio
+import io
+import json
+import threading
+
+from goodspeed.verifier.observability import JsonLog
+from goodspeed.verifier.server import ServerConfig, make_server
+
+
+class ServerThread:
+    def __init__(self, engine, **config) -> None:
+        self.log_stream = io.StringIO()
+        self.server = make_server(engine, ServerConfig(**config), log=JsonLog(self.log_stream))
+        self.loop = asyncio.new_event_loop()
+        self.port = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        self.port = self.run(self.server.start())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.run(self.server.stop(0.2))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        lines = [json.loads(line) for line in self.log_stream.getvalue().splitlines() if line.startswith("{")]
+        return [e for e in lines if kind is None or e["event"] == kind]

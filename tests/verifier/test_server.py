@@ -1,0 +1,157 @@
+"""The verifier over real gRPC: greedy equality, status codes for every misuse, health, draining."""
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from goodspeed.drafter.client import DrafterClient, DrafterConfig
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from grpckit import ServerThread
+from modelkit import greedy_reference, perturbed, tiny_llama
+
+V = 48
+PROMPTS = [[1, 2, 3], [9, 8], [4, 4, 4, 4, 5], [30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    return target, [perturbed(target, 0.05, 1), perturbed(target, 0.4, 2), tiny_llama(7, layers=1)]
+
+
+def run_clients(address, drafts, prompts, max_new):
+    outputs = {}
+
+    def work(i, draft):
+        client = DrafterClient(DrafterConfig(address, f"d{i}", max_new_tokens=max_new, seed=i), DraftRunner(draft))
+        client.wait_until_serving()
+        client.join()
+        outputs[i] = [client.generate(str(k), p).token_ids for k, p in enumerate(prompts[i])]
+        client.close()
+
+    threads = [threading.Thread(target=work, args=(i, d)) for i, d in enumerate(drafts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return outputs
+
+
+@pytest.mark.parametrize("policy", ["goodspeed", "fixed", "random"])
+def test_greedy_outputs_equal_target_through_grpc(models, policy):
+    target, drafts = models
+    engine = VerificationEngine(target, EngineConfig(budget=10, policy=policy, max_draft_len=6))
+    prompts = [PROMPTS[:2], PROMPTS[1:3], PROMPTS[2:]]
+    with ServerThread(engine, round_deadline_ms=500) as server:
+        outputs = run_clients(server.address, drafts, prompts, max_new=14)
+        rounds = server.events("round")
+    for i, plist in enumerate(prompts):
+        assert outputs[i] == [greedy_reference(target, p, 14) for p in plist]
+    assert any(r["batch"] > 1 for r in rounds)  # drafters really shared rounds
+    assert all(sum(d["S_next"] for d in r["drafters"]) <= 10 for r in rounds)
+
+
+@pytest.fixture
+def served(models):
+    engine = VerificationEngine(models[0], EngineConfig(budget=8, policy="fixed", max_draft_len=4, max_seq_len=64, max_drafters=4))
+    with ServerThread(engine, round_deadline_ms=200, max_message_bytes=64 * 1024) as server:
+        channel = grpc.insecure_channel(server.address)
+        yield server, pb_grpc.VerifierStub(channel)
+        channel.close()
+
+
+def join(stub, name="x"):
+    sid = stub.Join(pb.JoinRequest(drafter_name=name, protocol_version=1)).session_id
+    reply = stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=[1, 2], max_new_tokens=10, sampling=pb.SamplingParams(temperature=1.0)))
+    return sid, reply
+
+
+def dense(tokens, vocab=V):
+    rows = np.zeros((len(tokens), vocab), dtype=np.float32)
+    rows[np.arange(len(tokens)), tokens] = 1.0
+    return pb.DenseProbs(probs=rows.reshape(-1).tolist())
+
+
+BAD = [
+    ("id outside vocab", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[V], dense=dense([0])), grpc.StatusCode.INVALID_ARGUMENT),
+    ("nan probability", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1], dense=pb.DenseProbs(probs=[float("nan")] * V)), grpc.StatusCode.INVALID_ARGUMENT),
+    ("zero probability", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1], sparse=pb.SparseProbs(rows=[pb.SparseRow(token_ids=[2], probs=[1.0])])), grpc.StatusCode.INVALID_ARGUMENT),
+    ("more than allotted", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1] * 9, dense=dense([1] * 9)), grpc.StatusCode.INVALID_ARGUMENT),
+    ("wrong dense shape", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1], dense=pb.DenseProbs(probs=[1.0])), grpc.StatusCode.INVALID_ARGUMENT),
+    ("future round", lambda sid: pb.DraftRequest(session_id=sid, round_index=5, token_ids=[1], dense=dense([1])), grpc.StatusCode.INVALID_ARGUMENT),
+    ("unknown session", lambda sid: pb.DraftRequest(session_id="nobody", round_index=0, token_ids=[]), grpc.StatusCode.FAILED_PRECONDITION),
+    ("oversized message", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1] * 4, dense=pb.DenseProbs(probs=[0.0] * 40000)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+]
+
+
+@pytest.mark.parametrize("name,make,code", BAD, ids=[b[0] for b in BAD])
+def test_malformed_messages_get_their_status_and_others_keep_working(served, name, make, code):
+    server, stub = served
+    bad, _ = join(stub, "bad")
+    good, reply = join(stub, "good")
+    stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=good))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SubmitDraft(make(bad))
+    assert err.value.code() == code, err.value.details()
+    tokens = [3] * reply.draft_length
+    assert stub.SubmitDraft(pb.DraftRequest(session_id=good, round_index=reply.round_index, token_ids=tokens, dense=dense(tokens) if tokens else None)).queued
+    verdict = next(stream)
+    assert verdict.session_id == good and verdict.round_index == reply.round_index
+    stream.cancel()
+
+
+def test_stale_round_duplicate_and_request_errors(served):
+    server, stub = served
+    sid, reply = join(stub)
+    stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
+    msg = pb.DraftRequest(session_id=sid, round_index=reply.round_index, token_ids=[3], dense=dense([3]))
+    stub.SubmitDraft(msg)
+    verdict = next(stream)
+    assert stub.SubmitDraft(msg).verdict == verdict  # idempotent retry
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, token_ids=[4], dense=dense([4])))
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    with pytest.raises(grpc.RpcError) as err:
+        stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=[1], max_new_tokens=3))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    other = stub.Join(pb.JoinRequest(drafter_name="y", protocol_version=1)).session_id
+    for prompt, max_new in (([1] * 64, 1), ([1] * 60, 10)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.StartRequest(pb.StartRequestRequest(session_id=other, prompt_ids=prompt, max_new_tokens=max_new))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Join(pb.JoinRequest(drafter_name="v2", protocol_version=2))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert list(stub.Resync(pb.ResyncRequest(session_id=sid)).committed_ids)[:2] == [1, 2]
+    stream.cancel()
+
+
+def test_closing_the_verdict_stream_frees_the_session(served):
+    server, stub = served
+    sid, _ = join(stub)
+    stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
+    stream.cancel()
+    for _ in range(100):
+        if any(e["session"] == sid for e in server.events("drop")):
+            break
+        threading.Event().wait(0.05)
+    assert sid not in server.server.engine.session_ids and server.server.engine.cache.num_slots == 0
+
+
+def test_health_and_draining(served):
+    server, stub = served
+    channel = grpc.insecure_channel(server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="goodspeed.v1.Verifier")).status == health_pb2.HealthCheckResponse.SERVING
+    server.run(server.server.drain())
+    assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Join(pb.JoinRequest(drafter_name="late", protocol_version=1))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()
