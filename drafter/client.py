@@ -71,6 +71,7 @@ class DrafterClient:
         self.session_id = ""
         self._verdicts: queue.Queue = queue.Queue()
         self._stream = None
+        self._pump_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------- plumbing
 
@@ -104,10 +105,19 @@ class DrafterClient:
         reply = self._retry(self.stub.Join, pb.JoinRequest(
             drafter_name=self.config.name, model_name=self.config.model_name,
             tokenizer_fingerprint=self.config.fingerprint, protocol_version=PROTOCOL_VERSION))
+        self._close_stream()  # a rejoin replaces the old session's stream
         self.session_id = reply.session_id
         self._verdicts = queue.Queue()
         self._stream = self.stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=self.session_id))
-        threading.Thread(target=self._pump, args=(self._stream, self._verdicts), daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, args=(self._stream, self._verdicts), daemon=True)
+        self._pump_thread.start()
+
+    def _close_stream(self) -> None:
+        """Cancel the verdict stream and wait for its reader, so no thread is inside gRPC at exit."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._pump_thread.join(timeout=5.0)
+            self._stream = None
 
     @staticmethod
     def _pump(stream, sink: queue.Queue) -> None:
@@ -133,8 +143,7 @@ class DrafterClient:
                 self.stub.Leave(pb.LeaveRequest(session_id=self.session_id), timeout=5.0)
             except grpc.RpcError:
                 pass
-        if self._stream is not None:
-            self._stream.cancel()
+        self._close_stream()
         self.channel.close()
 
     # ------------------------------------------------------------------------ generation

@@ -64,6 +64,24 @@ def _drafter(args: argparse.Namespace) -> int:
     ))
 
 
+def _launch(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from goodspeed.launch.local import launch_local
+    from goodspeed.launch.spec import load_spec
+
+    spec = load_spec(args.spec)
+    models = [spec.verifier.target] + [d.draft for d in spec.drafters]
+    if any(m.startswith("demo:") for m in models):
+        from goodspeed.lm.demo import build_demo
+
+        build_demo()
+    out = Path(args.out or Path("goodspeed-runs") / time.strftime("%Y%m%d-%H%M%S"))
+    summary = launch_local(spec, out, live=not args.no_live)
+    return 0 if all(r["exit_code"] == 0 for r in summary["drafters"].values()) else 1
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
@@ -100,6 +118,11 @@ def _add_serving_parsers(sub) -> None:
     dr.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_model_args(dr)
     dr.set_defaults(func=_drafter)
+    la = sub.add_parser("launch", help="start a verifier and drafters as local processes from a spec (default: the embedded demo)")
+    la.add_argument("spec", nargs="?", default=None, help="SPEC.toml (default: the embedded default spec)")
+    la.add_argument("--out", default=None, help="results directory (default: goodspeed-runs/<timestamp>)")
+    la.add_argument("--no-live", action="store_true", help="no live table")
+    la.set_defaults(func=_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

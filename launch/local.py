@@ -1,0 +1,241 @@
+"""``goodspeed launch``: a verifier and N drafters as local processes, from a spec.
+
+The verifier binds port 0 and reports the port in its ``serving`` log event; drafters start once
+it is serving. The verifier's JSON round log (its stderr, copied to ``OUT/verifier.log``) feeds a
+live table per drafter (alpha_hat, X, S_i, tokens/s). When every drafter has exited, or on Ctrl-C,
+the drafters are stopped, the verifier gets SIGTERM (it drains), and a summary is printed and
+written to ``OUT/summary.json``. Each drafter writes its results to ``OUT/<name>.jsonl`` and its
+log to ``OUT/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
+
+CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
+
+
+class LaunchError(RuntimeError):
+    """A process of the cluster failed to start or died; the message carries its log tail."""
+
+
+@dataclass
+class DrafterView:
+    alpha_hat: float = float("nan")
+    goodput: float = float("nan")
+    next_len: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    first_s: float | None = None
+    last_s: float | None = None
+
+    def tok_s(self) -> float:
+        span = (self.last_s or 0) - (self.first_s or 0)
+        return self.tokens / span if span > 0 else 0.0
+
+
+@dataclass
+class ClusterView:
+    """What the verifier's log says so far."""
+
+    port: int | None = None
+    rounds: int = 0
+    drops: list[dict] = field(default_factory=list)
+    drafters: dict[str, DrafterView] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def apply(self, event: dict) -> None:
+        with self.lock:
+            if event["event"] == "serving":
+                self.port = event["port"]
+            elif event["event"] == "drop":
+                self.drops.append(event)
+            elif event["event"] == "round":
+                self.rounds += 1
+                for row in event["drafters"]:
+                    view = self.drafters.setdefault(row["name"], DrafterView())
+                    view.alpha_hat, view.goodput, view.next_len = row["alpha_hat"], row["X"], row["S_next"]
+                    view.tokens += row["x"]
+                    view.rounds += 1
+                    view.first_s = view.first_s or event["ts"]
+                    view.last_s = event["ts"]
+
+
+def verifier_command(v: VerifierSpec) -> list[str]:
+    cmd = CLI + ["verifier", "--target", v.target, "--port", "0", "--budget", str(v.budget), "--policy", v.policy,
+                 "--eta", str(v.eta), "--beta", str(v.beta), "--round-deadline-ms", str(v.round_deadline_ms),
+                 "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
+                 "--device", v.device, "--dtype", v.dtype, "--seed", str(v.seed)]
+    return cmd + (["--metrics-port", str(v.metrics_port)] if v.metrics_port is not None else [])
+
+
+def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> list[str]:
+    return CLI + ["drafter", "--verifier", address, "--draft", d.draft, "--prompts", str(prompts), "--out", str(out),
+                  "--name", d.name, "--max-new-tokens", str(d.max_new_tokens), "--temperature", str(d.temperature),
+                  "--top-k", str(d.top_k), "--top-p", str(d.top_p), "--device", d.device, "--dtype", d.dtype,
+                  "--seed", str(d.seed), "--quiet"]
+
+
+def _prompt_file(d: DrafterSpec, out_dir: Path) -> Path:
+    source = d.prompt_path()
+    if d.max_prompts is None:
+        return source
+    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()][: d.max_prompts]
+    path = out_dir / f"{d.name}.prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _follow(stream, log_path: Path, view: ClusterView) -> None:
+    with open(log_path, "w", encoding="utf-8") as log:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            if line.startswith("{"):
+                try:
+                    view.apply(json.loads(line))
+                except (json.JSONDecodeError, KeyError):
+                    pass
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+class LocalCluster:
+    def __init__(self, spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, start_timeout_s: float = 300.0) -> None:
+        self.spec, self.out_dir, self.log, self.live = spec, out_dir, log, live
+        self.start_timeout_s = start_timeout_s
+        self.view = ClusterView()
+        self.verifier: subprocess.Popen | None = None
+        self.drafters: dict[str, subprocess.Popen] = {}
+        self.started_s = time.time()
+        self._printed_s = 0.0
+
+    def start_verifier(self) -> str:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.verifier = subprocess.Popen(verifier_command(self.spec.verifier), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        threading.Thread(target=_follow, args=(self.verifier.stderr, self.out_dir / "verifier.log", self.view), daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while self.view.port is None:
+            if self.verifier.poll() is not None or time.monotonic() > deadline:
+                raise LaunchError(f"verifier did not start serving:\n{_tail(self.out_dir / 'verifier.log')}")
+            time.sleep(0.05)
+        return f"127.0.0.1:{self.view.port}"
+
+    def start_drafters(self, address: str) -> None:
+        for d in self.spec.expanded_drafters():
+            cmd = drafter_command(d, address, _prompt_file(d, self.out_dir), self.out_dir / f"{d.name}.jsonl")
+            with open(self.out_dir / f"{d.name}.log", "w") as err:
+                self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+
+    def wait(self, refresh_s: float = 1.0) -> None:
+        shown = 0
+        while any(p.poll() is None for p in self.drafters.values()):
+            if self.verifier.poll() is not None:
+                raise LaunchError(f"verifier exited with {self.verifier.returncode}:\n{_tail(self.out_dir / 'verifier.log')}")
+            if self.live:
+                shown = self._render(shown)
+            time.sleep(refresh_s)
+        if self.live:
+            self._render(shown)
+
+    def _render(self, shown: int) -> int:
+        """Redraw in place on a terminal; in logs (CI, pipes) print a table every 10 s."""
+        now = time.time()
+        tty = sys.stdout.isatty()
+        if not tty and now - self._printed_s < 10:
+            return shown
+        self._printed_s = now
+        lines = render_table(self.view, self.drafters, now - self.started_s)
+        if tty and shown:
+            sys.stdout.write(f"\x1b[{shown}F\x1b[J")
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+        return len(lines)
+
+    def stop(self) -> None:
+        for proc in self.drafters.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.drafters.values():
+            _wait_or_kill(proc, 10)
+        if self.verifier is not None and self.verifier.poll() is None:
+            self.verifier.send_signal(signal.SIGTERM)
+            _wait_or_kill(self.verifier, 45)
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def render_table(view: ClusterView, procs: dict[str, subprocess.Popen], elapsed_s: float) -> list[str]:
+    lines = [f"goodspeed launch: {elapsed_s:6.1f} s, {view.rounds} rounds",
+             f"  {'drafter':<16} {'state':<8} {'alpha_hat':>9} {'X':>6} {'S_i':>4} {'tokens':>7} {'tok/s':>7}"]
+    with view.lock:
+        for name, proc in procs.items():
+            v = view.drafters.get(name, DrafterView())
+            state = "running" if proc.poll() is None else f"exit {proc.returncode}"
+            lines.append(f"  {name:<16} {state:<8} {v.alpha_hat:>9.3f} {v.goodput:>6.2f} {v.next_len:>4} {v.tokens:>7} {v.tok_s():>7.1f}")
+    return lines
+
+
+def summarise(cluster: LocalCluster) -> dict:
+    rows = {}
+    for name, proc in cluster.drafters.items():
+        path = cluster.out_dir / f"{name}.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        drafted = sum(r["drafted_tokens"] for r in records)
+        accepted = sum(r["accepted_tokens"] for r in records)
+        wall = sum(r["wall_s"] for r in records)
+        view = cluster.view.drafters.get(name, DrafterView())
+        rows[name] = {
+            "exit_code": proc.returncode, "requests": len(records), "tokens": sum(len(r["token_ids"]) for r in records),
+            "rounds": sum(r["rounds"] for r in records), "acceptance": accepted / drafted if drafted else 0.0,
+            "tok_per_s": sum(len(r["token_ids"]) for r in records) / wall if wall else 0.0,
+            "alpha_hat": view.alpha_hat, "X": view.goodput,
+        }
+    elapsed = time.time() - cluster.started_s
+    return {"drafters": rows, "rounds": cluster.view.rounds, "wall_s": elapsed,
+            "tokens": sum(r["tokens"] for r in rows.values()), "drops": cluster.view.drops, "out_dir": str(cluster.out_dir)}
+
+
+def print_summary(summary: dict, log=print) -> None:
+    log(f"{'drafter':<16} {'exit':>4} {'reqs':>4} {'tokens':>6} {'rounds':>6} {'accept':>6} {'alpha_hat':>9} {'X':>6} {'tok/s':>7}")
+    for name, r in summary["drafters"].items():
+        log(f"{name:<16} {r['exit_code']:>4} {r['requests']:>4} {r['tokens']:>6} {r['rounds']:>6} {r['acceptance']:>6.3f} "
+            f"{r['alpha_hat']:>9.3f} {r['X']:>6.2f} {r['tok_per_s']:>7.1f}")
+    log(f"{summary['tokens']} tokens in {summary['wall_s']:.1f} s ({summary['tokens'] / summary['wall_s']:.1f} tok/s overall), "
+        f"{summary['rounds']} rounds; results in {summary['out_dir']}")
+
+
+def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True) -> dict:
+    cluster = LocalCluster(spec, out_dir, log=log, live=live)
+    try:
+        address = cluster.start_verifier()
+        log(f"verifier serving on {address}; starting {len(spec.expanded_drafters())} drafters")
+        cluster.start_drafters(address)
+        cluster.wait()
+    except KeyboardInterrupt:
+        log("interrupted: stopping the cluster")
+    finally:
+        cluster.stop()
+    summary = summarise(cluster)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_summary(summary, log)
+    return summary

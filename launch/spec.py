@@ -1,0 +1,127 @@
+"""Launch specs: a TOML file naming the verifier and the drafters of a local cluster.
+
+    [verifier]                        # target, budget, policy, eta, beta, round_deadline_ms,
+    target = "demo:target"            # max_missed_rounds, max_draft_len, device, dtype, seed,
+    budget = 16                       # metrics_port
+    [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
+    name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
+    draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
+    prompts = "code"                  # device, dtype, seed
+
+Unknown keys are errors (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+PROMPT_SETS = Path(__file__).resolve().parent / "prompts"
+DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "default.toml"
+
+
+class SpecError(ValueError):
+    """The spec is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    target: str = "demo:target"
+    budget: int = 16
+    policy: str = "goodspeed"
+    eta: float = 0.2
+    beta: float = 0.5
+    round_deadline_ms: float = 250.0
+    max_missed_rounds: int = 3
+    max_draft_len: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    metrics_port: int | None = None
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str
+    draft: str
+    prompts: str
+    max_new_tokens: int = 48
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    count: int = 1
+    max_prompts: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def prompt_path(self) -> Path:
+        shipped = PROMPT_SETS / f"{self.prompts}.jsonl"
+        path = shipped if shipped.exists() else Path(self.prompts)
+        if not path.exists():
+            known = ", ".join(sorted(p.stem for p in PROMPT_SETS.glob("*.jsonl")))
+            raise SpecError(f"drafter {self.name!r}: prompts {self.prompts!r} is neither a shipped set ({known}) nor a file")
+        return path
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    verifier: VerifierSpec
+    drafters: tuple[DrafterSpec, ...] = field(default_factory=tuple)
+
+    def expanded_drafters(self) -> list[DrafterSpec]:
+        """One entry per process: ``count = n`` becomes ``name-0 .. name-(n-1)`` with distinct seeds."""
+        out = []
+        for d in self.drafters:
+            if d.count == 1:
+                out.append(d)
+            else:
+                out.extend(replace(d, name=f"{d.name}-{i}", count=1, seed=d.seed + i) for i in range(d.count))
+        return out
+
+
+def _build(cls, table: dict, where: str):
+    known = {f.name for f in fields(cls)}
+    unknown = set(table) - known
+    if unknown:
+        raise SpecError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    try:
+        return cls(**table)
+    except TypeError as exc:
+        raise SpecError(f"{where}: {exc}") from None
+
+
+def load_spec(path: str | Path | None = None) -> LaunchSpec:
+    path = Path(path) if path else DEFAULT_SPEC
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SpecError(f"{path}: {exc}") from None
+    unknown = set(data) - {"verifier", "drafters"}
+    if unknown:
+        raise SpecError(f"{path}: unknown tables {sorted(unknown)}")
+    verifier = _build(VerifierSpec, data.get("verifier", {}), f"{path} [verifier]")
+    drafters = tuple(_build(DrafterSpec, d, f"{path} [[drafters]] #{i}") for i, d in enumerate(data.get("drafters", [])))
+    spec = LaunchSpec(verifier, drafters)
+    _validate(spec, path)
+    return spec
+
+
+def _validate(spec: LaunchSpec, path: Path) -> None:
+    if not spec.drafters:
+        raise SpecError(f"{path}: no [[drafters]]")
+    names = [d.name for d in spec.expanded_drafters()]
+    if len(set(names)) != len(names):
+        raise SpecError(f"{path}: drafter names must be unique, got {names}")
+    for d in spec.drafters:
+        if d.count < 1 or d.max_new_tokens < 1:
+            raise SpecError(f"drafter {d.name!r}: count and max_new_tokens must be >= 1")
+        d.prompt_path()
+    if spec.verifier.budget < 0:
+        raise SpecError("[verifier] budget must be >= 0")

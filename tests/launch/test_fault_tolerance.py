@@ -1,0 +1,87 @@
+"""Real drafter processes against a real server: SIGKILL and SIGSTOP must not stall the others."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from goodspeed.lm.demo import train_tokenizer
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from grpckit import ServerThread
+from modelkit import greedy_reference, perturbed, tiny_llama
+
+VOCAB = 300
+DEADLINE_MS = 300
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = train_tokenizer("def f(x):\n    return x + 1\n" * 50, vocab_size=VOCAB)
+    target = tiny_llama(0, vocab=VOCAB)
+    paths = {}
+    for name, model in {"target": target, "draft": perturbed(target, 0.1, 1)}.items():
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = root / name
+    return target, paths
+
+
+def start_drafter(address, draft_dir, prompts, out, name, max_new):
+    cmd = [sys.executable, "-m", "goodspeed.launch.cli", "drafter", "--verifier", address, "--draft", str(draft_dir),
+           "--prompts", str(prompts), "--out", str(out), "--name", name, "--max-new-tokens", str(max_new), "--dtype", "float32", "--quiet"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
+
+
+def exit_code(proc, timeout_s=120):
+    """The process's exit code; on a timeout, fail with its Python stacks (py-spy, if installed)."""
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        stacks = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout if os.path.exists(spy) else ""
+        pytest.fail(f"process {proc.args[5:9]} did not exit in {timeout_s} s\n{stacks}")
+
+
+def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path):
+    target, paths = model_dirs
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    engine = VerificationEngine(tiny_llama(0, vocab=VOCAB, dtype=__import__("torch").float32), EngineConfig(budget=12, max_draft_len=4))
+    procs = {}
+    with ServerThread(engine, round_deadline_ms=DEADLINE_MS, max_missed_rounds=2) as server:
+        try:
+            for name in ("killed", "frozen", "survivor"):
+                procs[name] = start_drafter(server.address, paths["draft"], prompt_file, tmp_path / f"{name}.jsonl", name, 120)
+            deadline = time.monotonic() + 120
+            while {"killed", "frozen", "survivor"} - {d["name"] for r in server.events("round") for d in r["drafters"]}:
+                assert time.monotonic() < deadline, "drafters never all took part in a round"
+                time.sleep(0.05)
+            procs["killed"].send_signal(signal.SIGKILL)
+            procs["frozen"].send_signal(signal.SIGSTOP)
+            faults_at = time.time()
+            assert exit_code(procs["survivor"]) == 0
+            rounds = [r for r in server.events("round") if r["ts"] > faults_at]
+            drops = {e["name"]: e for e in server.events("drop")}
+            assert "killed" in drops and "frozen" in drops, drops
+            # Rounds keep coming: no gap longer than one deadline plus the round's own work.
+            gaps = [b["ts"] - a["ts"] for a, b in zip(rounds, rounds[1:])]
+            assert len(rounds) > 20 and max(gaps) < DEADLINE_MS / 1000 + 0.25, max(gaps)
+            assert not any(s.startswith(("killed", "frozen")) for s in engine.session_ids)
+            # The frozen node, resumed, finds its session gone, rejoins and still finishes losslessly.
+            procs["frozen"].send_signal(signal.SIGCONT)
+            assert exit_code(procs["frozen"]) == 0
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+    for name in ("survivor", "frozen"):
+        records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["token_ids"] for r in records] == [greedy_reference(target.float(), p, 120) for p in prompts], name
+    assert sum(r["repairs"] for r in map(json.loads, (tmp_path / "frozen.jsonl").read_text().splitlines())) >= 1
