@@ -1,5 +1,7 @@
 # Entry points, each setting up what it needs in .venv:
-#   make demo   - the main job on the embedded default (builds the demo models on first run)
+#   make launch - the main job: `goodspeed launch` on the embedded default (a verifier and four
+#                 drafter processes; builds the demo models on first run)
+#   make demo   - the same embedded default in one process (`goodspeed demo`)
 #   make test   - the test suite (what CI runs, via .ci/run)
 #   make bench  - the benchmark harnesses (figures in docs/BENCHMARKS.md)
 PYTHON ?= python3
@@ -7,13 +9,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.goodspeed-installed
 
-.PHONY: demo test test-all bench clean
+.PHONY: launch demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+launch: $(STAMP)
+	$(BIN)/goodspeed launch
 
 demo: $(STAMP)
 	$(BIN)/goodspeed demo
@@ -28,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.bench_scheduler
 	$(BIN)/goodspeed models build-demo
 	$(BIN)/python -m bench.bench_engine
+	$(BIN)/python -m bench.bench_service
 
 clean:
 	rm -rf $(VENV)

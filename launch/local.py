@@ -86,6 +86,17 @@ def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> l
                   "--seed", str(d.seed), "--quiet"]
 
 
+def _pinned(cpus: tuple[int, ...] | None) -> dict:
+    """Popen arguments that pin the child to ``cpus`` with matching thread pools (Linux)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not cpus:
+        return {"env": env}
+    if not hasattr(os, "sched_setaffinity"):
+        raise LaunchError("cpus (CPU affinity) needs Linux")
+    env.update(OMP_NUM_THREADS=str(len(cpus)), MKL_NUM_THREADS=str(len(cpus)))
+    return {"env": env, "preexec_fn": lambda: os.sched_setaffinity(0, cpus)}
+
+
 def _prompt_file(d: DrafterSpec, out_dir: Path) -> Path:
     source = d.prompt_path()
     if d.max_prompts is None:
@@ -124,8 +135,8 @@ class LocalCluster:
 
     def start_verifier(self) -> str:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.verifier = subprocess.Popen(verifier_command(self.spec.verifier), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.verifier = subprocess.Popen(verifier_command(self.spec.verifier), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True, **_pinned(self.spec.verifier.cpus))
         threading.Thread(target=_follow, args=(self.verifier.stderr, self.out_dir / "verifier.log", self.view), daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s
         while self.view.port is None:
@@ -138,7 +149,7 @@ class LocalCluster:
         for d in self.spec.expanded_drafters():
             cmd = drafter_command(d, address, _prompt_file(d, self.out_dir), self.out_dir / f"{d.name}.jsonl")
             with open(self.out_dir / f"{d.name}.log", "w") as err:
-                self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+                self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, **_pinned(d.cpus))
 
     def wait(self, refresh_s: float = 1.0) -> None:
         shown = 0

@@ -47,7 +47,7 @@ async def serve(opts: VerifierOptions, log: JsonLog | None = None) -> int:
     engine, name = build_engine(opts)
     metrics = Metrics()
     if opts.metrics_port is not None:
-        metrics.serve(opts.metrics_port)
+        metrics.serve(opts.metrics_port, addr=opts.host)
     server = make_server(engine, ServerConfig(
         host=opts.host, port=opts.port, round_deadline_ms=opts.round_deadline_ms,
         max_missed_rounds=opts.max_missed_rounds, target_name=name), metrics=metrics, log=log)

@@ -6,7 +6,10 @@
     [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
     name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
     draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
-    prompts = "code"                  # device, dtype, seed
+    prompts = "code"                  # device, dtype, seed, cpus
+
+``cpus`` pins a process to those CPUs (and sizes its thread pools to match), so experiments on
+one machine can keep drafting off the verifier's cores, as separate edge devices would.
 
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
@@ -44,6 +47,7 @@ class VerifierSpec:
     dtype: str = "float32"
     seed: int = 0
     metrics_port: int | None = None
+    cpus: tuple[int, ...] | None = None  # CPU affinity (Linux), e.g. to keep drafters off the verifier's cores
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class DrafterSpec:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    cpus: tuple[int, ...] | None = None  # CPU affinity (Linux)
 
     def prompt_path(self) -> Path:
         shipped = PROMPT_SETS / f"{self.prompts}.jsonl"
@@ -91,6 +96,11 @@ def _build(cls, table: dict, where: str):
     unknown = set(table) - known
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    if "cpus" in table:
+        cpus = table["cpus"]
+        if not isinstance(cpus, list) or not cpus or not all(isinstance(c, int) and c >= 0 for c in cpus):
+            raise SpecError(f"{where}: cpus must be a non-empty list of CPU indices")
+        table = {**table, "cpus": tuple(cpus)}
     try:
         return cls(**table)
     except TypeError as exc:

@@ -28,8 +28,8 @@ class Metrics:
         self.active = Gauge("goodspeed_active_drafters", "Joined drafter sessions", registry=self.registry)
         self.rounds = Counter("goodspeed_rounds", "Verified rounds", registry=self.registry)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
 
     def observe_round(self, phases: dict[str, float], batch: int, drafted: int, accepted: int) -> None:
         for phase, seconds in phases.items():

@@ -139,8 +139,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = self._drafter(request.session_id)
         sampling = sampling_from_pb(request.sampling)
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids))
+        started = time.perf_counter()
         length = await self.call(self.engine.start_request, *args)
         drafter.in_request, drafter.missed = True, 0
+        self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
+                       prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
 
     @_rpc

@@ -6,6 +6,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
 
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.runner import DraftRunner
@@ -51,8 +52,11 @@ def test_greedy_outputs_equal_target_through_grpc(models, policy):
     with ServerThread(engine, round_deadline_ms=500) as server:
         outputs = run_clients(server.address, drafts, prompts, max_new=14)
         rounds = server.events("round")
+        scrape = generate_latest(server.server.metrics.registry).decode()
     for i, plist in enumerate(prompts):
         assert outputs[i] == [greedy_reference(target, p, 14) for p in plist]
+    assert f"goodspeed_rounds_total {float(len(rounds))}" in scrape
+    assert 'goodspeed_round_phase_seconds_count{phase="forward"}' in scrape and "goodspeed_accepted_tokens_total" in scrape
     assert any(r["batch"] > 1 for r in rounds)  # drafters really shared rounds
     assert all(sum(d["S_next"] for d in r["drafters"]) <= 10 for r in rounds)
 
@@ -155,3 +159,19 @@ def test_health_and_draining(served):
         stub.Join(pb.JoinRequest(drafter_name="late", protocol_version=1))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     channel.close()
+
+
+def test_metrics_endpoint_serves_prometheus_text():
+    import socket
+    import urllib.request
+
+    from goodspeed.verifier.observability import Metrics
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    metrics = Metrics()
+    metrics.serve(port)
+    metrics.observe_round({"forward": 0.01, "receive": 0.2}, batch=3, drafted=12, accepted=7)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "goodspeed_accepted_tokens_total 7.0" in body and "goodspeed_round_batch_drafters 3.0" in body
