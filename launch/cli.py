@@ -42,26 +42,26 @@ def _demo(args: argparse.Namespace) -> int:
 def _verifier(args: argparse.Namespace) -> int:
     import asyncio
 
-    from goodspeed.launch.serve import VerifierOptions, serve
+    from goodspeed.launch.serve import serve
+    from goodspeed.launch.spec import VerifierSpec
 
-    opts = VerifierOptions(
+    return asyncio.run(serve(VerifierSpec(
         target=args.target, host=args.host, port=args.port, budget=args.budget, policy=args.policy, eta=args.eta,
         beta=args.beta, round_deadline_ms=args.round_deadline_ms, max_missed_rounds=args.max_missed_rounds,
-        max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
+        idle_timeout_s=args.idle_timeout_s, max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
         device=args.device, dtype=args.dtype, seed=args.seed,
-    )
-    return asyncio.run(serve(opts))
+    )))
 
 
 def _drafter(args: argparse.Namespace) -> int:
-    from goodspeed.launch.draft_node import DrafterOptions, run_drafter
+    from goodspeed.launch.draft_node import run_drafter
+    from goodspeed.launch.spec import DrafterSpec
 
-    return run_drafter(DrafterOptions(
-        verifier=args.verifier, draft=args.draft, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, out=args.out, name=args.name,
-        device=args.device, dtype=args.dtype, seed=args.seed, connect_timeout_s=args.connect_timeout_s,
-        progress=not args.quiet,
-    ))
+    spec = DrafterSpec(
+        name=args.name, draft=args.draft, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, device=args.device, dtype=args.dtype, seed=args.seed,
+    )
+    return run_drafter(spec, args.verifier, args.out, args.connect_timeout_s, progress=not args.quiet)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -99,6 +99,7 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--beta", type=float, default=0.5, help="goodput smoothing (eq. 4)")
     ver.add_argument("--round-deadline-ms", type=float, default=250.0, help="close a round this long after its first draft")
     ver.add_argument("--max-missed-rounds", type=int, default=3, help="drop a drafter after this many consecutive misses")
+    ver.add_argument("--idle-timeout-s", type=float, default=60.0, help="drop a session with a request in progress that sends nothing this long")
     ver.add_argument("--max-drafters", type=int, default=64)
     ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
     ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
@@ -107,7 +108,7 @@ def _add_serving_parsers(sub) -> None:
     dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
     dr.add_argument("--verifier", required=True, help="HOST:PORT")
     dr.add_argument("--draft", required=True, help="hub id, directory or demo:<name>")
-    dr.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line")
+    dr.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
     dr.add_argument("--max-new-tokens", type=int, default=64)
     dr.add_argument("--temperature", type=float, default=0.0)
     dr.add_argument("--top-k", type=int, default=0)

@@ -75,6 +75,7 @@ def verifier_command(v: VerifierSpec) -> list[str]:
     cmd = CLI + ["verifier", "--target", v.target, "--port", "0", "--budget", str(v.budget), "--policy", v.policy,
                  "--eta", str(v.eta), "--beta", str(v.beta), "--round-deadline-ms", str(v.round_deadline_ms),
                  "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
+                 "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
                  "--device", v.device, "--dtype", v.dtype, "--seed", str(v.seed)]
     return cmd + (["--metrics-port", str(v.metrics_port)] if v.metrics_port is not None else [])
 

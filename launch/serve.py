@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass
-
+from goodspeed.launch.spec import VerifierSpec
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.scheduler import SmoothingConfig
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -13,26 +12,7 @@ from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.server import ServerConfig, make_server
 
 
-@dataclass(frozen=True)
-class VerifierOptions:
-    target: str
-    host: str = "127.0.0.1"
-    port: int = 50051
-    budget: int = 16
-    policy: str = "goodspeed"
-    eta: float = 0.2
-    beta: float = 0.5
-    round_deadline_ms: float = 250.0
-    max_missed_rounds: int = 3
-    max_drafters: int = 64
-    max_draft_len: int = 16
-    metrics_port: int | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
-
-
-def build_engine(opts: VerifierOptions) -> tuple[VerificationEngine, str]:
+def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, str]:
     target = load_causal_lm(opts.target, dtype=opts.dtype, device=opts.device)
     config = EngineConfig(
         budget=opts.budget, policy=opts.policy, smoothing=SmoothingConfig(eta=opts.eta, beta=opts.beta),
@@ -41,7 +21,7 @@ def build_engine(opts: VerifierOptions) -> tuple[VerificationEngine, str]:
     return VerificationEngine(target.model, config, target.fingerprint), target.name
 
 
-async def serve(opts: VerifierOptions, log: JsonLog | None = None) -> int:
+async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     log = log or JsonLog()
     log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
     engine, name = build_engine(opts)
@@ -50,7 +30,7 @@ async def serve(opts: VerifierOptions, log: JsonLog | None = None) -> int:
         metrics.serve(opts.metrics_port, addr=opts.host)
     server = make_server(engine, ServerConfig(
         host=opts.host, port=opts.port, round_deadline_ms=opts.round_deadline_ms,
-        max_missed_rounds=opts.max_missed_rounds, target_name=name), metrics=metrics, log=log)
+        max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=name), metrics=metrics, log=log)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

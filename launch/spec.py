@@ -1,8 +1,8 @@
 """Launch specs: a TOML file naming the verifier and the drafters of a local cluster.
 
     [verifier]                        # target, budget, policy, eta, beta, round_deadline_ms,
-    target = "demo:target"            # max_missed_rounds, max_draft_len, device, dtype, seed,
-    budget = 16                       # metrics_port
+    target = "demo:target"            # max_missed_rounds, idle_timeout_s, max_drafters, max_draft_len, device,
+    budget = 16                       # dtype, seed, metrics_port, cpus (host/port: launcher-chosen)
     [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
     name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
     draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
@@ -35,13 +35,19 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class VerifierSpec:
+    """The verifier daemon's settings (``goodspeed verifier`` flags, a spec's ``[verifier]``)."""
+
     target: str = "demo:target"
+    host: str = "127.0.0.1"
+    port: int = 50051  # the launcher always uses 0 and reads the bound port from the log
     budget: int = 16
     policy: str = "goodspeed"
     eta: float = 0.2
     beta: float = 0.5
     round_deadline_ms: float = 250.0
     max_missed_rounds: int = 3
+    idle_timeout_s: float = 60.0
+    max_drafters: int = 64
     max_draft_len: int = 16
     device: str = "cpu"
     dtype: str = "float32"
@@ -52,6 +58,8 @@ class VerifierSpec:
 
 @dataclass(frozen=True)
 class DrafterSpec:
+    """One draft node's settings (``goodspeed drafter`` flags, a spec's ``[[drafters]]``)."""
+
     name: str
     draft: str
     prompts: str

@@ -4,8 +4,9 @@ Every engine call runs on one worker thread (the engine is single-threaded; a ta
 must not block the event loop). The round loop closes a round when every drafter with a request
 in progress has submitted, or when ``round_deadline_ms`` has passed since the round's first
 draft; drafts that arrive while a round is being verified join the next one. A drafter that
-misses more than ``max_missed_rounds`` consecutive rounds, or whose verdict stream closes, is
-dropped and its KV freed, and the next allocation is computed without it. SIGTERM (see the CLI)
+misses more than ``max_missed_rounds`` consecutive rounds, or whose verdict stream closes, or
+that sends nothing for ``idle_timeout_s`` while a request is in progress (the case where no
+rounds run at all), is dropped and its KV freed, and the next allocation is computed without it. SIGTERM (see the CLI)
 calls :meth:`VerifierServer.drain`: new sessions and requests are refused, rounds continue until
 the requests in progress finish or the drain timeout passes.
 """
@@ -16,7 +17,7 @@ import asyncio
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -59,12 +60,15 @@ class ServerConfig:
     max_missed_rounds: int = 3
     max_message_bytes: int = 32 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    idle_timeout_s: float = 60.0  # drop a session with a request in progress that sends nothing this long
     target_name: str = ""
     warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
             raise ValueError("round_deadline_ms > 0, max_missed_rounds >= 0 and max_message_bytes >= 1024 are required")
+        if self.idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be > 0")
 
 
 @dataclass
@@ -74,6 +78,7 @@ class _Drafter:
     verdicts: asyncio.Queue
     missed: int = 0
     in_request: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 def _rpc(handler):
@@ -141,14 +146,14 @@ class VerifierService(pb_grpc.VerifierServicer):
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids))
         started = time.perf_counter()
         length = await self.call(self.engine.start_request, *args)
-        drafter.in_request, drafter.missed = True, 0
+        drafter.in_request, drafter.missed, drafter.last_seen = True, 0, time.monotonic()
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
 
     @_rpc
     async def SubmitDraft(self, request, context):
-        self._drafter(request.session_id)
+        self._drafter(request.session_id).last_seen = time.monotonic()
         draft = draft_from_pb(request, self.engine.vocab_size)
         verdict = await self.call(self.engine.submit, request.session_id, draft)
         if verdict is not None:
@@ -192,8 +197,13 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def run_rounds(self) -> None:
         loop = asyncio.get_running_loop()
+        sweep_every_s = min(1.0, self.config.idle_timeout_s / 2)
         while True:
-            await self._wakeup.wait()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), sweep_every_s)
+            except asyncio.TimeoutError:
+                await self._sweep_idle()  # no rounds are running: missed-round counting cannot act
+                continue
             self._wakeup.clear()
             if not self._queued:
                 continue
@@ -223,6 +233,12 @@ class VerifierService(pb_grpc.VerifierServicer):
         self._record(result, receive_s, send_s)
         if self._queued:
             self._wakeup.set()  # drafts that arrived during verification open the next round
+
+    async def _sweep_idle(self) -> None:
+        now = time.monotonic()
+        for drafter in list(self._drafters.values()):
+            if drafter.in_request and drafter.session_id not in self._queued and now - drafter.last_seen > self.config.idle_timeout_s:
+                await self.drop(drafter.session_id, f"idle for {now - drafter.last_seen:.1f} s")
 
     async def _count_missed(self, verified) -> None:
         for drafter in list(self._drafters.values()):

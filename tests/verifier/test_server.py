@@ -136,16 +136,34 @@ def test_stale_round_duplicate_and_request_errors(served):
     stream.cancel()
 
 
+def wait_for_drop(server, sid, timeout_s=10.0):
+    for _ in range(int(timeout_s / 0.05)):
+        if any(e["session"] == sid for e in server.events("drop")):
+            return
+        threading.Event().wait(0.05)
+    pytest.fail(f"session {sid} was not dropped within {timeout_s} s")
+
+
 def test_closing_the_verdict_stream_frees_the_session(served):
     server, stub = served
-    sid, _ = join(stub)
+    sid, reply = join(stub)
     stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
+    stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, token_ids=[3], dense=dense([3])))
+    next(stream)  # the stream is established on the server
     stream.cancel()
-    for _ in range(100):
-        if any(e["session"] == sid for e in server.events("drop")):
-            break
-        threading.Event().wait(0.05)
+    wait_for_drop(server, sid)
     assert sid not in server.server.engine.session_ids and server.server.engine.cache.num_slots == 0
+
+
+def test_a_silent_session_is_dropped_even_when_no_rounds_run(models):
+    engine = VerificationEngine(models[0], EngineConfig(budget=4))
+    with ServerThread(engine, idle_timeout_s=0.4) as server:
+        channel = grpc.insecure_channel(server.address)
+        sid, _ = join(pb_grpc.VerifierStub(channel))  # a request, then silence: no stream, no drafts
+        wait_for_drop(server, sid)
+        assert "idle" in next(e["reason"] for e in server.events("drop") if e["session"] == sid)
+        assert engine.cache.num_slots == 0
+        channel.close()
 
 
 def test_health_and_draining(served):
