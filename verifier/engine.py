@@ -226,6 +226,16 @@ class VerificationEngine:
             raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {self.config.budget}]")
         session.allotted = int(num_tokens)
 
+    def finish_request(self, session_id: str) -> list[int]:
+        """End the session's request early: free its KV slot, drop a queued draft; returns the
+        committed tokens (prompt + generated)."""
+        session = self._session(session_id)
+        if session.request is None:
+            raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
+        committed = list(session.request.committed)
+        self._end_request(session)
+        return committed
+
     def committed(self, session_id: str) -> list[int]:
         """The current request's committed tokens (prompt + generated): the verifier's truth."""
         session = self._session(session_id)

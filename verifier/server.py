@@ -163,6 +163,16 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.SubmitReply(queued=True)
 
     @_rpc
+    async def FinishRequest(self, request, context):
+        drafter = self._drafter(request.session_id)
+        committed = await self.call(self.engine.finish_request, request.session_id)
+        drafter.in_request = False
+        self._queued.discard(request.session_id)
+        self.log.event("finish", session=request.session_id, name=drafter.name, committed_tokens=len(committed))
+        self._wakeup.set()  # the round may now be complete without it
+        return pb.FinishRequestReply(committed_ids=committed)
+
+    @_rpc
     async def Resync(self, request, context):
         self._drafter(request.session_id)
         sid = request.session_id

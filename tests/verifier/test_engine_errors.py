@@ -127,3 +127,11 @@ def test_generation_continues_correctly_after_errors(engine):
         if v.finished:
             break
     assert out == greedy_reference(target, [1, 2, 3], 10)
+
+
+def test_finish_request_early(engine):
+    engine.submit(engine.good, Draft(0, [7]))
+    assert engine.finish_request(engine.good)[:3] == [1, 2, 3]
+    assert engine.cache.num_slots == 1 and engine.run_round().verdicts == {}  # the queued draft is gone
+    with pytest.raises(errors.NoActiveRequestError):
+        engine.finish_request(engine.good)

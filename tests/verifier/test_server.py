@@ -166,6 +166,19 @@ def test_a_silent_session_is_dropped_even_when_no_rounds_run(models):
         channel.close()
 
 
+def test_finish_request_frees_the_slot_and_allows_a_new_request(served):
+    server, stub = served
+    sid, reply = join(stub)
+    stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, token_ids=[3], dense=dense([3])))
+    committed = list(stub.FinishRequest(pb.FinishRequestRequest(session_id=sid)).committed_ids)
+    assert committed[:2] == [1, 2] and server.server.engine.cache.num_slots == 0
+    with pytest.raises(grpc.RpcError) as err:
+        stub.FinishRequest(pb.FinishRequestRequest(session_id=sid))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    again = stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=[5], max_new_tokens=3))
+    assert again.round_index >= reply.round_index
+
+
 def test_health_and_draining(served):
     server, stub = served
     channel = grpc.insecure_channel(server.address)

@@ -54,6 +54,11 @@ class VerifierStub:
                 request_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.DraftRequest.SerializeToString,
                 response_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.FinishRequest = channel.unary_unary(
+                '/goodspeed.v1.Verifier/FinishRequest',
+                request_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.FinishRequestRequest.SerializeToString,
+                response_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.FinishRequestReply.FromString,
+                _registered_method=True)
         self.Resync = channel.unary_unary(
                 '/goodspeed.v1.Verifier/Resync',
                 request_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.ResyncRequest.SerializeToString,
@@ -99,6 +104,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishRequest(self, request, context):
+        """End the current request early (e.g. its user cancelled): its KV is freed at once; a draft
+        already queued for it is discarded. Requests also finish by themselves (max tokens, EOS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Resync(self, request, context):
         """The verifier's committed tokens of the current request, for a drafter that drifted.
         """
@@ -135,6 +148,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.SubmitDraft,
                     request_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.DraftRequest.FromString,
                     response_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.SubmitReply.SerializeToString,
+            ),
+            'FinishRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishRequest,
+                    request_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.FinishRequestRequest.FromString,
+                    response_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.FinishRequestReply.SerializeToString,
             ),
             'Resync': grpc.unary_unary_rpc_method_handler(
                     servicer.Resync,
@@ -255,6 +273,33 @@ class Verifier:
             '/goodspeed.v1.Verifier/SubmitDraft',
             goodspeed_dot_v1_dot_goodspeed__pb2.DraftRequest.SerializeToString,
             goodspeed_dot_v1_dot_goodspeed__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/goodspeed.v1.Verifier/FinishRequest',
+            goodspeed_dot_v1_dot_goodspeed__pb2.FinishRequestRequest.SerializeToString,
+            goodspeed_dot_v1_dot_goodspeed__pb2.FinishRequestReply.FromString,
             options,
             channel_credentials,
             insecure,
