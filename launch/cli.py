@@ -82,6 +82,26 @@ def _launch(args: argparse.Namespace) -> int:
     return 0 if all(r["exit_code"] == 0 for r in summary["drafters"].values()) else 1
 
 
+def _experiment(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from goodspeed.launch.experiment import SPECS_DIR, load_experiment, run_experiment
+
+    path = args.spec
+    if path and not Path(path).exists() and (SPECS_DIR / f"{path}.toml").exists():
+        path = SPECS_DIR / f"{path}.toml"  # a shipped experiment by name, e.g. table1-4drafters
+    settings, spec = load_experiment(path)
+    if any(m.startswith("demo:") for m in [spec.verifier.target] + [d.draft for d in spec.drafters]):
+        from goodspeed.lm.demo import build_demo
+
+        build_demo()
+    only = tuple(args.policies.split(",")) if args.policies else None
+    out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = run_experiment(settings, spec, out, only=only, force=args.force)
+    return 1 if result["failed"] else 0
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
@@ -124,6 +144,12 @@ def _add_serving_parsers(sub) -> None:
     la.add_argument("--out", default=None, help="results directory (default: goodspeed-runs/<timestamp>)")
     la.add_argument("--no-live", action="store_true", help="no live table")
     la.set_defaults(func=_launch)
+    ex = sub.add_parser("experiment", help="compare draft-length policies on a local cluster and write a report")
+    ex.add_argument("spec", nargs="?", default=None, help="SPEC.toml or a shipped name (default, table1-4drafters, table1-8drafters)")
+    ex.add_argument("--out", default=None, help="results directory (rerun into the same one to complete a failed policy)")
+    ex.add_argument("--policies", default=None, help="comma-separated: run only these (e.g. a policy that failed)")
+    ex.add_argument("--force", action="store_true", help="rerun policies that already have data")
+    ex.set_defaults(func=_experiment)
 
 
 def build_parser() -> argparse.ArgumentParser:

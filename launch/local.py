@@ -50,6 +50,7 @@ class ClusterView:
 
     port: int | None = None
     rounds: int = 0
+    first_round: dict[str, int] = field(default_factory=dict)  # drafter name -> count of rounds when first seen
     drops: list[dict] = field(default_factory=list)
     drafters: dict[str, DrafterView] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -63,6 +64,7 @@ class ClusterView:
             elif event["event"] == "round":
                 self.rounds += 1
                 for row in event["drafters"]:
+                    self.first_round.setdefault(row["name"], self.rounds)
                     view = self.drafters.setdefault(row["name"], DrafterView())
                     view.alpha_hat, view.goodput, view.next_len = row["alpha_hat"], row["X"], row["S_next"]
                     view.tokens += row["x"]
@@ -152,9 +154,20 @@ class LocalCluster:
             with open(self.out_dir / f"{d.name}.log", "w") as err:
                 self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, **_pinned(d.cpus))
 
-    def wait(self, refresh_s: float = 1.0) -> None:
+    def rounds_with_everyone(self) -> int:
+        """Rounds run since the first round by which every drafter had taken part (0 before)."""
+        with self.view.lock:
+            if set(self.view.first_round) < set(self.drafters):
+                return 0
+            return self.view.rounds - max(self.view.first_round[n] for n in self.drafters) + 1
+
+    def wait(self, refresh_s: float = 1.0, max_rounds: int | None = None) -> None:
+        """Until every drafter exits, or until ``max_rounds`` rounds have run since every drafter
+        was taking part (start-up rounds, when some processes are still loading, do not count)."""
         shown = 0
         while any(p.poll() is None for p in self.drafters.values()):
+            if max_rounds is not None and self.rounds_with_everyone() >= max_rounds:
+                break
             if self.verifier.poll() is not None:
                 raise LaunchError(f"verifier exited with {self.verifier.returncode}:\n{_tail(self.out_dir / 'verifier.log')}")
             if self.live:
@@ -236,13 +249,14 @@ def print_summary(summary: dict, log=print) -> None:
         f"{summary['rounds']} rounds; results in {summary['out_dir']}")
 
 
-def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True) -> dict:
+def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, max_rounds: int | None = None) -> dict:
+    """Run the cluster until its drafters finish (or ``max_rounds`` rounds); returns the summary."""
     cluster = LocalCluster(spec, out_dir, log=log, live=live)
     try:
         address = cluster.start_verifier()
         log(f"verifier serving on {address}; starting {len(spec.expanded_drafters())} drafters")
         cluster.start_drafters(address)
-        cluster.wait()
+        cluster.wait(refresh_s=0.2 if max_rounds else 1.0, max_rounds=max_rounds)
     except KeyboardInterrupt:
         log("interrupted: stopping the cluster")
     finally:

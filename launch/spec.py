@@ -115,12 +115,14 @@ def _build(cls, table: dict, where: str):
         raise SpecError(f"{where}: {exc}") from None
 
 
-def load_spec(path: str | Path | None = None) -> LaunchSpec:
+def load_spec(path: str | Path | None = None, data: dict | None = None) -> LaunchSpec:
+    """Parse a spec file (or, with ``data``, its already-parsed tables; ``path`` names it in errors)."""
     path = Path(path) if path else DEFAULT_SPEC
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SpecError(f"{path}: {exc}") from None
+    if data is None:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SpecError(f"{path}: {exc}") from None
     unknown = set(data) - {"verifier", "drafters"}
     if unknown:
         raise SpecError(f"{path}: unknown tables {sorted(unknown)}")

@@ -40,3 +40,16 @@ def greedy_reference(model, prompt, max_new_tokens):
             logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
             seq.append(int(torch.argmax(logits)))
     return seq[len(prompt) :]
+
+
+def save_models(root, models: dict, vocab_size: int):
+    """Save each model with one shared byte-level BPE tokenizer (so fingerprints match); returns paths."""
+    from goodspeed.lm.demo import train_tokenizer
+
+    tokenizer = train_tokenizer("def f(x):\n    return x + 1\n" * 50, vocab_size=vocab_size)
+    paths = {}
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = root / name
+    return paths

@@ -10,10 +10,9 @@ import time
 
 import pytest
 
-from goodspeed.lm.demo import train_tokenizer
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from grpckit import ServerThread
-from modelkit import greedy_reference, perturbed, tiny_llama
+from modelkit import greedy_reference, perturbed, save_models, tiny_llama
 
 VOCAB = 300
 DEADLINE_MS = 300
@@ -21,14 +20,8 @@ DEADLINE_MS = 300
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = train_tokenizer("def f(x):\n    return x + 1\n" * 50, vocab_size=VOCAB)
     target = tiny_llama(0, vocab=VOCAB)
-    paths = {}
-    for name, model in {"target": target, "draft": perturbed(target, 0.1, 1)}.items():
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-        paths[name] = root / name
+    paths = save_models(tmp_path_factory.mktemp("models"), {"target": target, "draft": perturbed(target, 0.1, 1)}, VOCAB)
     return target, paths
 
 

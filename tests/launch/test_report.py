@@ -1,0 +1,41 @@
+import math
+
+import numpy as np
+import pytest
+
+from goodspeed.launch.report import goodput_matrix, jain_index, moving_average, policy_metrics, rounds_to_settle, utility_curve
+
+
+def row(t, drafter, x, S=3, accepted=None, ts=None):
+    return {"policy": "p", "round": t, "drafter": drafter, "x": x, "S": S, "accepted": x - 1 if accepted is None else accepted,
+            "alpha_hat": 0.5, "X": 1.5, "receive_s": 0.1 * t, "verify_s": 0.01, "send_s": 0.001, "ts": 100.0 + t if ts is None else ts}
+
+
+ROWS = [row(1, "a", 2), row(1, "b", 1), row(2, "a", 3), row(3, "a", 1), row(3, "b", 2)]  # b absent in round 2
+
+
+def test_hand_computed_metrics():
+    _, drafters, x = goodput_matrix(ROWS)
+    assert drafters == ["a", "b"] and x.tolist() == [[2, 1], [3, 0], [1, 2]]
+    start, u = utility_curve(x)
+    assert start == 0
+    assert u.tolist() == pytest.approx([math.log(2) + math.log(1), math.log(2.5) + math.log(0.5), math.log(2) + math.log(1)])
+    assert rounds_to_settle(u) == 2  # U(2) is off by far more than 1%; U(3) is final
+    m = policy_metrics(ROWS)
+    assert m["tokens_per_round"] == {"a": 2.0, "b": 1.0}
+    assert m["jain_index"] == pytest.approx(9 / 10)  # (2 + 1)^2 / (2 * (4 + 1))
+    assert m["total_tokens_per_s"] == pytest.approx(9 / 2.0)  # 9 tokens over ts 101 .. 103
+    assert (m["receive_s"], m["verify_s"], m["send_s"]) == pytest.approx((0.6, 0.03, 0.003))
+    assert m["acceptance"]["b"] == pytest.approx((0 + 1) / 6)
+
+
+def test_utility_starts_when_every_drafter_has_tokens():
+    start, u = utility_curve(np.array([[1, 0], [2, 0], [1, 1]], dtype=float))
+    assert start == 2 and len(u) == 1
+    assert jain_index(np.array([1.0, 1.0, 1.0])) == pytest.approx(1.0)
+    assert jain_index(np.array([3.0, 0.0, 0.0])) == pytest.approx(1 / 3)
+
+
+def test_moving_average_and_band():
+    mean, std = moving_average(np.array([0.0, 2.0, 4.0]), window=2)
+    assert mean.tolist() == [0.0, 1.0, 3.0] and std.tolist() == [0.0, 1.0, 1.0]
