@@ -55,6 +55,11 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
         assert m["tokens_per_round"] == pytest.approx(per_round)
         assert m["jain_index"] == pytest.approx(jain) and m["utility"] == pytest.approx(utility)
         assert f"| {policy} | 40 | {m['utility']:.4f} | {m['jain_index']:.4f} |" in markdown
+    # Greedy and lossless: whatever the policy, a drafter's finished requests are the same tokens.
+    for drafter in ("good", "noisy", "unrelated"):
+        runs = [{r["id"]: r["token_ids"] for r in map(json.loads, (out / p / f"{drafter}.jsonl").read_text().splitlines())} for p in settings.policies]
+        common = set(runs[0]) & set(runs[1])
+        assert common and all(runs[0][k] == runs[1][k] for k in common), drafter
     # GoodSpeed maximises sum_i log xbar_i; on drafters this different it must not lose to Fixed-S.
     assert report["goodspeed"]["utility"] >= report["fixed"]["utility"]
     # A policy can be rerun alone; the other's data stays and the report is rebuilt from both.
