@@ -15,7 +15,10 @@ VOCAB = 300
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     target = tiny_llama(0, vocab=VOCAB)
-    models = {"target": target, "good": perturbed(target, 0.05, 1), "noisy": perturbed(target, 0.6, 2), "unrelated": tiny_llama(9, vocab=VOCAB)}
+    # Acceptance must really differ for the allocation to matter: "good" nearly agrees with the
+    # target (at 0.05 noise its greedy acceptance was ~0.3, where S beyond 3 buys nothing and U
+    # differed between policies by one token of timing noise), the other two accept nothing.
+    models = {"target": target, "good": perturbed(target, 0.01, 1), "noisy": perturbed(target, 0.6, 2), "unrelated": tiny_llama(9, vocab=VOCAB)}
     return save_models(tmp_path_factory.mktemp("models"), models, VOCAB)
 
 
