@@ -109,8 +109,3 @@ def dense_q(draft: Draft, vocab_size: int, dtype: torch.dtype) -> torch.Tensor |
     else:
         return None
     return q / q.sum(dim=-1, keepdim=True)
-
-
-def point_mass_q(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[S, V]`` one-hot rows: the draft distribution of deterministic (e.g. greedy) drafts."""
-    return torch.nn.functional.one_hot(token_ids, vocab_size).to(dtype)

@@ -20,91 +20,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.scheduler import AllocationInputs, GoodputEstimator, SmoothingConfig, make_policy
+from goodspeed.scheduler import AllocationInputs, GoodputEstimator, make_policy
 from goodspeed.verifier import errors
 from goodspeed.verifier.attention import use_gqa_attention
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
-from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
 from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict
 from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Budget ``C`` per round, the draft-length policy, smoothing, and limits."""
-
-    budget: int = 16
-    policy: str = "goodspeed"
-    smoothing: SmoothingConfig = field(default_factory=SmoothingConfig)
-    max_drafters: int = 64
-    max_draft_len: int = 16
-    max_seq_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
-            raise ValueError("budget and max_draft_len must be >= 0, max_drafters >= 1")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError("max_seq_len must be >= 2")
-        make_policy(self.policy)  # unknown names fail here, not on the first round
-
-
-@dataclass
-class _Request:
-    committed: list[int]  # prompt + generated token ids; the last one is pending (not in KV)
-    prompt_len: int
-    sampling: SamplingParams
-    max_new_tokens: int
-    eos_token_ids: frozenset[int]
-    hasher: object = field(default_factory=new_prefix_hasher)  # BLAKE2b of ``committed`` so far
-
-    def __post_init__(self) -> None:
-        update_prefix_hasher(self.hasher, self.committed)
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - (len(self.committed) - self.prompt_len)
-
-    def commit(self, tokens: list[int]) -> None:
-        self.committed.extend(tokens)
-        update_prefix_hasher(self.hasher, tokens)  # O(new tokens) per round
-
-
-@dataclass
-class _Session:
-    session_id: str
-    name: str
-    request: _Request | None = None
-    allotted: int = 0
-    round_index: int = 0  # the round the session submits next
-    pending: Draft | None = None
-    last_draft: Draft | None = None
-    last_verdict: Verdict | None = None
-
-
-@dataclass
-class _Row:
-    """One participant of a round."""
-
-    session: _Session
-    slot: int
-    input: RowInput
-    parents: list[int] | None  # None for a chain; else parent of each new token (-1: prefix)
-
-    @property
-    def draft(self) -> Draft:
-        return self.input.draft
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.input.tokens
 
 
 class VerificationEngine:
@@ -128,7 +56,7 @@ class VerificationEngine:
         self.row_verifier = RowVerifier(self.vocab_size, self.device, self._work_dtype, self.generator)
         self.np_rng = np.random.default_rng(self.config.seed)
         self.round_index = 0
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._slot_owner: list[str] = []
         self._ids = itertools.count()
 
@@ -144,7 +72,7 @@ class VerificationEngine:
                 "draft and target must share one tokenizer"
             )
         session_id = f"{name}#{next(self._ids)}"
-        self._sessions[session_id] = _Session(session_id, name)
+        self._sessions[session_id] = Session(session_id, name)
         self.estimator.join(session_id)
         return session_id
 
@@ -176,7 +104,7 @@ class VerificationEngine:
         self._check_request(prompt, max_new_tokens)
         slot = self.cache.add_slot()
         self._slot_owner.append(session_id)
-        session.request = _Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids))
+        session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids))
         if len(prompt) > 1:
             self._forward(slice(slot, slot + 1), [prompt[:-1]], [None])
             self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
@@ -197,18 +125,18 @@ class VerificationEngine:
                 f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context limit {self.max_seq_len}"
             )
 
-    def _cap(self, session: _Session) -> int:
+    def _cap(self, session: Session) -> int:
         """Most tokens worth drafting: the last new token always comes from the target."""
         return max(0, min(self.config.max_draft_len, session.request.remaining - 1))
 
-    def _first_allotment(self, session: _Session) -> int:
+    def _first_allotment(self, session: Session) -> int:
         """A newcomer gets an equal share of the budget, but only what others leave free this round."""
         active = [s for s in self._sessions.values() if s.request is not None]
         free = self.config.budget - sum(s.allotted for s in active if s is not session)
         share = self.config.budget // len(active)
         return max(0, min(share, free, self._cap(session)))
 
-    def _end_request(self, session: _Session) -> None:
+    def _end_request(self, session: Session) -> None:
         slot = self._slot_owner.index(session.session_id)
         moved = self.cache.free_slot(slot)
         if moved is not None:
@@ -253,7 +181,7 @@ class VerificationEngine:
         """The round index the session's next draft must carry."""
         return self._session(session_id).round_index
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str) -> Session:
         try:
             return self._sessions[session_id]
         except KeyError:
@@ -288,9 +216,6 @@ class VerificationEngine:
         session.pending = draft
         return None
 
-    def has_pending(self) -> bool:
-        return any(s.pending is not None for s in self._sessions.values())
-
     # ------------------------------------------------------------------------------- rounds
 
     def run_round(self, uniforms: dict[str, np.ndarray] | None = None) -> RoundResult:
@@ -322,7 +247,7 @@ class VerificationEngine:
             draft_lengths={s.session_id: s.allotted for s in self._sessions.values() if s.request is not None},
         )
 
-    def _assemble(self) -> list[_Row]:
+    def _assemble(self) -> list[Row]:
         rows = []
         for slot, session_id in enumerate(self._slot_owner):
             session = self._sessions[session_id]
@@ -332,10 +257,10 @@ class VerificationEngine:
             pending_token = session.request.committed[-1]
             parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
             tokens = [pending_token, *map(int, draft.token_ids)]
-            rows.append(_Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents))
+            rows.append(Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents))
         return rows
 
-    def _forward_rows(self, rows: list[_Row]) -> torch.Tensor:
+    def _forward_rows(self, rows: list[Row]) -> torch.Tensor:
         """One forward over the slot window spanning the participants; idle slots get padding."""
         first, last = rows[0].slot, rows[-1].slot
         tokens: list[list[int]] = [[] for _ in range(last - first + 1)]
@@ -358,7 +283,7 @@ class VerificationEngine:
             )
         return out.logits
 
-    def _apply(self, row: _Row, outcome: RowOutcome) -> tuple:
+    def _apply(self, row: Row, outcome: RowOutcome) -> tuple:
         """Commit the verified tokens to the request and its KV slot; end finished requests."""
         session, request = row.session, row.session.request
         base = self.cache.lengths[row.slot]
@@ -393,7 +318,7 @@ class VerificationEngine:
             verdicts[row.session.session_id] = self._verdict(row, emitted, accepted, reason)
         return verdicts
 
-    def _verdict(self, row: _Row, emitted: list[int], accepted: int, reason: str | None) -> Verdict:
+    def _verdict(self, row: Row, emitted: list[int], accepted: int, reason: str | None) -> Verdict:
         session = row.session
         committed = session.request.committed
         est = self.estimator.get(session.session_id)

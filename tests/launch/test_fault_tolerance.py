@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from grpckit import ServerThread
@@ -42,11 +43,12 @@ def exit_code(proc, timeout_s=120):
 
 
 def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path):
-    target, paths = model_dirs
+    _, paths = model_dirs
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
-    engine = VerificationEngine(tiny_llama(0, vocab=VOCAB, dtype=__import__("torch").float32), EngineConfig(budget=12, max_draft_len=4))
+    target32 = tiny_llama(0, vocab=VOCAB, dtype=torch.float32)  # the saved target's weights, as the drafters load them
+    engine = VerificationEngine(target32, EngineConfig(budget=12, max_draft_len=4))
     procs = {}
     with ServerThread(engine, round_deadline_ms=DEADLINE_MS, max_missed_rounds=2) as server:
         try:
@@ -76,5 +78,5 @@ def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path
                     p.kill()
     for name in ("survivor", "frozen"):
         records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-        assert [r["token_ids"] for r in records] == [greedy_reference(target.float(), p, 120) for p in prompts], name
+        assert [r["token_ids"] for r in records] == [greedy_reference(target32, p, 120) for p in prompts], name
     assert sum(r["repairs"] for r in map(json.loads, (tmp_path / "frozen.jsonl").read_text().splitlines())) >= 1

@@ -1,0 +1,82 @@
+"""The engine's configuration and its per-drafter bookkeeping (sessions, requests, round rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.scheduler import SmoothingConfig, make_policy
+from goodspeed.verifier.types import Draft, Verdict
+from goodspeed.verifier.verify_rows import RowInput
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Budget ``C`` per round, the draft-length policy, smoothing, and limits."""
+
+    budget: int = 16
+    policy: str = "goodspeed"
+    smoothing: SmoothingConfig = field(default_factory=SmoothingConfig)
+    max_drafters: int = 64
+    max_draft_len: int = 16
+    max_seq_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
+            raise ValueError("budget and max_draft_len must be >= 0, max_drafters >= 1")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError("max_seq_len must be >= 2")
+        make_policy(self.policy)  # unknown names fail here, not on the first round
+
+
+@dataclass
+class Request:
+    committed: list[int]  # prompt + generated token ids; the last one is pending (not in KV)
+    prompt_len: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    hasher: object = field(default_factory=new_prefix_hasher)  # BLAKE2b of ``committed`` so far
+
+    def __post_init__(self) -> None:
+        update_prefix_hasher(self.hasher, self.committed)
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - (len(self.committed) - self.prompt_len)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.committed.extend(tokens)
+        update_prefix_hasher(self.hasher, tokens)  # O(new tokens) per round
+
+
+@dataclass
+class Session:
+    session_id: str
+    name: str
+    request: Request | None = None
+    allotted: int = 0
+    round_index: int = 0  # the round the session submits next
+    pending: Draft | None = None
+    last_draft: Draft | None = None
+    last_verdict: Verdict | None = None
+
+
+@dataclass
+class Row:
+    """One participant of a round."""
+
+    session: Session
+    slot: int
+    input: RowInput
+    parents: list[int] | None  # None for a chain; else parent of each new token (-1: prefix)
+
+    @property
+    def draft(self) -> Draft:
+        return self.input.draft
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.input.tokens
