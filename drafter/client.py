@@ -77,28 +77,26 @@ class DrafterClient:
 
     def _retry(self, fn, request):
         """Call ``fn(request)``, retrying UNAVAILABLE with jittered exponential backoff."""
-        deadline, delay = time.monotonic() + self.config.connect_timeout_s, 0.05
-        while True:
+        for pause in _backoff(self.config.connect_timeout_s, cap_s=2.0):
             try:
                 return fn(request, timeout=self.config.verdict_timeout_s)
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or time.monotonic() + delay > deadline:
+                if exc.code() not in RETRYABLE or pause is None:
                     raise
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 2.0)
+            time.sleep(pause)
 
     def wait_until_serving(self) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
-        deadline, delay = time.monotonic() + self.config.connect_timeout_s, 0.05
-        while time.monotonic() < deadline:
+        for pause in _backoff(self.config.connect_timeout_s, cap_s=1.0):
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 1.0)
+            if pause is None:
+                break
+            time.sleep(pause)
         raise DrafterError(f"verifier {self.config.verifier} not serving after {self.config.connect_timeout_s} s")
 
     def join(self) -> None:
@@ -198,6 +196,16 @@ class DrafterClient:
         self.runner.start(list(reply.committed_ids))
         result.repairs += 1
         return reply.draft_length, reply.round_index
+
+
+def _backoff(timeout_s: float, cap_s: float):
+    """Jittered exponential pauses (from 50 ms, doubling up to ``cap_s``) for one attempt each;
+    the last attempt, when the next pause would pass ``timeout_s``, gets ``None``."""
+    deadline, delay = time.monotonic() + timeout_s, 0.05
+    while True:
+        pause = delay * (0.5 + random.random())
+        yield pause if time.monotonic() + pause <= deadline else None
+        delay = min(delay * 2, cap_s)
 
 
 class _SessionLost(Exception):

@@ -24,6 +24,20 @@ class DraftOutput:
     token_ids: list[int]  # [S]
     probs: torch.Tensor  # [S, V] q_j after logits processing
 
+    def q_to_send(self, sampling: SamplingParams) -> tuple[str, object]:
+        """How q travels, exactly: ``("none", None)`` for greedy (q is the point mass) or empty
+        drafts; ``("sparse", [(ids, probs), ...])`` — each row's support — when the sampling
+        truncates; else ``("dense", probs [S, V])``."""
+        if sampling.greedy or not self.token_ids:
+            return "none", None
+        if sampling.truncates:
+            rows = []
+            for row in self.probs:
+                ids = torch.nonzero(row > 0).squeeze(-1)
+                rows.append((ids.tolist(), row[ids].tolist()))
+            return "sparse", rows
+        return "dense", self.probs
+
 
 class DraftRunner:
     """One drafter's model state for one request at a time."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from goodspeed.drafter.runner import DraftOutput
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
@@ -14,16 +12,11 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
 
 
 def draft_to_pb(session_id: str, round_index: int, out: DraftOutput, sampling: SamplingParams) -> pb.DraftRequest:
-    """Greedy drafts carry no q; truncated q travels sparse (exact); otherwise dense ``[S * V]``."""
+    """Token ids plus q as :meth:`DraftOutput.q_to_send` decides (dense flattens to ``[S * V]``)."""
     msg = pb.DraftRequest(session_id=session_id, round_index=round_index, token_ids=out.token_ids)
-    if sampling.greedy or not out.token_ids:
-        return msg
-    if sampling.truncates:
-        rows = []
-        for row in out.probs:
-            ids = torch.nonzero(row > 0).squeeze(-1)
-            rows.append(pb.SparseRow(token_ids=ids.tolist(), probs=row[ids].float().tolist()))
-        msg.sparse.rows.extend(rows)
-    else:
-        msg.dense.probs.extend(out.probs.float().reshape(-1).tolist())
+    kind, q = out.q_to_send(sampling)
+    if kind == "sparse":
+        msg.sparse.rows.extend(pb.SparseRow(token_ids=ids, probs=probs) for ids, probs in q)
+    elif kind == "dense":
+        msg.dense.probs.extend(q.float().reshape(-1).tolist())
     return msg

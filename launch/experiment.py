@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from goodspeed.launch.local import launch_local
 from goodspeed.launch.report import write_report
-from goodspeed.launch.spec import PROMPT_SETS, LaunchSpec, SpecError, _build, load_spec, tomllib
+from goodspeed.launch.spec import PROMPT_SETS, LaunchSpec, SpecError, build_table, load_spec, tomllib
 
 SPECS_DIR = PROMPT_SETS.parent / "specs"
 DEFAULT_EXPERIMENT = SPECS_DIR / "experiment-default.toml"
@@ -52,7 +52,7 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
     table = dict(raw.pop("experiment", {}))
     if "policies" in table:
         table["policies"] = tuple(table["policies"])
-    settings = _build(ExperimentSettings, table, f"{path} [experiment]")
+    settings = build_table(ExperimentSettings, table, f"{path} [experiment]")
     if settings.rounds < 2 or not settings.policies:
         raise SpecError(f"{path} [experiment]: rounds >= 2 and at least one policy are required")
     spec = load_spec(path, data=raw)
@@ -87,7 +87,7 @@ def rows_from_log(log_path: Path, policy: str) -> list[dict]:
     return rows
 
 
-def run_policy(settings: ExperimentSettings, spec: LaunchSpec, policy: str, out_dir: Path, log=print) -> list[dict]:
+def run_policy(settings: ExperimentSettings, spec: LaunchSpec, policy: str, out_dir: Path) -> list[dict]:
     run_dir = out_dir / policy
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "status.json").unlink(missing_ok=True)
@@ -110,14 +110,14 @@ def measurement_window(rows: list[dict], drafters: list[str], rounds: int) -> li
     and counting the rounds before a slow starter joined as zero goodput for it would charge
     start-up latency to whichever policy happened to run with a slower start.
     """
-    order = sorted({r["round"] for r in rows})
-    seen: set[str] = set()
-    for t in order:
-        seen.update(r["drafter"] for r in rows if r["round"] == t)
-        if seen >= set(drafters):
-            window = set(order[order.index(t) : order.index(t) + rounds])
-            return [r for r in rows if r["round"] in window]
-    return []
+    first_seen: dict[str, int] = {}
+    for r in rows:
+        first_seen[r["drafter"]] = min(first_seen.get(r["drafter"], r["round"]), r["round"])
+    if not set(drafters) <= set(first_seen):
+        return []
+    start = max(first_seen[d] for d in drafters)
+    window = set(sorted({r["round"] for r in rows if r["round"] >= start})[:rounds])
+    return [r for r in rows if r["round"] in window]
 
 
 def load_rows(out_dir: Path, policy: str) -> list[dict] | None:
@@ -134,7 +134,7 @@ def run_experiment(settings: ExperimentSettings, spec: LaunchSpec, out_dir: Path
     failed = []
     for policy in tqdm(todo, desc=f"experiment {settings.name}", unit="policy", file=sys.stderr):
         try:
-            run_policy(settings, spec, policy, out_dir, log)
+            run_policy(settings, spec, policy, out_dir)
         except Exception as exc:  # one policy failing must not lose the others' data
             failed.append(policy)
             log(f"policy {policy} failed: {exc}; rerun it alone with --policies {policy}")

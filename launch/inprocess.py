@@ -46,16 +46,13 @@ class InProcessDrafter:
 
 
 def to_engine_draft(round_index: int, out: DraftOutput, sampling: SamplingParams) -> Draft:
-    """Greedy drafts need no q; truncated q travels sparse (exact); otherwise dense."""
-    if sampling.greedy or not out.token_ids:
-        return Draft(round_index, out.token_ids)
-    if sampling.truncates:
-        sparse = []
-        for row in out.probs:
-            ids = torch.nonzero(row > 0).squeeze(-1)
-            sparse.append(SparseProbs(ids.tolist(), row[ids].tolist()))
-        return Draft(round_index, out.token_ids, sparse_probs=sparse)
-    return Draft(round_index, out.token_ids, dense_probs=out.probs.cpu().numpy())
+    """The engine's :class:`Draft`, with q as :meth:`DraftOutput.q_to_send` decides."""
+    kind, q = out.q_to_send(sampling)
+    if kind == "sparse":
+        return Draft(round_index, out.token_ids, sparse_probs=[SparseProbs(ids, probs) for ids, probs in q])
+    if kind == "dense":
+        return Draft(round_index, out.token_ids, dense_probs=q.cpu().numpy())
+    return Draft(round_index, out.token_ids)
 
 
 def _start_next(engine: VerificationEngine, d: InProcessDrafter, eos_token_ids: Sequence[int]) -> None:

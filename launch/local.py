@@ -127,8 +127,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class LocalCluster:
-    def __init__(self, spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, start_timeout_s: float = 300.0) -> None:
-        self.spec, self.out_dir, self.log, self.live = spec, out_dir, log, live
+    def __init__(self, spec: LaunchSpec, out_dir: Path, live: bool = True, start_timeout_s: float = 300.0) -> None:
+        self.spec, self.out_dir, self.live = spec, out_dir, live
         self.start_timeout_s = start_timeout_s
         self.view = ClusterView()
         self.verifier: subprocess.Popen | None = None
@@ -251,7 +251,7 @@ def print_summary(summary: dict, log=print) -> None:
 
 def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, max_rounds: int | None = None) -> dict:
     """Run the cluster until its drafters finish (or ``max_rounds`` rounds); returns the summary."""
-    cluster = LocalCluster(spec, out_dir, log=log, live=live)
+    cluster = LocalCluster(spec, out_dir, live=live)
     try:
         address = cluster.start_verifier()
         log(f"verifier serving on {address}; starting {len(spec.expanded_drafters())} drafters")

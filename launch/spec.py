@@ -99,7 +99,8 @@ class LaunchSpec:
         return out
 
 
-def _build(cls, table: dict, where: str):
+def build_table(cls, table: dict, where: str):
+    """A frozen dataclass from a TOML table; unknown keys and wrong types raise :class:`SpecError`."""
     known = {f.name for f in fields(cls)}
     unknown = set(table) - known
     if unknown:
@@ -126,8 +127,8 @@ def load_spec(path: str | Path | None = None, data: dict | None = None) -> Launc
     unknown = set(data) - {"verifier", "drafters"}
     if unknown:
         raise SpecError(f"{path}: unknown tables {sorted(unknown)}")
-    verifier = _build(VerifierSpec, data.get("verifier", {}), f"{path} [verifier]")
-    drafters = tuple(_build(DrafterSpec, d, f"{path} [[drafters]] #{i}") for i, d in enumerate(data.get("drafters", [])))
+    verifier = build_table(VerifierSpec, data.get("verifier", {}), f"{path} [verifier]")
+    drafters = tuple(build_table(DrafterSpec, d, f"{path} [[drafters]] #{i}") for i, d in enumerate(data.get("drafters", [])))
     spec = LaunchSpec(verifier, drafters)
     _validate(spec, path)
     return spec

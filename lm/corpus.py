@@ -8,6 +8,7 @@ cached demo models were built from this same corpus.
 from __future__ import annotations
 
 import hashlib
+import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +54,6 @@ def load_corpus(max_bytes: int = 8_000_000, root: Path | None = None) -> Corpus:
 
 def prompt_snippets(text: str, count: int, length: int, seed: int = 0) -> list[str]:
     """``count`` snippets of ``length`` characters starting at line beginnings (deterministic)."""
-    import random
-
     starts = [i + 1 for i, ch in enumerate(text[: len(text) - length]) if ch == "\n"]
     rng = random.Random(seed)
     return [text[s : s + length] for s in sorted(rng.sample(starts, min(count, len(starts))))]

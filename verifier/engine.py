@@ -174,9 +174,6 @@ class VerificationEngine:
     def allotment(self, session_id: str) -> int:
         return self._session(session_id).allotted
 
-    def has_request(self, session_id: str) -> bool:
-        return self._session(session_id).request is not None
-
     def next_round(self, session_id: str) -> int:
         """The round index the session's next draft must carry."""
         return self._session(session_id).round_index

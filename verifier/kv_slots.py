@@ -108,9 +108,6 @@ class SlotKVCache:
                     buf[slot, :, dst.to(buf.device)] = buf[slot, :, src.to(buf.device)]
         self.lengths[slot] = base + len(kept)
 
-    def reset_slot(self, slot: int, length: int = 0) -> None:
-        self.lengths[slot] = length
-
 
 def ancestor_matrix(parents: list[int], size: int) -> torch.Tensor:
     """``[size, size]`` bool: ``anc[j, i]`` when new token ``i`` is ``j`` or one of its ancestors.

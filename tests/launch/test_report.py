@@ -39,3 +39,11 @@ def test_utility_starts_when_every_drafter_has_tokens():
 def test_moving_average_and_band():
     mean, std = moving_average(np.array([0.0, 2.0, 4.0]), window=2)
     assert mean.tolist() == [0.0, 1.0, 3.0] and std.tolist() == [0.0, 1.0, 1.0]
+
+
+def test_measurement_window_starts_when_every_drafter_took_part():
+    from goodspeed.launch.experiment import measurement_window
+
+    rows = [row(1, "a", 1), row(2, "a", 1), row(3, "a", 1), row(3, "b", 1), row(4, "a", 1), row(5, "b", 1)]
+    assert [(r["round"], r["drafter"]) for r in measurement_window(rows, ["a", "b"], 2)] == [(3, "a"), (3, "b"), (4, "a")]
+    assert measurement_window(rows, ["a", "b", "c"], 2) == []
