@@ -62,9 +62,15 @@ class VerificationEngine:
 
     # ----------------------------------------------------------------- sessions and requests
 
-    def join(self, name: str, tokenizer_fingerprint: str | None = None) -> str:
-        """Register a drafter; returns its session id."""
-        if len(self._sessions) >= self.config.max_drafters:
+    def join(self, name: str, tokenizer_fingerprint: str | None = None, managed: bool = False) -> str:
+        """Register a drafter; returns its session id.
+
+        A ``managed`` session is drafted for by the caller (local serving), which sets its draft
+        size every round with :meth:`set_allotment`: it is left out of the budget ``C``, the
+        draft-length policy and the ``max_drafters`` limit, all of which are the edge drafters'.
+        """
+        edge = sum(not s.managed for s in self._sessions.values())
+        if not managed and edge >= self.config.max_drafters:
             raise errors.TooManyDraftersError(f"already serving {self.config.max_drafters} drafters")
         if tokenizer_fingerprint and self.fingerprint and tokenizer_fingerprint != self.fingerprint:
             raise errors.TokenizerMismatchError(
@@ -72,7 +78,7 @@ class VerificationEngine:
                 "draft and target must share one tokenizer"
             )
         session_id = f"{name}#{next(self._ids)}"
-        self._sessions[session_id] = Session(session_id, name)
+        self._sessions[session_id] = Session(session_id, name, managed=managed)
         self.estimator.join(session_id)
         return session_id
 
@@ -129,9 +135,14 @@ class VerificationEngine:
         """Most tokens worth drafting: the last new token always comes from the target."""
         return max(0, min(self.config.max_draft_len, session.request.remaining - 1))
 
+    def _edge_active(self) -> list[Session]:
+        return [s for s in self._sessions.values() if s.request is not None and not s.managed]
+
     def _first_allotment(self, session: Session) -> int:
         """A newcomer gets an equal share of the budget, but only what others leave free this round."""
-        active = [s for s in self._sessions.values() if s.request is not None]
+        if session.managed:
+            return 0
+        active = self._edge_active()
         free = self.config.budget - sum(s.allotted for s in active if s is not session)
         share = self.config.budget // len(active)
         return max(0, min(share, free, self._cap(session)))
@@ -146,11 +157,12 @@ class VerificationEngine:
 
     def set_allotment(self, session_id: str, num_tokens: int) -> None:
         """Override the session's draft length for its next round: for callers that choose lengths
-        themselves (local serving with TETRIS or AdaServe) instead of the engine's policy."""
+        themselves (local serving with TETRIS or AdaServe) instead of the engine's policy. A
+        managed session may be allotted any size; an edge session at most the budget ``C``."""
         session = self._session(session_id)
         if session.request is None:
             raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
-        if not 0 <= num_tokens <= self.config.budget:
+        if num_tokens < 0 or (not session.managed and num_tokens > self.config.budget):
             raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {self.config.budget}]")
         session.allotted = int(num_tokens)
 
@@ -241,7 +253,7 @@ class VerificationEngine:
             timings=RoundTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3),
             batch_rows=window,
             batch_tokens=window * q_len,
-            draft_lengths={s.session_id: s.allotted for s in self._sessions.values() if s.request is not None},
+            draft_lengths={s.session_id: s.allotted for s in self._edge_active()},
         )
 
     def _assemble(self) -> list[Row]:
@@ -300,8 +312,8 @@ class VerificationEngine:
     def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
         """Eq. (5) (or the configured baseline) for next round, then the verdicts."""
         finished = {row.session.session_id: reason for row, _, _, reason in outcomes if reason}
-        participants = [row.session for row, *_ in outcomes if row.session.session_id not in finished]
-        others = [s for s in self._sessions.values() if s.request is not None and s.pending is None]
+        participants = [row.session for row, *_ in outcomes if row.session.session_id not in finished and not row.session.managed]
+        others = [s for s in self._edge_active() if s.pending is None]
         budget = max(0, self.config.budget - sum(s.allotted for s in others))
         if participants:
             ids = [s.session_id for s in participants]

@@ -53,14 +53,16 @@ class SlotKVCache:
         self.lengths.pop()
         return moved
 
-    def prepare(self, q_len: int, rows: slice) -> int:
+    def prepare(self, q_len: int, rows: slice, offset: int = 0) -> int:
         """Set up a forward over the slots ``rows`` (a contiguous window) that writes ``q_len``
-        positions per slot at its committed length; returns the key length attention will see."""
+        positions per slot at its committed length plus ``offset`` (scratch entries beyond the
+        committed length, e.g. the draft's beam-search tree); returns the key length attention
+        will see."""
         lengths = self.lengths[rows]
         self._rows = rows
-        self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(q_len)
+        self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + offset + torch.arange(q_len)
         self._write_rows = torch.arange(rows.start, rows.stop).unsqueeze(1).expand_as(self._write_pos)
-        self._kv_len = max(lengths) + q_len
+        self._kv_len = max(lengths) + offset + q_len
         while self._kv_len > self._capacity:
             self._capacity *= 2
         return self._kv_len
@@ -107,6 +109,12 @@ class SlotKVCache:
                 if buf is not None:
                     buf[slot, :, dst.to(buf.device)] = buf[slot, :, src.to(buf.device)]
         self.lengths[slot] = base + len(kept)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll ``slot`` back to its first ``length`` committed entries."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
+        self.lengths[slot] = length
 
 
 def ancestor_matrix(parents: list[int], size: int) -> torch.Tensor:

@@ -56,6 +56,7 @@ class Request:
 class Session:
     session_id: str
     name: str
+    managed: bool = False  # drafted for by local serving, outside the budget and the policy
     request: Request | None = None
     allotted: int = 0
     round_index: int = 0  # the round the session submits next

@@ -1,0 +1,109 @@
+"""The batched local draft model against plain full-sequence forwards of the same model."""
+
+import numpy as np
+import pytest
+import torch
+
+from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.verifier.local_draft import LocalDraftModel, subtree
+from modelkit import tiny_llama
+
+GREEDY = SamplingParams()
+
+
+def next_probs(model, seq, sampling=None):
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(seq)])).logits[0, -1].double()
+    return torch.softmax(logits, -1) if sampling is None or sampling.greedy else process_logits(logits, sampling)
+
+
+def path_of(tree, node):
+    path = []
+    while node >= 0:
+        path.append(tree.token_ids[node])
+        node = tree.parents[node]
+    return path[::-1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(5)
+
+
+def test_chains_are_the_models_greedy_continuations_across_rounds(model):
+    draft = LocalDraftModel(model)
+    committed = {"a": [1, 2, 3, 4, 5], "b": [7, 8], "c": [9, 10, 11]}
+    for key in committed:
+        draft.add(key)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # draft, accept a prefix, append a correction: the KV must stay right
+        lengths = {"a": 3, "b": 1, "c": 0}
+        out = draft.draft_chains(committed, lengths, {k: GREEDY for k in committed}, gen)
+        for key, n in lengths.items():
+            seq = list(committed[key])
+            for j in range(n):
+                expect = int(next_probs(model, seq).argmax())
+                assert out[key].token_ids[j] == expect
+                seq.append(expect)
+            assert len(out[key].token_ids) == n
+        for key, n in lengths.items():
+            accepted = min(n, 1)
+            before = len(committed[key])
+            committed[key] = committed[key] + out[key].token_ids[:accepted] + [int(3 + len(committed[key]) % 5)]
+            draft.rollback(key, before, accepted)
+    draft.remove("b")  # slots move; the others keep their KV
+    out = draft.draft_chains(committed, {"a": 2, "c": 2}, {"a": GREEDY, "c": GREEDY}, gen)
+    for key in ("a", "c"):
+        assert out[key].token_ids[0] == int(next_probs(model, committed[key]).argmax())
+
+
+def test_sampled_chain_reports_the_processed_draft_distribution(model):
+    draft = LocalDraftModel(model)
+    draft.add("x")
+    sampling = SamplingParams(temperature=0.8, top_k=5)
+    out = draft.draft_chains({"x": [3, 4, 5]}, {"x": 2}, {"x": sampling}, torch.Generator().manual_seed(1))["x"]
+    q0 = next_probs(model, [3, 4, 5], sampling)
+    q1 = next_probs(model, [3, 4, 5, out.token_ids[0]], sampling)
+    torch.testing.assert_close(out.probs[0], q0, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.probs[1], q1, atol=1e-6, rtol=0)
+    assert out.token_probs == pytest.approx([float(q0[out.token_ids[0]]), float(q1[out.token_ids[1]])], abs=1e-9)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3)])
+def test_beam_trees_match_full_forwards(model, sampling):
+    draft = LocalDraftModel(model)
+    committed = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8, 9, 10, 11]}
+    for key in committed:
+        draft.add(key)
+    for round_ in range(2):
+        trees = draft.draft_trees(committed, depth=3, width=3, sampling={k: sampling for k in committed}, max_depths={"c": 2})
+        for key, tree in trees.items():
+            assert max(tree.depths) == (2 if key == "c" else 3)
+            for depth in range(1, max(tree.depths) + 1):
+                assert sum(d == depth for d in tree.depths) <= 3
+            for node in range(len(tree.token_ids)):
+                path = path_of(tree, node)
+                assert len(path) == tree.depths[node]
+                prob = 1.0
+                for j in range(len(path)):
+                    prob *= float(next_probs(model, committed[key] + path[:j], sampling)[path[j]])
+                assert tree.path_probs[node] == pytest.approx(prob, rel=1e-6)
+            # the w best children of the root by draft probability
+            root = next_probs(model, committed[key], sampling)
+            top = torch.topk(root, 3).indices.tolist()
+            assert [t for t, p in zip(tree.token_ids, tree.parents) if p < 0] == top
+        for key in committed:  # commit a root child and a correction, like a verdict would
+            committed[key] = committed[key] + [trees[key].token_ids[0], 2]
+
+
+def test_subtree_reindexes_parents(model):
+    draft = LocalDraftModel(model)
+    draft.add("a")
+    tree = draft.draft_trees({"a": [1, 2, 3]}, depth=3, width=2, sampling={"a": GREEDY})["a"]
+    chosen = [0] + [k for k in range(len(tree.parents)) if tree.parents[k] == 0]
+    tokens, parents = subtree(tree, chosen)
+    assert parents[0] == -1 and all(p == 0 for p in parents[1:])
+    assert tokens == [tree.token_ids[k] for k in chosen]
+    orphan = [k for k in range(len(tree.parents)) if tree.parents[k] >= 0][-1]
+    with pytest.raises(ValueError, match="not selected"):
+        subtree(tree, [orphan])

@@ -1,0 +1,277 @@
+"""The verifier's own draft model for local requests: batched chains and beam-search trees.
+
+Local serving drafts for every request of the continuous batch at once, so the draft model keeps
+its KV in a :class:`~goodspeed.verifier.kv_slots.SlotKVCache` (one slot per request, the same
+structure the target uses) and every draft step is ONE forward over all requests.
+
+* Catch-up: the committed tokens a request's draft KV does not hold yet (at least the last
+  committed token; after speculation was off, everything since) are fed as one chain per row and
+  committed to the draft KV.
+* Chains (``none``, ``chain``, ``tetris``, ``turbospec``, ``nightjar``): ``k`` autoregressive steps;
+  drafted tokens are committed to the draft KV as they are fed and rolled back after the verdict
+  to what the target accepted (rollback is setting a length).
+* Trees (AdaServe, Section 4.2 "Step 1: Speculation"): beam search of width ``w`` and depth ``d``.
+  The first step expands each root (the last committed token) into its ``w`` most probable
+  children; every later step feeds the ``w`` nodes chosen last (``n * w`` tokens) and keeps, per
+  request, the ``w`` best of their ``w * |V|`` children by approximated path probability (the
+  product of draft probabilities from the root). The tree nodes are written as scratch entries
+  beyond the committed draft KV (node ``k`` at offset ``k``) and attend to the committed prefix
+  and their own ancestors only; they are dropped after the step (nothing to roll back).
+
+Candidate probabilities are the request's processed draft distribution (its temperature, top-k,
+top-p); for greedy requests, whose processed distribution is one-hot, the draft's softmax ranks
+the candidates. Trees hold deterministic candidates: the target verifies them losslessly without
+``q`` (:func:`goodspeed.verifier.rejection.verify_tree`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.verifier.attention import use_gqa_attention
+from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
+
+
+@dataclass(frozen=True)
+class ChainDraft:
+    token_ids: list[int]  # [k]
+    probs: torch.Tensor  # [k, V] processed q of each drafted position
+    token_probs: list[float]  # [k] q_j(s_j): what TETRIS ranks by
+
+    def q_rows(self) -> torch.Tensor | None:
+        return self.probs if self.token_ids else None
+
+
+@dataclass(frozen=True)
+class BeamTree:
+    """A candidate tree: ``parents[k]`` (-1: the root), ``path_probs[k]`` and ``depths[k]`` per node."""
+
+    token_ids: list[int]
+    parents: list[int]
+    path_probs: list[float]
+    depths: list[int]
+
+
+class LocalDraftModel:
+    """Batched drafting for the local requests. Not thread-safe (the engine thread owns it)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval()
+        use_gqa_attention(self.model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(model.config.vocab_size)
+        self.cache = SlotKVCache(int(model.config.num_hidden_layers))
+        self._slot_of: dict[str, int] = {}
+        self._key_at: list[str] = []
+        self.forwards = 0  # draft forward passes so far (for reports)
+
+    # ------------------------------------------------------------------- slots
+
+    def add(self, key: str) -> None:
+        if key in self._slot_of:
+            raise ValueError(f"request {key!r} already has a draft slot")
+        self._slot_of[key] = self.cache.add_slot()
+        self._key_at.append(key)
+
+    def remove(self, key: str) -> None:
+        slot = self._slot_of.pop(key)
+        moved = self.cache.free_slot(slot)
+        if moved is not None:
+            self._key_at[slot] = self._key_at[moved]
+            self._slot_of[self._key_at[slot]] = slot
+        self._key_at.pop()
+
+    def cached_length(self, key: str) -> int:
+        return self.cache.lengths[self._slot_of[key]]
+
+    def rollback(self, key: str, committed_before: int, num_accepted: int) -> None:
+        """After a chain verdict: keep the draft KV of the committed tokens and accepted drafts."""
+        slot = self._slot_of[key]
+        self.cache.truncate(slot, min(self.cache.lengths[slot], committed_before + num_accepted))
+
+    # ---------------------------------------------------------------- forwards
+
+    def _forward(self, tokens: dict[str, list[int]], parents: dict[str, list[int]] | None = None, offset: int = 0,
+                 scratch_anc: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """One forward over the slot window holding ``tokens``' keys; returns their logits
+        ``[len(tokens[key]), V]`` per key. ``scratch_anc`` (beam steps): per key a bool matrix
+        ``[q_len, offset]`` of the scratch entries each new token may see, besides the prefix."""
+        slots = sorted(self._slot_of[k] for k in tokens)
+        first, last = slots[0], slots[-1]
+        width = last - first + 1
+        q_len = max(len(t) for t in tokens.values())
+        ids = torch.zeros(width, q_len, dtype=torch.long)
+        row_parents: list[list[int] | None] = [None] * width
+        for key, toks in tokens.items():
+            r = self._slot_of[key] - first
+            ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            if parents is not None:
+                row_parents[r] = parents[key]
+        window = slice(first, last + 1)
+        kv_len = self.cache.prepare(q_len, window, offset)
+        lengths = self.cache.lengths[window]
+        if scratch_anc is None:
+            mask, positions = build_attention(lengths, row_parents, q_len, kv_len, self.dtype, self.device)
+        else:
+            mask, positions = self._beam_attention(lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions,
+                             past_key_values=self.cache, use_cache=True)
+        self.forwards += 1
+        return {key: out.logits[self._slot_of[key] - first, : len(toks)] for key, toks in tokens.items()}
+
+    def _beam_attention(self, lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc):
+        allowed = torch.zeros(width, q_len, kv_len, dtype=torch.bool)
+        positions = torch.zeros(width, q_len, dtype=torch.long)
+        new = torch.arange(q_len)
+        for b in range(width):  # every query sees its row's prefix and itself
+            allowed[b, :, : lengths[b]] = True
+            allowed[b, new, lengths[b] + offset + new] = True
+            positions[b] = lengths[b]
+        for key, anc in scratch_anc.items():
+            b = self._slot_of[key] - first
+            n = lengths[b]
+            allowed[b, : anc.shape[0], n : n + offset] = anc
+            positions[b, : anc.shape[0]] = n + anc.sum(dim=1)  # a depth-d node: d - 1 drafted ancestors
+        mask = torch.zeros(allowed.shape, dtype=self.dtype)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask.unsqueeze(1).to(self.device), positions.to(self.device)
+
+    def catch_up(self, committed: dict[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+        """Feed each request's uncached committed tokens (at least the last one) and commit them
+        to the draft KV; returns the logits after the last committed token, per key."""
+        feed = {}
+        for key, toks in committed.items():
+            slot = self._slot_of[key]
+            pending = len(toks) - 1
+            if self.cache.lengths[slot] > pending:  # drafts fed earlier and not yet rolled back
+                self.cache.truncate(slot, pending)
+            feed[key] = [int(t) for t in toks[self.cache.lengths[slot] :]]
+        logits = self._forward(feed)
+        for key, toks in feed.items():
+            slot = self._slot_of[key]
+            self.cache.commit(slot, self.cache.lengths[slot], list(range(len(toks))))
+        return {key: lg[-1] for key, lg in logits.items()}
+
+    # ------------------------------------------------------------------ chains
+
+    def draft_chains(self, committed: dict[str, Sequence[int]], lengths: dict[str, int], sampling: dict[str, SamplingParams],
+                     generator: torch.Generator) -> dict[str, ChainDraft]:
+        """Draft ``lengths[key]`` tokens after each request's committed tokens (all in one batch
+        per step); keys with length 0 are left alone."""
+        active = {k: n for k, n in lengths.items() if n > 0}
+        out = {k: ChainDraft([], torch.zeros(0, self.vocab_size, dtype=torch.float64), []) for k in lengths if k not in active}
+        if not active:
+            return out
+        last = self.catch_up({k: committed[k] for k in active})
+        drafted: dict[str, list[int]] = {k: [] for k in active}
+        probs: dict[str, list[torch.Tensor]] = {k: [] for k in active}
+        for step in range(max(active.values())):
+            for key in active:
+                if step < active[key]:
+                    q = process_logits(last[key].double(), sampling[key])
+                    tok = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
+                    drafted[key].append(tok)
+                    probs[key].append(q)
+            feeding = {k: [drafted[k][-1]] for k in active if step + 1 < active[k]}
+            if not feeding:
+                break
+            last = {k: lg[-1] for k, lg in self._forward(feeding).items()}
+            for key in feeding:
+                slot = self._slot_of[key]
+                self.cache.commit(slot, self.cache.lengths[slot], [0])
+        for key in active:
+            q = torch.stack(probs[key])
+            out[key] = ChainDraft(drafted[key], q, [float(q[j, t]) for j, t in enumerate(drafted[key])])
+        return out
+
+    # ------------------------------------------------------------------- trees
+
+    @staticmethod
+    def _ranking(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        if sampling.greedy:
+            return torch.softmax(logits.double(), dim=-1)
+        return process_logits(logits.double(), sampling)
+
+    def draft_trees(self, committed: dict[str, Sequence[int]], depth: int, width: int, sampling: dict[str, SamplingParams],
+                    max_depths: dict[str, int] | None = None) -> dict[str, BeamTree]:
+        """Beam search of ``width`` and ``depth`` for every request (``max_depths[key]`` caps one
+        request's depth, e.g. by its remaining tokens); zero-probability candidates are dropped."""
+        if depth < 1 or width < 1:
+            raise ValueError("depth and width must be >= 1")
+        caps = {k: min(depth, (max_depths or {}).get(k, depth)) for k in committed}
+        trees = {k: BeamTree([], [], [], []) for k in committed}
+        active = [k for k in committed if caps[k] >= 1]
+        if not active:
+            return trees
+        last = self.catch_up({k: committed[k] for k in active})
+        # Per key: all candidate nodes so far, and the indices of the current beams.
+        beams: dict[str, list[int]] = {}
+        for key in active:
+            probs = self._ranking(last[key], sampling[key])
+            top = torch.topk(probs, min(width, self.vocab_size))
+            tree = trees[key]
+            for p, tok in zip(top.values.tolist(), top.indices.tolist()):
+                if p > 0:
+                    tree.token_ids.append(int(tok)), tree.parents.append(-1), tree.path_probs.append(float(p)), tree.depths.append(1)
+            beams[key] = list(range(len(tree.token_ids)))
+        scratch: dict[str, dict[int, int]] = {k: {} for k in active}  # node -> its scratch offset
+        written = 0  # scratch entries written beyond the committed draft KV, per row (padded)
+        for step in range(2, depth + 1):
+            grow = [k for k in active if caps[k] >= step and beams[k]]
+            if not grow:
+                break
+            offset = written  # every row writes this step's nodes at the same scratch offset
+            feed, anc = {}, {}
+            for key in grow:
+                tree, nodes = trees[key], beams[key]
+                feed[key] = [tree.token_ids[n] for n in nodes]
+                a = torch.zeros(len(nodes), offset, dtype=torch.bool)
+                for i, n in enumerate(nodes):
+                    scratch[key][n] = offset + i
+                    p = tree.parents[n]
+                    while p >= 0:
+                        a[i, scratch[key][p]] = True
+                        p = tree.parents[p]
+                anc[key] = a
+            written += max(len(f) for f in feed.values())
+            logits = self._forward(feed, offset=offset, scratch_anc=anc)
+            for key in grow:
+                tree = trees[key]
+                nodes = beams[key]
+                base = torch.tensor([tree.path_probs[n] for n in nodes], dtype=torch.float64).unsqueeze(1)
+                cand = base * self._ranking(logits[key], sampling[key])  # [len(nodes), V]
+                flat = cand.flatten()
+                top = torch.topk(flat, min(width, flat.numel()))
+                new = []
+                for p, idx in zip(top.values.tolist(), top.indices.tolist()):
+                    if p <= 0:
+                        continue
+                    parent = nodes[idx // self.vocab_size]
+                    new.append(len(tree.token_ids))
+                    tree.token_ids.append(idx % self.vocab_size)
+                    tree.parents.append(parent)
+                    tree.path_probs.append(float(p))
+                    tree.depths.append(tree.depths[parent] + 1)
+                beams[key] = new
+        return trees
+
+
+def subtree(tree: BeamTree, nodes: np.ndarray | Sequence[int]) -> tuple[list[int], list[int]]:
+    """The selected nodes (a parent-closed set, ascending) as a draft: token ids and parents
+    re-indexed into the selection."""
+    chosen = [int(n) for n in nodes]
+    index = {n: i for i, n in enumerate(chosen)}
+    parents = []
+    for n in chosen:
+        p = tree.parents[n]
+        if p >= 0 and p not in index:
+            raise ValueError(f"node {n}'s parent {p} is not selected")
+        parents.append(-1 if p < 0 else index[p])
+    return [tree.token_ids[n] for n in chosen], parents
