@@ -107,7 +107,7 @@ class VerificationEngine:
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
-        self._check_request(prompt, max_new_tokens)
+        self.check_request(prompt, max_new_tokens)
         slot = self.cache.add_slot()
         self._slot_owner.append(session_id)
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids))
@@ -117,7 +117,8 @@ class VerificationEngine:
         session.allotted = self._first_allotment(session)
         return session.allotted
 
-    def _check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+    def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Raise the error a request with this prompt and length would get (nothing changes)."""
         if not prompt:
             raise errors.MalformedDraftError("the prompt must hold at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -253,6 +254,7 @@ class VerificationEngine:
             timings=RoundTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3),
             batch_rows=window,
             batch_tokens=window * q_len,
+            verified_tokens=sum(len(r.tokens) for r in rows),
             draft_lengths={s.session_id: s.allotted for s in self._edge_active()},
         )
 

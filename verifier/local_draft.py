@@ -70,6 +70,9 @@ class LocalDraftModel:
         self._slot_of: dict[str, int] = {}
         self._key_at: list[str] = []
         self.forwards = 0  # draft forward passes so far (for reports)
+        # Called after every forward with (context tokens, batched tokens): a simulated clock
+        # charges the forward's modeled cost here.
+        self.on_forward = None
 
     # ------------------------------------------------------------------- slots
 
@@ -124,6 +127,8 @@ class LocalDraftModel:
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions,
                              past_key_values=self.cache, use_cache=True)
         self.forwards += 1
+        if self.on_forward is not None:
+            self.on_forward(sum(lengths) + offset * width, width * q_len)
         return {key: out.logits[self._slot_of[key] - first, : len(toks)] for key, toks in tokens.items()}
 
     def _beam_attention(self, lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc):

@@ -1,0 +1,479 @@
+"""Local serving: the verifier drafts for its own generation requests (continuous batching).
+
+Each iteration (one call of :meth:`LocalServing.step`):
+
+1. admit waiting requests up to ``max_requests`` (prefill the target; a managed engine session
+   and a draft KV slot each);
+2. the local policy decides what to draft and what to verify for every request in the batch;
+3. the drafts go into the engine as managed sessions and are verified in the same single target
+   forward as any edge drafts queued for this round (chains or trees, lossless);
+4. accepted tokens are streamed to each request's callback with their times; finished requests
+   leave the batch.
+
+Policies (``--local-policy``):
+
+* ``none`` — plain decoding (no draft), ``chain`` — every request drafts ``k`` tokens;
+* ``tetris`` — TETRIS (seeds 004, Alg. 1): each request drafts ``k + extra`` tokens and the batch
+  verifies the ``capacity`` tokens with the highest cumulative draft probability; VSR reported;
+* ``adaserve`` — AdaServe (seeds 000, Alg. 2): beam-search candidate trees with depth and width
+  from eqs. (8)-(9), SLO-customized then throughput-optimized node selection under the budget
+  ``B``, where ``A(r) = (l + t_spec) / t_TPOT - o`` with ``l`` the time since the request's
+  decoding began, ``o`` its tokens so far and ``t_spec`` the smoothed iteration time;
+* ``turbospec`` — TurboSpec (seeds 001, Listing 2): ``k`` (0 included) maximising predicted
+  goodput under the profiled latency models, from the requests' smoothed acceptance;
+* ``nightjar`` — Nightjar (seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded with
+  the measured goodput of the step, with the draft catch-up as the switching cost.
+
+Time comes from a :class:`RealClock` in serving, or a :class:`SimulatedClock` that charges every
+forward its cost under given latency models, which makes SLO experiments exact and repeatable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.scheduler import (
+    CandidateTree,
+    LatencyModel,
+    NightjarBandit,
+    choose_proposal_length,
+    select_tokens,
+    select_tree_nodes,
+    slo_need,
+    speculation_shape,
+)
+from goodspeed.verifier import errors
+from goodspeed.verifier.engine import VerificationEngine
+from goodspeed.verifier.local_draft import LocalDraftModel, subtree
+from goodspeed.verifier.types import Draft, RoundResult
+
+LOCAL_POLICIES = ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
+
+
+# ------------------------------------------------------------------------------------- clocks
+
+
+class RealClock:
+    """Wall-clock time; forwards cost what they cost."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def charge(self, which: str, context_tokens: int, batched_tokens: int) -> None:
+        pass
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class SimulatedClock:
+    """Time that advances only by the modeled cost of each forward: ``model.predict_s(context
+    tokens, batched tokens)`` per forward (a :class:`LatencyModel`, TurboSpec eq. 3, or any object
+    with that method, e.g. a roofline). A target forward is charged for the tokens verified, as in
+    a packed (variable-length) batch; this engine pads its rows to the longest, which the
+    benchmarks' real clock measures."""
+
+    def __init__(self, target: LatencyModel, draft: LatencyModel, start: float = 0.0) -> None:
+        self.models = {"target": target, "draft": draft}
+        self.t = float(start)
+
+    def now(self) -> float:
+        return self.t
+
+    def charge(self, which: str, context_tokens: int, batched_tokens: int) -> None:
+        self.t += float(self.models[which].predict_s(context_tokens, batched_tokens))
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """The fitted latency models ``goodspeed profile`` writes (TurboSpec eq. 3)."""
+
+    target: LatencyModel
+    draft: LatencyModel
+
+    def to_dict(self) -> dict:
+        return {"target": self.target.to_dict(), "draft": self.draft.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LatencyProfile":
+        try:
+            return cls(LatencyModel.from_dict(data["target"]), LatencyModel.from_dict(data["draft"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a latency profile (need target and draft models): {exc}") from exc
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    policy: str = "chain"
+    k: int = 4  # chain: tokens drafted per request; tetris: the base length
+    extra: int = 2  # tetris: tokens drafted beyond k
+    capacity: int | None = None  # tetris: draft tokens verified per iteration (default k * requests)
+    budget: int = 32  # adaserve: B, tree nodes per iteration, roots included
+    max_depth: int = 6  # adaserve: D_max
+    max_width: int = 3  # adaserve: W_max
+    max_slo_tree_size: int = 8  # adaserve: n_max (root included)
+    max_k: int = 6  # turbospec / nightjar: largest k considered
+    latency: LatencyProfile | None = None  # turbospec: required
+    max_requests: int = 32  # requests decoded together; later ones wait
+    iteration_smoothing: float = 0.5  # weight of the newest iteration time in t_spec
+    initial_acceptance: float = 0.5  # turbospec: pooled acceptance before any local draft was verified
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in LOCAL_POLICIES:
+            raise ValueError(f"unknown local policy {self.policy!r}; choose one of {', '.join(LOCAL_POLICIES)}")
+        if self.k < 0 or self.extra < 0 or self.max_k < 0 or self.max_requests < 1:
+            raise ValueError("k, extra and max_k must be >= 0 and max_requests >= 1")
+        if self.capacity is not None and self.capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        if self.budget < 1 or self.max_depth < 1 or self.max_width < 1 or self.max_slo_tree_size < 1:
+            raise ValueError("budget, max_depth, max_width and max_slo_tree_size must be >= 1")
+        if self.policy == "turbospec" and self.latency is None:
+            raise ValueError("the turbospec policy needs a latency profile: run `goodspeed profile` and pass --latency-profile")
+        if self.policy == "nightjar" and self.max_k < 1:
+            raise ValueError("nightjar needs max_k >= 1")
+        if not 0 < self.iteration_smoothing <= 1:
+            raise ValueError("iteration_smoothing must lie in (0, 1]")
+
+
+# ----------------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a request's callback receives: new tokens (with their clock times) and, at the end,
+    the finish reason ("length", "eos", "cancelled" or "error: ...")."""
+
+    request_id: str
+    token_ids: list[int]
+    times: list[float]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class LocalRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    tpot_slo_s: float | None
+    on_event: Callable[[TokenEvent], None] | None
+    arrival: float
+    session_id: str | None = None
+    decode_start: float | None = None  # clock time the prefill finished
+    generated: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    finished_at: float | None = None
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0
+
+    @property
+    def committed(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def cap(self) -> int:
+        """Most draft depth worth verifying: the last new token always comes from the target."""
+        return max(0, self.max_new_tokens - len(self.generated) - 1)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token: decoding time over tokens (prefill and queueing excluded)."""
+        if not self.generated or self.decode_start is None:
+            return None
+        end = self.finished_at if self.finished_at is not None else self.token_times[-1]
+        return (end - self.decode_start) / len(self.generated)
+
+    @property
+    def slo_met(self) -> bool | None:
+        if self.tpot_slo_s is None or self.tpot_s is None:
+            return None
+        return self.tpot_s <= self.tpot_slo_s
+
+    def summary(self) -> dict:
+        return {
+            "request_id": self.request_id, "prompt_tokens": len(self.prompt_ids), "new_tokens": len(self.generated),
+            "arrival": self.arrival, "decode_start": self.decode_start, "finished_at": self.finished_at,
+            "finish_reason": self.finish_reason, "tpot_s": self.tpot_s, "tpot_slo_s": self.tpot_slo_s,
+            "slo_met": self.slo_met, "drafted": self.drafted, "accepted": self.accepted,
+        }
+
+
+@dataclass
+class _Plan:
+    token_ids: list[int]
+    parents: list[int] | None = None  # None: a chain
+    q: torch.Tensor | None = None  # [k, V] for sampled chains
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One iteration: the engine's round (edge verdicts included) and the local bookkeeping."""
+
+    round: RoundResult | None
+    requests: int  # local requests in the batch
+    drafted: int  # local draft tokens verified
+    accepted: int
+    emitted: int  # local tokens streamed
+    duration_s: float
+    k: int | None  # the chain length chosen this step (chain policies)
+
+
+# ----------------------------------------------------------------------------------- serving
+
+
+class LocalServing:
+    """Local generation on the verifier. Every method runs on the engine's thread."""
+
+    def __init__(self, engine: VerificationEngine, draft_model: torch.nn.Module, config: LocalConfig,
+                 clock: RealClock | SimulatedClock | None = None) -> None:
+        if int(draft_model.config.vocab_size) != engine.vocab_size:
+            raise ValueError(f"draft vocabulary {draft_model.config.vocab_size} != target vocabulary {engine.vocab_size}")
+        self.engine, self.config = engine, config
+        self.clock = clock or RealClock()
+        self.draft = LocalDraftModel(draft_model)
+        self.draft.on_forward = lambda ctx, batched: self.clock.charge("draft", ctx, batched)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.rng = np.random.default_rng(config.seed)
+        self.bandit = NightjarBandit(config.max_k) if config.policy == "nightjar" else None
+        self._waiting: deque[LocalRequest] = deque()
+        self._active: dict[str, LocalRequest] = {}
+        self.finished: list[LocalRequest] = []
+        self._ids = itertools.count()
+        self.t_spec_s = 0.0  # smoothed iteration time (AdaServe's t_spec)
+        # Acceptance across local requests: a new request's estimate until it has drafted.
+        self.pooled_acceptance = config.initial_acceptance
+        self.draft_forward_s = 0.0  # smoothed time of one draft forward (Nightjar's switching cost)
+        self.totals = {"steps": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 64,
+               eos_token_ids: Sequence[int] = (), tpot_slo_ms: float | None = None,
+               on_event: Callable[[TokenEvent], None] | None = None, request_id: str | None = None) -> str:
+        """Queue a request (validated now, so a bad one fails here); returns its id."""
+        prompt = [int(t) for t in prompt_ids]
+        self.engine.check_request(prompt, max_new_tokens)
+        if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
+            raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
+        rid = request_id or f"local-{next(self._ids)}"
+        if rid in self._active or any(r.request_id == rid for r in self._waiting):
+            raise errors.RequestInProgressError(f"request id {rid!r} is already in use")
+        self._waiting.append(LocalRequest(
+            rid, prompt, sampling, int(max_new_tokens), tuple(int(t) for t in eos_token_ids),
+            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now()))
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request (its client went away); False if it already ended."""
+        for req in self._waiting:
+            if req.request_id == request_id:
+                self._waiting.remove(req)
+                self._finish(req, "cancelled")
+                return True
+        req = self._active.get(request_id)
+        if req is None:
+            return False
+        self.engine.finish_request(req.session_id)
+        self._release(req, "cancelled")
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.config.max_requests:
+            req = self._waiting.popleft()
+            req.session_id = self.engine.join(f"local:{req.request_id}", managed=True)
+            try:
+                self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens, req.eos_token_ids)
+            except errors.EngineError as exc:
+                self.engine.leave(req.session_id)
+                self._finish(req, f"error: {exc}")
+                continue
+            self.clock.charge("target", len(req.prompt_ids), len(req.prompt_ids))
+            req.decode_start = self.clock.now()
+            self.draft.add(req.request_id)
+            self._active[req.request_id] = req
+
+    def _release(self, req: LocalRequest, reason: str) -> None:
+        self.engine.leave(req.session_id)
+        self.draft.remove(req.request_id)
+        del self._active[req.request_id]
+        self._finish(req, reason)
+
+    def _finish(self, req: LocalRequest, reason: str) -> None:
+        req.finish_reason, req.finished_at = reason, self.clock.now()
+        self.finished.append(req)
+        if req.on_event is not None:
+            req.on_event(TokenEvent(req.request_id, [], [], True, reason))
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> StepReport | None:
+        """One iteration over the batch (plus any queued edge drafts); None when there is no work."""
+        started = self.clock.now()
+        self._admit()
+        if not self._active:
+            return None
+        reqs = list(self._active.values())
+        plans, k = self._plan(reqs)
+        drafted = 0
+        for req in reqs:
+            plan = plans[req.request_id]
+            self.engine.set_allotment(req.session_id, len(plan.token_ids))
+            dense = None
+            if plan.q is not None and plan.token_ids and not req.sampling.greedy:
+                dense = plan.q.numpy()
+            self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents, dense))
+            drafted += len(plan.token_ids)
+        context = sum(self.engine.cache.lengths)
+        result = self.engine.run_round()
+        self.clock.charge("target", context, result.verified_tokens)
+        now = self.clock.now()
+        seen = [self.engine.estimator.get(r.session_id).acceptance for r in reqs if r.drafted or plans[r.request_id].token_ids]
+        if seen:
+            self.pooled_acceptance = float(np.mean(seen))
+        accepted = emitted = 0
+        for req in reqs:
+            verdict = result.verdicts[req.session_id]
+            plan = plans[req.request_id]
+            if plan.parents is None and plan.token_ids:
+                self.draft.rollback(req.request_id, len(req.committed), verdict.num_accepted)
+            req.generated.extend(verdict.token_ids)
+            req.token_times.extend([now] * len(verdict.token_ids))
+            req.drafted += verdict.num_drafted
+            req.accepted += verdict.num_accepted
+            accepted += verdict.num_accepted
+            emitted += len(verdict.token_ids)
+            if req.on_event is not None:
+                req.on_event(TokenEvent(req.request_id, list(verdict.token_ids), [now] * len(verdict.token_ids)))
+            if verdict.finished:
+                self.draft.remove(req.request_id)
+                self.engine.leave(req.session_id)
+                del self._active[req.request_id]
+                self._finish(req, verdict.finish_reason)
+        duration = now - started
+        w = self.config.iteration_smoothing
+        self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
+        if self.bandit is not None and k is not None and duration > 0:
+            self.bandit.observe(len(reqs), k, emitted / duration)
+        for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted)):
+            self.totals[key] += value
+        return StepReport(result, len(reqs), drafted, accepted, emitted, duration, k)
+
+    # ---------------------------------------------------------------- policies
+
+    def _chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, _Plan]:
+        drafts = self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths,
+                                         {r.request_id: r.sampling for r in reqs}, self.generator)
+        return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in drafts.items()}
+
+    def _timed_chains(self, reqs, lengths):
+        """Chains, measuring one draft forward: Nightjar's switching cost ``c_prefill`` is the
+        draft catch-up forward that turning speculation back on costs."""
+        t0 = self.clock.now()
+        before = self.draft.forwards
+        plans = self._chains(reqs, lengths)
+        n = self.draft.forwards - before
+        if n:
+            per = (self.clock.now() - t0) / n
+            self.draft_forward_s = per if self.draft_forward_s == 0 else 0.5 * per + 0.5 * self.draft_forward_s
+        return plans
+
+    def _plan(self, reqs: list[LocalRequest]) -> tuple[dict[str, _Plan], int | None]:
+        policy, cfg = self.config.policy, self.config
+        if policy == "none":
+            return {r.request_id: _Plan([]) for r in reqs}, 0
+        if policy == "chain":
+            return self._chains(reqs, {r.request_id: min(cfg.k, r.cap) for r in reqs}), cfg.k
+        if policy == "turbospec":
+            acceptance = [self._acceptance(r) for r in reqs]
+            context = sum(len(r.committed) for r in reqs)
+            k = choose_proposal_length(acceptance, context, cfg.latency.target, cfg.latency.draft, cfg.max_k).k
+            return self._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
+        if policy == "nightjar":
+            k = self.bandit.choose_arm(len(reqs), self.rng, prefill_cost_s=self.draft_forward_s)
+            return self._timed_chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
+        if policy == "tetris":
+            return self._tetris(reqs), None
+        return self._adaserve(reqs), None
+
+    def _acceptance(self, req: LocalRequest) -> float:
+        """The request's smoothed acceptance (eq. 3) once it has drafted, else the pooled one."""
+        return self.engine.estimator.get(req.session_id).acceptance if req.drafted else self.pooled_acceptance
+
+    def _tetris(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
+        cfg = self.config
+        plans = self._chains(reqs, {r.request_id: min(cfg.k + cfg.extra, r.cap) for r in reqs})
+        capacity = cfg.capacity if cfg.capacity is not None else cfg.k * len(reqs)
+        probs = [np.array(self._token_probs(plans[r.request_id], r), dtype=np.float64) for r in reqs]
+        keep = select_tokens(probs, capacity)
+        for r, n in zip(reqs, keep.tolist()):
+            plan = plans[r.request_id]
+            plans[r.request_id] = _Plan(plan.token_ids[:n], None, None if plan.q is None else plan.q[:n])
+        return plans
+
+    @staticmethod
+    def _token_probs(plan: _Plan, req: LocalRequest) -> list[float]:
+        if plan.q is None or not plan.token_ids:
+            return []
+        return [float(plan.q[j, t]) for j, t in enumerate(plan.token_ids)]
+
+    def _adaserve(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
+        cfg = self.config
+        budget = max(cfg.budget, len(reqs))  # every root costs one unit (Alg. 2 line 7)
+        depth, width = speculation_shape(budget, len(reqs), cfg.max_depth, cfg.max_width)
+        trees = self.draft.draft_trees({r.request_id: r.committed for r in reqs}, depth, width,
+                                       {r.request_id: r.sampling for r in reqs}, {r.request_id: r.cap for r in reqs})
+        now = self.clock.now()
+        need = []
+        for r in reqs:
+            if r.tpot_slo_s is None:
+                need.append(0.0)  # no SLO: only the throughput phase grows its tree
+            else:
+                need.append(float(slo_need(now - r.decode_start, self.t_spec_s, r.tpot_slo_s, len(r.generated))))
+        candidates = [CandidateTree(trees[r.request_id].parents, trees[r.request_id].path_probs) for r in reqs]
+        depths = [min(depth, r.cap) for r in reqs]
+        chosen = select_tree_nodes(candidates, need, budget, cfg.max_slo_tree_size, depths=depths)
+        plans = {}
+        for r, nodes in zip(reqs, chosen.selected):
+            tokens, parents = subtree(trees[r.request_id], nodes)
+            plans[r.request_id] = _Plan(tokens, parents if tokens else None)
+        return plans
+
+    # ------------------------------------------------------------------ reports
+
+    def stats(self) -> dict:
+        t = self.totals
+        return {**t, "vsr": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
+                "active": len(self._active), "waiting": len(self._waiting)}
