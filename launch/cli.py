@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+from goodspeed.launch.spec import VerifierSpec
+from goodspeed.scheduler.policy import LOCAL_POLICIES
+
 
 def _models_build(args: argparse.Namespace) -> int:
     from goodspeed.lm.demo import build_demo
@@ -43,14 +46,103 @@ def _verifier(args: argparse.Namespace) -> int:
     import asyncio
 
     from goodspeed.launch.serve import serve
-    from goodspeed.launch.spec import VerifierSpec
 
     return asyncio.run(serve(VerifierSpec(
         target=args.target, host=args.host, port=args.port, budget=args.budget, policy=args.policy, eta=args.eta,
         beta=args.beta, round_deadline_ms=args.round_deadline_ms, max_missed_rounds=args.max_missed_rounds,
         idle_timeout_s=args.idle_timeout_s, max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
         device=args.device, dtype=args.dtype, seed=args.seed,
+        **{name: getattr(args, name) for name in VerifierSpec.LOCAL_FLAGS},
     )))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from goodspeed.launch.generate import generate_request, run_generate
+
+    ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
+    if (args.prompt is None) == (ids is None):
+        print("goodspeed generate: give a prompt or --prompt-ids (not both)", file=sys.stderr)
+        return 2
+    request = generate_request(args.prompt, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                               args.tpot_slo_ms, args.ignore_eos)
+    return run_generate(args.verifier, request, args.json, args.timeout_s)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from goodspeed.lm.loading import load_causal_lm
+    from goodspeed.verifier.local import LatencyProfile
+    from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
+
+    _build_demo_if_needed([args.target, args.draft])
+    result = {"device": args.device, "dtype": args.dtype}
+    fitted = {}
+    for role, spec in (("target", args.target), ("draft", args.draft)):
+        model = load_causal_lm(spec, dtype=args.dtype, device=args.device).model
+        log = (lambda line, role=role: print(f"  {role} {line}", file=sys.stderr)) if not args.quiet else None
+        samples, fitted[role] = profile_model(model, repeats=args.repeats, progress=log)
+        result[f"{role}_samples"] = samples
+        result[f"{role}_model_name"] = spec
+        print(f"{role} {spec}: T = {fitted[role].alpha_s_per_context_token:.3e} s x N_context + "
+              f"{fitted[role].gamma_s_per_batched_token:.3e} s x N_batched + {fitted[role].delta_s * 1000:.3f} ms "
+              f"(mean relative error {fit_error(samples, fitted[role]):.1%})", file=sys.stderr)
+    profile = LatencyProfile(fitted["target"], fitted["draft"])
+    result.update(profile.to_dict())
+    result["baseline_tpot_ms"] = baseline_tpot_s(profile.target) * 1000
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"baseline per-token latency (plain decoding, batch 8): {result['baseline_tpot_ms']:.2f} ms; wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _loadgen(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from goodspeed.drafter.prompts import load_prompts
+    from goodspeed.launch.loadgen import make_trace, run_trace_grpc, summarize
+    from goodspeed.launch.spec import DrafterSpec
+    from goodspeed.lm.sampling import SamplingParams
+
+    baseline = args.baseline_tpot_ms
+    if baseline is None:
+        if args.latency_profile is None:
+            print("goodspeed loadgen: give --baseline-tpot-ms or --latency-profile (from `goodspeed profile`)", file=sys.stderr)
+            return 2
+        baseline = json.loads(Path(args.latency_profile).read_text())["baseline_tpot_ms"]
+    if args.tokenizer is None:
+        print("goodspeed loadgen: --tokenizer MODEL is needed to turn the prompt set into token ids", file=sys.stderr)
+        return 2
+    prompts = _prompt_ids(DrafterSpec(name="loadgen", draft=args.tokenizer, prompts=args.prompts).prompt_path(), args.tokenizer, load_prompts)
+    trace = make_trace(prompts, args.requests, args.rate, baseline, args.max_new_tokens, seed=args.seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    show = None if args.quiet else (lambda done, total: print(f"\r{done}/{total} requests", end="", file=sys.stderr, flush=True))
+    records = asyncio.run(run_trace_grpc(args.verifier, trace, sampling, progress=show))
+    if show:
+        print(file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = summarize(records)
+    summary["baseline_tpot_ms"] = baseline
+    print(json.dumps(summary, indent=2))
+    return 0 if summary["completed"] == summary["requests"] else 1
+
+
+def _prompt_ids(path, tokenizer_spec: str, load_prompts) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from goodspeed.lm.loading import resolve_model_path
+
+    _build_demo_if_needed([tokenizer_spec])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_spec))
+    return [p.prompt_ids for p in load_prompts(path, tokenizer)]
+
+
+def _build_demo_if_needed(models: list[str]) -> None:
+    if any(m.startswith("demo:") for m in models):
+        from goodspeed.lm.demo import build_demo
+
+        build_demo()
 
 
 def _drafter(args: argparse.Namespace) -> int:
@@ -123,6 +215,18 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--max-drafters", type=int, default=64)
     ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
     ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    loc = ver.add_argument_group("local serving (Generate RPC)")
+    loc.add_argument("--local-draft", default=None, help="serve Generate requests, drafting with this model (hub id, directory or demo:<name>)")
+    loc.add_argument("--local-policy", default="chain", choices=list(LOCAL_POLICIES), help="how local requests speculate")
+    loc.add_argument("--local-k", type=int, default=4, help="chain: tokens drafted per request; tetris: base length")
+    loc.add_argument("--local-extra", type=int, default=2, help="tetris: extra tokens drafted per request")
+    loc.add_argument("--local-capacity", type=int, default=None, help="tetris: draft tokens verified per iteration (default k x requests)")
+    loc.add_argument("--local-budget", type=int, default=32, help="adaserve: B, tree nodes per iteration, roots included")
+    loc.add_argument("--local-max-depth", type=int, default=6, help="adaserve: D_max")
+    loc.add_argument("--local-max-width", type=int, default=3, help="adaserve: W_max")
+    loc.add_argument("--local-max-k", type=int, default=6, help="turbospec / nightjar: largest k")
+    loc.add_argument("--latency-profile", default=None, help="turbospec: the JSON `goodspeed profile` wrote")
+    loc.add_argument("--max-local-requests", type=int, default=32, help="local requests decoded together; later ones wait")
     _add_model_args(ver)
     ver.set_defaults(func=_verifier)
     dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
@@ -139,6 +243,43 @@ def _add_serving_parsers(sub) -> None:
     dr.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_model_args(dr)
     dr.set_defaults(func=_drafter)
+    gen = sub.add_parser("generate", help="send one request to a verifier's local serving and stream the answer")
+    gen.add_argument("prompt", nargs="?", default=None, help="prompt text (the verifier tokenizes it)")
+    gen.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
+    gen.add_argument("--verifier", default="127.0.0.1:50051", help="HOST:PORT")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--tpot-slo-ms", type=float, default=None, help="time-per-output-token SLO (AdaServe)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout-s", type=float, default=None)
+    gen.add_argument("--json", action="store_true", help="print prompt_ids, token_ids, text and per-token times as JSON")
+    gen.set_defaults(func=_generate)
+    prof = sub.add_parser("profile", help="measure target and draft forward times here and fit TurboSpec's latency model")
+    prof.add_argument("--target", default="demo:target")
+    prof.add_argument("--draft", default="demo:draft-small")
+    prof.add_argument("--out", default="latency-profile.json")
+    prof.add_argument("--repeats", type=int, default=5, help="timed forwards per grid point (median)")
+    prof.add_argument("--quiet", action="store_true")
+    _add_model_args(prof)
+    prof.set_defaults(func=_profile)
+    lg = sub.add_parser("loadgen", help="Poisson arrivals with strict/moderate/relaxed TPOT SLOs against a verifier's local serving")
+    lg.add_argument("--verifier", default="127.0.0.1:50051", help="HOST:PORT")
+    lg.add_argument("--requests", type=int, default=60)
+    lg.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
+    lg.add_argument("--baseline-tpot-ms", type=float, default=None, help="the strict class's SLO (plain decoding's per-token latency)")
+    lg.add_argument("--latency-profile", default=None, help="read the baseline from this `goodspeed profile` output")
+    lg.add_argument("--tokenizer", default="demo:target", help="model whose tokenizer encodes the prompts (the verifier's target)")
+    lg.add_argument("--prompts", default="code", help="a shipped prompt set or a JSONL path")
+    lg.add_argument("--max-new-tokens", type=int, default=48)
+    lg.add_argument("--temperature", type=float, default=0.0)
+    lg.add_argument("--top-k", type=int, default=0)
+    lg.add_argument("--top-p", type=float, default=1.0)
+    lg.add_argument("--seed", type=int, default=0)
+    lg.add_argument("--out", default=None, help="per-request JSONL")
+    lg.add_argument("--quiet", action="store_true")
+    lg.set_defaults(func=_loadgen)
     la = sub.add_parser("launch", help="start a verifier and drafters as local processes from a spec (default: the embedded demo)")
     la.add_argument("spec", nargs="?", default=None, help="SPEC.toml (default: the embedded default spec)")
     la.add_argument("--out", default=None, help="results directory (default: goodspeed-runs/<timestamp>)")
@@ -173,8 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from goodspeed.launch.spec import SpecError
+    from goodspeed.lm.loading import ModelLoadError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (SpecError, ModelLoadError) as exc:
+        print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

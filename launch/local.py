@@ -79,7 +79,7 @@ def verifier_command(v: VerifierSpec) -> list[str]:
                  "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
                  "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
                  "--device", v.device, "--dtype", v.dtype, "--seed", str(v.seed)]
-    return cmd + (["--metrics-port", str(v.metrics_port)] if v.metrics_port is not None else [])
+    return cmd + (["--metrics-port", str(v.metrics_port)] if v.metrics_port is not None else []) + v.local_args()
 
 
 def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> list[str]:

@@ -3,34 +3,74 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
-from goodspeed.launch.spec import VerifierSpec
-from goodspeed.lm.loading import load_causal_lm
+from pathlib import Path
+
+from goodspeed.launch.spec import SpecError, VerifierSpec
+from goodspeed.lm.loading import LoadedModel, load_causal_lm
 from goodspeed.scheduler import SmoothingConfig
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.server import ServerConfig, make_server
 
 
-def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, str]:
+def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, LoadedModel]:
     target = load_causal_lm(opts.target, dtype=opts.dtype, device=opts.device)
     config = EngineConfig(
         budget=opts.budget, policy=opts.policy, smoothing=SmoothingConfig(eta=opts.eta, beta=opts.beta),
         max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, seed=opts.seed,
     )
-    return VerificationEngine(target.model, config, target.fingerprint), target.name
+    return VerificationEngine(target.model, config, target.fingerprint), target
+
+
+def local_config(opts: VerifierSpec) -> LocalConfig:
+    """The local-serving settings of a spec (the latency profile is read here)."""
+    latency = None
+    if opts.latency_profile is not None:
+        path = Path(opts.latency_profile)
+        try:
+            latency = LatencyProfile.from_dict(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SpecError(f"cannot read the latency profile {path}: {exc}") from None
+        except ValueError as exc:
+            raise SpecError(f"{path}: {exc}") from None
+    try:
+        return LocalConfig(
+            policy=opts.local_policy, k=opts.local_k, extra=opts.local_extra, capacity=opts.local_capacity, budget=opts.local_budget,
+            max_depth=opts.local_max_depth, max_width=opts.local_max_width, max_k=opts.local_max_k, latency=latency,
+            max_requests=opts.max_local_requests, seed=opts.seed,
+        )
+    except ValueError as exc:
+        raise SpecError(f"local serving: {exc}") from None
+
+
+def build_local(opts: VerifierSpec, engine: VerificationEngine, target: LoadedModel) -> LocalServing:
+    """The verifier's own draft model for Generate requests; it must share the target's tokenizer."""
+    config = local_config(opts)  # bad settings fail before the draft model loads
+    draft = load_causal_lm(opts.local_draft, dtype=opts.dtype, device=opts.device)
+    if draft.fingerprint != target.fingerprint:
+        raise SpecError(f"--local-draft {opts.local_draft!r} does not share the target's tokenizer "
+                         f"({draft.fingerprint[:12]} != {target.fingerprint[:12]})")
+    return LocalServing(engine, draft.model, config)
 
 
 async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     log = log or JsonLog()
     log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
-    engine, name = build_engine(opts)
+    engine, target = build_engine(opts)
+    local = None
+    if opts.local_draft is not None:
+        log.event("loading", local_draft=opts.local_draft, local_policy=opts.local_policy)
+        local = build_local(opts, engine, target)
     metrics = Metrics()
     if opts.metrics_port is not None:
         metrics.serve(opts.metrics_port, addr=opts.host)
     server = make_server(engine, ServerConfig(
         host=opts.host, port=opts.port, round_deadline_ms=opts.round_deadline_ms,
-        max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=name), metrics=metrics, log=log)
+        max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=target.name), metrics=metrics, log=log,
+        local=local, tokenizer=target.tokenizer)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -54,6 +54,32 @@ class VerifierSpec:
     seed: int = 0
     metrics_port: int | None = None
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux), e.g. to keep drafters off the verifier's cores
+    # Local serving (Generate RPC): the verifier's own draft model and how it speculates.
+    local_draft: str | None = None
+    local_policy: str = "chain"  # none, chain, tetris, adaserve, turbospec, nightjar
+    local_k: int = 4  # chain length (chain), base length (tetris)
+    local_extra: int = 2  # tetris: extra tokens drafted per request
+    local_capacity: int | None = None  # tetris: tokens verified per iteration (default k * requests)
+    local_budget: int = 32  # adaserve: B, tree nodes per iteration (roots included)
+    local_max_depth: int = 6  # adaserve: D_max
+    local_max_width: int = 3  # adaserve: W_max
+    local_max_k: int = 6  # turbospec / nightjar: largest k
+    latency_profile: str | None = None  # turbospec: the file `goodspeed profile` wrote
+    max_local_requests: int = 32  # local requests decoded together
+
+    LOCAL_FLAGS = ("local_draft", "local_policy", "local_k", "local_extra", "local_capacity", "local_budget",
+                   "local_max_depth", "local_max_width", "local_max_k", "latency_profile", "max_local_requests")
+
+    def local_args(self) -> list[str]:
+        """The ``goodspeed verifier`` flags for the local-serving settings (none when it is off)."""
+        if self.local_draft is None:
+            return []
+        out = []
+        for name in self.LOCAL_FLAGS:
+            value = getattr(self, name)
+            if value is not None:
+                out += ["--" + name.replace("_", "-"), str(value)]
+        return out
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,10 @@ A policy sees the round's numbers only — drafter ids, their smoothed acceptanc
 returns one draft length per drafter. It is told each verified round through ``observe`` (the
 distributed policies here are stateless between rounds, so theirs does nothing; policies with
 memory keep it there). Registered names: ``goodspeed``, ``fixed``, ``random``.
+
+``LOCAL_POLICIES`` names the policies of the verifier's local serving
+(:mod:`goodspeed.verifier.local`), which decide per iteration what the verifier's own draft
+model drafts and what it verifies.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import numpy as np
 
 from goodspeed.scheduler.baselines import fixed_draft_lengths, random_draft_lengths
 from goodspeed.scheduler.goodspeed import allocate_draft_lengths, fairness_exponent
+
+
+LOCAL_POLICIES = ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
 
 
 @dataclass(frozen=True)

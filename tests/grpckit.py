@@ -5,14 +5,17 @@ import io
 import json
 import threading
 
+from goodspeed.drafter.client import DrafterClient, DrafterConfig
+from goodspeed.drafter.runner import DraftRunner
+
 from goodspeed.verifier.observability import JsonLog
 from goodspeed.verifier.server import ServerConfig, make_server
 
 
 class ServerThread:
-    def __init__(self, engine, **config) -> None:
+    def __init__(self, engine, local=None, tokenizer=None, **config) -> None:
         self.log_stream = io.StringIO()
-        self.server = make_server(engine, ServerConfig(**config), log=JsonLog(self.log_stream))
+        self.server = make_server(engine, ServerConfig(**config), log=JsonLog(self.log_stream), local=local, tokenizer=tokenizer)
         self.loop = asyncio.new_event_loop()
         self.port = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -37,3 +40,21 @@ class ServerThread:
     def events(self, kind: str | None = None) -> list[dict]:
         lines = [json.loads(line) for line in self.log_stream.getvalue().splitlines() if line.startswith("{")]
         return [e for e in lines if kind is None or e["event"] == kind]
+
+
+def run_clients(address, drafts, prompts, max_new):
+    outputs = {}
+
+    def work(i, draft):
+        client = DrafterClient(DrafterConfig(address, f"d{i}", max_new_tokens=max_new, seed=i), DraftRunner(draft))
+        client.wait_until_serving()
+        client.join()
+        outputs[i] = [client.generate(str(k), p).token_ids for k, p in enumerate(prompts[i])]
+        client.close()
+
+    threads = [threading.Thread(target=work, args=(i, d)) for i, d in enumerate(drafts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return outputs

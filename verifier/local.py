@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.scheduler.policy import LOCAL_POLICIES
 from goodspeed.scheduler import (
     CandidateTree,
     LatencyModel,
@@ -56,7 +57,6 @@ from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.verifier.local_draft import LocalDraftModel, subtree
 from goodspeed.verifier.types import Draft, RoundResult
 
-LOCAL_POLICIES = ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
 
 
 # ------------------------------------------------------------------------------------- clocks

@@ -9,6 +9,11 @@ that sends nothing for ``idle_timeout_s`` while a request is in progress (the ca
 rounds run at all), is dropped and its KV freed, and the next allocation is computed without it. SIGTERM (see the CLI)
 calls :meth:`VerifierServer.drain`: new sessions and requests are refused, rounds continue until
 the requests in progress finish or the drain timeout passes.
+
+With local serving (:mod:`goodspeed.verifier.local`), Generate requests join the local batch;
+while any is in progress the loop runs iterations back to back, each one verifying the local
+drafts together with whatever edge drafts are queued (edge drafters are then never waited for, and
+are dropped only by ``idle_timeout_s``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
+from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
 
@@ -95,8 +101,10 @@ def _rpc(handler):
 
 
 class VerifierService(pb_grpc.VerifierServicer):
-    def __init__(self, engine: VerificationEngine, config: ServerConfig, metrics: Metrics, log: JsonLog) -> None:
+    def __init__(self, engine: VerificationEngine, config: ServerConfig, metrics: Metrics, log: JsonLog,
+                 local: LocalServing | None = None, tokenizer=None) -> None:
         self.engine, self.config, self.metrics, self.log = engine, config, metrics, log
+        self.local, self.tokenizer = local, tokenizer
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
         self._drafters: dict[str, _Drafter] = {}
         self._queued: set[str] = set()  # sessions with a draft waiting for the next round
@@ -185,6 +193,59 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self.drop(request.session_id, "left")
         return pb.LeaveReply()
 
+    async def Generate(self, request, context):
+        if self.local is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "local serving is off: start the verifier with --local-draft MODEL")
+        await self._refuse_if_draining(context)
+        prompt_ids = await self._generate_prompt(request, context)
+        eos = () if request.ignore_eos or self.tokenizer is None or self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        arrival = time.perf_counter()
+
+        def on_event(event: TokenEvent) -> None:  # engine thread -> event loop
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            sampling = sampling_from_pb(request.sampling)
+            rid = await self.call(functools.partial(
+                self.local.submit, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None, on_event,
+                request.request_id or None))
+        except errors.EngineError as exc:
+            await context.abort(status_for(exc), str(exc))
+        self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=request.max_new_tokens,
+                       tpot_slo_ms=request.tpot_slo_ms or None)
+        self._wakeup.set()
+        generated, text, finished = [], "", False
+        try:
+            yield pb.GenerateChunk(request_id=rid, prompt_ids=prompt_ids)
+            while not finished:
+                event = await events.get()
+                finished = event.finished
+                generated += event.token_ids
+                new_text = self.tokenizer.decode(generated) if self.tokenizer is not None else ""
+                chunk = pb.GenerateChunk(request_id=rid, token_ids=event.token_ids, token_times_s=[t - arrival for t in event.times],
+                                         text=new_text[len(text):] if new_text.startswith(text) else new_text, finished=finished,
+                                         finish_reason=event.finish_reason or "")
+                text = new_text
+                if finished:
+                    req = next((r for r in reversed(self.local.finished) if r.request_id == rid), None)
+                    if req is not None:
+                        chunk.tpot_s, chunk.num_drafted, chunk.num_accepted = req.tpot_s or 0.0, req.drafted, req.accepted
+                        self.log.event("generated", **req.summary())
+                yield chunk
+        finally:
+            if not finished:  # the client went away: free the request at once
+                await self.call(self.local.cancel, rid)
+
+    async def _generate_prompt(self, request, context) -> list[int]:
+        if bool(request.prompt) == bool(request.prompt_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of prompt (text) and prompt_ids")
+        if request.prompt_ids:
+            return list(request.prompt_ids)
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this verifier has no tokenizer: send prompt_ids")
+        return list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
+
     async def drop(self, session_id: str, reason: str) -> None:
         """Forget a drafter, close its verdict stream and free its engine session (idempotent)."""
         drafter = self._drafters.pop(session_id, None)
@@ -205,20 +266,29 @@ class VerifierService(pb_grpc.VerifierServicer):
     def _everyone_submitted(self) -> bool:
         return all(d.session_id in self._queued for d in self._drafters.values() if d.in_request)
 
+    def _local_work(self) -> bool:
+        return self.local is not None and self.local.has_work
+
     async def run_rounds(self) -> None:
         loop = asyncio.get_running_loop()
         sweep_every_s = min(1.0, self.config.idle_timeout_s / 2)
+        last_sweep = loop.time()
         while True:
+            if loop.time() - last_sweep > sweep_every_s:
+                await self._sweep_idle()  # missed-round counting cannot act when no edge rounds run
+                last_sweep = loop.time()
+            if self._local_work():
+                await self._close_round(local=True)
+                continue
             try:
                 await asyncio.wait_for(self._wakeup.wait(), sweep_every_s)
             except asyncio.TimeoutError:
-                await self._sweep_idle()  # no rounds are running: missed-round counting cannot act
                 continue
             self._wakeup.clear()
             if not self._queued:
                 continue
             deadline = loop.time() + self.config.round_deadline_ms / 1000
-            while not self._everyone_submitted() and (left := deadline - loop.time()) > 0:
+            while not self._everyone_submitted() and not self._local_work() and (left := deadline - loop.time()) > 0:
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), left)
                 except asyncio.TimeoutError:
@@ -227,9 +297,16 @@ class VerifierService(pb_grpc.VerifierServicer):
             if self._queued:
                 await self._close_round()
 
-    async def _close_round(self) -> None:
+    async def _close_round(self, local: bool = False) -> None:
         receive_s = time.perf_counter() - self._round_opened
-        result = await self.call(self.engine.run_round)
+        report = None
+        if local:
+            report = await self.call(self.local.step)
+            result = report.round if report is not None else None
+            if result is None:
+                return
+        else:
+            result = await self.call(self.engine.run_round)
         sent = time.perf_counter()
         for session_id, verdict in result.verdicts.items():
             self._queued.discard(session_id)
@@ -239,8 +316,9 @@ class VerifierService(pb_grpc.VerifierServicer):
                 drafter.verdicts.put_nowait(verdict_to_pb(verdict))
         send_s = time.perf_counter() - sent
         self._round_opened = time.perf_counter()
-        await self._count_missed(result.verdicts)
-        self._record(result, receive_s, send_s)
+        if not local:
+            await self._count_missed(result.verdicts)
+        self._record(result, receive_s, send_s, report)
         if self._queued:
             self._wakeup.set()  # drafts that arrived during verification open the next round
 
@@ -257,7 +335,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 if drafter.missed > self.config.max_missed_rounds:
                     await self.drop(drafter.session_id, f"missed {drafter.missed} rounds")
 
-    def _record(self, result, receive_s: float, send_s: float) -> None:
+    def _record(self, result, receive_s: float, send_s: float, local=None) -> None:
         t = result.timings
         phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s, "scheduling": t.scheduling_s, "send": send_s}
         verdicts = result.verdicts.values()
@@ -266,10 +344,14 @@ class VerifierService(pb_grpc.VerifierServicer):
             {"session": v.session_id, "name": self._drafters[v.session_id].name if v.session_id in self._drafters else "",
              "drafted": v.num_drafted, "accepted": v.num_accepted, "x": len(v.token_ids), "alpha_hat": v.acceptance,
              "X": v.goodput, "S_next": v.next_draft_length, "finished": v.finished}
-            for v in verdicts
+            for v in verdicts if v.session_id in self._drafters
         ]
+        extra = {}
+        if local is not None:
+            extra["local"] = {"requests": local.requests, "drafted": local.drafted, "accepted": local.accepted,
+                              "emitted": local.emitted, "k": local.k, "waiting": self.local.num_waiting}
         self.log.event("round", round=result.round_index, receive_s=receive_s, verify_s=t.total_s, send_s=send_s,
-                       forward_s=t.forward_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows)
+                       forward_s=t.forward_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows, **extra)
 
     def warm_up(self) -> None:
         """One tiny request through the engine (thread-safe: runs on the engine thread)."""
@@ -279,14 +361,17 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.engine.leave(sid)
 
     def requests_in_progress(self) -> int:
-        return sum(d.in_request for d in self._drafters.values())
+        local = self.local.num_active + self.local.num_waiting if self.local is not None else 0
+        return sum(d.in_request for d in self._drafters.values()) + local
 
 
 class VerifierServer:
     """An unstarted server: ``port = await start()``, then ``await drain()`` / ``await stop()``."""
 
-    def __init__(self, engine: VerificationEngine, config: ServerConfig = ServerConfig(), metrics: Metrics | None = None, log: JsonLog | None = None) -> None:
+    def __init__(self, engine: VerificationEngine, config: ServerConfig = ServerConfig(), metrics: Metrics | None = None,
+                 log: JsonLog | None = None, local: LocalServing | None = None, tokenizer=None) -> None:
         self.engine, self.config = engine, config
+        self.local, self.tokenizer = local, tokenizer
         self.metrics, self.log = metrics or Metrics(), log or JsonLog()
         self.health = health.aio.HealthServicer()
         self.service: VerifierService | None = None
@@ -298,7 +383,7 @@ class VerifierServer:
             await self.health.set(name, status)
 
     async def start(self) -> int:
-        self.service = VerifierService(self.engine, self.config, self.metrics, self.log)
+        self.service = VerifierService(self.engine, self.config, self.metrics, self.log, self.local, self.tokenizer)
         limit = self.config.max_message_bytes
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         pb_grpc.add_VerifierServicer_to_server(self.service, self._server)

@@ -1,6 +1,5 @@
 """The batched local draft model against plain full-sequence forwards of the same model."""
 
-import numpy as np
 import pytest
 import torch
 

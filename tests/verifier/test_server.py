@@ -8,12 +8,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
-from goodspeed.drafter.client import DrafterClient, DrafterConfig
-from goodspeed.drafter.runner import DraftRunner
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from grpckit import ServerThread
+from grpckit import ServerThread, run_clients
 from modelkit import greedy_reference, perturbed, tiny_llama
 
 V = 48
@@ -24,24 +22,6 @@ PROMPTS = [[1, 2, 3], [9, 8], [4, 4, 4, 4, 5], [30, 31, 32]]
 def models():
     target = tiny_llama(0)
     return target, [perturbed(target, 0.05, 1), perturbed(target, 0.4, 2), tiny_llama(7, layers=1)]
-
-
-def run_clients(address, drafts, prompts, max_new):
-    outputs = {}
-
-    def work(i, draft):
-        client = DrafterClient(DrafterConfig(address, f"d{i}", max_new_tokens=max_new, seed=i), DraftRunner(draft))
-        client.wait_until_serving()
-        client.join()
-        outputs[i] = [client.generate(str(k), p).token_ids for k, p in enumerate(prompts[i])]
-        client.close()
-
-    threads = [threading.Thread(target=work, args=(i, d)) for i, d in enumerate(drafts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return outputs
 
 
 @pytest.mark.parametrize("policy", ["goodspeed", "fixed", "random"])

@@ -69,6 +69,11 @@ class VerifierStub:
                 request_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/goodspeed.v1.Verifier/Generate',
+                request_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.GenerateChunk.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -126,6 +131,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Generate text locally on the verifier (continuous batching with the local policy). The first
+        chunk carries the prompt ids; every chunk the tokens verified since the last; the last one
+        has finished = true and the request's statistics. Cancelling the call frees the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +177,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.LeaveRequest.FromString,
                     response_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.LeaveReply.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=goodspeed_dot_v1_dot_goodspeed__pb2.GenerateRequest.FromString,
+                    response_serializer=goodspeed_dot_v1_dot_goodspeed__pb2.GenerateChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +373,33 @@ class Verifier:
             '/goodspeed.v1.Verifier/Leave',
             goodspeed_dot_v1_dot_goodspeed__pb2.LeaveRequest.SerializeToString,
             goodspeed_dot_v1_dot_goodspeed__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/goodspeed.v1.Verifier/Generate',
+            goodspeed_dot_v1_dot_goodspeed__pb2.GenerateRequest.SerializeToString,
+            goodspeed_dot_v1_dot_goodspeed__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,

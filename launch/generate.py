@@ -1,0 +1,63 @@
+"""``goodspeed generate``: one request to a verifier's local serving, streamed to the terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import grpc
+
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+
+
+def generate_request(prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, tpot_slo_ms: float | None = None, ignore_eos: bool = False,
+                     request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens,
+        sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        tpot_slo_ms=tpot_slo_ms or 0.0, ignore_eos=ignore_eos, request_id=request_id,
+    )
+
+
+def collect(chunks, on_text=None) -> dict:
+    """Fold a Generate stream into one result (``on_text`` sees each text delta as it arrives)."""
+    out = {"request_id": "", "prompt_ids": [], "token_ids": [], "text": "", "token_times_s": [], "finish_reason": None,
+           "tpot_s": None, "num_drafted": 0, "num_accepted": 0}
+    for chunk in chunks:
+        out["request_id"] = chunk.request_id or out["request_id"]
+        if chunk.prompt_ids:
+            out["prompt_ids"] = list(chunk.prompt_ids)
+        out["token_ids"] += list(chunk.token_ids)
+        out["token_times_s"] += list(chunk.token_times_s)
+        out["text"] += chunk.text
+        if on_text is not None and chunk.text:
+            on_text(chunk.text)
+        if chunk.finished:
+            out.update(finish_reason=chunk.finish_reason, tpot_s=chunk.tpot_s, num_drafted=chunk.num_drafted, num_accepted=chunk.num_accepted)
+    return out
+
+
+def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeout_s: float | None = None) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=30)
+        except grpc.FutureTimeoutError:
+            print(f"goodspeed generate: no verifier answers at {address}", file=sys.stderr)
+            return 2
+        try:
+            if as_json:
+                result = collect(stub.Generate(request, timeout=timeout_s))
+                print(json.dumps(result))
+            else:
+                result = collect(stub.Generate(request, timeout=timeout_s), on_text=lambda t: print(t, end="", flush=True))
+                print()
+                rate = f", {1 / result['tpot_s']:.1f} tok/s" if result["tpot_s"] else ""
+                print(f"[{len(result['token_ids'])} tokens, {result['finish_reason']}{rate}, "
+                      f"accepted {result['num_accepted']}/{result['num_drafted']} drafted]", file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"goodspeed generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0 if result["finish_reason"] in ("length", "eos") else 1

@@ -1,0 +1,131 @@
+"""Local serving over real gRPC: the Generate stream, its errors, cancellation, and local requests
+sharing rounds with edge drafters — all greedy-equal to the target."""
+
+import json
+import threading
+
+import grpc
+import pytest
+
+from goodspeed.launch import cli
+from goodspeed.launch.generate import collect, generate_request
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LocalConfig, LocalServing
+from grpckit import ServerThread, run_clients
+from modelkit import greedy_reference, perturbed, tiny_llama
+
+PROMPTS = [[1, 2, 3], [9, 8], [4, 4, 4, 4, 5], [30, 31, 32]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    return target, perturbed(target, 0.05, 1)
+
+
+def local_server(target, draft, policy="chain", **kw):
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
+    local = LocalServing(engine, draft, LocalConfig(policy=policy, k=3, budget=12))
+    return ServerThread(engine, local=local, round_deadline_ms=500, **kw)
+
+
+def stub_for(server):
+    channel = grpc.insecure_channel(server.address)
+    return channel, pb_grpc.VerifierStub(channel)
+
+
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_generate_streams_the_targets_greedy_tokens(models, policy):
+    target, draft = models
+    with local_server(target, draft, policy) as server:
+        channel, stub = stub_for(server)
+        results = {}
+
+        def work(i):
+            results[i] = collect(stub.Generate(generate_request(prompt_ids=PROMPTS[i], max_new_tokens=16)))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        channel.close()
+        generated = server.events("generated")
+    for i, prompt in enumerate(PROMPTS):
+        r = results[i]
+        assert r["prompt_ids"] == prompt
+        assert r["token_ids"] == greedy_reference(target, prompt, 16)
+        assert r["finish_reason"] == "length" and r["tpot_s"] > 0
+        assert len(r["token_times_s"]) == 16 and r["token_times_s"] == sorted(r["token_times_s"])
+    assert sum(r["num_accepted"] for r in results.values()) > 0
+    assert len(generated) == len(PROMPTS)
+
+
+def test_local_requests_and_edge_drafters_share_the_engine(models):
+    target, draft = models
+    with local_server(target, draft) as server:
+        channel, stub = stub_for(server)
+        local = {}
+        thread = threading.Thread(target=lambda: local.update(collect(stub.Generate(generate_request(prompt_ids=PROMPTS[0], max_new_tokens=40)))))
+        thread.start()
+        edge = run_clients(server.address, [draft], [PROMPTS[1:3]], max_new=14)
+        thread.join(60)
+        channel.close()
+        rounds = server.events("round")
+    assert local["token_ids"] == greedy_reference(target, PROMPTS[0], 40)
+    assert edge[0] == [greedy_reference(target, p, 14) for p in PROMPTS[1:3]]
+    assert any(r.get("local", {}).get("requests") and r["batch"] for r in rounds)  # one forward held both
+
+
+def test_generate_errors(models):
+    target, draft = models
+    engine = VerificationEngine(target)
+    with ServerThread(engine) as server:  # no local serving
+        channel, stub = stub_for(server)
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=2)))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--local-draft" in err.value.details()
+        channel.close()
+    with local_server(target, draft) as server:
+        channel, stub = stub_for(server)
+        cases = [
+            (generate_request(prompt_ids=[1], max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT),
+            (generate_request(prompt_ids=[999], max_new_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
+            (generate_request(prompt="hello", prompt_ids=[1], max_new_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
+            (generate_request(prompt="hello", max_new_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),  # no tokenizer here
+            (generate_request(prompt_ids=[1, 2], max_new_tokens=100_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ]
+        for request, code in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                collect(stub.Generate(request))
+            assert err.value.code() == code, (request, err.value.details())
+        channel.close()
+
+
+def test_cancelled_stream_frees_the_request(models):
+    target, draft = models
+    with local_server(target, draft) as server:
+        channel, stub = stub_for(server)
+        stream = stub.Generate(generate_request(prompt_ids=PROMPTS[0], max_new_tokens=400))
+        next(stream), next(stream)  # the prompt chunk and a first batch of tokens
+        stream.cancel()
+        channel.close()
+        local = server.server.local
+        for _ in range(200):
+            if not local.has_work:
+                break
+            threading.Event().wait(0.02)
+        assert not local.has_work
+        assert local.finished[-1].finish_reason == "cancelled"
+        assert server.server.engine.session_ids == []
+
+
+def test_generate_cli_json(models, capsys):
+    target, draft = models
+    with local_server(target, draft) as server:
+        code = cli.main(["generate", "--verifier", server.address, "--prompt-ids", "1,2,3", "--max-new-tokens", "7", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["prompt_ids"] == [1, 2, 3] and out["token_ids"] == greedy_reference(target, [1, 2, 3], 7)
+    assert len(out["token_times_s"]) == 7 and out["text"] == ""  # this test server has no tokenizer
