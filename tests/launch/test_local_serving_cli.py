@@ -1,0 +1,62 @@
+"""The daemon with --local-draft as a real process: text in, the target's greedy tokens out, via
+``goodspeed generate``; and local-serving misconfiguration refused with a clear message."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from goodspeed.launch import cli
+from goodspeed.launch.local import verifier_command
+from goodspeed.launch.spec import VerifierSpec
+from modelkit import greedy_reference, perturbed, save_models, tiny_llama
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    target = tiny_llama(0, vocab=VOCAB)
+    paths = save_models(tmp_path_factory.mktemp("models"), {"target": target, "draft": perturbed(target, 0.1, 1)}, VOCAB)
+    return paths
+
+
+def start(spec: VerifierSpec, log_path):
+    log = open(log_path, "w")
+    proc = subprocess.Popen(verifier_command(spec), stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in open(log_path):
+            if line.startswith("{") and json.loads(line)["event"] == "serving":
+                return proc, f"127.0.0.1:{json.loads(line)['port']}"
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"verifier did not start:\n{open(log_path).read()[-3000:]}")
+
+
+def test_text_prompt_through_the_daemon(model_dirs, tmp_path, capsys):
+    spec = VerifierSpec(target=str(model_dirs["target"]), local_draft=str(model_dirs["draft"]), local_policy="adaserve", local_budget=12)
+    proc, address = start(spec, tmp_path / "verifier.log")
+    try:
+        code = cli.main(["generate", "--verifier", address, "--max-new-tokens", "9", "--json", "--ignore-eos", "def f(x):"])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["target"])
+    assert out["prompt_ids"] == tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    target32 = tiny_llama(0, vocab=VOCAB, dtype=torch.float32)
+    assert out["token_ids"] == greedy_reference(target32, out["prompt_ids"], 9)
+    assert out["text"] == tokenizer.decode(out["token_ids"])
+
+
+def test_turbospec_without_a_profile_is_refused(model_dirs, tmp_path):
+    spec = VerifierSpec(target=str(model_dirs["target"]), local_draft=str(model_dirs["draft"]), local_policy="turbospec")
+    result = subprocess.run(verifier_command(spec), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "goodspeed profile" in result.stderr and "Traceback" not in result.stderr
