@@ -434,20 +434,18 @@ class LocalServing:
 
     def _tetris(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
         cfg = self.config
-        plans = self._chains(reqs, {r.request_id: min(cfg.k + cfg.extra, r.cap) for r in reqs})
+        drafts = self.draft.draft_chains({r.request_id: r.committed for r in reqs},
+                                         {r.request_id: min(cfg.k + cfg.extra, r.cap) for r in reqs},
+                                         {r.request_id: r.sampling for r in reqs}, self.generator)
+        plans = {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in drafts.items()}
+        confidence = {rid: d.token_probs for rid, d in drafts.items()}
         capacity = cfg.capacity if cfg.capacity is not None else cfg.k * len(reqs)
-        probs = [np.array(self._token_probs(plans[r.request_id], r), dtype=np.float64) for r in reqs]
+        probs = [np.array(confidence[r.request_id], dtype=np.float64) for r in reqs]
         keep = select_tokens(probs, capacity)
         for r, n in zip(reqs, keep.tolist()):
             plan = plans[r.request_id]
             plans[r.request_id] = _Plan(plan.token_ids[:n], None, None if plan.q is None else plan.q[:n])
         return plans
-
-    @staticmethod
-    def _token_probs(plan: _Plan, req: LocalRequest) -> list[float]:
-        if plan.q is None or not plan.token_ids:
-            return []
-        return [float(plan.q[j, t]) for j, t in enumerate(plan.token_ids)]
 
     def _adaserve(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
         cfg = self.config

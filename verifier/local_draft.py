@@ -18,9 +18,9 @@ structure the target uses) and every draft step is ONE forward over all requests
   beyond the committed draft KV (node ``k`` at offset ``k``) and attend to the committed prefix
   and their own ancestors only; they are dropped after the step (nothing to roll back).
 
-Candidate probabilities are the request's processed draft distribution (its temperature, top-k,
-top-p); for greedy requests, whose processed distribution is one-hot, the draft's softmax ranks
-the candidates. Trees hold deterministic candidates: the target verifies them losslessly without
+Candidate probabilities (tree nodes, and the per-token confidence TETRIS ranks chains by) are the
+request's processed draft distribution (its temperature, top-k, top-p); for greedy requests, whose
+processed distribution is one-hot, the draft's softmax ranks the candidates. Trees hold deterministic candidates: the target verifies them losslessly without
 ``q`` (:func:`goodspeed.verifier.rejection.verify_tree`).
 """
 
@@ -41,7 +41,9 @@ from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
 class ChainDraft:
     token_ids: list[int]  # [k]
     probs: torch.Tensor  # [k, V] processed q of each drafted position
-    token_probs: list[float]  # [k] q_j(s_j): what TETRIS ranks by
+    # [k] the draft's probability of each drafted token, what TETRIS ranks by: q_j(s_j), or for
+    # greedy requests (one-hot q) the draft's softmax probability of its argmax
+    token_probs: list[float]
 
     def q_rows(self) -> torch.Tensor | None:
         return self.probs if self.token_ids else None
@@ -177,6 +179,7 @@ class LocalDraftModel:
         last = self.catch_up({k: committed[k] for k in active})
         drafted: dict[str, list[int]] = {k: [] for k in active}
         probs: dict[str, list[torch.Tensor]] = {k: [] for k in active}
+        confidence: dict[str, list[float]] = {k: [] for k in active}
         for step in range(max(active.values())):
             for key in active:
                 if step < active[key]:
@@ -184,6 +187,7 @@ class LocalDraftModel:
                     tok = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
                     drafted[key].append(tok)
                     probs[key].append(q)
+                    confidence[key].append(float(self._ranking(last[key], sampling[key])[tok]))
             feeding = {k: [drafted[k][-1]] for k in active if step + 1 < active[k]}
             if not feeding:
                 break
@@ -193,7 +197,7 @@ class LocalDraftModel:
                 self.cache.commit(slot, self.cache.lengths[slot], [0])
         for key in active:
             q = torch.stack(probs[key])
-            out[key] = ChainDraft(drafted[key], q, [float(q[j, t]) for j, t in enumerate(drafted[key])])
+            out[key] = ChainDraft(drafted[key], q, confidence[key])
         return out
 
     # ------------------------------------------------------------------- trees

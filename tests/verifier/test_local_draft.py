@@ -66,6 +66,8 @@ def test_sampled_chain_reports_the_processed_draft_distribution(model):
     torch.testing.assert_close(out.probs[0], q0, atol=1e-6, rtol=0)
     torch.testing.assert_close(out.probs[1], q1, atol=1e-6, rtol=0)
     assert out.token_probs == pytest.approx([float(q0[out.token_ids[0]]), float(q1[out.token_ids[1]])], abs=1e-9)
+    greedy = draft.draft_chains({"x": [3, 4, 5]}, {"x": 1}, {"x": GREEDY}, torch.Generator())["x"]
+    assert greedy.token_probs[0] == pytest.approx(float(next_probs(model, [3, 4, 5]).max()))  # softmax confidence, not 1
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3)])

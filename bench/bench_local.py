@@ -1,0 +1,110 @@
+"""Local serving: one trace, every local policy side by side, on the embedded demo models.
+
+    python -m bench.bench_local [--requests 48] [--rate 40] [--max-new-tokens 32] [--draft draft-small] [--json]
+
+Needs the demo models (`goodspeed models build-demo`). Steps:
+
+1. profile the target and the draft on this machine (TurboSpec eq. 3, as `goodspeed profile`);
+   the strict SLO class is the profiled baseline per-token latency (plain decoding at batch 8),
+   moderate 2.4x and relaxed 8x (AdaServe Table 2's ratios);
+2. build one Poisson trace of code-completion prompts with the three classes;
+3. replay it in real time on a fresh engine and local server per policy (in-process: the numbers
+   are the serving loop's, not gRPC's) and check every output equals the target's greedy decoding
+   (the ``none`` policy's output);
+4. report throughput, mean and p99 TPOT, SLO attainment per class, goodput of the SLO-meeting
+   requests, and VSR (accepted / drafted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from goodspeed.launch.loadgen import make_trace, run_trace_local, summarize
+from goodspeed.lm.corpus import load_corpus, prompt_snippets
+from goodspeed.lm.demo import list_models
+from goodspeed.lm.loading import load_causal_lm
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
+from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
+
+POLICIES = [
+    ("none", {}),
+    ("chain k=2", {"policy": "chain", "k": 2}),
+    ("chain k=4", {"policy": "chain", "k": 4}),
+    ("tetris k=2+2", {"policy": "tetris", "k": 2, "extra": 2}),
+    ("adaserve B=32", {"policy": "adaserve", "budget": 32}),
+    ("turbospec", {"policy": "turbospec"}),
+    ("nightjar", {"policy": "nightjar"}),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=40.0, help="mean arrivals per second")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--draft", default="draft-small", help="demo draft model name")
+    ap.add_argument("--max-requests", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if not list_models():
+        print("no demo models; run `goodspeed models build-demo`", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    target = load_causal_lm("demo:target")
+    draft = load_causal_lm(f"demo:{args.draft}")
+    fits = {}
+    for role, m in (("target", target.model), ("draft", draft.model)):
+        samples, fits[role] = profile_model(m, repeats=3)
+        print(f"profile {role}: delta {fits[role].delta_s * 1000:.2f} ms, gamma {fits[role].gamma_s_per_batched_token * 1e6:.1f} us/token, "
+              f"alpha {fits[role].alpha_s_per_context_token * 1e9:.0f} ns/ctx token (fit error {fit_error(samples, fits[role]):.1%})", file=sys.stderr)
+    profile = LatencyProfile(fits["target"], fits["draft"])
+    baseline_ms = baseline_tpot_s(profile.target) * 1000
+    snippets = prompt_snippets(load_corpus().heldout_text, 64, 200, seed=args.seed)
+    prompts = [target.tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
+    trace = make_trace(prompts, args.requests, args.rate, baseline_ms, args.max_new_tokens, seed=args.seed)
+    print(f"trace: {args.requests} requests, Poisson {args.rate}/s, {args.max_new_tokens} new tokens each, "
+          f"SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
+    results, reference = {}, None
+    for name, kw in POLICIES:
+        engine = VerificationEngine(target.model, EngineConfig(seed=args.seed))
+        config = LocalConfig(**{"policy": "none", **kw}, latency=profile, max_requests=args.max_requests, seed=args.seed)
+        serving = LocalServing(engine, draft.model, config)
+        records = run_trace_local(serving, trace)
+        outputs = {r.request_id: r.generated for r in serving.finished}
+        if reference is None:
+            reference = outputs
+        lossless = outputs == reference
+        summary = summarize(records)
+        summary.update(lossless=lossless, steps=serving.totals["steps"])
+        results[name] = summary
+        print(f"{name}: {summary['throughput_tok_s']:.0f} tok/s, TPOT {summary['tpot_mean_ms']:.2f} ms, "
+              f"SLO {summary['slo_attainment']:.2f}, lossless {lossless}", file=sys.stderr)
+    out = {"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "draft": args.draft, "requests": args.requests,
+           "rate": args.rate, "max_new_tokens": args.max_new_tokens, "results": results}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(table(out))
+    return 0 if all(r["lossless"] for r in results.values()) else 1
+
+
+def table(out: dict) -> str:
+    lines = ["| policy | throughput tok/s | TPOT mean ms | TPOT p99 ms | SLO strict | SLO moderate | SLO relaxed | goodput (SLO-met) tok/s | VSR | iterations |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in out["results"].items():
+        pc = r["per_class"]
+        cls = [f"{pc[c]['attainment']:.2f}" if c in pc else "-" for c in ("strict", "moderate", "relaxed")]
+        vsr = f"{r['vsr']:.2f}" if r["vsr"] is not None else "-"
+        lines.append(f"| {name} | {r['throughput_tok_s']:.0f} | {r['tpot_mean_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {' | '.join(cls)} | "
+                     f"{r['goodput_tok_s']:.0f} | {vsr} | {r['steps']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
