@@ -1,0 +1,148 @@
+"""Edge-link emulation: the userspace proxy adds the configured delay, jitter and loss stalls;
+namespaces + veth + tbf cap the bandwidth; setup and teardown leave nothing behind; without root
+the feature is refused with a clear message."""
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from goodspeed.launch import links
+from goodspeed.launch.links import DelayProxy, EdgeNetwork, LinkError, LinkSpec
+
+
+def echo_server(host="127.0.0.1"):
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(65536), b"")], daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def round_trips(port, n, host="127.0.0.1"):
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sock.sendall(b"x" * 32)
+        got = b""
+        while len(got) < 32:
+            got += sock.recv(64)
+        out.append(time.perf_counter() - t0)
+    sock.close()
+    return out
+
+
+def test_proxy_adds_the_configured_rtt_and_jitter():
+    srv = echo_server()
+    proxy = DelayProxy("127.0.0.1", ("127.0.0.1", srv.getsockname()[1]), LinkSpec(rtt_ms=40, jitter_ms=5), seed=1)
+    port = proxy.start()
+    try:
+        rtts = [t * 1000 for t in round_trips(port, 30)]
+    finally:
+        proxy.stop()
+        srv.close()
+    assert 37 <= statistics.median(rtts) <= 48, rtts  # 40 ms +- scheduling
+    assert min(rtts) >= 29 and max(rtts) <= 70, rtts  # two one-way delays of 20 +- 5 ms each
+    assert statistics.pstdev(rtts) > 1.0  # jitter is really there
+
+
+def test_proxy_loss_stalls_like_a_retransmission():
+    srv = echo_server()
+    link = LinkSpec(rtt_ms=10, loss=0.3)
+    proxy = DelayProxy("127.0.0.1", ("127.0.0.1", srv.getsockname()[1]), link, seed=2)
+    port = proxy.start()
+    try:
+        rtts = round_trips(port, 30)
+    finally:
+        proxy.stop()
+        srv.close()
+    stalled = [t for t in rtts if t >= link.retransmit_s]
+    # each round trip is two chunks lost with p = 0.3 each: about half the round trips stall
+    assert 5 <= len(stalled) <= 25 and len(stalled) <= proxy.stats["lost"], (rtts, proxy.stats)
+    assert all(t < 0.1 for t in rtts if t < link.retransmit_s)
+
+
+def test_link_spec_validation():
+    with pytest.raises(ValueError, match="loss"):
+        LinkSpec(loss=1.0)
+    with pytest.raises(ValueError, match="jitter"):
+        LinkSpec(rtt_ms=4, jitter_ms=3)
+    with pytest.raises(ValueError, match="mbit"):
+        LinkSpec(mbit=0)
+
+
+def test_refused_clearly_without_root(monkeypatch):
+    monkeypatch.setattr(links.os, "geteuid", lambda: 1000)
+    with pytest.raises(LinkError, match="needs root"):
+        EdgeNetwork({"d0": LinkSpec(rtt_ms=10)}).__enter__()
+
+
+def _supported():
+    try:
+        links.check_support()
+        return True
+    except LinkError:
+        return False
+
+
+@pytest.mark.skipif(not _supported(), reason="needs root and network namespaces")
+def test_namespace_link_caps_bandwidth_and_leaves_nothing_behind():
+    mbit, size = 8.0, 1_500_000
+    with EdgeNetwork({"d0": LinkSpec(mbit=mbit)}) as net:
+        edge = net["d0"]
+        srv = socket.socket()
+        srv.bind((edge.host_ip, 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        received = {}
+
+        def sink():
+            conn, _ = srv.accept()
+            t0, n = time.perf_counter(), 0
+            while data := conn.recv(65536):
+                n += len(data)
+            received.update(bytes=n, seconds=time.perf_counter() - t0)
+
+        thread = threading.Thread(target=sink)
+        thread.start()
+        code = f"import socket; s = socket.create_connection(('{edge.host_ip}', {port})); s.sendall(b'x' * {size}); s.close()"
+        subprocess.run(edge.wrap([sys.executable, "-c", code]), check=True, timeout=60)
+        thread.join(60)
+        srv.close()
+        namespace, dev = edge.namespace, edge.host_dev
+    rate_mbit = received["bytes"] * 8 / received["seconds"] / 1e6
+    assert received["bytes"] == size
+    assert 0.6 * mbit <= rate_mbit <= 1.1 * mbit, rate_mbit
+    assert namespace not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert subprocess.run(["ip", "link", "show", dev], capture_output=True).returncode != 0
+
+
+@pytest.mark.skipif(not _supported(), reason="needs root and network namespaces")
+def test_drafter_namespace_reaches_the_host_through_the_delay_proxy():
+    srv = echo_server()
+    with EdgeNetwork({"d0": LinkSpec(rtt_ms=30)}, upstream=("127.0.0.1", srv.getsockname()[1])) as net:
+        edge = net["d0"]
+        host, port = edge.verifier_address.split(":")
+        code = ("import socket, time; s = socket.create_connection(('%s', %s)); s.setsockopt(6, 1, 1); r = []\n"
+                "for _ in range(10):\n t = time.perf_counter(); s.sendall(b'x'); s.recv(1); r.append(time.perf_counter() - t)\n"
+                "print(sorted(r)[5] * 1000)") % (host, port)
+        out = subprocess.run(edge.wrap([sys.executable, "-c", code]), capture_output=True, text=True, timeout=60)
+    srv.close()
+    assert out.returncode == 0, out.stderr
+    assert 27 <= float(out.stdout) <= 40
