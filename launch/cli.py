@@ -314,13 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from goodspeed.launch.links import LinkError
     from goodspeed.launch.spec import SpecError
     from goodspeed.lm.loading import ModelLoadError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, ModelLoadError) as exc:
+    except (SpecError, ModelLoadError, LinkError) as exc:
         print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from goodspeed.launch.links import EdgeNetwork, check_support
 
 from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
 
@@ -38,6 +41,7 @@ class DrafterView:
     rounds: int = 0
     first_s: float | None = None
     last_s: float | None = None
+    receive_s: list[float] = field(default_factory=list)  # per round: round open -> draft arrived
 
     def tok_s(self) -> float:
         span = (self.last_s or 0) - (self.first_s or 0)
@@ -68,6 +72,8 @@ class ClusterView:
                     view = self.drafters.setdefault(row["name"], DrafterView())
                     view.alpha_hat, view.goodput, view.next_len = row["alpha_hat"], row["X"], row["S_next"]
                     view.tokens += row["x"]
+                    if row.get("receive_s") is not None:
+                        view.receive_s.append(row["receive_s"])
                     view.rounds += 1
                     view.first_s = view.first_s or event["ts"]
                     view.last_s = event["ts"]
@@ -133,6 +139,7 @@ class LocalCluster:
         self.view = ClusterView()
         self.verifier: subprocess.Popen | None = None
         self.drafters: dict[str, subprocess.Popen] = {}
+        self.network: EdgeNetwork | None = None
         self.started_s = time.time()
         self._printed_s = 0.0
 
@@ -149,8 +156,16 @@ class LocalCluster:
         return f"127.0.0.1:{self.view.port}"
 
     def start_drafters(self, address: str) -> None:
-        for d in self.spec.expanded_drafters():
-            cmd = drafter_command(d, address, _prompt_file(d, self.out_dir), self.out_dir / f"{d.name}.jsonl")
+        drafters = self.spec.expanded_drafters()
+        linked = {d.name: d.link for d in drafters if d.link is not None}
+        if linked:  # each linked drafter dials the verifier through its namespace's delay proxy
+            host, port = address.rsplit(":", 1)
+            self.network = EdgeNetwork(linked, upstream=(host, int(port))).__enter__()
+        for d in drafters:
+            dial = self.network[d.name].verifier_address if d.name in linked else address
+            cmd = drafter_command(d, dial, _prompt_file(d, self.out_dir), self.out_dir / f"{d.name}.jsonl")
+            if d.name in linked:
+                cmd = self.network[d.name].wrap(cmd)
             with open(self.out_dir / f"{d.name}.log", "w") as err:
                 self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, **_pinned(d.cpus))
 
@@ -199,6 +214,9 @@ class LocalCluster:
         if self.verifier is not None and self.verifier.poll() is None:
             self.verifier.send_signal(signal.SIGTERM)
             _wait_or_kill(self.verifier, 45)
+        if self.network is not None:
+            self.network.close()
+            self.network = None
 
 
 def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -220,6 +238,10 @@ def render_table(view: ClusterView, procs: dict[str, subprocess.Popen], elapsed_
     return lines
 
 
+def spec_of(cluster: LocalCluster, name: str):
+    return next((d for d in cluster.spec.expanded_drafters() if d.name == name), None)
+
+
 def summarise(cluster: LocalCluster) -> dict:
     rows = {}
     for name, proc in cluster.drafters.items():
@@ -234,6 +256,8 @@ def summarise(cluster: LocalCluster) -> dict:
             "rounds": sum(r["rounds"] for r in records), "acceptance": accepted / drafted if drafted else 0.0,
             "tok_per_s": sum(len(r["token_ids"]) for r in records) / wall if wall else 0.0,
             "alpha_hat": view.alpha_hat, "X": view.goodput,
+            "receive_ms_median": statistics.median(view.receive_s) * 1000 if view.receive_s else None,
+            "link": None if spec_of(cluster, name) is None or spec_of(cluster, name).link is None else asdict(spec_of(cluster, name).link),
         }
     elapsed = time.time() - cluster.started_s
     return {"drafters": rows, "rounds": cluster.view.rounds, "wall_s": elapsed,
@@ -241,16 +265,19 @@ def summarise(cluster: LocalCluster) -> dict:
 
 
 def print_summary(summary: dict, log=print) -> None:
-    log(f"{'drafter':<16} {'exit':>4} {'reqs':>4} {'tokens':>6} {'rounds':>6} {'accept':>6} {'alpha_hat':>9} {'X':>6} {'tok/s':>7}")
+    log(f"{'drafter':<16} {'exit':>4} {'reqs':>4} {'tokens':>6} {'rounds':>6} {'accept':>6} {'alpha_hat':>9} {'X':>6} {'tok/s':>7} {'recv ms':>7}")
     for name, r in summary["drafters"].items():
+        recv = f"{r['receive_ms_median']:>7.1f}" if r.get("receive_ms_median") is not None else f"{'-':>7}"
         log(f"{name:<16} {r['exit_code']:>4} {r['requests']:>4} {r['tokens']:>6} {r['rounds']:>6} {r['acceptance']:>6.3f} "
-            f"{r['alpha_hat']:>9.3f} {r['X']:>6.2f} {r['tok_per_s']:>7.1f}")
+            f"{r['alpha_hat']:>9.3f} {r['X']:>6.2f} {r['tok_per_s']:>7.1f} {recv}")
     log(f"{summary['tokens']} tokens in {summary['wall_s']:.1f} s ({summary['tokens'] / summary['wall_s']:.1f} tok/s overall), "
         f"{summary['rounds']} rounds; results in {summary['out_dir']}")
 
 
 def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, max_rounds: int | None = None) -> dict:
     """Run the cluster until its drafters finish (or ``max_rounds`` rounds); returns the summary."""
+    if any(d.link is not None for d in spec.drafters):
+        check_support()  # refuse before anything starts
     cluster = LocalCluster(spec, out_dir, live=live)
     try:
         address = cluster.start_verifier()

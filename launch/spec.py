@@ -6,7 +6,11 @@
     [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
     name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
     draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
-    prompts = "code"                  # device, dtype, seed, cpus
+    prompts = "code"                  # device, dtype, seed, cpus, link
+
+``link = { rtt_ms = 40, jitter_ms = 5, mbit = 20, loss = 0.01 }`` runs that drafter in its own
+network namespace behind an emulated edge link (:mod:`goodspeed.launch.links`; needs root).
+The verifier's ``local_*`` keys and ``latency_profile`` turn on local serving.
 
 ``cpus`` pins a process to those CPUs (and sizes its thread pools to match), so experiments on
 one machine can keep drafting off the verifier's cores, as separate edge devices would.
@@ -19,6 +23,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+from goodspeed.launch.links import LinkSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -99,6 +105,7 @@ class DrafterSpec:
     dtype: str = "float32"
     seed: int = 0
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux)
+    link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
 
     def prompt_path(self) -> Path:
         shipped = PROMPT_SETS / f"{self.prompts}.jsonl"
@@ -131,6 +138,14 @@ def build_table(cls, table: dict, where: str):
     unknown = set(table) - known
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    if "link" in table:
+        link = table["link"]
+        if not isinstance(link, dict):
+            raise SpecError(f"{where}: link must be a table, e.g. link = {{ rtt_ms = 40, jitter_ms = 5, mbit = 20, loss = 0.01 }}")
+        try:
+            table = {**table, "link": LinkSpec(**link)}
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"{where}: {exc}") from None
     if "cpus" in table:
         cpus = table["cpus"]
         if not isinstance(cpus, list) or not cpus or not all(isinstance(c, int) and c >= 0 for c in cpus):

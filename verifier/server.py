@@ -84,6 +84,7 @@ class _Drafter:
     verdicts: asyncio.Queue
     missed: int = 0
     in_request: bool = False
+    receive_s: float | None = None  # this round: round open -> its draft arrived
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -161,7 +162,9 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     @_rpc
     async def SubmitDraft(self, request, context):
-        self._drafter(request.session_id).last_seen = time.monotonic()
+        drafter = self._drafter(request.session_id)
+        drafter.last_seen = time.monotonic()
+        drafter.receive_s = time.perf_counter() - self._round_opened
         draft = draft_from_pb(request, self.engine.vocab_size)
         verdict = await self.call(self.engine.submit, request.session_id, draft)
         if verdict is not None:
@@ -343,7 +346,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         rows = [
             {"session": v.session_id, "name": self._drafters[v.session_id].name if v.session_id in self._drafters else "",
              "drafted": v.num_drafted, "accepted": v.num_accepted, "x": len(v.token_ids), "alpha_hat": v.acceptance,
-             "X": v.goodput, "S_next": v.next_draft_length, "finished": v.finished}
+             "X": v.goodput, "S_next": v.next_draft_length, "finished": v.finished,
+             "receive_s": self._drafters[v.session_id].receive_s}
             for v in verdicts if v.session_id in self._drafters
         ]
         extra = {}

@@ -2,7 +2,6 @@
 namespaces + veth + tbf cap the bandwidth; setup and teardown leave nothing behind; without root
 the feature is refused with a clear message."""
 
-import os
 import socket
 import statistics
 import subprocess
@@ -146,3 +145,34 @@ def test_drafter_namespace_reaches_the_host_through_the_delay_proxy():
     srv.close()
     assert out.returncode == 0, out.stderr
     assert 27 <= float(out.stdout) <= 40
+
+
+@pytest.mark.skipif(not _supported(), reason="needs root and network namespaces")
+def test_launch_with_an_edge_link_is_lossless_and_reports_receive_time(tmp_path):
+    import json
+
+    import torch
+
+    from goodspeed.launch.local import launch_local
+    from goodspeed.launch.spec import load_spec
+    from modelkit import greedy_reference, perturbed, save_models, tiny_llama
+
+    target = tiny_llama(0, vocab=300)
+    paths = save_models(tmp_path / "models", {"target": target, "draft": perturbed(target, 0.1, 1)}, 300)
+    prompts = tmp_path / "prompts.jsonl"
+    prompt_ids = [[5, 6, 7], [8, 9, 10, 11]]
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompt_ids)))
+    drafter = {"draft": str(paths["draft"]), "prompts": str(prompts), "max_new_tokens": 12}
+    spec = load_spec(tmp_path / "spec.toml", data={
+        "verifier": {"target": str(paths["target"]), "budget": 8, "round_deadline_ms": 1000},
+        "drafters": [{"name": "near", **drafter}, {"name": "far", **drafter, "link": {"rtt_ms": 60, "jitter_ms": 5, "mbit": 20}}],
+    })
+    summary = launch_local(spec, tmp_path / "run", log=lambda *a: None, live=False)
+    target32 = tiny_llama(0, vocab=300, dtype=torch.float32)
+    for name in ("near", "far"):
+        rows = [json.loads(line) for line in (tmp_path / "run" / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["token_ids"] for r in rows] == [greedy_reference(target32, p, 12) for p in prompt_ids]
+    near, far = summary["drafters"]["near"], summary["drafters"]["far"]
+    assert far["link"]["rtt_ms"] == 60 and near["link"] is None
+    assert far["receive_ms_median"] >= near["receive_ms_median"] + 45, summary["drafters"]
+    assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.startswith("gs")]
