@@ -53,7 +53,9 @@ def build_local(opts: VerifierSpec, engine: VerificationEngine, target: LoadedMo
     if draft.fingerprint != target.fingerprint:
         raise SpecError(f"--local-draft {opts.local_draft!r} does not share the target's tokenizer "
                          f"({draft.fingerprint[:12]} != {target.fingerprint[:12]})")
-    return LocalServing(engine, draft.model, config)
+    local = LocalServing(engine, draft.model, config)
+    local.retain_finished = False  # a daemon streams results; it must not keep every request
+    return local
 
 
 async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:

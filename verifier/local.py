@@ -166,6 +166,7 @@ class TokenEvent:
     times: list[float]
     finished: bool = False
     finish_reason: str | None = None
+    summary: dict | None = None  # the last event: the request's statistics (LocalRequest.summary)
 
 
 @dataclass
@@ -259,6 +260,7 @@ class LocalServing:
         self._waiting: deque[LocalRequest] = deque()
         self._active: dict[str, LocalRequest] = {}
         self.finished: list[LocalRequest] = []
+        self.retain_finished = True  # a long-running daemon turns this off (results go to callbacks)
         self._ids = itertools.count()
         self.t_spec_s = 0.0  # smoothed iteration time (AdaServe's t_spec)
         # Acceptance across local requests: a new request's estimate until it has drafted.
@@ -333,9 +335,10 @@ class LocalServing:
 
     def _finish(self, req: LocalRequest, reason: str) -> None:
         req.finish_reason, req.finished_at = reason, self.clock.now()
-        self.finished.append(req)
+        if self.retain_finished:
+            self.finished.append(req)
         if req.on_event is not None:
-            req.on_event(TokenEvent(req.request_id, [], [], True, reason))
+            req.on_event(TokenEvent(req.request_id, [], [], True, reason, req.summary()))
 
     # ---------------------------------------------------------------------- step
 

@@ -230,11 +230,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                                          text=new_text[len(text):] if new_text.startswith(text) else new_text, finished=finished,
                                          finish_reason=event.finish_reason or "")
                 text = new_text
-                if finished:
-                    req = next((r for r in reversed(self.local.finished) if r.request_id == rid), None)
-                    if req is not None:
-                        chunk.tpot_s, chunk.num_drafted, chunk.num_accepted = req.tpot_s or 0.0, req.drafted, req.accepted
-                        self.log.event("generated", **req.summary())
+                if finished and event.summary is not None:
+                    stats = event.summary
+                    chunk.tpot_s, chunk.num_drafted, chunk.num_accepted = stats["tpot_s"] or 0.0, stats["drafted"], stats["accepted"]
+                    self.log.event("generated", **stats)
                 yield chunk
         finally:
             if not finished:  # the client went away: free the request at once
