@@ -99,9 +99,8 @@ def _loadgen(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from goodspeed.drafter.prompts import load_prompts
     from goodspeed.launch.loadgen import make_trace, run_trace_grpc, summarize
-    from goodspeed.launch.spec import DrafterSpec
+    from goodspeed.launch.spec import prompt_set_path
     from goodspeed.lm.sampling import SamplingParams
 
     baseline = args.baseline_tpot_ms
@@ -113,7 +112,7 @@ def _loadgen(args: argparse.Namespace) -> int:
     if args.tokenizer is None:
         print("goodspeed loadgen: --tokenizer MODEL is needed to turn the prompt set into token ids", file=sys.stderr)
         return 2
-    prompts = _prompt_ids(DrafterSpec(name="loadgen", draft=args.tokenizer, prompts=args.prompts).prompt_path(), args.tokenizer, load_prompts)
+    prompts = _prompt_ids(prompt_set_path(args.prompts, "loadgen"), args.tokenizer)
     trace = make_trace(prompts, args.requests, args.rate, baseline, args.max_new_tokens, seed=args.seed)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     show = None if args.quiet else (lambda done, total: print(f"\r{done}/{total} requests", end="", file=sys.stderr, flush=True))
@@ -128,9 +127,10 @@ def _loadgen(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] == summary["requests"] else 1
 
 
-def _prompt_ids(path, tokenizer_spec: str, load_prompts) -> list[list[int]]:
+def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
+    from goodspeed.drafter.prompts import load_prompts
     from goodspeed.lm.loading import resolve_model_path
 
     _build_demo_if_needed([tokenizer_spec])
@@ -164,11 +164,7 @@ def _launch(args: argparse.Namespace) -> int:
     from goodspeed.launch.spec import load_spec
 
     spec = load_spec(args.spec)
-    models = [spec.verifier.target] + [d.draft for d in spec.drafters]
-    if any(m.startswith("demo:") for m in models):
-        from goodspeed.lm.demo import build_demo
-
-        build_demo()
+    _build_demo_if_needed([spec.verifier.target] + [d.draft for d in spec.drafters])
     out = Path(args.out or Path("goodspeed-runs") / time.strftime("%Y%m%d-%H%M%S"))
     summary = launch_local(spec, out, live=not args.no_live)
     return 0 if all(r["exit_code"] == 0 for r in summary["drafters"].values()) else 1
@@ -184,10 +180,7 @@ def _experiment(args: argparse.Namespace) -> int:
     if path and not Path(path).exists() and (SPECS_DIR / f"{path}.toml").exists():
         path = SPECS_DIR / f"{path}.toml"  # a shipped experiment by name, e.g. table1-4drafters
     settings, spec = load_experiment(path)
-    if any(m.startswith("demo:") for m in [spec.verifier.target] + [d.draft for d in spec.drafters]):
-        from goodspeed.lm.demo import build_demo
-
-        build_demo()
+    _build_demo_if_needed([spec.verifier.target] + [d.draft for d in spec.drafters])
     only = tuple(args.policies.split(",")) if args.policies else None
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
@@ -198,6 +191,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
 
 
 def _add_serving_parsers(sub) -> None:
@@ -233,10 +233,7 @@ def _add_serving_parsers(sub) -> None:
     dr.add_argument("--verifier", required=True, help="HOST:PORT")
     dr.add_argument("--draft", required=True, help="hub id, directory or demo:<name>")
     dr.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
-    dr.add_argument("--max-new-tokens", type=int, default=64)
-    dr.add_argument("--temperature", type=float, default=0.0)
-    dr.add_argument("--top-k", type=int, default=0)
-    dr.add_argument("--top-p", type=float, default=1.0)
+    _add_sampling_args(dr, max_new_tokens=64)
     dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
     dr.add_argument("--name", default="drafter")
     dr.add_argument("--connect-timeout-s", type=float, default=60.0)
@@ -247,10 +244,7 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text (the verifier tokenizes it)")
     gen.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
     gen.add_argument("--verifier", default="127.0.0.1:50051", help="HOST:PORT")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    _add_sampling_args(gen, max_new_tokens=64)
     gen.add_argument("--tpot-slo-ms", type=float, default=None, help="time-per-output-token SLO (AdaServe)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout-s", type=float, default=None)
@@ -272,10 +266,7 @@ def _add_serving_parsers(sub) -> None:
     lg.add_argument("--latency-profile", default=None, help="read the baseline from this `goodspeed profile` output")
     lg.add_argument("--tokenizer", default="demo:target", help="model whose tokenizer encodes the prompts (the verifier's target)")
     lg.add_argument("--prompts", default="code", help="a shipped prompt set or a JSONL path")
-    lg.add_argument("--max-new-tokens", type=int, default=48)
-    lg.add_argument("--temperature", type=float, default=0.0)
-    lg.add_argument("--top-k", type=int, default=0)
-    lg.add_argument("--top-p", type=float, default=1.0)
+    _add_sampling_args(lg, max_new_tokens=48)
     lg.add_argument("--seed", type=int, default=0)
     lg.add_argument("--out", default=None, help="per-request JSONL")
     lg.add_argument("--quiet", action="store_true")

@@ -23,7 +23,6 @@ import random
 import shutil
 import subprocess
 import threading
-import time
 from dataclasses import dataclass
 
 SUBNET = ipaddress.ip_network("10.231.0.0/16")
@@ -218,20 +217,22 @@ class EdgeNetwork:
         ns, host_dev, ns_dev = f"gs{self.tag}-{i}", f"gsh{self.tag}x{i}"[:15], f"gsn{self.tag}x{i}"[:15]
         edge = EdgeLink(ns, host_ip, drafter_ip, host_dev, link)
         _run("ip", "netns", "add", ns)
-        self.edges[f"_creating{i}"] = edge  # so a failure below still tears the namespace down
-        _run("ip", "link", "add", host_dev, "type", "veth", "peer", "name", ns_dev)
-        _run("ip", "link", "set", ns_dev, "netns", ns)
-        _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_dev)
-        _run("ip", "link", "set", host_dev, "up")
-        _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{drafter_ip}/30", "dev", ns_dev)
-        _run("ip", "netns", "exec", ns, "ip", "link", "set", ns_dev, "up")
-        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        if link.mbit is not None:
-            rate = f"{link.mbit}mbit"
-            burst = str(max(1600, int(link.mbit * 1e6 / 8 / 100)))  # >= one 10 ms tick of tokens
-            _run("tc", "qdisc", "add", "dev", host_dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ns_dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-        del self.edges[f"_creating{i}"]
+        try:
+            _run("ip", "link", "add", host_dev, "type", "veth", "peer", "name", ns_dev)
+            _run("ip", "link", "set", ns_dev, "netns", ns)
+            _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_dev)
+            _run("ip", "link", "set", host_dev, "up")
+            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{drafter_ip}/30", "dev", ns_dev)
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", ns_dev, "up")
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            if link.mbit is not None:
+                rate = f"{link.mbit}mbit"
+                burst = str(max(1600, int(link.mbit * 1e6 / 8 / 100)))  # >= one 10 ms tick of tokens
+                _run("tc", "qdisc", "add", "dev", host_dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ns_dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
+        except LinkError:
+            _remove(edge)
+            raise
         return edge
 
     def start_proxy(self, name: str, upstream: tuple[str, int]) -> None:
@@ -243,19 +244,11 @@ class EdgeNetwork:
         for edge in list(self.edges.values()):
             if edge.proxy is not None:
                 edge.proxy.stop()
-            subprocess.run(["ip", "netns", "del", edge.namespace], capture_output=True)
-            subprocess.run(["ip", "link", "del", edge.host_dev], capture_output=True)  # gone with the ns; belt and braces
+            _remove(edge)
         self.edges.clear()
 
 
-def wait_listening(host: str, port: int, timeout_s: float = 10.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), 0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise LinkError(f"nothing listens on {host}:{port}")
+def _remove(edge: EdgeLink) -> None:
+    """Delete the namespace (its veth end and qdiscs go with it) and the host end if still there."""
+    subprocess.run(["ip", "netns", "del", edge.namespace], capture_output=True)
+    subprocess.run(["ip", "link", "del", edge.host_dev], capture_output=True)

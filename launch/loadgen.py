@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -155,7 +155,3 @@ async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: Sam
             return rec
 
         return list(await asyncio.gather(*(one(it) for it in trace)))
-
-
-def trace_to_dicts(trace: Sequence[TraceItem]) -> list[dict]:
-    return [asdict(it) for it in trace]

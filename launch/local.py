@@ -238,12 +238,9 @@ def render_table(view: ClusterView, procs: dict[str, subprocess.Popen], elapsed_
     return lines
 
 
-def spec_of(cluster: LocalCluster, name: str):
-    return next((d for d in cluster.spec.expanded_drafters() if d.name == name), None)
-
-
 def summarise(cluster: LocalCluster) -> dict:
     rows = {}
+    links = {d.name: d.link for d in cluster.spec.expanded_drafters()}
     for name, proc in cluster.drafters.items():
         path = cluster.out_dir / f"{name}.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -251,13 +248,14 @@ def summarise(cluster: LocalCluster) -> dict:
         accepted = sum(r["accepted_tokens"] for r in records)
         wall = sum(r["wall_s"] for r in records)
         view = cluster.view.drafters.get(name, DrafterView())
+        link = links.get(name)
         rows[name] = {
             "exit_code": proc.returncode, "requests": len(records), "tokens": sum(len(r["token_ids"]) for r in records),
             "rounds": sum(r["rounds"] for r in records), "acceptance": accepted / drafted if drafted else 0.0,
             "tok_per_s": sum(len(r["token_ids"]) for r in records) / wall if wall else 0.0,
             "alpha_hat": view.alpha_hat, "X": view.goodput,
             "receive_ms_median": statistics.median(view.receive_s) * 1000 if view.receive_s else None,
-            "link": None if spec_of(cluster, name) is None or spec_of(cluster, name).link is None else asdict(spec_of(cluster, name).link),
+            "link": None if link is None else asdict(link),
         }
     elapsed = time.time() - cluster.started_s
     return {"drafters": rows, "rounds": cluster.view.rounds, "wall_s": elapsed,

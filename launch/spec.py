@@ -108,12 +108,17 @@ class DrafterSpec:
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
 
     def prompt_path(self) -> Path:
-        shipped = PROMPT_SETS / f"{self.prompts}.jsonl"
-        path = shipped if shipped.exists() else Path(self.prompts)
-        if not path.exists():
-            known = ", ".join(sorted(p.stem for p in PROMPT_SETS.glob("*.jsonl")))
-            raise SpecError(f"drafter {self.name!r}: prompts {self.prompts!r} is neither a shipped set ({known}) nor a file")
-        return path
+        return prompt_set_path(self.prompts, f"drafter {self.name!r}")
+
+
+def prompt_set_path(prompts: str, where: str = "prompts") -> Path:
+    """A shipped prompt set by name (code, docstrings, comments, project) or a JSONL path."""
+    shipped = PROMPT_SETS / f"{prompts}.jsonl"
+    path = shipped if shipped.exists() else Path(prompts)
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in PROMPT_SETS.glob("*.jsonl")))
+        raise SpecError(f"{where}: prompts {prompts!r} is neither a shipped set ({known}) nor a file")
+    return path
 
 
 @dataclass(frozen=True)

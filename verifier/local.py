@@ -187,10 +187,15 @@ class LocalRequest:
     finished_at: float | None = None
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0
+    committed: list[int] = field(default_factory=list)  # prompt + generated, kept in step (not rebuilt per use)
 
-    @property
-    def committed(self) -> list[int]:
-        return self.prompt_ids + self.generated
+    def __post_init__(self) -> None:
+        self.committed = list(self.prompt_ids) + self.generated
+
+    def commit(self, tokens: list[int], at: float) -> None:
+        self.generated.extend(tokens)
+        self.committed.extend(tokens)
+        self.token_times.extend([at] * len(tokens))
 
     @property
     def cap(self) -> int:
@@ -372,8 +377,7 @@ class LocalServing:
             plan = plans[req.request_id]
             if plan.parents is None and plan.token_ids:
                 self.draft.rollback(req.request_id, len(req.committed), verdict.num_accepted)
-            req.generated.extend(verdict.token_ids)
-            req.token_times.extend([now] * len(verdict.token_ids))
+            req.commit(verdict.token_ids, now)
             req.drafted += verdict.num_drafted
             req.accepted += verdict.num_accepted
             accepted += verdict.num_accepted

@@ -187,7 +187,8 @@ class LocalDraftModel:
                     tok = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
                     drafted[key].append(tok)
                     probs[key].append(q)
-                    confidence[key].append(float(self._ranking(last[key], sampling[key])[tok]))
+                    rank = torch.softmax(last[key].double(), dim=-1) if sampling[key].greedy else q  # = _ranking, once
+                    confidence[key].append(float(rank[tok]))
             feeding = {k: [drafted[k][-1]] for k in active if step + 1 < active[k]}
             if not feeding:
                 break
