@@ -83,6 +83,7 @@ def rows_from_log(log_path: Path, policy: str) -> list[dict]:
                 "policy": policy, "round": event["round"], "ts": event["ts"], "drafter": d["name"],
                 "S": d["drafted"], "accepted": d["accepted"], "x": d["x"], "alpha_hat": d["alpha_hat"], "X": d["X"],
                 "S_next": d["S_next"], "receive_s": event["receive_s"], "verify_s": event["verify_s"], "send_s": event["send_s"],
+                "drafter_receive_s": d.get("receive_s"),  # this drafter's: round open -> its draft arrived
             })
     return rows
 

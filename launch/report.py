@@ -2,7 +2,7 @@
 
 Inputs are the rows an experiment records (one per round and drafter: ``policy``, ``round``,
 ``drafter``, ``S``, ``accepted``, ``x``, ``alpha_hat``, ``X``, ``receive_s``, ``verify_s``,
-``send_s``, ``ts``). Everything in the report is computed here and nowhere else
+``send_s``, ``ts``, and ``drafter_receive_s``: round open -> that drafter's draft arrived). Everything in the report is computed here and nowhere else
 (GoodSpeed, seeds 003_e4f9b92fd7e1d2ba, Section IV):
 
 * Fig. 2 — estimated goodput (sum of the smoothed ``X_i``, eq. 4) vs real goodput (sum of
@@ -12,7 +12,7 @@ Inputs are the rows an experiment records (one per round and drafter: ``policy``
   absent from a round gained 0 in it), from the first round by which every drafter took part;
 * per policy: per-drafter goodput (tokens/round and tokens/s), Jain's fairness index of the
   per-drafter tokens/round, final U, total tokens/s, and the rounds until U stays within 1% of
-  its final value.
+  its final value; per drafter also its median receive time (what an edge link adds shows here).
 """
 
 from __future__ import annotations
@@ -85,7 +85,13 @@ def policy_metrics(rows: list[dict]) -> dict:
         "send_s": float(sum(r["send_s"] for r in per_round.values())),
         "mean_draft_length": {d: float(np.mean([r["S"] for r in rows if r["drafter"] == d])) for d in drafters},
         "acceptance": {d: _acceptance(rows, d) for d in drafters},
+        "receive_ms_median": {d: _median_receive_ms(rows, d) for d in drafters},
     }
+
+
+def _median_receive_ms(rows: list[dict], drafter: str) -> float:
+    times = [r["drafter_receive_s"] for r in rows if r["drafter"] == drafter and r.get("drafter_receive_s") is not None]
+    return float(np.median(times) * 1000) if times else float("nan")
 
 
 def _acceptance(rows: list[dict], drafter: str) -> float:
@@ -162,9 +168,11 @@ def render_markdown(name: str, metrics: dict[str, dict], figures: dict[str, str]
         lines.append(f"| {policy} | {m['rounds']} | {m['utility']:.4f} | {m['jain_index']:.4f} | {m['total_tokens_per_s']:.2f} | "
                      f"{m['rounds_to_settle']} | {m['receive_s']:.3f} | {m['verify_s']:.3f} | {m['send_s']:.3f} |")
     for policy, m in metrics.items():
-        lines += ["", f"## {policy}: per drafter", "", "| drafter | tokens/round | tokens/s | mean S | acceptance |", "|---|---|---|---|---|"]
+        lines += ["", f"## {policy}: per drafter", "", "| drafter | tokens/round | tokens/s | mean S | acceptance | receive ms (median) |",
+                  "|---|---|---|---|---|---|"]
         for d in m["drafters"]:
-            lines.append(f"| {d} | {m['tokens_per_round'][d]:.4f} | {m['tokens_per_s'][d]:.2f} | {m['mean_draft_length'][d]:.2f} | {m['acceptance'][d]:.4f} |")
+            lines.append(f"| {d} | {m['tokens_per_round'][d]:.4f} | {m['tokens_per_s'][d]:.2f} | {m['mean_draft_length'][d]:.2f} | "
+                         f"{m['acceptance'][d]:.4f} | {m['receive_ms_median'][d]:.1f} |")
     lines += ["", "## Figures", ""] + [f"![{k}]({v})" for k, v in figures.items()]
     return "\n".join(lines) + "\n"
 

@@ -52,11 +52,13 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
     for policy in settings.policies:
         rows = [json.loads(line) for line in (out / policy / "rounds.jsonl").read_text().splitlines()]
         assert len({r["round"] for r in rows}) == 40
-        assert {"S", "accepted", "x", "alpha_hat", "X", "receive_s", "verify_s", "send_s"} <= set(rows[0])
+        assert {"S", "accepted", "x", "alpha_hat", "X", "receive_s", "verify_s", "send_s", "drafter_receive_s"} <= set(rows[0])
+        assert all(r["drafter_receive_s"] >= 0 for r in rows)
         per_round, jain, utility = recompute(rows)
         m = report[policy]
         assert m["tokens_per_round"] == pytest.approx(per_round)
         assert m["jain_index"] == pytest.approx(jain) and m["utility"] == pytest.approx(utility)
+        assert all(m["receive_ms_median"][d] >= 0 for d in m["drafters"]) and "receive ms (median)" in markdown
         assert f"| {policy} | 40 | {m['utility']:.4f} | {m['jain_index']:.4f} |" in markdown
     # Greedy and lossless: whatever the policy, a drafter's finished requests are the same tokens.
     for drafter in ("good", "noisy", "unrelated"):

@@ -8,7 +8,8 @@ from goodspeed.launch.report import goodput_matrix, jain_index, moving_average, 
 
 def row(t, drafter, x, S=3, accepted=None, ts=None):
     return {"policy": "p", "round": t, "drafter": drafter, "x": x, "S": S, "accepted": x - 1 if accepted is None else accepted,
-            "alpha_hat": 0.5, "X": 1.5, "receive_s": 0.1 * t, "verify_s": 0.01, "send_s": 0.001, "ts": 100.0 + t if ts is None else ts}
+            "alpha_hat": 0.5, "X": 1.5, "receive_s": 0.1 * t, "verify_s": 0.01, "send_s": 0.001, "ts": 100.0 + t if ts is None else ts,
+            "drafter_receive_s": 0.01 * t + (0.05 if drafter == "b" else 0.0)}
 
 
 ROWS = [row(1, "a", 2), row(1, "b", 1), row(2, "a", 3), row(3, "a", 1), row(3, "b", 2)]  # b absent in round 2
@@ -27,6 +28,7 @@ def test_hand_computed_metrics():
     assert m["total_tokens_per_s"] == pytest.approx(9 / 2.0)  # 9 tokens over ts 101 .. 103
     assert (m["receive_s"], m["verify_s"], m["send_s"]) == pytest.approx((0.6, 0.03, 0.003))
     assert m["acceptance"]["b"] == pytest.approx((0 + 1) / 6)
+    assert m["receive_ms_median"] == pytest.approx({"a": 20.0, "b": 70.0})  # medians of 10/20/30 and 60/80 ms
 
 
 def test_utility_starts_when_every_drafter_has_tokens():
