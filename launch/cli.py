@@ -160,13 +160,28 @@ def _launch(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from goodspeed.launch.local import launch_local
+    from goodspeed.launch.local import launch_local, local_plan
     from goodspeed.launch.spec import load_spec
 
     spec = load_spec(args.spec)
-    _build_demo_if_needed([spec.verifier.target] + [d.draft for d in spec.drafters])
     out = Path(args.out or Path("goodspeed-runs") / time.strftime("%Y%m%d-%H%M%S"))
-    summary = launch_local(spec, out, live=not args.no_live)
+    if args.backend == "ray":
+        from goodspeed.launch.ray_cluster import launch_ray
+
+        # Models load on the nodes (each builds the demo models it needs there), not here.
+        summary = launch_ray(spec, out, address=args.address, live=not args.no_live, dry_run=args.dry_run)
+    elif args.address is not None:
+        print("goodspeed launch: --address is for --backend ray", file=sys.stderr)
+        return 2
+    elif args.dry_run:
+        for line in local_plan(spec):
+            print(line)
+        return 0
+    else:
+        _build_demo_if_needed([spec.verifier.target] + [d.draft for d in spec.drafters])
+        summary = launch_local(spec, out, live=not args.no_live)
+    if args.dry_run:
+        return 0
     return 0 if all(r["exit_code"] == 0 for r in summary["drafters"].values()) else 1
 
 
@@ -271,8 +286,11 @@ def _add_serving_parsers(sub) -> None:
     lg.add_argument("--out", default=None, help="per-request JSONL")
     lg.add_argument("--quiet", action="store_true")
     lg.set_defaults(func=_loadgen)
-    la = sub.add_parser("launch", help="start a verifier and drafters as local processes from a spec (default: the embedded demo)")
+    la = sub.add_parser("launch", help="start a verifier and drafters from a spec, on this machine or a Ray cluster (default: the embedded demo)")
     la.add_argument("spec", nargs="?", default=None, help="SPEC.toml (default: the embedded default spec)")
+    la.add_argument("--backend", default="local", choices=["local", "ray"], help="local processes, or actors on a Ray cluster's nodes")
+    la.add_argument("--address", default=None, help="ray: the cluster's HEAD_IP:PORT (default: RAY_ADDRESS, else the head on this machine)")
+    la.add_argument("--dry-run", action="store_true", help="print where each process would run and start nothing")
     la.add_argument("--out", default=None, help="results directory (default: goodspeed-runs/<timestamp>)")
     la.add_argument("--no-live", action="store_true", help="no live table")
     la.set_defaults(func=_launch)
@@ -306,13 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from goodspeed.launch.links import LinkError
+    from goodspeed.launch.local import LaunchError
     from goodspeed.launch.spec import SpecError
     from goodspeed.lm.loading import ModelLoadError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, ModelLoadError, LinkError) as exc:
+    except (SpecError, ModelLoadError, LinkError, LaunchError) as exc:
         print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

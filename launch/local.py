@@ -80,7 +80,7 @@ class ClusterView:
 
 
 def verifier_command(v: VerifierSpec) -> list[str]:
-    cmd = CLI + ["verifier", "--target", v.target, "--port", "0", "--budget", str(v.budget), "--policy", v.policy,
+    cmd = CLI + ["verifier", "--target", v.target, "--host", v.host, "--port", "0", "--budget", str(v.budget), "--policy", v.policy,
                  "--eta", str(v.eta), "--beta", str(v.beta), "--round-deadline-ms", str(v.round_deadline_ms),
                  "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
                  "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
@@ -95,15 +95,31 @@ def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> l
                   "--seed", str(d.seed), "--quiet"]
 
 
-def _pinned(cpus: tuple[int, ...] | None) -> dict:
-    """Popen arguments that pin the child to ``cpus`` with matching thread pools (Linux)."""
+def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_parent: bool = False) -> dict:
+    """Popen arguments that pin the child to ``cpus`` with matching thread pools (Linux).
+
+    ``threads`` sizes the thread pools when there is no pinning; ``die_with_parent`` has the
+    kernel SIGTERM the child when the process that started it dies (Linux), so a child of a Ray
+    actor cannot outlive the actor.
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not cpus:
-        return {"env": env}
-    if not hasattr(os, "sched_setaffinity"):
+    if cpus and not hasattr(os, "sched_setaffinity"):
         raise LaunchError("cpus (CPU affinity) needs Linux")
-    env.update(OMP_NUM_THREADS=str(len(cpus)), MKL_NUM_THREADS=str(len(cpus)))
-    return {"env": env, "preexec_fn": lambda: os.sched_setaffinity(0, cpus)}
+    threads = len(cpus) if cpus else threads
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if not cpus and not die_with_parent:
+        return {"env": env}
+
+    def setup() -> None:
+        if die_with_parent and sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return {"env": env, "preexec_fn": setup}
 
 
 def _prompt_file(d: DrafterSpec, out_dir: Path) -> Path:
@@ -116,16 +132,21 @@ def _prompt_file(d: DrafterSpec, out_dir: Path) -> Path:
     return path
 
 
+def apply_line(view: ClusterView, line: str) -> None:
+    """Feed one line of the verifier's log to the view (JSON events; anything else is ignored)."""
+    if line.startswith("{"):
+        try:
+            view.apply(json.loads(line))
+        except (json.JSONDecodeError, KeyError):
+            pass
+
+
 def _follow(stream, log_path: Path, view: ClusterView) -> None:
     with open(log_path, "w", encoding="utf-8") as log:
         for line in stream:
             log.write(line)
             log.flush()
-            if line.startswith("{"):
-                try:
-                    view.apply(json.loads(line))
-                except (json.JSONDecodeError, KeyError):
-                    pass
+            apply_line(view, line)
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -140,6 +161,7 @@ class LocalCluster:
         self.verifier: subprocess.Popen | None = None
         self.drafters: dict[str, subprocess.Popen] = {}
         self.network: EdgeNetwork | None = None
+        self.placement: dict[str, dict] = {}  # process name -> where it ran (the Ray backend fills this)
         self.started_s = time.time()
         self._printed_s = 0.0
 
@@ -258,8 +280,8 @@ def summarise(cluster: LocalCluster) -> dict:
             "link": None if link is None else asdict(link),
         }
     elapsed = time.time() - cluster.started_s
-    return {"drafters": rows, "rounds": cluster.view.rounds, "wall_s": elapsed,
-            "tokens": sum(r["tokens"] for r in rows.values()), "drops": cluster.view.drops, "out_dir": str(cluster.out_dir)}
+    return {"drafters": rows, "rounds": cluster.view.rounds, "wall_s": elapsed, "tokens": sum(r["tokens"] for r in rows.values()),
+            "drops": cluster.view.drops, "out_dir": str(cluster.out_dir), "placement": cluster.placement}
 
 
 def print_summary(summary: dict, log=print) -> None:
@@ -272,14 +294,27 @@ def print_summary(summary: dict, log=print) -> None:
         f"{summary['rounds']} rounds; results in {summary['out_dir']}")
 
 
+def local_plan(spec: LaunchSpec) -> list[str]:
+    """``--dry-run`` for the local backend: every process runs here; its command line."""
+    lines = ["every process runs on this machine:", "  verifier: " + " ".join(verifier_command(spec.verifier))]
+    for d in spec.expanded_drafters():
+        dial = "VERIFIER_ADDRESS" if d.link is None else "VERIFIER_ADDRESS via its emulated link"
+        lines.append(f"  {d.name}: " + " ".join(drafter_command(d, dial, d.prompt_path(), Path(f"OUT/{d.name}.jsonl"))))
+    return lines
+
+
 def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, max_rounds: int | None = None) -> dict:
     """Run the cluster until its drafters finish (or ``max_rounds`` rounds); returns the summary."""
     if any(d.link is not None for d in spec.drafters):
         check_support()  # refuse before anything starts
-    cluster = LocalCluster(spec, out_dir, live=live)
+    return run_cluster(LocalCluster(spec, out_dir, live=live), log, max_rounds)
+
+
+def run_cluster(cluster: LocalCluster, log=print, max_rounds: int | None = None) -> dict:
+    """Start the verifier, then the drafters; wait; tear down (also on Ctrl-C); write the summary."""
     try:
         address = cluster.start_verifier()
-        log(f"verifier serving on {address}; starting {len(spec.expanded_drafters())} drafters")
+        log(f"verifier serving on {address}; starting {len(cluster.spec.expanded_drafters())} drafters")
         cluster.start_drafters(address)
         cluster.wait(refresh_s=0.2 if max_rounds else 1.0, max_rounds=max_rounds)
     except KeyboardInterrupt:
@@ -287,6 +322,6 @@ def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, 
     finally:
         cluster.stop()
     summary = summarise(cluster)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (cluster.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary, log)
     return summary

@@ -15,6 +15,12 @@ The verifier's ``local_*`` keys and ``latency_profile`` turn on local serving.
 ``cpus`` pins a process to those CPUs (and sizes its thread pools to match), so experiments on
 one machine can keep drafting off the verifier's cores, as separate edge devices would.
 
+Placement keys, for ``goodspeed launch --backend ray`` (the local backend runs everything on this
+machine and does not read them): ``num_cpus`` (logical CPUs Ray reserves on the node, also the
+process's thread count; default 1), ``num_gpus`` (default 0; a ``cuda`` device needs >= 1),
+``resources`` (custom node resources, e.g. ``resources = { h100 = 1 }`` or ``{ l4 = 1 }``) and
+``node`` (a node's name, IP or ID: put the process exactly there).
+
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
 
@@ -37,6 +43,32 @@ DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "default.toml"
 
 class SpecError(ValueError):
     """The spec is invalid; the message names the key."""
+
+
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one process asks of the node it runs on (the Ray backend's placement keys)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: tuple[tuple[str, float], ...] = ()
+    node: str | None = None
+
+    def demand(self) -> dict[str, float]:
+        """Ray resource names -> amounts (zeros left out)."""
+        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **dict(self.resources)}
+        return {k: v for k, v in out.items() if v > 0}
+
+    def describe(self) -> str:
+        parts = [f"{k} {v:g}" for k, v in self.demand().items()]
+        return ", ".join(parts + ([f"node {self.node}"] if self.node else [])) or "nothing"
+
+
+def placement_of(spec: "VerifierSpec | DrafterSpec") -> Placement:
+    return Placement(spec.num_cpus, spec.num_gpus, tuple(sorted((spec.resources or {}).items())), spec.node)
 
 
 @dataclass(frozen=True)
@@ -72,6 +104,11 @@ class VerifierSpec:
     local_max_k: int = 6  # turbospec / nightjar: largest k
     latency_profile: str | None = None  # turbospec: the file `goodspeed profile` wrote
     max_local_requests: int = 32  # local requests decoded together
+    # Placement (Ray backend): see the module docstring.
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] | None = None
+    node: str | None = None
 
     LOCAL_FLAGS = ("local_draft", "local_policy", "local_k", "local_extra", "local_capacity", "local_budget",
                    "local_max_depth", "local_max_width", "local_max_k", "latency_profile", "max_local_requests")
@@ -106,6 +143,11 @@ class DrafterSpec:
     seed: int = 0
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux)
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
+    # Placement (Ray backend): see the module docstring.
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] | None = None
+    node: str | None = None
 
     def prompt_path(self) -> Path:
         return prompt_set_path(self.prompts, f"drafter {self.name!r}")
@@ -151,6 +193,20 @@ def build_table(cls, table: dict, where: str):
             table = {**table, "link": LinkSpec(**link)}
         except (TypeError, ValueError) as exc:
             raise SpecError(f"{where}: {exc}") from None
+    if "resources" in table:
+        resources = table["resources"]
+        if not isinstance(resources, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                      and v > 0 for k, v in resources.items()):
+            raise SpecError(f"{where}: resources must be a table of positive amounts, e.g. resources = {{ h100 = 1 }}")
+        reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
+        if reserved:
+            raise SpecError(f"{where}: resources cannot name {reserved}: use num_cpus / num_gpus")
+        table = {**table, "resources": {k: float(v) for k, v in resources.items()}}
+    for key in ("num_cpus", "num_gpus"):
+        if key in table and (isinstance(table[key], bool) or not isinstance(table[key], (int, float)) or table[key] < 0):
+            raise SpecError(f"{where}: {key} must be a number >= 0")
+    if "node" in table and (not isinstance(table["node"], str) or not table["node"]):
+        raise SpecError(f"{where}: node must be a node's name, IP or ID")
     if "cpus" in table:
         cpus = table["cpus"]
         if not isinstance(cpus, list) or not cpus or not all(isinstance(c, int) and c >= 0 for c in cpus):
@@ -186,6 +242,8 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
     names = [d.name for d in spec.expanded_drafters()]
     if len(set(names)) != len(names):
         raise SpecError(f"{path}: drafter names must be unique, got {names}")
+    if "verifier" in names:
+        raise SpecError(f"{path}: 'verifier' is the verifier's name (its log is verifier.log); name the drafter otherwise")
     for d in spec.drafters:
         if d.count < 1 or d.max_new_tokens < 1:
             raise SpecError(f"drafter {d.name!r}: count and max_new_tokens must be >= 1")
