@@ -220,7 +220,7 @@ class LocalCluster:
         if not tty and now - self._printed_s < 10:
             return shown
         self._printed_s = now
-        lines = render_table(self.view, self.drafters, now - self.started_s)
+        lines = render_table(self.view, self.drafters, now - self.started_s, self.placement)
         if tty and shown:
             sys.stdout.write(f"\x1b[{shown}F\x1b[J")
         sys.stdout.write("\n".join(lines) + "\n")
@@ -249,14 +249,17 @@ def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> None:
         proc.wait(5)
 
 
-def render_table(view: ClusterView, procs: dict[str, subprocess.Popen], elapsed_s: float) -> list[str]:
+def render_table(view: ClusterView, procs: dict[str, subprocess.Popen], elapsed_s: float, placement: dict | None = None) -> list[str]:
+    """The live table; with a ``placement`` (Ray backend) each drafter's node too."""
+    node = (lambda name: f" {placement.get(name, {}).get('node', '?')}") if placement else (lambda name: "")
     lines = [f"goodspeed launch: {elapsed_s:6.1f} s, {view.rounds} rounds",
-             f"  {'drafter':<16} {'state':<8} {'alpha_hat':>9} {'X':>6} {'S_i':>4} {'tokens':>7} {'tok/s':>7}"]
+             f"  {'drafter':<16} {'state':<8} {'alpha_hat':>9} {'X':>6} {'S_i':>4} {'tokens':>7} {'tok/s':>7}" + (" node" if placement else "")]
     with view.lock:
         for name, proc in procs.items():
             v = view.drafters.get(name, DrafterView())
             state = "running" if proc.poll() is None else f"exit {proc.returncode}"
-            lines.append(f"  {name:<16} {state:<8} {v.alpha_hat:>9.3f} {v.goodput:>6.2f} {v.next_len:>4} {v.tokens:>7} {v.tok_s():>7.1f}")
+            lines.append(f"  {name:<16} {state:<8} {v.alpha_hat:>9.3f} {v.goodput:>6.2f} {v.next_len:>4} {v.tokens:>7} {v.tok_s():>7.1f}"
+                         + node(name))
     return lines
 
 

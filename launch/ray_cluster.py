@@ -326,8 +326,7 @@ class RayCluster(LocalCluster):
                 try:
                     proc.pull()
                 except Exception as exc:  # a slow pull is retried next time; never kill the pump
-                    if self.live:
-                        print(f"goodspeed launch: pulling {proc.name}'s log failed ({exc}); retrying", file=sys.stderr)
+                    print(f"goodspeed launch: pulling {proc.name}'s log failed ({exc}); retrying", file=sys.stderr)
 
     def start_verifier(self) -> str:
         import ray

@@ -17,3 +17,25 @@ def test_default_launch_finishes_and_prints_its_summary(tmp_path, capsys):
         assert row["exit_code"] == 0 and row["requests"] > 0, name
         records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         assert {"id", "prompt_ids", "token_ids", "text", "rounds", "drafted_tokens", "accepted_tokens", "wall_s"} <= set(records[0])
+
+
+def test_live_table_rows_and_the_ray_backends_node_column():
+    from goodspeed.launch.local import ClusterView, render_table
+
+    class Proc:
+        def __init__(self, returncode):
+            self.returncode = returncode
+
+        def poll(self):
+            return self.returncode
+
+    view = ClusterView()
+    view.apply({"event": "round", "ts": 10.0, "drafters": [{"name": "a", "alpha_hat": 0.5, "X": 2.0, "S_next": 4, "x": 3}]})
+    view.apply({"event": "round", "ts": 12.0, "drafters": [{"name": "a", "alpha_hat": 0.6, "X": 2.5, "S_next": 5, "x": 3}]})
+    procs = {"a": Proc(None), "b": Proc(1)}
+    lines = render_table(view, procs, 5.0)
+    assert lines[0] == "goodspeed launch:    5.0 s, 2 rounds" and "node" not in lines[1]
+    assert lines[2].split() == ["a", "running", "0.600", "2.50", "5", "6", "3.0"]  # 6 tokens over ts 10 .. 12
+    assert lines[3].split()[:3] == ["b", "exit", "1"]
+    placed = render_table(view, procs, 5.0, {"a": {"node": "edge-1"}, "b": {"node": "edge-2"}})
+    assert placed[1].endswith(" node") and placed[2].endswith(" edge-1") and placed[3].endswith(" edge-2")

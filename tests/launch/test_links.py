@@ -176,3 +176,25 @@ def test_launch_with_an_edge_link_is_lossless_and_reports_receive_time(tmp_path)
     assert far["link"]["rtt_ms"] == 60 and near["link"] is None
     assert far["receive_ms_median"] >= near["receive_ms_median"] + 45, summary["drafters"]
     assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.startswith("gs")]
+
+
+@pytest.mark.skipif(not _supported(), reason="needs root and network namespaces")
+def test_experiment_reports_each_drafters_receive_time_under_its_link(tmp_path):
+    import json
+
+    from goodspeed.launch.experiment import ExperimentSettings, run_experiment
+    from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
+    from modelkit import perturbed, save_models, tiny_llama
+
+    target = tiny_llama(0, vocab=300)
+    paths = save_models(tmp_path / "models", {"target": target, "draft": perturbed(target, 0.1, 1)}, 300)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [5 + i, 6, 7]}) + "\n" for i in range(3)))
+    near = DrafterSpec(name="near", draft=str(paths["draft"]), prompts=str(prompts), max_new_tokens=30)
+    far = DrafterSpec(name="far", draft=str(paths["draft"]), prompts=str(prompts), max_new_tokens=30, link=LinkSpec(rtt_ms=80, mbit=20))
+    spec = LaunchSpec(VerifierSpec(target=str(paths["target"]), budget=8, round_deadline_ms=1000, max_missed_rounds=10), (near, far))
+    result = run_experiment(ExperimentSettings(name="links", policies=("goodspeed",), rounds=20), spec, tmp_path / "out", log=lambda *a: None)
+    assert result["failed"] == []
+    receive = result["metrics"]["goodspeed"]["receive_ms_median"]
+    assert receive["far"] >= receive["near"] + 60, receive  # the 80 ms round trip shows on the far drafter alone
+    assert "| far |" in (tmp_path / "out" / "REPORT.md").read_text()
