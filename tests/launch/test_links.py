@@ -174,7 +174,9 @@ def test_launch_with_an_edge_link_is_lossless_and_reports_receive_time(tmp_path)
         assert [r["token_ids"] for r in rows] == [greedy_reference(target32, p, 12) for p in prompt_ids]
     near, far = summary["drafters"]["near"], summary["drafters"]["far"]
     assert far["link"]["rtt_ms"] == 60 and near["link"] is None
-    assert far["receive_ms_median"] >= near["receive_ms_median"] + 45, summary["drafters"]
+    # far: the round trip (60 ms) + drafting; near: drafting alone. Measured 77 vs 15 ms on an idle
+    # machine; under CPU contention near's drafting slows most (86 vs 47 ms), so the margins are loose.
+    assert far["receive_ms_median"] >= max(0.8 * 60, near["receive_ms_median"] + 30), summary["drafters"]
     assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.startswith("gs")]
 
 
@@ -196,5 +198,5 @@ def test_experiment_reports_each_drafters_receive_time_under_its_link(tmp_path):
     result = run_experiment(ExperimentSettings(name="links", policies=("goodspeed",), rounds=20), spec, tmp_path / "out", log=lambda *a: None)
     assert result["failed"] == []
     receive = result["metrics"]["goodspeed"]["receive_ms_median"]
-    assert receive["far"] >= receive["near"] + 60, receive  # the 80 ms round trip shows on the far drafter alone
+    assert receive["far"] >= max(0.8 * 80, receive["near"] + 40), receive  # measured 127 vs 37 ms
     assert "| far |" in (tmp_path / "out" / "REPORT.md").read_text()

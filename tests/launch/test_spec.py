@@ -46,3 +46,13 @@ def test_bad_specs_name_the_problem(tmp_path, text, match):
 
 def test_default_spec_file_ships_with_the_package():
     assert DEFAULT_SPEC.exists() and DEFAULT_SPEC.suffix == ".toml"
+
+
+def test_every_shipped_spec_loads():
+    from goodspeed.launch.experiment import SPECS_DIR, load_experiment
+
+    shipped = sorted(SPECS_DIR.glob("*.toml"))
+    assert len(shipped) >= 5
+    for path in shipped:
+        spec = load_experiment(path)[1] if "[experiment]" in path.read_text() else load_spec(path)
+        assert spec.drafters, path
