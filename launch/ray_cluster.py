@@ -17,7 +17,8 @@ adds placement by the spec's keys and the same processes, logs, live table and s
 3. One :class:`ProcessHost` actor per process, pinned to its planned node and reserving the
    requested resources there. If the node's resources are busy with other work, the launch fails
    after ``ready_timeout_s`` saying so.
-4. ``demo:`` models are built on each node that needs them (one build per machine at a time).
+4. ``demo:`` models are built where they are needed, once per machine (its processes share the
+   model cache), machines in parallel.
 5. The verifier's actor runs ``goodspeed verifier`` bound to its node's IP (the address Ray itself
    uses between nodes) on a free port; the launcher reads the port from the log it pulls back and
    gives every drafter ``IP:PORT``. Each drafter's actor writes its prompt file (sent from the
@@ -301,22 +302,23 @@ class RayCluster(LocalCluster):
             self.placement[name]["hostname"] = where["hostname"]
 
     def _prepare_models(self) -> None:
-        """Build ``demo:`` models on the nodes that need them: machines in parallel, one build per machine."""
+        """Build ``demo:`` models where they are needed: once per machine (processes on one machine
+        share its model cache), all machines in parallel."""
         import ray
 
         models = {d.name: [d.draft] for d in self.spec.expanded_drafters()}
         models["verifier"] = [self.spec.verifier.target, self.spec.verifier.local_draft or ""]
-        needs = [a for a in self.plan if any(m.startswith("demo:") for m in models[a.name])]
-        by_ip: dict[str, list[Assignment]] = defaultdict(list)
-        for a in needs:
-            by_ip[a.node.ip].append(a)
-        if needs:
-            self.log(f"checking the demo models on {len(by_ip)} machine(s) (built there on first use, ~3 min)")
-        for wave in range(max((len(v) for v in by_ip.values()), default=0)):
-            batch = [group[wave] for group in by_ip.values() if wave < len(group)]
-            for a, (rc, tail) in zip(batch, ray.get([self.hosts[a.name].build_demo.remote() for a in batch])):
-                if rc != 0:
-                    raise LaunchError(f"building the demo models for {a.name!r} on {a.node.label()} failed:\n{tail}")
+        machines: dict[str, Assignment] = {}
+        for a in self.plan:
+            if any(m.startswith("demo:") for m in models[a.name]):
+                machines.setdefault(a.node.ip, a)
+        if not machines:
+            return
+        self.log(f"checking the demo models on {len(machines)} machine(s) (built there on first use, ~3 min)")
+        batch = list(machines.values())
+        for a, (rc, tail) in zip(batch, ray.get([self.hosts[a.name].build_demo.remote() for a in batch])):
+            if rc != 0:
+                raise LaunchError(f"building the demo models on {a.node.label()} (for {a.name!r}) failed:\n{tail}")
 
     def _pump_loop(self) -> None:
         while not self._stop_pump.wait(PULL_S):
