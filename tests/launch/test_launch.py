@@ -39,3 +39,12 @@ def test_live_table_rows_and_the_ray_backends_node_column():
     assert lines[3].split()[:3] == ["b", "exit", "1"]
     placed = render_table(view, procs, 5.0, {"a": {"node": "edge-1"}, "b": {"node": "edge-2"}})
     assert placed[1].endswith(" node") and placed[2].endswith(" edge-1") and placed[3].endswith(" edge-2")
+
+
+def test_local_dry_run_prints_the_processes_and_address_needs_ray(capsys, tmp_path):
+    assert main(["launch", "--dry-run", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("every process runs on this machine:") and "verifier --target demo:target" in out
+    assert out.count("drafter --verifier VERIFIER_ADDRESS") == 4 and not (tmp_path / "run").exists()
+    assert main(["launch", "--address", "10.0.0.1:6379"]) == 2
+    assert "--address is for --backend ray" in capsys.readouterr().err
