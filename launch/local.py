@@ -80,7 +80,7 @@ class ClusterView:
 
 
 def verifier_command(v: VerifierSpec) -> list[str]:
-    cmd = CLI + ["verifier", "--target", v.target, "--host", v.host, "--port", "0", "--budget", str(v.budget), "--policy", v.policy,
+    cmd = CLI + ["verifier", "--target", v.target, "--host", v.host, "--port", str(v.port or 0), "--budget", str(v.budget), "--policy", v.policy,
                  "--eta", str(v.eta), "--beta", str(v.beta), "--round-deadline-ms", str(v.round_deadline_ms),
                  "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
                  "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),

@@ -20,8 +20,9 @@ adds placement by the spec's keys and the same processes, logs, live table and s
 4. ``demo:`` models are built where they are needed, once per machine (its processes share the
    model cache), machines in parallel.
 5. The verifier's actor runs ``goodspeed verifier`` bound to its node's IP (the address Ray itself
-   uses between nodes) on a free port; the launcher reads the port from the log it pulls back and
-   gives every drafter ``IP:PORT``. Each drafter's actor writes its prompt file (sent from the
+   uses between nodes; a spec's non-loopback ``host``, e.g. ``0.0.0.0``, is kept) on the spec's
+   ``port`` or a free one; the launcher reads the port from the log it pulls back and gives every
+   drafter ``NODE_IP:PORT``. Each drafter's actor writes its prompt file (sent from the
    launching machine, so a local JSONL path works) and runs ``goodspeed drafter``.
 6. A pump thread pulls every process's log, and each drafter's results, into ``OUT/`` every
    0.25 s; the verifier's log feeds the same live table as the local backend.
@@ -182,7 +183,9 @@ class ProcessHost:
         return rc, _tail(self.log_path)
 
     def start_verifier(self, spec: VerifierSpec) -> None:
-        self._start(verifier_command(replace(spec, host=self.ip)), spec.cpus, spec.num_cpus)
+        # Loopback (the spec default) is unreachable from other nodes: bind the node's Ray IP instead.
+        host = self.ip if spec.host in ("127.0.0.1", "localhost", "::1") else spec.host
+        self._start(verifier_command(replace(spec, host=host)), spec.cpus, spec.num_cpus)
 
     def start_drafter(self, spec: DrafterSpec, address: str, prompts: str) -> None:
         path = self.workdir / f"{spec.name}.prompts.jsonl"

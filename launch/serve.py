@@ -70,7 +70,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     if opts.metrics_port is not None:
         metrics.serve(opts.metrics_port, addr=opts.host)
     server = make_server(engine, ServerConfig(
-        host=opts.host, port=opts.port, round_deadline_ms=opts.round_deadline_ms,
+        host=opts.host, port=50051 if opts.port is None else opts.port, round_deadline_ms=opts.round_deadline_ms,
         max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=target.name), metrics=metrics, log=log,
         local=local, tokenizer=target.tokenizer)
     await server.start()

@@ -2,7 +2,7 @@
 
     [verifier]                        # target, budget, policy, eta, beta, round_deadline_ms,
     target = "demo:target"            # max_missed_rounds, idle_timeout_s, max_drafters, max_draft_len, device,
-    budget = 16                       # dtype, seed, metrics_port, cpus (host/port: launcher-chosen)
+    budget = 16                       # dtype, seed, metrics_port, cpus, port (default: a free one)
     [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
     name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
     draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
@@ -77,7 +77,9 @@ class VerifierSpec:
 
     target: str = "demo:target"
     host: str = "127.0.0.1"
-    port: int = 50051  # the launcher always uses 0 and reads the bound port from the log
+    # `goodspeed verifier` listens on 50051 by default; `goodspeed launch` on a free port unless a spec
+    # sets one (e.g. a port a firewall opens on a Ray cluster), reading the bound port from the log.
+    port: int | None = None
     budget: int = 16
     policy: str = "goodspeed"
     eta: float = 0.2

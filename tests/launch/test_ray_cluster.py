@@ -201,7 +201,12 @@ def test_ctrl_c_tears_the_cluster_down(ray_cluster, models, tmp_path):
     paths, prompts, _ = models
     long_prompts = tmp_path / "long.jsonl"
     long_prompts.write_text("".join(json.dumps({"id": str(i), "prompt_ids": [5 + i % 50, 6]}) + "\n" for i in range(2000)))
-    spec = write_spec(tmp_path / "spec.toml", {"target": str(paths["target"]), "budget": 8, "resources": {"h100": 1}},
+    import socket
+
+    with socket.socket() as probe:  # a fixed verifier port (as a firewalled cluster would open)
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    spec = write_spec(tmp_path / "spec.toml", {"target": str(paths["target"]), "budget": 8, "resources": {"h100": 1}, "port": port},
                       [{"name": "endless", "draft": str(paths["draft"]), "prompts": str(long_prompts), "max_new_tokens": 64, "resources": {"l4": 1}}])
     proc = subprocess.Popen([sys.executable, "-m", "goodspeed.launch.cli", "launch", str(spec), "--backend", "ray", "--address", ray_cluster,
                              "--out", str(tmp_path / "run"), "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -213,6 +218,7 @@ def test_ctrl_c_tears_the_cluster_down(ray_cluster, models, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert "interrupted: stopping the cluster" in out, out + err
+    assert f":{port}; starting 1 drafters" in out, out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert 3 <= summary["drafters"]["endless"]["requests"] < 2000
     assert cluster_is_idle(ray_cluster)

@@ -25,6 +25,8 @@ def test_count_expands_to_distinct_processes(tmp_path):
     cmd = drafter_command(spec.expanded_drafters()[0], "127.0.0.1:1", spec.drafters[0].prompt_path(), tmp_path / "o.jsonl")
     assert cmd[cmd.index("--verifier") + 1] == "127.0.0.1:1"
     assert verifier_command(spec.verifier)[verifier_command(spec.verifier).index("--port") + 1] == "0"
+    fixed = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nport=6100\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
+    assert verifier_command(fixed.verifier)[verifier_command(fixed.verifier).index("--port") + 1] == "6100"
 
 
 @pytest.mark.parametrize(
