@@ -111,12 +111,11 @@ def plan_placement(spec: LaunchSpec, nodes: list[NodeInfo]) -> list[Assignment]:
             raise PlacementError(f"{what} asks for node {want.node!r}, which is no alive node's name, IP or ID; nodes: {_describe_nodes(nodes)}")
         demand = want.demand()
         offering = [n for n in candidates if all(n.total.get(k, 0.0) >= v for k, v in demand.items())]
-        where = f"node {want.node!r}" if want.node else "no node"
         if not offering:
-            missing = [f"{k} {v:g}" for k, v in demand.items() if not any(n.total.get(k, 0.0) >= v for n in candidates)]
-            lacks = f"offers {', '.join(missing)}" if missing else "offers all of it at once"
-            prefix = f"{where} {lacks.replace('offers', 'does not offer', 1)}" if want.node else f"no node {lacks}"
-            raise PlacementError(f"{what} asks for {want.describe()}, but {prefix}; nodes: {_describe_nodes(candidates)}")
+            missing = ", ".join(f"{k} {v:g}" for k, v in demand.items() if not any(n.total.get(k, 0.0) >= v for n in candidates))
+            lacking = missing or "all of it at once"
+            why = f"node {want.node!r} does not offer {lacking}" if want.node else f"no node offers {lacking}"
+            raise PlacementError(f"{what} asks for {want.describe()}, but {why}; nodes: {_describe_nodes(candidates)}")
         free = [n for n in offering if all(n.total.get(k, 0.0) - used[n.node_id][k] >= v - 1e-9 for k, v in demand.items())]
         if not free:
             taken = "; ".join(f"{n.label()} runs {', '.join(users[n.node_id])}" for n in offering)
