@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
-from goodspeed.lm.prefix import prefix_hash
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -189,8 +188,7 @@ class DrafterClient:
         return verdict
 
     def _check_drift(self, verdict: pb.Verdict, result: RequestResult) -> tuple[int, int]:
-        committed = self.runner.committed
-        if len(committed) == verdict.committed_length and prefix_hash(committed) == verdict.prefix_hash:
+        if len(self.runner.committed) == verdict.committed_length and self.runner.prefix_hash == verdict.prefix_hash:
             return verdict.next_draft_length, verdict.round_index + 1
         reply = self._retry(self.stub.Resync, pb.ResyncRequest(session_id=self.session_id))
         self.runner.start(list(reply.committed_ids))

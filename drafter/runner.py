@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
 
 
@@ -45,13 +46,19 @@ class DraftRunner:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
-        self.committed: list[int] = []
-        self.cache = DynamicCache()
+        self.start([])
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """Begin a request (or resynchronise with the verifier's committed tokens)."""
         self.committed = [int(t) for t in prompt_ids]
         self.cache = DynamicCache()
+        self._hasher = new_prefix_hasher()
+        update_prefix_hasher(self._hasher, self.committed)
+
+    @property
+    def prefix_hash(self) -> str:
+        """:func:`goodspeed.lm.prefix.prefix_hash` of ``committed``, kept incrementally (O(new tokens) a round)."""
+        return self._hasher.hexdigest()
 
     @property
     def cached_len(self) -> int:
@@ -85,4 +92,6 @@ class DraftRunner:
         keep = min(len(self.committed) + num_accepted, self.cached_len)
         if keep < self.cached_len:
             self.cache.crop(keep - self.cached_len)
-        self.committed.extend(int(t) for t in emitted)
+        emitted = [int(t) for t in emitted]
+        self.committed.extend(emitted)
+        update_prefix_hasher(self._hasher, emitted)

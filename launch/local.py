@@ -170,12 +170,16 @@ class LocalCluster:
         self.verifier = subprocess.Popen(verifier_command(self.spec.verifier), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                          text=True, **_pinned(self.spec.verifier.cpus))
         threading.Thread(target=_follow, args=(self.verifier.stderr, self.out_dir / "verifier.log", self.view), daemon=True).start()
+        return f"127.0.0.1:{self.wait_serving()}"
+
+    def wait_serving(self, where: str = "") -> int:
+        """The verifier's port once its log says it is serving; LaunchError if it exits or times out."""
         deadline = time.monotonic() + self.start_timeout_s
         while self.view.port is None:
             if self.verifier.poll() is not None or time.monotonic() > deadline:
-                raise LaunchError(f"verifier did not start serving:\n{_tail(self.out_dir / 'verifier.log')}")
+                raise LaunchError(f"verifier did not start serving{where}:\n{_tail(self.out_dir / 'verifier.log')}")
             time.sleep(0.05)
-        return f"127.0.0.1:{self.view.port}"
+        return self.view.port
 
     def start_drafters(self, address: str) -> None:
         drafters = self.spec.expanded_drafters()

@@ -344,12 +344,8 @@ class RayCluster(LocalCluster):
             self.verifier = RemoteProcess(host, "verifier", self.out_dir / "verifier.log", on_line=lambda line: apply_line(self.view, line))
         self._pump = threading.Thread(target=self._pump_loop, name="goodspeed-ray-pump", daemon=True)
         self._pump.start()
-        deadline = time.monotonic() + self.start_timeout_s
-        while self.view.port is None:
-            if self.verifier.poll() is not None or time.monotonic() > deadline:
-                raise LaunchError(f"verifier did not start serving on {self.placement['verifier']['node']}:\n{_tail(self.out_dir / 'verifier.log')}")
-            time.sleep(0.05)
-        return f"{self.placement['verifier']['ip']}:{self.view.port}"
+        port = self.wait_serving(f" on {self.placement['verifier']['node']}")
+        return f"{self.placement['verifier']['ip']}:{port}"
 
     def start_drafters(self, address: str) -> None:
         import ray

@@ -29,7 +29,7 @@ from goodspeed.scheduler import AllocationInputs, GoodputEstimator, make_policy
 from goodspeed.verifier import errors
 from goodspeed.verifier.attention import use_gqa_attention
 from goodspeed.verifier.drafts import draft_depth, validate_draft
-from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
+from goodspeed.verifier.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
 from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict
 from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier
@@ -50,6 +50,7 @@ class VerificationEngine:
         # Probabilities are compared in at least float32, whatever the model's dtype.
         self._work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
+        self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
         self.estimator = GoodputEstimator(self.config.smoothing)
         self.policy = make_policy(self.config.policy)
         self.generator = torch.Generator().manual_seed(self.config.seed)
@@ -57,7 +58,6 @@ class VerificationEngine:
         self.np_rng = np.random.default_rng(self.config.seed)
         self.round_index = 0
         self._sessions: dict[str, Session] = {}
-        self._slot_owner: list[str] = []
         self._ids = itertools.count()
 
     # ----------------------------------------------------------------- sessions and requests
@@ -108,8 +108,7 @@ class VerificationEngine:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
         self.check_request(prompt, max_new_tokens)
-        slot = self.cache.add_slot()
-        self._slot_owner.append(session_id)
+        slot = self.slots.add(session_id)
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids))
         if len(prompt) > 1:
             self._forward(slice(slot, slot + 1), [prompt[:-1]], [None])
@@ -149,11 +148,7 @@ class VerificationEngine:
         return max(0, min(share, free, self._cap(session)))
 
     def _end_request(self, session: Session) -> None:
-        slot = self._slot_owner.index(session.session_id)
-        moved = self.cache.free_slot(slot)
-        if moved is not None:
-            self._slot_owner[slot] = self._slot_owner[moved]
-        self._slot_owner.pop()
+        self.slots.remove(session.session_id)
         session.request, session.allotted, session.pending = None, 0, None
 
     def set_allotment(self, session_id: str, num_tokens: int) -> None:
@@ -260,7 +255,7 @@ class VerificationEngine:
 
     def _assemble(self) -> list[Row]:
         rows = []
-        for slot, session_id in enumerate(self._slot_owner):
+        for slot, session_id in enumerate(self.slots.keys):
             session = self._sessions[session_id]
             draft = session.pending
             if draft is None:

@@ -117,6 +117,45 @@ class SlotKVCache:
         self.lengths[slot] = length
 
 
+class SlotTable:
+    """Keys (session or request ids) over a :class:`SlotKVCache`'s slots. Freeing a slot moves the
+    last one into the hole, so ``keys`` (in slot order) and ``slot(key)`` follow that move."""
+
+    def __init__(self, cache: SlotKVCache) -> None:
+        self.cache = cache
+        self._slot_of: dict[str, int] = {}
+        self.keys: list[str] = []  # keys[slot]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._slot_of
+
+    def slot(self, key: str) -> int:
+        return self._slot_of[key]
+
+    def add(self, key: str) -> int:
+        if key in self._slot_of:
+            raise ValueError(f"{key!r} already has a slot")
+        self._slot_of[key] = slot = self.cache.add_slot()
+        self.keys.append(key)
+        return slot
+
+    def remove(self, key: str) -> None:
+        slot = self._slot_of.pop(key)
+        moved = self.cache.free_slot(slot)
+        if moved is not None:
+            self.keys[slot] = self.keys[moved]
+            self._slot_of[self.keys[slot]] = slot
+        self.keys.pop()
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``[rows, q_len, kv_len]`` bool -> the additive ``[rows, 1, q_len, kv_len]`` mask (0 / finfo.min)
+    attention takes: a bool 4-D mask is silently wrong under eager attention."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1).to(device)
+
+
 def ancestor_matrix(parents: list[int], size: int) -> torch.Tensor:
     """``[size, size]`` bool: ``anc[j, i]`` when new token ``i`` is ``j`` or one of its ancestors.
 
@@ -158,6 +197,4 @@ def build_attention(
         allowed[row] = key[0] < length
         allowed[row, :, length : length + q_len] |= anc
         positions[row] = length + anc.sum(dim=1) - 1  # depth = number of ancestors
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.unsqueeze(1).to(device), positions.to(device)
+    return additive_mask(allowed, dtype, device), positions.to(device)

@@ -41,7 +41,6 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.scheduler.policy import LOCAL_POLICIES
 from goodspeed.scheduler import (
     CandidateTree,
     LatencyModel,
@@ -52,11 +51,11 @@ from goodspeed.scheduler import (
     slo_need,
     speculation_shape,
 )
+from goodspeed.scheduler.policy import LOCAL_POLICIES
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.verifier.local_draft import LocalDraftModel, subtree
 from goodspeed.verifier.types import Draft, RoundResult
-
 
 
 # ------------------------------------------------------------------------------------- clocks
@@ -187,7 +186,7 @@ class LocalRequest:
     finished_at: float | None = None
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0
-    committed: list[int] = field(default_factory=list)  # prompt + generated, kept in step (not rebuilt per use)
+    committed: list[int] = field(init=False)  # prompt + generated, kept in step (not rebuilt per use)
 
     def __post_init__(self) -> None:
         self.committed = list(self.prompt_ids) + self.generated
@@ -385,10 +384,7 @@ class LocalServing:
             if req.on_event is not None:
                 req.on_event(TokenEvent(req.request_id, list(verdict.token_ids), [now] * len(verdict.token_ids)))
             if verdict.finished:
-                self.draft.remove(req.request_id)
-                self.engine.leave(req.session_id)
-                del self._active[req.request_id]
-                self._finish(req, verdict.finish_reason)
+                self._release(req, verdict.finish_reason)
         duration = now - started
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
@@ -400,10 +396,12 @@ class LocalServing:
 
     # ---------------------------------------------------------------- policies
 
+    def _draft_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]):
+        return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths,
+                                       {r.request_id: r.sampling for r in reqs}, self.generator)
+
     def _chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, _Plan]:
-        drafts = self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths,
-                                         {r.request_id: r.sampling for r in reqs}, self.generator)
-        return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in drafts.items()}
+        return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in self._draft_chains(reqs, lengths).items()}
 
     def _timed_chains(self, reqs, lengths):
         """Chains, measuring one draft forward: Nightjar's switching cost ``c_prefill`` is the
@@ -441,17 +439,13 @@ class LocalServing:
 
     def _tetris(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
         cfg = self.config
-        drafts = self.draft.draft_chains({r.request_id: r.committed for r in reqs},
-                                         {r.request_id: min(cfg.k + cfg.extra, r.cap) for r in reqs},
-                                         {r.request_id: r.sampling for r in reqs}, self.generator)
-        plans = {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in drafts.items()}
-        confidence = {rid: d.token_probs for rid, d in drafts.items()}
+        drafts = self._draft_chains(reqs, {r.request_id: min(cfg.k + cfg.extra, r.cap) for r in reqs})
         capacity = cfg.capacity if cfg.capacity is not None else cfg.k * len(reqs)
-        probs = [np.array(confidence[r.request_id], dtype=np.float64) for r in reqs]
-        keep = select_tokens(probs, capacity)
+        keep = select_tokens([np.array(drafts[r.request_id].token_probs, dtype=np.float64) for r in reqs], capacity)
+        plans = {}
         for r, n in zip(reqs, keep.tolist()):
-            plan = plans[r.request_id]
-            plans[r.request_id] = _Plan(plan.token_ids[:n], None, None if plan.q is None else plan.q[:n])
+            d = drafts[r.request_id]
+            plans[r.request_id] = _Plan(d.token_ids[:n], None, d.q_rows()[:n] if d.token_ids else None)
         return plans
 
     def _adaserve(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:

@@ -34,7 +34,7 @@ import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
 from goodspeed.verifier.attention import use_gqa_attention
-from goodspeed.verifier.kv_slots import SlotKVCache, build_attention
+from goodspeed.verifier.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ class LocalDraftModel:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.config.vocab_size)
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
-        self._slot_of: dict[str, int] = {}
-        self._key_at: list[str] = []
+        self.slots = SlotTable(self.cache)  # request id -> draft KV slot
         self.forwards = 0  # draft forward passes so far (for reports)
         # Called after every forward with (context tokens, batched tokens): a simulated clock
         # charges the forward's modeled cost here.
@@ -79,25 +78,17 @@ class LocalDraftModel:
     # ------------------------------------------------------------------- slots
 
     def add(self, key: str) -> None:
-        if key in self._slot_of:
-            raise ValueError(f"request {key!r} already has a draft slot")
-        self._slot_of[key] = self.cache.add_slot()
-        self._key_at.append(key)
+        self.slots.add(key)
 
     def remove(self, key: str) -> None:
-        slot = self._slot_of.pop(key)
-        moved = self.cache.free_slot(slot)
-        if moved is not None:
-            self._key_at[slot] = self._key_at[moved]
-            self._slot_of[self._key_at[slot]] = slot
-        self._key_at.pop()
+        self.slots.remove(key)
 
     def cached_length(self, key: str) -> int:
-        return self.cache.lengths[self._slot_of[key]]
+        return self.cache.lengths[self.slots.slot(key)]
 
     def rollback(self, key: str, committed_before: int, num_accepted: int) -> None:
         """After a chain verdict: keep the draft KV of the committed tokens and accepted drafts."""
-        slot = self._slot_of[key]
+        slot = self.slots.slot(key)
         self.cache.truncate(slot, min(self.cache.lengths[slot], committed_before + num_accepted))
 
     # ---------------------------------------------------------------- forwards
@@ -107,14 +98,14 @@ class LocalDraftModel:
         """One forward over the slot window holding ``tokens``' keys; returns their logits
         ``[len(tokens[key]), V]`` per key. ``scratch_anc`` (beam steps): per key a bool matrix
         ``[q_len, offset]`` of the scratch entries each new token may see, besides the prefix."""
-        slots = sorted(self._slot_of[k] for k in tokens)
+        slots = sorted(self.slots.slot(k) for k in tokens)
         first, last = slots[0], slots[-1]
         width = last - first + 1
         q_len = max(len(t) for t in tokens.values())
         ids = torch.zeros(width, q_len, dtype=torch.long)
         row_parents: list[list[int] | None] = [None] * width
         for key, toks in tokens.items():
-            r = self._slot_of[key] - first
+            r = self.slots.slot(key) - first
             ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             if parents is not None:
                 row_parents[r] = parents[key]
@@ -131,7 +122,7 @@ class LocalDraftModel:
         self.forwards += 1
         if self.on_forward is not None:
             self.on_forward(sum(lengths) + offset * width, width * q_len)
-        return {key: out.logits[self._slot_of[key] - first, : len(toks)] for key, toks in tokens.items()}
+        return {key: out.logits[self.slots.slot(key) - first, : len(toks)] for key, toks in tokens.items()}
 
     def _beam_attention(self, lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc):
         allowed = torch.zeros(width, q_len, kv_len, dtype=torch.bool)
@@ -142,27 +133,25 @@ class LocalDraftModel:
             allowed[b, new, lengths[b] + offset + new] = True
             positions[b] = lengths[b]
         for key, anc in scratch_anc.items():
-            b = self._slot_of[key] - first
+            b = self.slots.slot(key) - first
             n = lengths[b]
             allowed[b, : anc.shape[0], n : n + offset] = anc
             positions[b, : anc.shape[0]] = n + anc.sum(dim=1)  # a depth-d node: d - 1 drafted ancestors
-        mask = torch.zeros(allowed.shape, dtype=self.dtype)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask.unsqueeze(1).to(self.device), positions.to(self.device)
+        return additive_mask(allowed, self.dtype, self.device), positions.to(self.device)
 
     def catch_up(self, committed: dict[str, Sequence[int]]) -> dict[str, torch.Tensor]:
         """Feed each request's uncached committed tokens (at least the last one) and commit them
         to the draft KV; returns the logits after the last committed token, per key."""
         feed = {}
         for key, toks in committed.items():
-            slot = self._slot_of[key]
+            slot = self.slots.slot(key)
             pending = len(toks) - 1
             if self.cache.lengths[slot] > pending:  # drafts fed earlier and not yet rolled back
                 self.cache.truncate(slot, pending)
             feed[key] = [int(t) for t in toks[self.cache.lengths[slot] :]]
         logits = self._forward(feed)
         for key, toks in feed.items():
-            slot = self._slot_of[key]
+            slot = self.slots.slot(key)
             self.cache.commit(slot, self.cache.lengths[slot], list(range(len(toks))))
         return {key: lg[-1] for key, lg in logits.items()}
 
@@ -194,7 +183,7 @@ class LocalDraftModel:
                 break
             last = {k: lg[-1] for k, lg in self._forward(feeding).items()}
             for key in feeding:
-                slot = self._slot_of[key]
+                slot = self.slots.slot(key)
                 self.cache.commit(slot, self.cache.lengths[slot], [0])
         for key in active:
             q = torch.stack(probs[key])
@@ -227,10 +216,7 @@ class LocalDraftModel:
             probs = self._ranking(last[key], sampling[key])
             top = torch.topk(probs, min(width, self.vocab_size))
             tree = trees[key]
-            for p, tok in zip(top.values.tolist(), top.indices.tolist()):
-                if p > 0:
-                    tree.token_ids.append(int(tok)), tree.parents.append(-1), tree.path_probs.append(float(p)), tree.depths.append(1)
-            beams[key] = list(range(len(tree.token_ids)))
+            beams[key] = [_add_node(tree, tok, -1, p) for p, tok in zip(top.values.tolist(), top.indices.tolist()) if p > 0]
         scratch: dict[str, dict[int, int]] = {k: {} for k in active}  # node -> its scratch offset
         written = 0  # scratch entries written beyond the committed draft KV, per row (padded)
         for step in range(2, depth + 1):
@@ -259,18 +245,18 @@ class LocalDraftModel:
                 cand = base * self._ranking(logits[key], sampling[key])  # [len(nodes), V]
                 flat = cand.flatten()
                 top = torch.topk(flat, min(width, flat.numel()))
-                new = []
-                for p, idx in zip(top.values.tolist(), top.indices.tolist()):
-                    if p <= 0:
-                        continue
-                    parent = nodes[idx // self.vocab_size]
-                    new.append(len(tree.token_ids))
-                    tree.token_ids.append(idx % self.vocab_size)
-                    tree.parents.append(parent)
-                    tree.path_probs.append(float(p))
-                    tree.depths.append(tree.depths[parent] + 1)
-                beams[key] = new
+                beams[key] = [_add_node(tree, idx % self.vocab_size, nodes[idx // self.vocab_size], p)
+                              for p, idx in zip(top.values.tolist(), top.indices.tolist()) if p > 0]
         return trees
+
+
+def _add_node(tree: BeamTree, token: int, parent: int, path_prob: float) -> int:
+    """Append a candidate (``parent`` -1: a child of the root); returns its index."""
+    tree.token_ids.append(int(token))
+    tree.parents.append(parent)
+    tree.path_probs.append(float(path_prob))
+    tree.depths.append(1 if parent < 0 else tree.depths[parent] + 1)
+    return len(tree.token_ids) - 1
 
 
 def subtree(tree: BeamTree, nodes: np.ndarray | Sequence[int]) -> tuple[list[int], list[int]]:

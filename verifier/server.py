@@ -343,7 +343,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         verdicts = result.verdicts.values()
         self.metrics.observe_round(phases, len(result.verdicts), sum(v.num_drafted for v in verdicts), sum(v.num_accepted for v in verdicts))
         rows = [
-            {"session": v.session_id, "name": self._drafters[v.session_id].name if v.session_id in self._drafters else "",
+            {"session": v.session_id, "name": self._drafters[v.session_id].name,
              "drafted": v.num_drafted, "accepted": v.num_accepted, "x": len(v.token_ids), "alpha_hat": v.acceptance,
              "X": v.goodput, "S_next": v.next_draft_length, "finished": v.finished,
              "receive_s": self._drafters[v.session_id].receive_s}
