@@ -42,6 +42,20 @@ POLICIES = [
 ]
 
 
+def load_demo_pair(draft_name: str):
+    """``(target, draft)`` demo models, or None (after saying how to build them)."""
+    if not list_models():
+        print("no demo models; run `goodspeed models build-demo`", file=sys.stderr)
+        return None
+    return load_causal_lm("demo:target"), load_causal_lm(f"demo:{draft_name}")
+
+
+def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
+    """``count`` held-out code snippets, the last 32 tokens of each."""
+    snippets = prompt_snippets(load_corpus().heldout_text, count, 200, seed=seed)
+    return [tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
@@ -52,12 +66,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if not list_models():
-        print("no demo models; run `goodspeed models build-demo`", file=sys.stderr)
+    pair = load_demo_pair(args.draft)
+    if pair is None:
         return 1
     torch.manual_seed(0)
-    target = load_causal_lm("demo:target")
-    draft = load_causal_lm(f"demo:{args.draft}")
+    target, draft = pair
     fits = {}
     for role, m in (("target", target.model), ("draft", draft.model)):
         samples, fits[role] = profile_model(m, repeats=3)
@@ -65,8 +78,7 @@ def main() -> int:
               f"alpha {fits[role].alpha_s_per_context_token * 1e9:.0f} ns/ctx token (fit error {fit_error(samples, fits[role]):.1%})", file=sys.stderr)
     profile = LatencyProfile(fits["target"], fits["draft"])
     baseline_ms = baseline_tpot_s(profile.target) * 1000
-    snippets = prompt_snippets(load_corpus().heldout_text, 64, 200, seed=args.seed)
-    prompts = [target.tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
+    prompts = code_prompts(target.tokenizer, 64, args.seed)
     trace = make_trace(prompts, args.requests, args.rate, baseline_ms, args.max_new_tokens, seed=args.seed)
     print(f"trace: {args.requests} requests, Poisson {args.rate}/s, {args.max_new_tokens} new tokens each, "
           f"SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)

@@ -1,8 +1,11 @@
 """The draft node's gRPC client: join, follow the verdict stream, draft exactly S_i per round.
 
-The verifier owns the committed text. After every verdict the client checks its own committed
-length and prefix hash against the verdict's; on a mismatch it fetches the verifier's tokens
-(``Resync``) and rebuilds its draft cache from them. If the verifier dropped the session (e.g. the
+The verifier owns the committed text. Verdicts are matched to rounds by ``round_index`` (a
+duplicate of an earlier round's verdict, which a retried ``SubmitDraft`` can produce, is skipped).
+After every verdict the client checks its own committed length and prefix hash against the
+verdict's; on a mismatch it fetches the verifier's tokens (``Resync``) and rebuilds both its draft
+cache and the request's output from them. Its sampling stream is derived from its root seed and
+name (:mod:`goodspeed.lm.seeding`), never shared with the verifier's. If the verifier dropped the session (e.g. the
 node was frozen past the round deadline), the client joins again and resumes the request from its
 committed text: the continuation of a prefix under the target is still the target's own
 distribution, so the output stays lossless. While the verifier is unavailable, calls are retried
@@ -18,12 +21,12 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.seeding import resolve_root_seed, torch_generator
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 
@@ -44,7 +47,7 @@ class DrafterConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 64
     eos_token_ids: tuple[int, ...] = ()
-    seed: int = 0
+    seed: int | None = None  # root seed; the sampling stream is (root, 'drafter', name). None: OS entropy
     connect_timeout_s: float = 60.0
     verdict_timeout_s: float = 120.0
 
@@ -66,7 +69,8 @@ class DrafterClient:
         self.config, self.runner = config, runner
         self.channel = grpc.insecure_channel(config.verifier)
         self.stub = pb_grpc.VerifierStub(self.channel)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.root_seed = resolve_root_seed(config.seed)
+        self.generator = torch_generator(self.root_seed, "drafter", config.name)
         self.session_id = ""
         self._verdicts: queue.Queue = queue.Queue()
         self._stream = None
@@ -125,14 +129,22 @@ class DrafterClient:
             sink.put(exc)
         sink.put(None)
 
-    def _next_verdict(self) -> pb.Verdict:
-        try:
-            item = self._verdicts.get(timeout=self.config.verdict_timeout_s)
-        except queue.Empty:
-            raise DrafterError(f"no verdict within {self.config.verdict_timeout_s} s") from None
-        if not isinstance(item, pb.Verdict):
-            raise _SessionLost()
-        return item
+    def _next_verdict(self, round_index: int) -> pb.Verdict:
+        """The stream's verdict for ``round_index``. Verdicts of earlier rounds are skipped: a
+        retried ``SubmitDraft`` can get a verified round's verdict in its reply while the same
+        verdict is also on the stream, and taking it for the next round would commit stale tokens."""
+        deadline = time.monotonic() + self.config.verdict_timeout_s
+        while True:
+            try:
+                item = self._verdicts.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise DrafterError(f"no verdict for round {round_index} within {self.config.verdict_timeout_s} s") from None
+            if not isinstance(item, pb.Verdict):
+                raise _SessionLost()
+            if item.round_index == round_index:
+                return item
+            if item.round_index > round_index:  # the verifier is ahead of us: only a resync can tell
+                raise _Drifted()
 
     def close(self) -> None:
         if self.session_id:
@@ -165,10 +177,18 @@ class DrafterClient:
                 committed = list(prompt_ids) + result.token_ids  # the verifier's tokens, from its verdicts
                 length, round_index = self._start(committed, self.config.max_new_tokens - len(result.token_ids))
                 continue
+            except _Drifted:
+                length, round_index = self._resync(result)
+                continue
             result.token_ids.extend(verdict.token_ids)
-            if verdict.finished:
-                break
-            length, round_index = self._check_drift(verdict, result)
+            if self._in_sync(verdict):
+                if verdict.finished:
+                    break
+                length, round_index = verdict.next_draft_length, verdict.round_index + 1
+            elif verdict.finished:  # the request is over on the verifier: its text can no longer be fetched
+                raise DrafterError(f"request {request_id}: the final verdict's prefix hash does not match this drafter's text")
+            else:
+                length, round_index = self._resync(result)
         result.wall_s = time.perf_counter() - started
         return result
 
@@ -180,18 +200,26 @@ class DrafterClient:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise _SessionLost() from None
             raise DrafterError(f"draft refused: {exc.code().name}: {exc.details()}") from None
-        verdict = reply.verdict if reply.HasField("verdict") else self._next_verdict()
+        verdict = reply.verdict if reply.HasField("verdict") else self._next_verdict(round_index)
         self.runner.apply(verdict.token_ids, verdict.num_accepted)
         result.rounds += 1
         result.drafted_tokens += verdict.num_drafted
         result.accepted_tokens += verdict.num_accepted
         return verdict
 
-    def _check_drift(self, verdict: pb.Verdict, result: RequestResult) -> tuple[int, int]:
-        if len(self.runner.committed) == verdict.committed_length and self.runner.prefix_hash == verdict.prefix_hash:
-            return verdict.next_draft_length, verdict.round_index + 1
+    def _in_sync(self, verdict: pb.Verdict) -> bool:
+        return len(self.runner.committed) == verdict.committed_length and self.runner.prefix_hash == verdict.prefix_hash
+
+    def _resync(self, result: RequestResult) -> tuple[int, int]:
+        """Take the verifier's committed tokens: the draft cache AND the request's output are
+        rebuilt from them, so a repaired drift leaves no wrong token in the result."""
         reply = self._retry(self.stub.Resync, pb.ResyncRequest(session_id=self.session_id))
-        self.runner.start(list(reply.committed_ids))
+        committed = list(reply.committed_ids)
+        prompt = result.prompt_ids
+        if committed[: len(prompt)] != prompt:
+            raise DrafterError(f"request {result.id}: the verifier's text does not start with this request's prompt")
+        self.runner.start(committed)
+        result.token_ids = committed[len(prompt) :]
         result.repairs += 1
         return reply.draft_length, reply.round_index
 
@@ -208,3 +236,7 @@ def _backoff(timeout_s: float, cap_s: float):
 
 class _SessionLost(Exception):
     """The verdict stream ended or the verifier no longer knows the session."""
+
+
+class _Drifted(Exception):
+    """A verdict for a later round than this drafter's: its view of the request is behind."""

@@ -23,7 +23,7 @@ from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
 @dataclass(frozen=True)
 class DraftOutput:
     token_ids: list[int]  # [S]
-    probs: torch.Tensor  # [S, V] q_j after logits processing
+    probs: torch.Tensor  # [S, V] float32 q_j after logits processing: what was sampled from and travels
 
     def q_to_send(self, sampling: SamplingParams) -> tuple[str, object]:
         """How q travels, exactly: ``("none", None)`` for greedy (q is the point mass) or empty
@@ -80,7 +80,9 @@ class DraftRunner:
         feed = self.committed[self.cached_len :]
         tokens, probs = [], []
         for j in range(num_tokens):
-            q = process_logits(self._logits_after(feed).double(), sampling)
+            # q as it travels (float32): the token is sampled from exactly what the verifier gets,
+            # so a drafted token never has q = 0 there (a float64 q below float32's range would).
+            q = process_logits(self._logits_after(feed).double(), sampling).float()
             token = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
             tokens.append(token)
             probs.append(q)

@@ -205,7 +205,9 @@ def _experiment(args: argparse.Namespace) -> int:
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="root seed: every random stream of this process derives from it and its role and name "
+                             "(default: fresh OS entropy, logged so the run can be replayed)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:

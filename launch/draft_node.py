@@ -26,6 +26,8 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
         eos_token_ids=(eos,) if eos is not None else (), seed=spec.seed, connect_timeout_s=connect_timeout_s,
     )
     client = DrafterClient(config, DraftRunner(draft.model))
+    if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
+        print(f"drafter {spec.name}: root seed {client.root_seed}", file=sys.stderr)
     out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
     try:
         client.wait_until_serving()

@@ -15,6 +15,7 @@ import torch
 
 from goodspeed.drafter.runner import DraftOutput, DraftRunner
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.seeding import resolve_root_seed, torch_generator
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
@@ -28,7 +29,7 @@ class InProcessDrafter:
     prompts: list[list[int]]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 32
-    seed: int = 0
+    seed: int | None = None  # root seed; the drafter samples on the stream (root, 'drafter', name)
     join_round: int = 0
     leave_round: int | None = None
     outputs: list[list[int]] = field(default_factory=list)
@@ -69,7 +70,7 @@ def _update_membership(engine: VerificationEngine, drafters: Sequence[InProcessD
     for d in drafters:
         if d.session_id is None and not d.done and t >= d.join_round:
             d.session_id = engine.join(d.name)
-            d.generator = torch.Generator().manual_seed(d.seed)
+            d.generator = torch_generator(resolve_root_seed(d.seed), "drafter", d.name)
             _start_next(engine, d, eos_token_ids)
         elif d.session_id is not None and d.leave_round is not None and t >= d.leave_round:
             engine.leave(d.session_id)

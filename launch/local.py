@@ -84,15 +84,19 @@ def verifier_command(v: VerifierSpec) -> list[str]:
                  "--eta", str(v.eta), "--beta", str(v.beta), "--round-deadline-ms", str(v.round_deadline_ms),
                  "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
                  "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
-                 "--device", v.device, "--dtype", v.dtype, "--seed", str(v.seed)]
+                 "--device", v.device, "--dtype", v.dtype] + _seed_args(v.seed)
     return cmd + (["--metrics-port", str(v.metrics_port)] if v.metrics_port is not None else []) + v.local_args()
+
+
+def _seed_args(seed: int | None) -> list[str]:
+    return [] if seed is None else ["--seed", str(seed)]
 
 
 def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> list[str]:
     return CLI + ["drafter", "--verifier", address, "--draft", d.draft, "--prompts", str(prompts), "--out", str(out),
                   "--name", d.name, "--max-new-tokens", str(d.max_new_tokens), "--temperature", str(d.temperature),
                   "--top-k", str(d.top_k), "--top-p", str(d.top_p), "--device", d.device, "--dtype", d.dtype,
-                  "--seed", str(d.seed), "--quiet"]
+                  "--quiet"] + _seed_args(d.seed)
 
 
 def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_parent: bool = False) -> dict:
@@ -155,7 +159,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 class LocalCluster:
     def __init__(self, spec: LaunchSpec, out_dir: Path, live: bool = True, start_timeout_s: float = 300.0) -> None:
-        self.spec, self.out_dir, self.live = spec, out_dir, live
+        # One root seed for the whole run (fresh when the spec has none), recorded in the summary.
+        self.spec, self.out_dir, self.live = spec.seeded(), out_dir, live
         self.start_timeout_s = start_timeout_s
         self.view = ClusterView()
         self.verifier: subprocess.Popen | None = None
@@ -288,7 +293,8 @@ def summarise(cluster: LocalCluster) -> dict:
         }
     elapsed = time.time() - cluster.started_s
     return {"drafters": rows, "rounds": cluster.view.rounds, "wall_s": elapsed, "tokens": sum(r["tokens"] for r in rows.values()),
-            "drops": cluster.view.drops, "out_dir": str(cluster.out_dir), "placement": cluster.placement}
+            "drops": cluster.view.drops, "out_dir": str(cluster.out_dir), "placement": cluster.placement,
+            "seed": cluster.spec.seed}
 
 
 def print_summary(summary: dict, log=print) -> None:

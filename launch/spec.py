@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from goodspeed.launch.links import LinkSpec
+from goodspeed.lm.seeding import resolve_root_seed
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,7 +92,7 @@ class VerifierSpec:
     max_draft_len: int = 16
     device: str = "cpu"
     dtype: str = "float32"
-    seed: int = 0
+    seed: int | None = None  # root seed (default: the spec's top-level seed)
     metrics_port: int | None = None
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux), e.g. to keep drafters off the verifier's cores
     # Local serving (Generate RPC): the verifier's own draft model and how it speculates.
@@ -142,7 +143,7 @@ class DrafterSpec:
     max_prompts: int | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    seed: int = 0
+    seed: int | None = None  # root seed (default: the spec's top-level seed)
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux)
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
     # Placement (Ray backend): see the module docstring.
@@ -169,16 +170,27 @@ def prompt_set_path(prompts: str, where: str = "prompts") -> Path:
 class LaunchSpec:
     verifier: VerifierSpec
     drafters: tuple[DrafterSpec, ...] = field(default_factory=tuple)
+    seed: int | None = None  # the run's root seed: every process without its own seed gets it
 
     def expanded_drafters(self) -> list[DrafterSpec]:
-        """One entry per process: ``count = n`` becomes ``name-0 .. name-(n-1)`` with distinct seeds."""
+        """One entry per process: ``count = n`` becomes ``name-0 .. name-(n-1)``. Their random
+        streams differ by name (goodspeed.lm.seeding), so the copies may share a root seed."""
         out = []
         for d in self.drafters:
             if d.count == 1:
                 out.append(d)
             else:
-                out.extend(replace(d, name=f"{d.name}-{i}", count=1, seed=d.seed + i) for i in range(d.count))
+                out.extend(replace(d, name=f"{d.name}-{i}", count=1) for i in range(d.count))
         return out
+
+    def seeded(self) -> "LaunchSpec":
+        """This spec with a root seed fixed for the run (fresh OS entropy when the spec has none)
+        and given to every process that has no seed of its own, so the run can be replayed by
+        putting that seed in the spec."""
+        root = resolve_root_seed(self.seed)
+        verifier = self.verifier if self.verifier.seed is not None else replace(self.verifier, seed=root)
+        drafters = tuple(d if d.seed is not None else replace(d, seed=root) for d in self.drafters)
+        return LaunchSpec(verifier, drafters, root)
 
 
 def build_table(cls, table: dict, where: str):
@@ -228,12 +240,15 @@ def load_spec(path: str | Path | None = None, data: dict | None = None) -> Launc
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise SpecError(f"{path}: {exc}") from None
-    unknown = set(data) - {"verifier", "drafters"}
+    unknown = set(data) - {"verifier", "drafters", "seed"}
     if unknown:
-        raise SpecError(f"{path}: unknown tables {sorted(unknown)}")
+        raise SpecError(f"{path}: unknown tables or keys {sorted(unknown)}")
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise SpecError(f"{path}: seed must be an integer >= 0 (the run's root seed), got {seed!r}")
     verifier = build_table(VerifierSpec, data.get("verifier", {}), f"{path} [verifier]")
     drafters = tuple(build_table(DrafterSpec, d, f"{path} [[drafters]] #{i}") for i, d in enumerate(data.get("drafters", [])))
-    spec = LaunchSpec(verifier, drafters)
+    spec = LaunchSpec(verifier, drafters, seed)
     _validate(spec, path)
     return spec
 

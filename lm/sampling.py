@@ -16,9 +16,15 @@ from dataclasses import dataclass
 import torch
 
 
+# Below this (and above 0) ``logits / temperature`` overflows float32 to inf and the softmax to NaN
+# (1e-45, a float32 subnormal, did); vLLM treats such temperatures as greedy, we refuse them.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a request samples. ``temperature = 0`` is greedy; ``top_k = 0`` and ``top_p = 1`` are off."""
+    """How a request samples. ``temperature = 0`` is greedy, else at least :data:`MIN_TEMPERATURE`;
+    ``top_k = 0`` and ``top_p = 1`` are off."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -27,6 +33,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature:g}")
         if isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -70,27 +78,44 @@ def process_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingP
 
 
 def _truncate(scaled: torch.Tensor, params: list[SamplingParams], shape: tuple[int, ...]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus with -inf (ties kept by sort order)."""
+    """Mask logits outside each row's top-k and top-p nucleus with -inf (ties kept by sort order).
+
+    Each row is truncated by its own settings only: a row with ``top_p = 1`` skips the nucleus
+    test (float cumulative sums that round to 1 would otherwise drop its tail whenever another
+    row of the batch truncates), and the nucleus mass is summed in float64.
+    """
     vocab = scaled.shape[-1]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=scaled.device)
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=scaled.device).view(shape)
     keep_sorted = (rank < top_k).expand_as(scaled)
-    top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=scaled.device).view(shape)
-    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep_sorted = keep_sorted & (mass_before < top_p)  # smallest prefix whose mass reaches top_p
+    nucleus = torch.tensor([p.top_p < 1.0 for p in params], device=scaled.device).view(shape)
+    if bool(nucleus.any()):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=scaled.device).view(shape)
+        sorted_probs = torch.softmax(sorted_logits.double().masked_fill(~keep_sorted, -math.inf), dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # smallest prefix whose mass reaches top_p, for the rows that ask for a nucleus
+        keep_sorted = keep_sorted & ((mass_before < top_p) | ~nucleus)
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, -math.inf)
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw, one token per row: ``probs [..., V]`` (need not sum to 1), ``uniforms [...]``
-    in ``[0, 1)``. Deterministic given the uniforms, so tests can replay it."""
-    cdf = torch.cumsum(probs, dim=-1)
-    target = uniforms.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
-    idx = torch.searchsorted(cdf, target, right=True)
-    return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    in ``[0, 1)``. Deterministic given the uniforms, so tests can replay it.
+
+    The cumulative sum and the uniforms are float64 whatever ``probs``' dtype (a float32 uniform
+    rounds up to 1 for ``u >= 1 - 2^-25``), and a token of probability 0 is never returned: a draw
+    that rounding puts at or past the total mass takes the last token with positive probability.
+    """
+    work = probs.double()
+    cdf = torch.cumsum(work, dim=-1)
+    target = uniforms.double().unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    positive = work > 0
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - torch.flip(positive, dims=(-1,)).int().argmax(dim=-1)
+    return torch.minimum(idx, last_positive)
 
 
 def uniform_like(shape: tuple[int, ...], generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:

@@ -27,7 +27,7 @@ from goodspeed.scheduler.goodspeed import (
 )
 from goodspeed.scheduler.nightjar import NightjarBandit
 from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, make_policy, POLICIES
-from goodspeed.scheduler.tetris import select_tokens, verification_success_rate
+from goodspeed.scheduler.tetris import presample_scores, select_by_scores, select_tokens, verification_success_rate
 from goodspeed.scheduler.turbospec import LatencyModel, ProposalChoice, choose_proposal_length, fit_latency_model
 
 __all__ = [
@@ -50,6 +50,8 @@ __all__ = [
     "make_policy",
     "random_draft_lengths",
     "select_tokens",
+    "presample_scores",
+    "select_by_scores",
     "select_tree_nodes",
     "slo_need",
     "speculation_shape",

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import AllocationInputs, GoodputEstimator, make_policy
 from goodspeed.verifier import errors
 from goodspeed.verifier.attention import use_gqa_attention
@@ -53,9 +54,12 @@ class VerificationEngine:
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
         self.estimator = GoodputEstimator(self.config.smoothing)
         self.policy = make_policy(self.config.policy)
-        self.generator = torch.Generator().manual_seed(self.config.seed)
+        # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
+        # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.
+        self.root_seed = resolve_root_seed(self.config.seed)
+        self.generator = torch_generator(self.root_seed, "verifier", "verify")
         self.row_verifier = RowVerifier(self.vocab_size, self.device, self._work_dtype, self.generator)
-        self.np_rng = np.random.default_rng(self.config.seed)
+        self.np_rng = numpy_rng(self.root_seed, "verifier", "policy")
         self.round_index = 0
         self._sessions: dict[str, Session] = {}
         self._ids = itertools.count()
@@ -68,10 +72,19 @@ class VerificationEngine:
         A ``managed`` session is drafted for by the caller (local serving), which sets its draft
         size every round with :meth:`set_allotment`: it is left out of the budget ``C``, the
         draft-length policy and the ``max_drafters`` limit, all of which are the edge drafters'.
+
+        ``tokenizer_fingerprint`` is what a remote drafter sent: when the target has a fingerprint
+        it must equal it, and an empty one is refused (it would skip the check). ``None`` is for
+        in-process callers that built the draft themselves (tests, local serving, benchmarks).
         """
         edge = sum(not s.managed for s in self._sessions.values())
         if not managed and edge >= self.config.max_drafters:
             raise errors.TooManyDraftersError(f"already serving {self.config.max_drafters} drafters")
+        if tokenizer_fingerprint is not None and self.fingerprint and not tokenizer_fingerprint:
+            raise errors.TokenizerMismatchError(
+                f"drafter {name!r} sent no tokenizer fingerprint; the target's is {self.fingerprint[:12]}: "
+                "send goodspeed.lm.fingerprint of the draft's tokenizer"
+            )
         if tokenizer_fingerprint and self.fingerprint and tokenizer_fingerprint != self.fingerprint:
             raise errors.TokenizerMismatchError(
                 f"drafter {name!r} tokenizer {tokenizer_fingerprint[:12]} != target tokenizer {self.fingerprint[:12]}: "

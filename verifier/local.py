@@ -14,7 +14,10 @@ Policies (``--local-policy``):
 
 * ``none`` — plain decoding (no draft), ``chain`` — every request drafts ``k`` tokens;
 * ``tetris`` — TETRIS (seeds 004, Alg. 1): each request drafts ``k + extra`` tokens and the batch
-  verifies the ``capacity`` tokens with the highest cumulative draft probability; VSR reported;
+  verifies the ``capacity`` tokens with the highest cumulative draft probability; VSR reported.
+  Sampled tokens are ranked by the confidence known before each was drawn
+  (:func:`goodspeed.scheduler.tetris.presample_scores`): ranking by their own sampled values
+  would condition them and bias the output;
 * ``adaserve`` — AdaServe (seeds 000, Alg. 2): beam-search candidate trees with depth and width
   from eqs. (8)-(9), SLO-customized then throughput-optimized node selection under the budget
   ``B``, where ``A(r) = (l + t_spec) / t_TPOT - o`` with ``l`` the time since the request's
@@ -23,6 +26,12 @@ Policies (``--local-policy``):
   goodput under the profiled latency models, from the requests' smoothed acceptance;
 * ``nightjar`` — Nightjar (seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded with
   the measured goodput of the step, with the draft catch-up as the switching cost.
+
+Losslessness under sampling (DESIGN.md section 3): no decision looks at a sampled token's value
+before it is verified. TETRIS ranks by what was known before each draw (above); AdaServe's beam
+candidates are deterministic and verified as point masses; TurboSpec and Nightjar choose ``k``
+before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
+policy's sampled output against the target's exact distribution.
 
 Time comes from a :class:`RealClock` in serving, or a :class:`SimulatedClock` that charges every
 forward its cost under given latency models, which makes SLO experiments exact and repeatable.
@@ -41,12 +50,14 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.seeding import numpy_rng, torch_generator
 from goodspeed.scheduler import (
     CandidateTree,
     LatencyModel,
     NightjarBandit,
     choose_proposal_length,
-    select_tokens,
+    presample_scores,
+    select_by_scores,
     select_tree_nodes,
     slo_need,
     speculation_shape,
@@ -133,7 +144,7 @@ class LocalConfig:
     max_requests: int = 32  # requests decoded together; later ones wait
     iteration_smoothing: float = 0.5  # weight of the newest iteration time in t_spec
     initial_acceptance: float = 0.5  # turbospec: pooled acceptance before any local draft was verified
-    seed: int = 0
+    seed: int | None = None  # root seed of the local streams; None: the engine's root seed
 
     def __post_init__(self) -> None:
         if self.policy not in LOCAL_POLICIES:
@@ -258,8 +269,11 @@ class LocalServing:
         self.clock = clock or RealClock()
         self.draft = LocalDraftModel(draft_model)
         self.draft.on_forward = lambda ctx, batched: self.clock.charge("draft", ctx, batched)
-        self.generator = torch.Generator().manual_seed(config.seed)
-        self.rng = np.random.default_rng(config.seed)
+        root = engine.root_seed if config.seed is None else config.seed
+        # The local draft's sampling stream and the policy's (Nightjar's exploration): both
+        # independent of the engine's accept uniforms even under the same root (lm.seeding).
+        self.generator = torch_generator(root, "verifier", "local-draft")
+        self.rng = numpy_rng(root, "verifier", "local-policy")
         self.bandit = NightjarBandit(config.max_k) if config.policy == "nightjar" else None
         self._waiting: deque[LocalRequest] = deque()
         self._active: dict[str, LocalRequest] = {}
@@ -441,12 +455,19 @@ class LocalServing:
         cfg = self.config
         drafts = self._draft_chains(reqs, {r.request_id: min(cfg.k + cfg.extra, r.cap) for r in reqs})
         capacity = cfg.capacity if cfg.capacity is not None else cfg.k * len(reqs)
-        keep = select_tokens([np.array(drafts[r.request_id].token_probs, dtype=np.float64) for r in reqs], capacity)
+        keep = select_by_scores(self._tetris_scores([drafts[r.request_id] for r in reqs]), capacity)
         plans = {}
         for r, n in zip(reqs, keep.tolist()):
             d = drafts[r.request_id]
             plans[r.request_id] = _Plan(d.token_ids[:n], None, d.q_rows()[:n] if d.token_ids else None)
         return plans
+
+    @staticmethod
+    def _tetris_scores(drafts: list) -> list[np.ndarray]:
+        """Log scores ranked by TETRIS: each position's confidence known before its token was drawn
+        (:func:`presample_scores`), so the selection keeps sampled tokens exact; for greedy drafts
+        these are TETRIS's cumulative draft probabilities."""
+        return presample_scores([np.array(d.token_probs) for d in drafts], [np.array(d.expected_probs) for d in drafts])
 
     def _adaserve(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
         cfg = self.config

@@ -40,9 +40,18 @@ class ChainVerdicts:
 
 
 def _residual_or_target(p_at: torch.Tensor, q_at: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """``norm(max(0, p - q))`` where rejected, else ``p``. A rejection implies some token has
-    ``p > q``, so the residual is never empty in exact arithmetic; where rounding empties it the
-    target distribution is used (it is what the residual approximates when ``p ~= q``)."""
+    """``max(0, p - q)`` (unnormalised; :func:`sample_from` scales by its mass) where rejected,
+    else ``p``.
+
+    The empty residual, stated: a rejection of ``s`` means ``p(s) < q(s)``, and since ``p`` and
+    ``q`` both sum to 1 some other token has ``p > q``, so in exact arithmetic the residual is never
+    empty. In floating point it can be, only when ``p`` and ``q`` agree to rounding everywhere
+    but at ``s`` (then the rejection itself had probability ``(q(s) - p(s)) / q(s)``, a rounding
+    error). That row then draws from ``p``, the distribution the residual approximates as ``q -> p``;
+    the deviation is bounded by that rejection probability. ``test_rejection`` pins this down.
+    A ``q`` whose drafted token underflows to 0 never reaches here: drafts are sampled from the
+    float32 ``q`` they send (``DraftRunner``), so a drafted token has ``q > 0`` as sent, and a draft
+    with ``q(s) = 0`` is refused at submission (``InvalidProbabilityError``)."""
     residual = (p_at - q_at).clamp_min(0.0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     return torch.where(rejected.unsqueeze(-1) & ~empty, residual, p_at)
@@ -73,10 +82,11 @@ def verify_chains(
         return ChainVerdicts(zeros, token, target_probs.new_zeros(batch, 0))
     valid = torch.arange(s_max, device=draft_tokens.device) < num_drafted.unsqueeze(1)  # [B, S_max]
     tokens = draft_tokens.masked_fill(~valid, 0).unsqueeze(-1)
-    p_tok = target_probs[:, :s_max].gather(-1, tokens).squeeze(-1)
-    q_tok = draft_probs.gather(-1, tokens).squeeze(-1)
+    # The accept test runs in float64 (as the tree walk does): a float32 uniform rounds.
+    p_tok = target_probs[:, :s_max].gather(-1, tokens).squeeze(-1).double()
+    q_tok = draft_probs.gather(-1, tokens).squeeze(-1).double()
     ratio = torch.where(valid, p_tok / torch.where(valid, q_tok, torch.ones_like(q_tok)), torch.zeros_like(p_tok))
-    accepted = (accept_uniforms.to(ratio.dtype) < ratio) & valid
+    accepted = (accept_uniforms.double() < ratio) & valid
     num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # leading accepts
     rejected = num_accepted < num_drafted
     p_at = target_probs[rows, num_accepted]  # [B, V]

@@ -131,7 +131,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self._refuse_if_draining(context)
         if request.protocol_version != PROTOCOL_VERSION:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {request.protocol_version} != {PROTOCOL_VERSION}")
-        session_id = await self.call(self.engine.join, request.drafter_name or "drafter", request.tokenizer_fingerprint or None)
+        session_id = await self.call(self.engine.join, request.drafter_name or "drafter", request.tokenizer_fingerprint)
         self._drafters[session_id] = _Drafter(session_id, request.drafter_name, asyncio.Queue())
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=request.drafter_name, model=request.model_name)
@@ -398,7 +398,7 @@ class VerifierServer:
             await self.service.call(self.service.warm_up)
         self._rounds = asyncio.create_task(self.service.run_rounds())
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.log.event("serving", host=self.config.host, port=port, target=self.config.target_name)
+        self.log.event("serving", host=self.config.host, port=port, target=self.config.target_name, seed=self.engine.root_seed)
         return port
 
     async def drain(self) -> None:

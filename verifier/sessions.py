@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.seeding import resolve_root_seed
 from goodspeed.scheduler import SmoothingConfig, make_policy
 from goodspeed.verifier.types import Draft, Verdict
 from goodspeed.verifier.verify_rows import RowInput
@@ -21,7 +22,7 @@ class EngineConfig:
     max_drafters: int = 64
     max_draft_len: int = 16
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int = 0
+    seed: int | None = None  # the root seed (goodspeed.lm.seeding); None: fresh OS entropy
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
@@ -29,6 +30,8 @@ class EngineConfig:
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
         make_policy(self.policy)  # unknown names fail here, not on the first round
+        if self.seed is not None:
+            resolve_root_seed(self.seed)
 
 
 @dataclass

@@ -36,3 +36,25 @@ def test_greedy_draft_probs_are_one_hot_and_sampled_are_truncated():
     assert torch.all(greedy.probs.max(-1).values == 1.0)
     sampled = runner.draft(2, SamplingParams(temperature=1.0, top_k=3), torch.Generator().manual_seed(0))
     assert torch.all((sampled.probs > 0).sum(-1) == 3)
+
+
+class _Tail(torch.nn.Module):
+    """Wraps a model so token 0's probability is ~1e-60: a float64 q below float32's range."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, **kw):
+        out = self.model(**kw)
+        out.logits[..., 0] = out.logits[..., 1:].max(-1).values - 140.0
+        return out
+
+
+def test_q_travels_as_sampled_in_float32_and_never_holds_an_unsendable_token():
+    runner = DraftRunner(_Tail(tiny_llama(2)))
+    runner.start([4])
+    out = runner.draft(4, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert out.probs.dtype == torch.float32  # what was sampled from is exactly what is sent
+    assert float(out.probs[:, 0].max()) == 0.0  # underflows in float32: it cannot be drafted
+    assert all(float(out.probs[j, tok]) > 0 for j, tok in enumerate(out.token_ids))

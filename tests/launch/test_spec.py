@@ -21,7 +21,7 @@ def write(tmp_path, text):
 def test_count_expands_to_distinct_processes(tmp_path):
     spec = load_spec(write(tmp_path, '[verifier]\ntarget="x"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\ncount=3\n'))
     assert [d.name for d in spec.expanded_drafters()] == ["e-0", "e-1", "e-2"]
-    assert [d.seed for d in spec.expanded_drafters()] == [0, 1, 2]
+    assert [d.seed for d in spec.expanded_drafters()] == [None] * 3  # streams differ by name, not by seed
     cmd = drafter_command(spec.expanded_drafters()[0], "127.0.0.1:1", spec.drafters[0].prompt_path(), tmp_path / "o.jsonl")
     assert cmd[cmd.index("--verifier") + 1] == "127.0.0.1:1"
     assert verifier_command(spec.verifier)[verifier_command(spec.verifier).index("--port") + 1] == "0"
@@ -58,3 +58,19 @@ def test_every_shipped_spec_loads():
     for path in shipped:
         spec = load_experiment(path)[1] if "[experiment]" in path.read_text() else load_spec(path)
         assert spec.drafters, path
+
+
+def test_one_root_seed_per_run(tmp_path):
+    """A spec's top-level seed is every process's root unless one sets its own; without one, the
+    run draws a fresh root and passes it to all (so the summary can name it)."""
+    text = '[verifier]\ntarget="x"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\ncount=2\n[[drafters]]\nname="f"\ndraft="d"\nprompts="code"\nseed=9\n'
+    seeded = load_spec(write(tmp_path, "seed = 42\n" + text)).seeded()
+    assert seeded.seed == 42 and seeded.verifier.seed == 42
+    assert [d.seed for d in seeded.expanded_drafters()] == [42, 42, 9]
+    cmd = verifier_command(seeded.verifier)
+    assert cmd[cmd.index("--seed") + 1] == "42"
+    fresh = [load_spec(write(tmp_path, text)).seeded() for _ in range(2)]
+    assert fresh[0].seed != fresh[1].seed and fresh[0].verifier.seed == fresh[0].seed
+    assert "--seed" not in verifier_command(load_spec(write(tmp_path, text)).verifier)  # unresolved: the process draws its own
+    with pytest.raises(SpecError, match="seed"):
+        load_spec(write(tmp_path, "seed = -1\n" + text))

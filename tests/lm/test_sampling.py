@@ -38,7 +38,47 @@ def test_sample_from_inverse_cdf():
     assert sample_from(probs * 4, torch.tensor([0.999999, 0.5, 0.1])).tolist() == [3, 3, 1]
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=math.inf), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=math.inf), dict(temperature=1e-45), dict(temperature=9e-6),
+                                    dict(temperature=math.nan), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=math.nan)])
 def test_bad_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+# ------------------------------------------------------------- float-level exactness (regressions)
+
+
+def test_sample_from_never_returns_a_zero_probability_token():
+    """A uniform just below 1 used to round up (float32) and run past the end, clamped onto the
+    last token even when it lies outside the top-k."""
+    probs = process_logits(torch.tensor([3.0, 1.0, 2.0, 0.5, -1.0]), SamplingParams(temperature=1.0, top_k=3))
+    assert probs[-1] == 0 and probs[3] == 0
+    for u in (1 - 2**-40, 1 - 2**-26, 1 - 2**-53):
+        token = int(sample_from(probs, torch.tensor(u, dtype=torch.float64)))
+        assert probs[token] > 0 and token == 2  # the last token with positive probability
+
+
+def test_sample_from_uses_the_uniform_in_float64():
+    probs = torch.tensor([0.75, 0.25])  # float32
+    assert int(sample_from(probs, torch.tensor(0.75 - 2**-40, dtype=torch.float64))) == 0  # float32 rounds u to 0.75
+    assert int(sample_from(probs, torch.tensor(0.75, dtype=torch.float64))) == 1
+
+
+def test_a_rows_distribution_does_not_depend_on_its_batch():
+    """Top-p = 1 rows used to go through the nucleus test whenever another row truncated, and a
+    float32 cumulative sum reaching 1.0 dropped their tail tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50_000) * 3
+    plain, nucleus = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)
+    alone = process_logits(logits[0], plain)
+    batched = process_logits(logits, [plain, nucleus])
+    assert torch.equal(batched[0], alone) and bool((alone > 0).all())
+    assert torch.equal(batched[1], process_logits(logits[1], nucleus))
+    assert int((batched[1] > 0).sum()) < 50_000
+
+
+def test_the_smallest_temperature_still_gives_a_distribution():
+    """1e-45 (a float32 subnormal) made every probability NaN; the smallest allowed one cannot."""
+    logits = torch.tensor([30.0, -30.0, 0.0, 29.9])
+    probs = process_logits(logits, SamplingParams(temperature=1e-5))
+    assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)

@@ -135,3 +135,14 @@ def test_finish_request_early(engine):
     assert engine.cache.num_slots == 1 and engine.run_round().verdicts == {}  # the queued draft is gone
     with pytest.raises(errors.NoActiveRequestError):
         engine.finish_request(engine.good)
+
+
+def test_an_empty_tokenizer_fingerprint_is_refused(engine):
+    """The proto says the fingerprint must equal the target's; an empty one used to skip the check."""
+    with pytest.raises(errors.TokenizerMismatchError, match="no tokenizer fingerprint"):
+        engine.join("anonymous", "")
+    with pytest.raises(errors.TokenizerMismatchError):
+        engine.join("other", "def")
+    right = engine.join("right", "abc")
+    engine.leave(right)  # max_drafters = 3
+    assert engine.join("in-process", None) in engine.session_ids  # an in-process caller vouches for its draft

@@ -1,12 +1,9 @@
-"""Local serving: every policy is lossless (greedy = the target's own greedy decoding, sampled =
-the target's distribution, trees included), AdaServe meets a tight SLO that fixed-k chains miss,
-and TurboSpec / Nightjar switch speculation off where it cannot pay and on where it does."""
+"""Local serving: every policy is lossless under greedy decoding (the target's own, trees
+included; sampled outputs: test_local_lossless.py), AdaServe meets a tight SLO that fixed-k
+chains miss, and TurboSpec / Nightjar switch speculation off where it cannot pay and on where it does."""
 
-import numpy as np
 import pytest
-import torch
 
-from goodspeed.lm.sampling import SamplingParams, process_logits
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -28,7 +25,7 @@ def models():
 
 
 def serve(target, draft, policy, clock=None, **kw):
-    engine = VerificationEngine(target, EngineConfig(seed=3))
+    engine = VerificationEngine(target, EngineConfig(seed=3 if kw.get("seed") is None else kw["seed"]))
     config = LocalConfig(policy=policy, latency=PROFILE if policy == "turbospec" else None, **kw)
     return LocalServing(engine, draft, config, clock or SimulatedClock(TARGET_COST, DRAFT_COST))
 
@@ -111,38 +108,7 @@ def test_bad_requests_fail_at_submit(models):
         LocalServing(VerificationEngine(target), tiny_llama(0, vocab=50), LocalConfig())
 
 
-# ------------------------------------------------------------------------------ sampling
-
-
-V = 6
-PROMPT = [1, 2, 3]
-
-
-def exact_pairs(target, sampling):
-    with torch.inference_mode():
-        first = process_logits(target(input_ids=torch.tensor([PROMPT])).logits[0, -1], sampling)
-        seconds = [process_logits(target(input_ids=torch.tensor([PROMPT + [a]])).logits[0, -1], sampling) for a in range(V)]
-    return (first[:, None] * torch.stack(seconds)).numpy()
-
-
-@pytest.mark.parametrize("policy", ["adaserve", "tetris"])
-def test_sampled_outputs_follow_the_target(policy):
-    target = tiny_llama(4, vocab=V, init=0.08)
-    draft = perturbed(target, 0.5, 5)
-    sampling = SamplingParams(temperature=1.0)
-    serving = serve(target, draft, policy, max_requests=64, budget=192, max_width=2, max_depth=2, k=1, extra=1)
-    for _ in range(4000):
-        serving.submit(PROMPT, sampling, max_new_tokens=2)
-    drain(serving)
-    counts = np.zeros((V, V))
-    for req in serving.finished:
-        counts[req.generated[0], req.generated[1]] += 1
-    exact = exact_pairs(target, sampling)
-    expected = exact * counts.sum()
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    tv = 0.5 * np.abs(counts / counts.sum() - exact).sum()
-    assert chi2 < 66.6 and tv < 0.05, (chi2, tv)  # chi-square 0.999 quantile, 35 degrees of freedom
-    assert serving.stats()["accepted"] > 1000
+# Sampled outputs of every policy: tests/verifier/test_local_lossless.py.
 
 
 # ----------------------------------------------------------------------------------- SLOs
@@ -185,21 +151,33 @@ def test_adaserve_meets_a_tight_slo_that_fixed_chains_miss(models):
 # ---------------------------------------------------------------------- speculation on/off
 
 
-def _chosen_ks(reports):
-    return [r.k for r in reports if r.k is not None]
+def _decided_ks(serving, max_steps=10_000) -> list[int]:
+    """Drain ``serving``; the ``k`` of every step the policy DECIDED: Nightjar's exploration
+    steps (a uniform arm, Alg. 1 line 9) are left out: they explore by design, and in a run this
+    short its doubling schedule explores ~half of the steps, whatever it has learnt."""
+    ks = []
+    for _ in range(max_steps):
+        report = serving.step()
+        if report is None:
+            return ks
+        exploring = serving.bandit is not None and serving.bandit.is_exploring(report.requests)
+        if report.k is not None and not exploring:
+            ks.append(report.k)
+    raise AssertionError("serving did not finish")
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", ["turbospec", "nightjar"])
-def test_speculation_switches_off_where_it_cannot_pay_and_on_where_it_does(models, policy):
+def test_speculation_switches_off_where_it_cannot_pay_and_on_where_it_does(models, policy, seed):
     target, _ = models
     useless_draft = tiny_llama(99)  # unrelated: its drafts are almost never accepted
     good_draft = perturbed(target, 0.0, 2)  # agrees with the target: every draft is accepted
     ks = {}
     for name, draft in (("useless", useless_draft), ("good", good_draft)):
-        serving = serve(target, draft, policy, max_requests=4, max_k=4, seed=0)
+        serving = serve(target, draft, policy, max_requests=4, max_k=4, seed=seed)
         for i in range(24):
             serving.submit(PROMPTS[i % 6], max_new_tokens=40)
-        chosen = _chosen_ks(drain(serving))
+        chosen = _decided_ks(serving)
         ks[name] = chosen[len(chosen) // 2 :]  # after learning / smoothing settles
     off = sum(k == 0 for k in ks["useless"]) / len(ks["useless"])
     on = sum(k > 0 for k in ks["good"]) / len(ks["good"])

@@ -63,11 +63,15 @@ def test_sampled_chain_reports_the_processed_draft_distribution(model):
     out = draft.draft_chains({"x": [3, 4, 5]}, {"x": 2}, {"x": sampling}, torch.Generator().manual_seed(1))["x"]
     q0 = next_probs(model, [3, 4, 5], sampling)
     q1 = next_probs(model, [3, 4, 5, out.token_ids[0]], sampling)
-    torch.testing.assert_close(out.probs[0], q0, atol=1e-6, rtol=0)
-    torch.testing.assert_close(out.probs[1], q1, atol=1e-6, rtol=0)
-    assert out.token_probs == pytest.approx([float(q0[out.token_ids[0]]), float(q1[out.token_ids[1]])], abs=1e-9)
+    assert out.probs.dtype == torch.float32  # sampled from exactly what the engine reads
+    torch.testing.assert_close(out.probs[0], q0.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.probs[1], q1.float(), atol=1e-6, rtol=0)
+    assert out.token_probs == pytest.approx([float(q0[out.token_ids[0]]), float(q1[out.token_ids[1]])], abs=1e-6)
+    # what TETRIS may rank by: each position's confidence before its draw, E_{s~q}[q(s)]
+    assert out.expected_probs == pytest.approx([float((q0**2).sum()), float((q1**2).sum())], abs=1e-6)
     greedy = draft.draft_chains({"x": [3, 4, 5]}, {"x": 1}, {"x": GREEDY}, torch.Generator())["x"]
     assert greedy.token_probs[0] == pytest.approx(float(next_probs(model, [3, 4, 5]).max()))  # softmax confidence, not 1
+    assert greedy.expected_probs == greedy.token_probs  # nothing drawn: the same
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3)])

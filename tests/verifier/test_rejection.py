@@ -172,3 +172,35 @@ def test_ragged_rows_and_empty_drafts():
     assert res.acceptance_ratios[0].tolist() == pytest.approx((p[0, :2].gather(-1, torch.tensor([[1], [2]])).squeeze(-1) / q[0, :2].gather(-1, torch.tensor([[1], [2]])).squeeze(-1)).clamp(max=1).tolist())
     none = verify_chains(p, q[:, :0], torch.zeros(2, 0, dtype=torch.long), torch.tensor([0, 0]), torch.zeros(2, 0), torch.zeros(2, dtype=torch.float64))
     assert none.num_accepted.tolist() == [0, 0]
+
+
+def test_chain_accept_test_compares_in_float64():
+    """Regression: the chain test rounded its uniform to float32, so u = 0.75 - 2^-40 against a
+    ratio of exactly 0.75 was a rejection."""
+    p = torch.tensor([[[0.375, 0.625], [0.5, 0.5]]])  # float32, as the engine's work dtype
+    q = torch.tensor([[[0.5, 0.5]]])
+    res = verify_chains(p, q, torch.tensor([[0]]), torch.tensor([1]), torch.tensor([[0.75 - 2**-40]], dtype=torch.float64),
+                        torch.tensor([0.1], dtype=torch.float64))
+    assert res.num_accepted.tolist() == [1]
+    assert res.acceptance_ratios.dtype == torch.float64 and res.acceptance_ratios.tolist() == [[0.75]]
+
+
+def test_empty_residual_draws_from_the_target():
+    """p and q agree to rounding except at the drafted token: max(0, p - q) is empty, and the
+    correction is drawn from p (rejection.py's stated fallback), never from a zero vector."""
+    q = torch.tensor([[[0.5, 0.25, 0.25]]], dtype=torch.float64)
+    p = torch.tensor([[[0.5 - 1e-12, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]], dtype=torch.float64)
+    assert float((p[0, 0] - q[0, 0]).clamp_min(0).sum()) == 0
+    for u_sample in (0.1, 0.6, 0.9):
+        res = verify_chains(p, q, torch.tensor([[0]]), torch.tensor([1]), torch.tensor([[1 - 1e-15]], dtype=torch.float64),
+                            torch.tensor([u_sample], dtype=torch.float64))
+        assert res.num_accepted.tolist() == [0]
+        assert int(res.next_token) == int(sample_from(p[0, 0], torch.tensor(u_sample, dtype=torch.float64)))
+
+
+def test_point_mass_rejection_never_returns_the_rejected_token():
+    """A deterministic candidate (q = point mass) that is rejected leaves norm(p without it)."""
+    p = torch.tensor([[0.2, 0.5, 0.3], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    for u in np.linspace(0, 0.999, 50):
+        res = verify_tree(p, torch.tensor([1]), [-1], torch.tensor([0.6, u], dtype=torch.float64))
+        assert res.accepted_nodes == [] and res.next_token != 1

@@ -186,3 +186,21 @@ def test_metrics_endpoint_serves_prometheus_text():
     metrics.observe_round({"forward": 0.01, "receive": 0.2}, batch=3, drafted=12, accepted=7)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "goodspeed_accepted_tokens_total 7.0" in body and "goodspeed_round_batch_drafters 3.0" in body
+
+
+def test_sampled_outputs_follow_the_target_through_grpc():
+    """Real drafter clients over gRPC with default seeds (fresh entropy on both sides), T > 0:
+    the first two tokens follow the target's own distribution (chi-square, p = 0.001)."""
+    from goodspeed.lm.sampling import SamplingParams
+    from statkit import count_first_two, exact_first_two, fits
+
+    vocab, prompt, sampling = 6, [1, 2, 3], SamplingParams(temperature=1.0, top_p=0.95)
+    target = tiny_llama(4, vocab=vocab, init=0.08)
+    draft = perturbed(target, 1.0, 5)
+    engine = VerificationEngine(target, EngineConfig(budget=24, max_draft_len=3))
+    with ServerThread(engine) as server:
+        outputs = run_clients(server.address, [draft] * 6, [[prompt] * 100] * 6, 3, sampling=sampling)
+    samples = [o for outs in outputs.values() for o in outs]
+    assert len(samples) == 600
+    ok, msg = fits(count_first_two(samples, vocab), exact_first_two(target, prompt, sampling))
+    assert ok, msg

@@ -1,0 +1,94 @@
+"""The draft node's client against a real verifier server: verdicts are matched to rounds, and a
+resync repairs the request's output as well as the draft cache."""
+
+import pytest
+
+from goodspeed.drafter.client import DrafterClient, DrafterConfig, DrafterError
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from grpckit import ServerThread
+from modelkit import greedy_reference, perturbed, tiny_llama
+
+PROMPT = [5, 6, 7]
+MAX_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(3)
+    return target, perturbed(target, 0.3, 4)
+
+
+class DuplicatingClient(DrafterClient):
+    """Every verdict is also queued a second time, as when a retried SubmitDraft got it in its
+    reply while the stream delivered it too."""
+
+    def _round(self, length, round_index, result):
+        verdict = super()._round(length, round_index, result)
+        self._verdicts.put(verdict)
+        return verdict
+
+
+class CorruptingClient(DrafterClient):
+    """The ``which``-th verdict read from the stream arrives with a wrong last token (its prefix
+    hash is the verifier's, so the drafter must notice the drift)."""
+
+    def __init__(self, *args, which: int, **kw):
+        super().__init__(*args, **kw)
+        self.which, self.reads, self.corrupted = which, 0, False
+
+    def _next_verdict(self, *args):
+        verdict = super()._next_verdict(*args)
+        self.reads += 1
+        if self.reads == self.which:
+            bad = pb.Verdict()
+            bad.CopyFrom(verdict)
+            bad.token_ids[-1] = (bad.token_ids[-1] + 1) % 48
+            self.corrupted = True
+            return bad
+        return verdict
+
+
+def generate(models, client_cls, **kw):
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))
+    with ServerThread(engine) as server:
+        client = client_cls(DrafterConfig(server.address, "d", max_new_tokens=MAX_NEW), DraftRunner(draft), **kw)
+        client.wait_until_serving()
+        client.join()
+        try:
+            return client, [client.generate(str(i), PROMPT) for i in range(2)]
+        finally:
+            client.close()
+
+
+def test_a_duplicated_verdict_is_not_taken_for_the_next_round(models):
+    client, results = generate(models, DuplicatingClient)
+    reference = greedy_reference(models[0], PROMPT, MAX_NEW)
+    assert [r.token_ids for r in results] == [reference, reference]
+    assert all(r.repairs == 0 for r in results) and all(r.rounds > 2 for r in results)
+
+
+def test_a_resync_repairs_the_output_not_only_the_cache(models):
+    client, results = generate(models, CorruptingClient, which=2)
+    reference = greedy_reference(models[0], PROMPT, MAX_NEW)
+    assert client.corrupted and results[0].repairs == 1
+    assert [r.token_ids for r in results] == [reference, reference]
+
+
+def test_a_wrong_final_verdict_is_an_error_not_wrong_text(models):
+    """The request is over on the verifier, so there is nothing to resync from: say so."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))
+    with ServerThread(engine) as server:
+        probe = DrafterClient(DrafterConfig(server.address, "p", max_new_tokens=MAX_NEW), DraftRunner(draft))
+        probe.wait_until_serving()
+        probe.join()
+        rounds = probe.generate("probe", PROMPT).rounds
+        probe.close()
+        client = CorruptingClient(DrafterConfig(server.address, "d", max_new_tokens=MAX_NEW), DraftRunner(draft), which=rounds)
+        client.join()
+        with pytest.raises(DrafterError, match="final verdict"):
+            client.generate("x", PROMPT)
+        client.close()

@@ -1,0 +1,72 @@
+"""Goodness-of-fit helpers for the losslessness tests: exact target distributions computed from a
+model, and a chi-square test against them (cells with small expectations pooled)."""
+
+import math
+
+import numpy as np
+import torch
+
+from goodspeed.lm.sampling import SamplingParams, process_logits
+
+Z_P001 = 3.0902  # standard normal 0.999 quantile
+
+
+def chi2_critical(dof: int, z: float = Z_P001) -> float:
+    """Chi-square upper quantile by the Wilson-Hilferty approximation (z = 3.09: p = 0.001)."""
+    if dof < 1:
+        raise ValueError("need at least one degree of freedom")
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+def chi2_stat(counts: np.ndarray, exact: np.ndarray, min_expected: float = 5.0) -> tuple[float, int]:
+    """``(statistic, degrees of freedom)`` of ``counts`` against probabilities ``exact`` (same
+    shape). Cells expected fewer than ``min_expected`` times are pooled into one. A count where
+    the exact probability is 0 is an impossible outcome: the statistic is infinite."""
+    counts, exact = np.asarray(counts, dtype=np.float64).ravel(), np.asarray(exact, dtype=np.float64).ravel()
+    if counts[exact <= 0].sum() > 0:
+        return math.inf, 1
+    expected = exact * counts.sum()
+    big = expected >= min_expected
+    obs = list(counts[big]) + ([counts[~big].sum()] if (~big).any() else [])
+    exp = list(expected[big]) + ([expected[~big].sum()] if (~big).any() else [])
+    obs, exp = np.array(obs), np.array(exp)
+    live = exp > 0
+    return float(((obs[live] - exp[live]) ** 2 / exp[live]).sum()), max(1, int(live.sum()) - 1)
+
+
+def fits(counts: np.ndarray, exact: np.ndarray) -> tuple[bool, str]:
+    """Whether ``counts`` pass the chi-square test at p = 0.001, and a message for the assertion."""
+    stat, dof = chi2_stat(counts, exact)
+    crit = chi2_critical(dof)
+    tv = 0.5 * np.abs(counts / counts.sum() - exact).sum()
+    return stat < crit, f"chi2 {stat:.1f} (critical {crit:.1f}, dof {dof}), TV {tv:.4f}, n {int(counts.sum())}"
+
+
+def exact_first_two(model, prompt: list[int], sampling: SamplingParams, eos: int | None = None) -> np.ndarray:
+    """``[V, V + 1]``: P(first token a, second token b) under ``model``'s own sampling; column V
+    holds P(a) when ``a`` is ``eos`` (the request ends there, no second token)."""
+    with torch.inference_mode():
+        def dist(seq):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1].double()
+            return process_logits(logits, sampling).numpy()
+
+        first = dist(prompt)
+        vocab = first.size
+        out = np.zeros((vocab, vocab + 1))
+        for a in range(vocab):
+            if first[a] == 0:
+                continue
+            if a == eos:
+                out[a, vocab] = first[a]
+            else:
+                out[a, :vocab] = first[a] * dist(prompt + [a])
+    return out
+
+
+def count_first_two(outputs, vocab: int) -> np.ndarray:
+    """Counts of (first, second) generated tokens, column ``vocab`` for outputs of one token."""
+    counts = np.zeros((vocab, vocab + 1))
+    for out in outputs:
+        counts[out[0], out[1] if len(out) > 1 else vocab] += 1
+    return counts

@@ -1,0 +1,218 @@
+"""Losslessness under sampling, through the engine: the joint distribution of the first two
+generated tokens is compared (chi-square, p = 0.001) with the target's own, computed exactly from
+the model, for every sampling setting, chains and trees, a draft with q = 0 where p > 0, EOS
+inside a draft, a bf16 target and mixed settings in one batch. Default seeds (fresh OS entropy)
+throughout, as users run it. A deliberately lossy verifier must fail the same test (power check),
+and the seed-alignment defect has its regression test.
+
+Large-sample variants are marked slow; the always-on ones keep enough samples to catch the
+known defects (each negative control here fails them)."""
+
+import numpy as np
+import pytest
+import torch
+
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.verifier import rejection
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.types import Draft
+from modelkit import perturbed, tiny_llama
+from statkit import count_first_two, exact_first_two, fits
+
+V = 6
+PROMPT = [1, 2, 3]
+SETTINGS = {
+    "T1": SamplingParams(temperature=1.0),
+    "T0.7": SamplingParams(temperature=0.7),
+    "topk3": SamplingParams(temperature=1.0, top_k=3),
+    "topp0.8": SamplingParams(temperature=1.0, top_p=0.8),
+    "T1.3-topk4-topp0.9": SamplingParams(temperature=1.3, top_k=4, top_p=0.9),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(4, vocab=V, init=0.08)
+
+
+@pytest.fixture(scope="module")
+def bad_draft(target):
+    """A draft far from the target (acceptance ~0.5), so rejections and residuals matter."""
+    return perturbed(target, 1.0, 5)
+
+
+def run_chains(target, draft, settings: dict[str, SamplingParams], per_setting: int, drafters_per_setting: int = 8,
+               engine_seed=None, drafter_seed=None, eos=None, max_new_tokens: int = 3):
+    """All settings' drafters in ONE engine (mixed settings in every batch); outputs per setting."""
+    engine = VerificationEngine(target, EngineConfig(budget=6 * len(settings) * drafters_per_setting, max_draft_len=3, seed=engine_seed))
+    drafters = {}
+    for name, sampling in settings.items():
+        for i in range(drafters_per_setting):
+            drafters[f"{name}/{i}"] = InProcessDrafter(
+                f"{name}/{i}", DraftRunner(draft), [PROMPT] * (per_setting // drafters_per_setting), sampling,
+                max_new_tokens=max_new_tokens, seed=drafter_seed)
+    results = run_inprocess(engine, list(drafters.values()), eos_token_ids=() if eos is None else (eos,))
+    outputs = {name: [] for name in settings}
+    for key, d in drafters.items():
+        outputs[key.split("/")[0]] += d.outputs
+    return outputs, results
+
+
+def assert_follows(target, outputs, sampling, eos=None):
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling, eos))
+    assert ok, msg
+
+
+def test_mixed_settings_in_one_batch_follow_the_target(target, bad_draft):
+    outputs, results = run_chains(target, bad_draft, SETTINGS, per_setting=800)
+    for name, sampling in SETTINGS.items():
+        assert_follows(target, outputs[name], sampling)
+    verdicts = [v for r in results for v in r.verdicts.values()]
+    assert sum(v.num_accepted for v in verdicts) > 1000 and sum(v.num_accepted < v.num_drafted for v in verdicts) > 500
+
+
+@pytest.mark.slow
+def test_mixed_settings_large_sample(target, bad_draft):
+    outputs, _ = run_chains(target, bad_draft, SETTINGS, per_setting=8000)
+    for name, sampling in SETTINGS.items():
+        assert_follows(target, outputs[name], sampling)
+
+
+def test_lossy_verifier_is_caught(target, bad_draft, monkeypatch):
+    """Power check: resampling from p on rejection (instead of the residual) must fail the test."""
+    monkeypatch.setattr(rejection, "_residual_or_target", lambda p_at, q_at, rejected: p_at)
+    sampling = SETTINGS["T1"]
+    outputs, _ = run_chains(target, bad_draft, {"T1": sampling}, per_setting=1600)  # 800 fail it only by ~1.3x
+    ok, msg = fits(count_first_two(outputs["T1"], V), exact_first_two(target, PROMPT, sampling))
+    assert not ok, msg
+
+
+class MaskedDraft(torch.nn.Module):
+    """A draft that never proposes ``banned``: q = 0 there while the target's p > 0."""
+
+    def __init__(self, model, banned: int) -> None:
+        super().__init__()
+        self.model, self.banned, self.config = model, banned, model.config
+
+    def forward(self, **kw):
+        out = self.model(**kw)
+        out.logits[..., self.banned] = -torch.inf
+        return out
+
+
+def test_draft_with_zero_mass_where_the_target_has_some(target, bad_draft):
+    sampling = SETTINGS["T1"]
+    banned = int(exact_first_two(target, PROMPT, sampling)[:, :V].sum(1).argmax())  # the target's likeliest first token
+    outputs, _ = run_chains(target, MaskedDraft(bad_draft, banned), {"T1": sampling}, per_setting=800)
+    assert sum(o[0] == banned for o in outputs["T1"]) > 100  # the residual restores the banned token
+    assert_follows(target, outputs["T1"], sampling)
+
+
+def test_eos_inside_a_draft(target, bad_draft):
+    sampling = SETTINGS["T1"]
+    eos = int(exact_first_two(target, PROMPT, sampling)[:, :V].sum(1).argmax())
+    outputs, _ = run_chains(target, bad_draft, {"T1": sampling}, per_setting=800, eos=eos)
+    ended = [o for o in outputs["T1"] if o[0] == eos]
+    assert ended and all(len(o) == 1 for o in ended)  # nothing after EOS, though drafts ran past it
+    assert_follows(target, outputs["T1"], sampling, eos=eos)
+
+
+def test_bf16_target(target, bad_draft):
+    """A bf16 target is verified in float32; the reference is the bf16 model's own distribution."""
+    target16 = tiny_llama(4, vocab=V, init=0.08, dtype=torch.bfloat16)
+    sampling = SETTINGS["topk3"]
+    outputs, _ = run_chains(target16, bad_draft.float(), {"topk3": sampling}, per_setting=800)
+    assert_follows(target16, outputs["topk3"], sampling)
+
+
+# ------------------------------------------------------------------------------------- trees
+
+
+_Q_CACHE: dict = {}
+
+
+def _draft_q(draft, prefix: tuple[int, ...], sampling) -> torch.Tensor:
+    """The draft's float32 q after ``prefix`` (deterministic, so computed once per prefix)."""
+    key = (id(draft), prefix, sampling)
+    if key not in _Q_CACHE:
+        with torch.inference_mode():
+            logits = draft(input_ids=torch.tensor([list(prefix)])).logits[0, -1].double()
+        _Q_CACHE[key] = process_logits(logits, sampling).float()
+    return _Q_CACHE[key]
+
+
+def sample_tree(draft, sampling, rng: torch.Generator, mode: str):
+    """Depth 2, width 2 under PROMPT: children drawn from q with replacement, without replacement
+    (the second child from q without the first, renormalised: its own proposal row), or q's top-2
+    (deterministic). Returns tokens, parents and the row each node was proposed from (or None)."""
+    tokens, parents, rows = [], [], []
+    frontier = [(-1, PROMPT)]
+    for _ in range(2):
+        nxt = []
+        for parent, prefix in frontier:
+            q = _draft_q(draft, tuple(prefix), sampling)
+            if mode == "deterministic":
+                picks = [(int(t), None) for t in torch.topk(q, 2).indices]
+            else:
+                picks, row = [], q.clone()
+                for _ in range(2):
+                    tok = int(sample_from(row, torch.rand(1, generator=rng, dtype=torch.float64)))
+                    picks.append((tok, row / row.sum()))
+                    if mode == "without-replacement" and float(row.sum() - row[tok]) > 0:
+                        row = row.clone()
+                        row[tok] = 0
+            for tok, proposal in picks:
+                tokens.append(tok)
+                parents.append(parent)
+                rows.append(proposal)
+                nxt.append((len(tokens) - 1, prefix + [tok]))
+        frontier = nxt
+    dense = None if mode == "deterministic" else torch.stack(rows).numpy()
+    return tokens, parents, dense
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "with-replacement", "without-replacement"])
+def test_trees_follow_the_target(target, bad_draft, mode):
+    sampling = SETTINGS["T1"]
+    engine = VerificationEngine(target, EngineConfig(budget=64, max_draft_len=6))
+    rng = torch.Generator().manual_seed(torch.seed())
+    outputs = []
+    while len(outputs) < 800:
+        sessions = [engine.join(f"t{i}") for i in range(8)]
+        outs = {}
+        for sid in sessions:
+            tokens, parents, dense = sample_tree(bad_draft, sampling, rng, mode)
+            engine.start_request(sid, PROMPT, sampling, max_new_tokens=3)
+            engine.set_allotment(sid, len(tokens))
+            engine.submit(sid, Draft(engine.next_round(sid), tokens, parents=parents, dense_probs=dense))
+            outs[sid] = []
+        while any(len(o) < 2 for o in outs.values()):
+            for sid, v in engine.run_round().verdicts.items():
+                outs[sid] += v.token_ids
+                if len(outs[sid]) < 2 and not v.finished:
+                    engine.submit(sid, Draft(engine.next_round(sid), []))
+        for sid in sessions:
+            engine.leave(sid)
+        outputs += [o[:2] for o in outs.values()]
+    assert_follows(target, outputs, sampling)
+
+
+# ---------------------------------------------------------------------------- random streams
+
+
+def test_same_seed_for_drafter_and_verifier_stays_exact(target, bad_draft):
+    """Regression: a drafter and an engine given the SAME seed used to share one stream, so the
+    first round's accept uniform was the uniform that sampled the drafted token (p ~ 1e-186).
+    Streams are now derived per role and name; many fresh pairs, one first round each."""
+    sampling = SETTINGS["T1"]
+    firsts = []
+    for seed in range(600):
+        engine = VerificationEngine(target, EngineConfig(budget=3, max_draft_len=3, seed=seed))
+        drafter = InProcessDrafter("d", DraftRunner(bad_draft), [PROMPT], sampling, max_new_tokens=2, seed=seed)
+        run_inprocess(engine, [drafter], max_rounds=1)
+        firsts.append(drafter.runner.committed[len(PROMPT)])
+    exact = exact_first_two(target, PROMPT, sampling)[:, :V].sum(1)
+    ok, msg = fits(np.bincount(firsts, minlength=V).astype(float), exact)
+    assert ok, msg
