@@ -157,17 +157,31 @@ class DrafterClient:
 
     # ------------------------------------------------------------------------ generation
 
-    def _start(self, committed: list[int], remaining: int) -> tuple[int, int]:
+    def _start(self, committed: list[int], remaining: int, result: RequestResult) -> tuple[int, int]:
+        """``StartRequest``; when the verifier no longer knows the session (it restarted between
+        requests, or dropped this drafter), join again once and start there."""
         self.runner.start(committed)
-        reply = self._retry(self.stub.StartRequest, pb.StartRequestRequest(
+        request = pb.StartRequestRequest(
             session_id=self.session_id, prompt_ids=committed, sampling=sampling_to_pb(self.config.sampling),
-            max_new_tokens=remaining, eos_token_ids=list(self.config.eos_token_ids)))
+            max_new_tokens=remaining, eos_token_ids=list(self.config.eos_token_ids))
+        try:
+            reply = self._retry(self.stub.StartRequest, request)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise DrafterError(f"request {result.id} refused: {exc.code().name}: {exc.details()}") from None
+            result.repairs += 1
+            self.join()
+            request.session_id = self.session_id
+            try:
+                reply = self._retry(self.stub.StartRequest, request)
+            except grpc.RpcError as again:
+                raise DrafterError(f"request {result.id} refused after rejoining: {again.code().name}: {again.details()}") from None
         return reply.draft_length, reply.round_index
 
     def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:
         result = RequestResult(request_id, list(prompt_ids))
         started = time.perf_counter()
-        length, round_index = self._start(list(prompt_ids), self.config.max_new_tokens)
+        length, round_index = self._start(list(prompt_ids), self.config.max_new_tokens, result)
         while True:
             try:
                 verdict = self._round(length, round_index, result)
@@ -175,7 +189,7 @@ class DrafterClient:
                 result.repairs += 1
                 self.join()
                 committed = list(prompt_ids) + result.token_ids  # the verifier's tokens, from its verdicts
-                length, round_index = self._start(committed, self.config.max_new_tokens - len(result.token_ids))
+                length, round_index = self._start(committed, self.config.max_new_tokens - len(result.token_ids), result)
                 continue
             except _Drifted:
                 length, round_index = self._resync(result)

@@ -244,6 +244,7 @@ def _add_serving_parsers(sub) -> None:
     loc.add_argument("--local-max-k", type=int, default=6, help="turbospec / nightjar: largest k")
     loc.add_argument("--latency-profile", default=None, help="turbospec: the JSON `goodspeed profile` wrote")
     loc.add_argument("--max-local-requests", type=int, default=32, help="local requests decoded together; later ones wait")
+    loc.add_argument("--max-local-waiting", type=int, default=256, help="local requests queued behind those; more are refused (RESOURCE_EXHAUSTED)")
     _add_model_args(ver)
     ver.set_defaults(func=_verifier)
     dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
@@ -325,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from goodspeed.drafter.client import DrafterError
     from goodspeed.launch.links import LinkError
     from goodspeed.launch.local import LaunchError
     from goodspeed.launch.spec import SpecError
@@ -336,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, ModelLoadError, LinkError, LaunchError) as exc:
         print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except DrafterError as exc:  # the verifier refused or went away past the timeout
+        print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

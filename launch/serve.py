@@ -40,7 +40,7 @@ def local_config(opts: VerifierSpec) -> LocalConfig:
         return LocalConfig(
             policy=opts.local_policy, k=opts.local_k, extra=opts.local_extra, capacity=opts.local_capacity, budget=opts.local_budget,
             max_depth=opts.local_max_depth, max_width=opts.local_max_width, max_k=opts.local_max_k, latency=latency,
-            max_requests=opts.max_local_requests, seed=opts.seed,
+            max_requests=opts.max_local_requests, max_waiting=opts.max_local_waiting, seed=opts.seed,
         )
     except ValueError as exc:
         raise SpecError(f"local serving: {exc}") from None
@@ -78,7 +78,13 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, failed):
+        task.cancel()
+    if server.failed.is_set():  # the round loop died (logged): exit non-zero so a supervisor restarts us
+        await server.stop()
+        return 1
     await server.drain()
     await server.stop()
     return 0

@@ -107,6 +107,7 @@ class VerifierSpec:
     local_max_k: int = 6  # turbospec / nightjar: largest k
     latency_profile: str | None = None  # turbospec: the file `goodspeed profile` wrote
     max_local_requests: int = 32  # local requests decoded together
+    max_local_waiting: int = 256  # local requests queued behind them; more get RESOURCE_EXHAUSTED
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -114,7 +115,8 @@ class VerifierSpec:
     node: str | None = None
 
     LOCAL_FLAGS = ("local_draft", "local_policy", "local_k", "local_extra", "local_capacity", "local_budget",
-                   "local_max_depth", "local_max_width", "local_max_k", "latency_profile", "max_local_requests")
+                   "local_max_depth", "local_max_width", "local_max_k", "latency_profile", "max_local_requests",
+                   "max_local_waiting")
 
     def local_args(self) -> list[str]:
         """The ``goodspeed verifier`` flags for the local-serving settings (none when it is off)."""

@@ -17,7 +17,7 @@ Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any s
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -62,7 +62,6 @@ class VerificationEngine:
         self.np_rng = numpy_rng(self.root_seed, "verifier", "policy")
         self.round_index = 0
         self._sessions: dict[str, Session] = {}
-        self._ids = itertools.count()
 
     # ----------------------------------------------------------------- sessions and requests
 
@@ -90,7 +89,9 @@ class VerificationEngine:
                 f"drafter {name!r} tokenizer {tokenizer_fingerprint[:12]} != target tokenizer {self.fingerprint[:12]}: "
                 "draft and target must share one tokenizer"
             )
-        session_id = f"{name}#{next(self._ids)}"
+        # 128 random bits: no client can guess another's session, and ids never repeat across
+        # restarts (a drafter retrying its old id cannot land in a newcomer's session).
+        session_id = f"{name}#{secrets.token_hex(16)}"
         self._sessions[session_id] = Session(session_id, name, managed=managed)
         self.estimator.join(session_id)
         return session_id

@@ -72,3 +72,7 @@ class LengthLimitError(EngineError):
 
 class TooManyDraftersError(EngineError):
     """The engine already serves its maximum number of drafters."""
+
+
+class QueueFullError(EngineError):
+    """Local serving's wait queue is full: the request was not queued."""

@@ -142,6 +142,7 @@ class LocalConfig:
     max_k: int = 6  # turbospec / nightjar: largest k considered
     latency: LatencyProfile | None = None  # turbospec: required
     max_requests: int = 32  # requests decoded together; later ones wait
+    max_waiting: int = 256  # requests queued behind them; more are refused (QueueFullError)
     iteration_smoothing: float = 0.5  # weight of the newest iteration time in t_spec
     initial_acceptance: float = 0.5  # turbospec: pooled acceptance before any local draft was verified
     seed: int | None = None  # root seed of the local streams; None: the engine's root seed
@@ -149,8 +150,8 @@ class LocalConfig:
     def __post_init__(self) -> None:
         if self.policy not in LOCAL_POLICIES:
             raise ValueError(f"unknown local policy {self.policy!r}; choose one of {', '.join(LOCAL_POLICIES)}")
-        if self.k < 0 or self.extra < 0 or self.max_k < 0 or self.max_requests < 1:
-            raise ValueError("k, extra and max_k must be >= 0 and max_requests >= 1")
+        if self.k < 0 or self.extra < 0 or self.max_k < 0 or self.max_requests < 1 or self.max_waiting < 0:
+            raise ValueError("k, extra and max_k must be >= 0, max_requests >= 1 and max_waiting >= 0")
         if self.capacity is not None and self.capacity < 0:
             raise ValueError("capacity must be >= 0")
         if self.budget < 1 or self.max_depth < 1 or self.max_width < 1 or self.max_slo_tree_size < 1:
@@ -296,6 +297,8 @@ class LocalServing:
         self.engine.check_request(prompt, max_new_tokens)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
+        if len(self._waiting) >= self.config.max_waiting:
+            raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry later")
         rid = request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
             raise errors.RequestInProgressError(f"request id {rid!r} is already in use")

@@ -6,7 +6,8 @@ in progress has submitted, or when ``round_deadline_ms`` has passed since the ro
 draft; drafts that arrive while a round is being verified join the next one. A drafter that
 misses more than ``max_missed_rounds`` consecutive rounds, or whose verdict stream closes, or
 that sends nothing for ``idle_timeout_s`` while a request is in progress (the case where no
-rounds run at all), is dropped and its KV freed, and the next allocation is computed without it. SIGTERM (see the CLI)
+rounds run at all), or that has not opened its verdict stream ``stream_open_timeout_s`` after
+joining (a squatter holding a ``max_drafters`` slot), is dropped and its KV freed, and the next allocation is computed without it. SIGTERM (see the CLI)
 calls :meth:`VerifierServer.drain`: new sessions and requests are refused, rounds continue until
 the requests in progress finish or the drain timeout passes.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,8 +49,29 @@ STATUS = {
     errors.PromptTooLongError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.LengthLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.TooManyDraftersError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.MalformedDraftError: grpc.StatusCode.INVALID_ARGUMENT,  # and its subclasses
 }
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._:@+-]+")
+MAX_NAME_CHARS, MAX_MODEL_NAME_CHARS, MAX_REQUEST_ID_CHARS = 64, 256, 128
+MAX_PROMPT_CHARS_PER_TOKEN = 64  # a text prompt longer than this x the context cannot fit it
+
+
+def check_identifier(field: str, value: str, max_chars: int) -> str:
+    """A client-chosen name that reaches session ids, logs and metrics: bounded and plain, else
+    :class:`~goodspeed.verifier.errors.MalformedDraftError` (INVALID_ARGUMENT)."""
+    if len(value) > max_chars or not NAME_PATTERN.fullmatch(value):
+        shown = value[:32] + ("..." if len(value) > 32 else "")
+        raise errors.MalformedDraftError(f"{field} must be 1-{max_chars} characters of [A-Za-z0-9._:@+-], got {shown!r} ({len(value)} chars)")
+    return value
+
+
+def check_free_text(field: str, value: str, max_chars: int) -> str:
+    if len(value) > max_chars or not value.isprintable():
+        raise errors.MalformedDraftError(f"{field} must be at most {max_chars} printable characters ({len(value)} given)")
+    return value
 
 
 def status_for(exc: errors.EngineError) -> grpc.StatusCode:
@@ -67,14 +90,15 @@ class ServerConfig:
     max_message_bytes: int = 32 * 1024 * 1024
     drain_timeout_s: float = 30.0
     idle_timeout_s: float = 60.0  # drop a session with a request in progress that sends nothing this long
+    stream_open_timeout_s: float = 10.0  # drop a session that never opens its verdict stream (squatting)
     target_name: str = ""
     warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
             raise ValueError("round_deadline_ms > 0, max_missed_rounds >= 0 and max_message_bytes >= 1024 are required")
-        if self.idle_timeout_s <= 0:
-            raise ValueError("idle_timeout_s must be > 0")
+        if self.idle_timeout_s <= 0 or self.stream_open_timeout_s <= 0:
+            raise ValueError("idle_timeout_s and stream_open_timeout_s must be > 0")
 
 
 @dataclass
@@ -86,6 +110,8 @@ class _Drafter:
     in_request: bool = False
     receive_s: float | None = None  # this round: round open -> its draft arrived
     last_seen: float = field(default_factory=time.monotonic)
+    joined_at: float = field(default_factory=time.monotonic)
+    streaming: bool = False  # its verdict stream is open
 
 
 def _rpc(handler):
@@ -131,8 +157,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self._refuse_if_draining(context)
         if request.protocol_version != PROTOCOL_VERSION:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {request.protocol_version} != {PROTOCOL_VERSION}")
-        session_id = await self.call(self.engine.join, request.drafter_name or "drafter", request.tokenizer_fingerprint)
-        self._drafters[session_id] = _Drafter(session_id, request.drafter_name, asyncio.Queue())
+        name = check_identifier("drafter_name", request.drafter_name or "drafter", MAX_NAME_CHARS)
+        check_free_text("model_name", request.model_name, MAX_MODEL_NAME_CHARS)
+        session_id = await self.call(self.engine.join, name, request.tokenizer_fingerprint)
+        self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue())
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=request.drafter_name, model=request.model_name)
         return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)
@@ -141,6 +169,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = self._drafters.get(request.session_id)
         if drafter is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or evicted session {request.session_id!r}")
+        drafter.streaming = True
         try:
             while (item := await drafter.verdicts.get()) is not None:
                 yield item
@@ -210,6 +239,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
         try:
             sampling = sampling_from_pb(request.sampling)
+            if request.request_id:
+                check_identifier("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
             rid = await self.call(functools.partial(
                 self.local.submit, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None, on_event,
                 request.request_id or None))
@@ -246,7 +277,14 @@ class VerifierService(pb_grpc.VerifierServicer):
             return list(request.prompt_ids)
         if self.tokenizer is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this verifier has no tokenizer: send prompt_ids")
-        return list(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
+        limit = MAX_PROMPT_CHARS_PER_TOKEN * self.engine.max_seq_len
+        if len(request.prompt) > limit:  # refused before any CPU is spent on it
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"prompt of {len(request.prompt)} characters cannot fit the context of {self.engine.max_seq_len} tokens")
+        # Off the event loop (a 4 MB prompt took 3.4 s there, stalling every session) and off the
+        # engine thread: a worker thread (the tokenizer releases the GIL).
+        encoded = await asyncio.to_thread(self.tokenizer, request.prompt, add_special_tokens=False)
+        return list(encoded["input_ids"])
 
     async def drop(self, session_id: str, reason: str) -> None:
         """Forget a drafter, close its verdict stream and free its engine session (idempotent)."""
@@ -273,7 +311,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def run_rounds(self) -> None:
         loop = asyncio.get_running_loop()
-        sweep_every_s = min(1.0, self.config.idle_timeout_s / 2)
+        sweep_every_s = min(1.0, self.config.idle_timeout_s / 2, self.config.stream_open_timeout_s / 2)
         last_sweep = loop.time()
         while True:
             if loop.time() - last_sweep > sweep_every_s:
@@ -329,6 +367,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         for drafter in list(self._drafters.values()):
             if drafter.in_request and drafter.session_id not in self._queued and now - drafter.last_seen > self.config.idle_timeout_s:
                 await self.drop(drafter.session_id, f"idle for {now - drafter.last_seen:.1f} s")
+            elif not drafter.streaming and now - drafter.joined_at > self.config.stream_open_timeout_s:
+                # Joined and never listened: it holds a session slot (max_drafters) for nothing.
+                await self.drop(drafter.session_id, f"no verdict stream within {self.config.stream_open_timeout_s:g} s")
 
     async def _count_missed(self, verified) -> None:
         for drafter in list(self._drafters.values()):
@@ -380,6 +421,7 @@ class VerifierServer:
         self.service: VerifierService | None = None
         self._server: grpc.aio.Server | None = None
         self._rounds: asyncio.Task | None = None
+        self.failed = asyncio.Event()  # set if the round loop dies: the daemon must not look healthy
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -397,9 +439,20 @@ class VerifierServer:
         if self.config.warmup:
             await self.service.call(self.service.warm_up)
         self._rounds = asyncio.create_task(self.service.run_rounds())
+        self._rounds.add_done_callback(self._on_rounds_done)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.log.event("serving", host=self.config.host, port=port, target=self.config.target_name, seed=self.engine.root_seed)
         return port
+
+    def _on_rounds_done(self, task: asyncio.Task) -> None:
+        """The round loop only ends when stopped; if it raised, no drafter would get another
+        verdict, so health turns NOT_SERVING and :attr:`failed` tells the daemon to exit non-zero."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.log.event("round_loop_failed", error=f"{type(exc).__name__}: {exc}")
+        self.failed.set()
+        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def drain(self) -> None:
         """Refuse new sessions and requests; let the requests in progress finish (bounded)."""

@@ -92,3 +92,22 @@ def test_a_wrong_final_verdict_is_an_error_not_wrong_text(models):
         with pytest.raises(DrafterError, match="final verdict"):
             client.generate("x", PROMPT)
         client.close()
+
+
+def test_a_verifier_restart_between_requests_is_survived(models):
+    """StartRequest naming a session the (restarted) verifier does not know used to end the
+    drafter; it now joins again and the request's output is the target's own."""
+    target, draft = models
+    reference = greedy_reference(target, PROMPT, MAX_NEW)
+    with ServerThread(VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))) as first:
+        port = first.port
+        client = DrafterClient(DrafterConfig(first.address, "d", max_new_tokens=MAX_NEW, connect_timeout_s=20), DraftRunner(draft))
+        client.wait_until_serving()
+        client.join()
+        before = client.generate("0", PROMPT)
+        old_session = client.session_id
+    with ServerThread(VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4)), port=port):
+        after = client.generate("1", PROMPT)
+        assert client.session_id != old_session and after.repairs == 1
+        client.close()
+    assert before.token_ids == reference and after.token_ids == reference

@@ -65,9 +65,12 @@ def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path
             rounds = [r for r in server.events("round") if r["ts"] > faults_at]
             drops = {e["name"]: e for e in server.events("drop")}
             assert "killed" in drops and "frozen" in drops, drops
-            # Rounds keep coming: no gap longer than one deadline plus the round's own work.
-            gaps = [b["ts"] - a["ts"] for a, b in zip(rounds, rounds[1:])]
-            assert len(rounds) > 20 and max(gaps) < DEADLINE_MS / 1000 + 0.25, max(gaps)
+            # Rounds keep coming and the dead nodes are evicted by the round loop itself (missed
+            # rounds, each closed by its deadline), not by the 60 s idle sweep: asserted on events,
+            # not on wall-clock gaps, which a loaded CI machine can stretch (one such run: 0.63 s).
+            assert drops["frozen"]["reason"] == "missed 3 rounds", drops  # its connection stays open
+            assert drops["killed"]["reason"] in ("missed 3 rounds", "verdict stream closed"), drops  # the kernel closes its socket
+            assert len(rounds) > 20
             assert not any(s.startswith(("killed", "frozen")) for s in engine.session_ids)
             # The frozen node, resumed, finds its session gone, rejoins and still finishes losslessly.
             procs["frozen"].send_signal(signal.SIGCONT)

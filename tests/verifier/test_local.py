@@ -182,3 +182,16 @@ def test_speculation_switches_off_where_it_cannot_pay_and_on_where_it_does(model
     off = sum(k == 0 for k in ks["useless"]) / len(ks["useless"])
     on = sum(k > 0 for k in ks["good"]) / len(ks["good"])
     assert off > 0.8 and on > 0.8, (off, on, ks)
+
+
+def test_the_wait_queue_is_bounded(models):
+    """1,000 queued Generate requests used to be accepted (+130 MB); past max_waiting they are refused."""
+    target, draft = models
+    serving = serve(target, draft, "chain", max_requests=1, max_waiting=2)
+    ids = [serving.submit(PROMPTS[0], max_new_tokens=2) for _ in range(2)]
+    with pytest.raises(errors.QueueFullError, match="waiting"):
+        serving.submit(PROMPTS[0], max_new_tokens=2)
+    serving.step()  # admits one: room for one more
+    ids.append(serving.submit(PROMPTS[0], max_new_tokens=2))
+    drain(serving)
+    assert sorted(r.request_id for r in serving.finished) == sorted(ids)

@@ -116,6 +116,42 @@ def test_stale_round_duplicate_and_request_errors(served):
     stream.cancel()
 
 
+@pytest.mark.parametrize("name", ["x" * 65, "tab\tname", "new\nline", "é"], ids=["long", "tab", "newline", "non-ascii"])
+def test_names_are_bounded_and_plain(served, name):
+    """A client-chosen name reaches session ids and logs: 1 MiB names used to become 1 MiB ids."""
+    server, stub = served
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Join(pb.JoinRequest(drafter_name=name, protocol_version=1))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "drafter_name" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Join(pb.JoinRequest(drafter_name="ok", model_name="m\x00" * 10, protocol_version=1))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_session_ids_are_unguessable_and_never_repeat(served):
+    server, stub = served
+    ids = [stub.Join(pb.JoinRequest(drafter_name="same", protocol_version=1)).session_id for _ in range(4)]
+    assert len(set(ids)) == 4
+    assert all(i.startswith("same#") and len(i.split("#")[1]) == 32 for i in ids)  # 128 random bits
+    for sid in ids:
+        stub.Leave(pb.LeaveRequest(session_id=sid))
+
+
+def test_a_temperature_that_would_give_nan_is_refused_and_the_loop_goes_on(served):
+    """temperature 1e-45 (a float32 subnormal) made NaN probabilities that killed the round loop."""
+    server, stub = served
+    sid = stub.Join(pb.JoinRequest(drafter_name="nan", protocol_version=1)).session_id
+    with pytest.raises(grpc.RpcError) as err:
+        stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=[1, 2], max_new_tokens=4, sampling=pb.SamplingParams(temperature=1e-45)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+    good, reply = join(stub, "good")
+    stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=good))
+    tokens = [3] * reply.draft_length
+    stub.SubmitDraft(pb.DraftRequest(session_id=good, round_index=reply.round_index, token_ids=tokens, dense=dense(tokens) if tokens else None))
+    assert next(stream).session_id == good
+    stream.cancel()
+
+
 def wait_for_drop(server, sid, timeout_s=10.0):
     for _ in range(int(timeout_s / 0.05)):
         if any(e["session"] == sid for e in server.events("drop")):
@@ -146,6 +182,27 @@ def test_a_silent_session_is_dropped_even_when_no_rounds_run(models):
         channel.close()
 
 
+def test_sessions_that_never_listen_are_reclaimed(models):
+    """Squatting: joins that never open a verdict stream used to hold max_drafters slots forever."""
+    target, _ = models
+    engine = VerificationEngine(target, EngineConfig(budget=4, max_drafters=3))
+    with ServerThread(engine, stream_open_timeout_s=0.5) as server:
+        channel = grpc.insecure_channel(server.address)
+        stub = pb_grpc.VerifierStub(channel)
+        honest = stub.Join(pb.JoinRequest(drafter_name="honest", protocol_version=1)).session_id
+        stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=honest))
+        squatters = [stub.Join(pb.JoinRequest(drafter_name=f"s{i}", protocol_version=1)).session_id for i in range(2)]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Join(pb.JoinRequest(drafter_name="late", protocol_version=1))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for sid in squatters:
+            wait_for_drop(server, sid)
+        assert stub.Join(pb.JoinRequest(drafter_name="late", protocol_version=1)).session_id
+        assert honest in engine.session_ids  # the listening session stays
+        stream.cancel()
+        channel.close()
+
+
 def test_finish_request_frees_the_slot_and_allows_a_new_request(served):
     server, stub = served
     sid, reply = join(stub)
@@ -157,6 +214,37 @@ def test_finish_request_frees_the_slot_and_allows_a_new_request(served):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     again = stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=[5], max_new_tokens=3))
     assert again.round_index >= reply.round_index
+
+
+def test_a_dead_round_loop_is_not_serving(models):
+    """If the round loop ever raises, no drafter would get another verdict: health must say so
+    (it used to stay SERVING) and the daemon is told to exit non-zero."""
+    target, _ = models
+    engine = VerificationEngine(target, EngineConfig(budget=4))
+    with ServerThread(engine) as server:
+        def broken(*args, **kw):
+            raise RuntimeError("injected failure")
+
+        engine.run_round = broken
+        channel = grpc.insecure_channel(server.address)
+        stub, health = pb_grpc.VerifierStub(channel), health_pb2_grpc.HealthStub(channel)
+        sid, reply = join(stub)
+        stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
+        tokens = [3] * reply.draft_length
+        stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, token_ids=tokens, dense=dense(tokens) if tokens else None))
+        for _ in range(200):
+            if server.server.failed.is_set():
+                break
+            threading.Event().wait(0.05)
+        assert server.server.failed.is_set()
+        assert any("injected failure" in e["error"] for e in server.events("round_loop_failed"))
+        for _ in range(100):
+            if health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            threading.Event().wait(0.05)
+        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        stream.cancel()
+        channel.close()
 
 
 def test_health_and_draining(served):

@@ -95,6 +95,9 @@ def test_generate_errors(models):
             (generate_request(prompt="hello", prompt_ids=[1], max_new_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),
             (generate_request(prompt="hello", max_new_tokens=3), grpc.StatusCode.INVALID_ARGUMENT),  # no tokenizer here
             (generate_request(prompt_ids=[1, 2], max_new_tokens=100_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (generate_request(prompt_ids=[1, 2], max_new_tokens=3, temperature=1e-45), grpc.StatusCode.INVALID_ARGUMENT),
+            (generate_request(prompt_ids=[1, 2], max_new_tokens=3, request_id="r" * 129), grpc.StatusCode.INVALID_ARGUMENT),
+            (generate_request(prompt_ids=[1, 2], max_new_tokens=3, request_id="bad id\n"), grpc.StatusCode.INVALID_ARGUMENT),
         ]
         for request, code in cases:
             with pytest.raises(grpc.RpcError) as err:
