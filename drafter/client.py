@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
 from goodspeed.lm.sampling import SamplingParams
@@ -50,6 +51,8 @@ class DrafterConfig:
     seed: int | None = None  # root seed; the sampling stream is (root, 'drafter', name). None: OS entropy
     connect_timeout_s: float = 60.0
     verdict_timeout_s: float = 120.0
+    token: str | None = None  # bearer token (the verifier's --auth-tokens); sent on every call
+    tls: ClientTLS | None = None  # TLS to the verifier (mutual with a client certificate); None: plaintext
 
 
 @dataclass
@@ -67,8 +70,9 @@ class RequestResult:
 class DrafterClient:
     def __init__(self, config: DrafterConfig, runner: DraftRunner) -> None:
         self.config, self.runner = config, runner
-        self.channel = grpc.insecure_channel(config.verifier)
+        self.channel = open_channel(config.verifier, config.tls)
         self.stub = pb_grpc.VerifierStub(self.channel)
+        self.metadata = bearer_metadata(config.token)
         self.root_seed = resolve_root_seed(config.seed)
         self.generator = torch_generator(self.root_seed, "drafter", config.name)
         self.session_id = ""
@@ -82,7 +86,7 @@ class DrafterClient:
         """Call ``fn(request)``, retrying UNAVAILABLE with jittered exponential backoff."""
         for pause in _backoff(self.config.connect_timeout_s, cap_s=2.0):
             try:
-                return fn(request, timeout=self.config.verdict_timeout_s)
+                return fn(request, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or pause is None:
                     raise
@@ -103,13 +107,16 @@ class DrafterClient:
         raise DrafterError(f"verifier {self.config.verifier} not serving after {self.config.connect_timeout_s} s")
 
     def join(self) -> None:
-        reply = self._retry(self.stub.Join, pb.JoinRequest(
-            drafter_name=self.config.name, model_name=self.config.model_name,
-            tokenizer_fingerprint=self.config.fingerprint, protocol_version=PROTOCOL_VERSION))
+        try:
+            reply = self._retry(self.stub.Join, pb.JoinRequest(
+                drafter_name=self.config.name, model_name=self.config.model_name,
+                tokenizer_fingerprint=self.config.fingerprint, protocol_version=PROTOCOL_VERSION))
+        except grpc.RpcError as exc:  # e.g. UNAUTHENTICATED, a tokenizer mismatch, too many drafters
+            raise DrafterError(f"join refused: {exc.code().name}: {exc.details()}") from None
         self._close_stream()  # a rejoin replaces the old session's stream
         self.session_id = reply.session_id
         self._verdicts = queue.Queue()
-        self._stream = self.stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=self.session_id))
+        self._stream = self.stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=self.session_id), metadata=self.metadata)
         self._pump_thread = threading.Thread(target=self._pump, args=(self._stream, self._verdicts), daemon=True)
         self._pump_thread.start()
 
@@ -149,7 +156,7 @@ class DrafterClient:
     def close(self) -> None:
         if self.session_id:
             try:
-                self.stub.Leave(pb.LeaveRequest(session_id=self.session_id), timeout=5.0)
+                self.stub.Leave(pb.LeaveRequest(session_id=self.session_id), timeout=5.0, metadata=self.metadata)
             except grpc.RpcError:
                 pass
         self._close_stream()

@@ -35,6 +35,28 @@ def _models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokens_add(args: argparse.Namespace) -> int:
+    from goodspeed.verifier.auth import add_token
+
+    token = add_token(args.file, args.name, args.max_sessions)
+    print(token)
+    print(f"token for {args.name!r} added to {args.file} (only its hash is stored: keep this one safe, "
+          "e.g. in a file given to --token-file)", file=sys.stderr)
+    return 0
+
+
+def _certs_init(args: argparse.Namespace) -> int:
+    from goodspeed.launch.certs import init_certs
+
+    issued = init_certs(args.dir, names=tuple(n for n in args.names.split(",") if n),
+                        hosts=tuple(h for h in args.hosts.split(",") if h), days=args.days)
+    for role, files in issued.items():
+        print(f"{role:<10} {files.cert}  {files.key}")
+    print("verifier: --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem; "
+          "each client: --tls-ca ca.pem --tls-cert NAME.pem --tls-key NAME.key", file=sys.stderr)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from goodspeed.launch.demo import DemoConfig, run_demo
 
@@ -51,12 +73,14 @@ def _verifier(args: argparse.Namespace) -> int:
         target=args.target, host=args.host, port=args.port, budget=args.budget, policy=args.policy, eta=args.eta,
         beta=args.beta, round_deadline_ms=args.round_deadline_ms, max_missed_rounds=args.max_missed_rounds,
         idle_timeout_s=args.idle_timeout_s, max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
-        device=args.device, dtype=args.dtype, seed=args.seed,
+        device=args.device, dtype=args.dtype, seed=args.seed, auth_tokens=args.auth_tokens, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, insecure=args.insecure,
         **{name: getattr(args, name) for name in VerifierSpec.LOCAL_FLAGS},
     )))
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from goodspeed.drafter.credentials import read_token
     from goodspeed.launch.generate import generate_request, run_generate
 
     ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
@@ -65,7 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     request = generate_request(args.prompt, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                                args.tpot_slo_ms, args.ignore_eos)
-    return run_generate(args.verifier, request, args.json, args.timeout_s)
+    return run_generate(args.verifier, request, args.json, args.timeout_s, token=read_token(args.token_file), tls=_client_tls(args))
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -99,6 +123,7 @@ def _loadgen(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
+    from goodspeed.drafter.credentials import read_token
     from goodspeed.launch.loadgen import make_trace, run_trace_grpc, summarize
     from goodspeed.launch.spec import prompt_set_path
     from goodspeed.lm.sampling import SamplingParams
@@ -116,7 +141,8 @@ def _loadgen(args: argparse.Namespace) -> int:
     trace = make_trace(prompts, args.requests, args.rate, baseline, args.max_new_tokens, seed=args.seed)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     show = None if args.quiet else (lambda done, total: print(f"\r{done}/{total} requests", end="", file=sys.stderr, flush=True))
-    records = asyncio.run(run_trace_grpc(args.verifier, trace, sampling, progress=show))
+    records = asyncio.run(run_trace_grpc(args.verifier, trace, sampling, progress=show, token=read_token(args.token_file),
+                                         tls=_client_tls(args)))
     if show:
         print(file=sys.stderr)
     if args.out:
@@ -152,6 +178,8 @@ def _drafter(args: argparse.Namespace) -> int:
     spec = DrafterSpec(
         name=args.name, draft=args.draft, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, device=args.device, dtype=args.dtype, seed=args.seed,
+        token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
     )
     return run_drafter(spec, args.verifier, args.out, args.connect_timeout_s, progress=not args.quiet)
 
@@ -210,6 +238,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "(default: fresh OS entropy, logged so the run can be replayed)")
 
 
+def _add_client_credentials(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", default=None, help="file holding a bearer token (for a verifier with --auth-tokens)")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA of the verifier's certificate: dial with TLS")
+    parser.add_argument("--tls-cert", default=None, help="PEM client certificate for mutual TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default=None, help="name to check in the verifier's certificate, if not the dialled host")
+
+
+def _client_tls(args: argparse.Namespace):
+    from goodspeed.drafter.credentials import client_tls
+
+    return client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -232,6 +274,12 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--max-drafters", type=int, default=64)
     ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
     ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    ver.add_argument("--auth-tokens", default=None, help="token file (`goodspeed tokens add`): every RPC but health needs a listed bearer token")
+    ver.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
+    ver.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    ver.add_argument("--tls-client-ca", default=None, help="PEM CA: mutual TLS, clients must present a certificate it signed "
+                                                            "(its common name is the caller's identity without --auth-tokens)")
+    ver.add_argument("--insecure", action="store_true", help="accept plaintext on a non-loopback --host (refused otherwise)")
     loc = ver.add_argument_group("local serving (Generate RPC)")
     loc.add_argument("--local-draft", default=None, help="serve Generate requests, drafting with this model (hub id, directory or demo:<name>)")
     loc.add_argument("--local-policy", default="chain", choices=list(LOCAL_POLICIES), help="how local requests speculate")
@@ -254,6 +302,7 @@ def _add_serving_parsers(sub) -> None:
     _add_sampling_args(dr, max_new_tokens=64)
     dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
     dr.add_argument("--name", default="drafter")
+    _add_client_credentials(dr)
     dr.add_argument("--connect-timeout-s", type=float, default=60.0)
     dr.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_model_args(dr)
@@ -267,6 +316,7 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout-s", type=float, default=None)
     gen.add_argument("--json", action="store_true", help="print prompt_ids, token_ids, text and per-token times as JSON")
+    _add_client_credentials(gen)
     gen.set_defaults(func=_generate)
     prof = sub.add_parser("profile", help="measure target and draft forward times here and fit TurboSpec's latency model")
     prof.add_argument("--target", default="demo:target")
@@ -288,6 +338,7 @@ def _add_serving_parsers(sub) -> None:
     lg.add_argument("--seed", type=int, default=0)
     lg.add_argument("--out", default=None, help="per-request JSONL")
     lg.add_argument("--quiet", action="store_true")
+    _add_client_credentials(lg)
     lg.set_defaults(func=_loadgen)
     la = sub.add_parser("launch", help="start a verifier and drafters from a spec, on this machine or a Ray cluster (default: the embedded demo)")
     la.add_argument("spec", nargs="?", default=None, help="SPEC.toml (default: the embedded default spec)")
@@ -313,6 +364,19 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="rebuild even if the cached models are current")
     build.add_argument("--quiet", action="store_true", help="no progress bars")
     build.set_defaults(func=_models_build)
+    tokens = sub.add_parser("tokens", help="bearer tokens for a verifier's --auth-tokens").add_subparsers(dest="tokens_command", required=True)
+    add = tokens.add_parser("add", help="make a token for NAME, store only its hash in FILE, print the token once")
+    add.add_argument("file", help="the token file (created 0600 if absent)")
+    add.add_argument("name", help="the identity the token stands for")
+    add.add_argument("--max-sessions", type=int, default=None, help="sessions this identity may hold at once")
+    add.set_defaults(func=_tokens_add)
+    certs = sub.add_parser("certs", help="certificates for (mutual) TLS").add_subparsers(dest="certs_command", required=True)
+    init = certs.add_parser("init", help="write a CA, a server certificate and one client certificate per name into DIR")
+    init.add_argument("dir")
+    init.add_argument("--names", default="client", help="comma-separated client names (each certificate's common name)")
+    init.add_argument("--hosts", default="localhost,127.0.0.1,::1", help="comma-separated DNS names / IPs the server certificate covers")
+    init.add_argument("--days", type=int, default=365)
+    init.set_defaults(func=_certs_init)
     listing = models.add_parser("list", help="list built demo models with their measured acceptance")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     listing.set_defaults(func=_models_list)
@@ -327,15 +391,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from goodspeed.drafter.client import DrafterError
+    from goodspeed.drafter.credentials import CredentialsError
+    from goodspeed.launch.certs import CertError
     from goodspeed.launch.links import LinkError
     from goodspeed.launch.local import LaunchError
     from goodspeed.launch.spec import SpecError
     from goodspeed.lm.loading import ModelLoadError
+    from goodspeed.verifier.auth import TokenFileError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, ModelLoadError, LinkError, LaunchError) as exc:
+    except (SpecError, ModelLoadError, LinkError, LaunchError, CredentialsError, TokenFileError, CertError) as exc:
         print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except DrafterError as exc:  # the verifier refused or went away past the timeout

@@ -8,6 +8,7 @@ import sys
 from tqdm import tqdm
 
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
+from goodspeed.drafter.credentials import client_tls, read_token
 from goodspeed.drafter.prompts import load_prompts
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.spec import DrafterSpec
@@ -24,6 +25,7 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=draft.fingerprint,
         sampling=SamplingParams(spec.temperature, spec.top_k, spec.top_p), max_new_tokens=spec.max_new_tokens,
         eos_token_ids=(eos,) if eos is not None else (), seed=spec.seed, connect_timeout_s=connect_timeout_s,
+        token=read_token(spec.token_file), tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name),
     )
     client = DrafterClient(config, DraftRunner(draft.model))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed

@@ -7,6 +7,7 @@ import sys
 
 import grpc
 
+from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 
@@ -39,8 +40,10 @@ def collect(chunks, on_text=None) -> dict:
     return out
 
 
-def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeout_s: float | None = None) -> int:
-    with grpc.insecure_channel(address) as channel:
+def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeout_s: float | None = None,
+                 token: str | None = None, tls: ClientTLS | None = None) -> int:
+    metadata = bearer_metadata(token)
+    with open_channel(address, tls) as channel:
         stub = pb_grpc.VerifierStub(channel)
         try:
             grpc.channel_ready_future(channel).result(timeout=30)
@@ -49,10 +52,10 @@ def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeo
             return 2
         try:
             if as_json:
-                result = collect(stub.Generate(request, timeout=timeout_s))
+                result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata))
                 print(json.dumps(result))
             else:
-                result = collect(stub.Generate(request, timeout=timeout_s), on_text=lambda t: print(t, end="", flush=True))
+                result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata), on_text=lambda t: print(t, end="", flush=True))
                 print()
                 rate = f", {1 / result['tpot_s']:.1f} tok/s" if result["tpot_s"] else ""
                 print(f"[{len(result['token_ids'])} tokens, {result['finish_reason']}{rate}, "

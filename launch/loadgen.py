@@ -117,16 +117,17 @@ def run_trace_local(serving, trace: Sequence[TraceItem], sampling: SamplingParam
 
 
 async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: SamplingParams = SamplingParams(),
-                         ignore_eos: bool = True, progress=None) -> list[dict]:
+                         ignore_eos: bool = True, progress=None, token: str | None = None, tls=None) -> list[dict]:
     """Replay ``trace`` against a verifier's Generate RPC in real time (one stream per request)."""
     import grpc
 
+    from goodspeed.drafter.credentials import bearer_metadata, open_aio_channel
     from goodspeed.launch.generate import generate_request
     from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 
     done = 0
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_aio_channel(address, tls) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
         stub = pb_grpc.VerifierStub(channel)
         t0 = time.perf_counter()
@@ -141,7 +142,7 @@ async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: Sam
             rec = {"request_id": it.request_id, "slo_class": it.slo_class, "tpot_slo_ms": it.tpot_slo_ms, "arrival": arrival - t0,
                    "new_tokens": 0, "tpot_s": None, "drafted": 0, "accepted": 0, "finish_reason": None}
             try:
-                async for chunk in stub.Generate(req):
+                async for chunk in stub.Generate(req, metadata=bearer_metadata(token)):
                     rec["new_tokens"] += len(chunk.token_ids)
                     if chunk.finished:
                         rec.update(tpot_s=chunk.tpot_s or None, drafted=chunk.num_drafted, accepted=chunk.num_accepted,

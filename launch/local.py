@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from goodspeed.launch.links import EdgeNetwork, check_support
 
 from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
+from goodspeed.launch.certs import init_certs
+from goodspeed.verifier.auth import add_token
 
 CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
 
@@ -85,7 +88,18 @@ def verifier_command(v: VerifierSpec) -> list[str]:
                  "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
                  "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
                  "--device", v.device, "--dtype", v.dtype] + _seed_args(v.seed)
+    cmd += _flags(v, "auth_tokens", "tls_cert", "tls_key", "tls_client_ca") + (["--insecure"] if v.insecure else [])
     return cmd + (["--metrics-port", str(v.metrics_port)] if v.metrics_port is not None else []) + v.local_args()
+
+
+def _flags(spec, *names: str) -> list[str]:
+    """``--name value`` for each of the spec's optional settings that is set."""
+    out = []
+    for name in names:
+        value = getattr(spec, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
 
 
 def _seed_args(seed: int | None) -> list[str]:
@@ -96,7 +110,7 @@ def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> l
     return CLI + ["drafter", "--verifier", address, "--draft", d.draft, "--prompts", str(prompts), "--out", str(out),
                   "--name", d.name, "--max-new-tokens", str(d.max_new_tokens), "--temperature", str(d.temperature),
                   "--top-k", str(d.top_k), "--top-p", str(d.top_p), "--device", d.device, "--dtype", d.dtype,
-                  "--quiet"] + _seed_args(d.seed)
+                  "--quiet"] + _seed_args(d.seed) + _flags(d, "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
 
 
 def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_parent: bool = False) -> dict:
@@ -316,11 +330,48 @@ def local_plan(spec: LaunchSpec) -> list[str]:
     return lines
 
 
+def with_run_credentials(spec: LaunchSpec, out_dir: Path) -> LaunchSpec:
+    """Secure by default: credentials made for this run in ``OUT/auth/`` (0700), each part only
+    where the spec names none of its own.
+
+    * Mutual TLS: a throwaway CA, a server certificate for localhost / 127.0.0.1 and one client
+      certificate per ``[[drafters]]`` entry (common name: the entry's name); drafters check the
+      server's certificate as ``localhost``, whatever address (an edge link's proxy) they dial.
+    * Bearer tokens: one per entry (its identity is the entry's name; ``count`` copies share it),
+      hashes in the verifier's token file, each token in its own 0600 file.
+    """
+    verifier, drafters = spec.verifier, list(spec.drafters)
+    if verifier.tls_cert is not None and verifier.auth_tokens is not None:
+        return spec
+    auth_dir = out_dir / "auth"
+    shutil.rmtree(auth_dir, ignore_errors=True)  # a rerun into the same OUT gets fresh throwaway credentials
+    auth_dir.mkdir(parents=True)
+    auth_dir.chmod(0o700)
+    if verifier.tls_cert is None:
+        issued = init_certs(auth_dir, names=tuple(d.name for d in drafters))
+        verifier = replace(verifier, tls_cert=str(issued["server"].cert), tls_key=str(issued["server"].key),
+                           tls_client_ca=str(issued["ca"].cert))
+        drafters = [d if d.tls_ca is not None else replace(d, tls_ca=str(issued["ca"].cert), tls_cert=str(issued[d.name].cert),
+                                                           tls_key=str(issued[d.name].key), tls_server_name="localhost")
+                    for d in drafters]
+    if verifier.auth_tokens is None:
+        tokens = auth_dir / "tokens.json"
+        verifier = replace(verifier, auth_tokens=str(tokens))
+        for i, d in enumerate(drafters):
+            if d.token_file is None:
+                path = auth_dir / f"{d.name}.token"
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(add_token(tokens, d.name) + "\n")
+                drafters[i] = replace(d, token_file=str(path))
+    return replace(spec, verifier=verifier, drafters=tuple(drafters))
+
+
 def launch_local(spec: LaunchSpec, out_dir: Path, log=print, live: bool = True, max_rounds: int | None = None) -> dict:
     """Run the cluster until its drafters finish (or ``max_rounds`` rounds); returns the summary."""
     if any(d.link is not None for d in spec.drafters):
         check_support()  # refuse before anything starts
-    return run_cluster(LocalCluster(spec, out_dir, live=live), log, max_rounds)
+    return run_cluster(LocalCluster(with_run_credentials(spec, out_dir), out_dir, live=live), log, max_rounds)
 
 
 def run_cluster(cluster: LocalCluster, log=print, max_rounds: int | None = None) -> dict:

@@ -339,7 +339,14 @@ class RayCluster(LocalCluster):
         self._create_hosts()
         self._prepare_models()
         host = self.hosts["verifier"]
-        ray.get(host.start_verifier.remote(self.spec.verifier), timeout=60)
+        verifier = self.spec.verifier
+        if verifier.tls_cert is None and not verifier.insecure:
+            # Credentials files would have to reach every node; this backend uses what the spec
+            # names (tls_*, auth_tokens, token_file: paths valid on each node) and says so otherwise.
+            self.log("goodspeed launch: warning: no tls_cert in the spec's [verifier]: traffic between the Ray nodes is "
+                     "plaintext (the verifier runs with --insecure)")
+            verifier = replace(verifier, insecure=True)
+        ray.get(host.start_verifier.remote(verifier), timeout=60)
         with self._procs_lock:
             self.verifier = RemoteProcess(host, "verifier", self.out_dir / "verifier.log", on_line=lambda line: apply_line(self.view, line))
         self._pump = threading.Thread(target=self._pump_loop, name="goodspeed-ray-pump", daemon=True)

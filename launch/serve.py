@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from goodspeed.launch.spec import SpecError, VerifierSpec
@@ -13,7 +14,8 @@ from goodspeed.scheduler import SmoothingConfig
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
-from goodspeed.verifier.server import ServerConfig, make_server
+from goodspeed.verifier.auth import TokenAuth
+from goodspeed.verifier.server import ServerConfig, make_server, server_credentials
 
 
 def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, LoadedModel]:
@@ -58,8 +60,26 @@ def build_local(opts: VerifierSpec, engine: VerificationEngine, target: LoadedMo
     return local
 
 
+def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
+    """The daemon's settings of a spec; bad ones (plaintext on a reachable host, half a TLS pair,
+    an unreadable token file) fail here, before any model loads."""
+    try:
+        config = ServerConfig(
+            host=opts.host, port=50051 if opts.port is None else opts.port, round_deadline_ms=opts.round_deadline_ms,
+            max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=target_name,
+            auth_tokens=opts.auth_tokens, tls_cert=opts.tls_cert, tls_key=opts.tls_key, tls_client_ca=opts.tls_client_ca,
+            insecure=opts.insecure)
+        server_credentials(config)  # the PEM files are readable
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+    if config.auth_tokens:
+        TokenAuth.from_file(config.auth_tokens)
+    return config
+
+
 async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     log = log or JsonLog()
+    config = server_config(opts)
     log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
     engine, target = build_engine(opts)
     local = None
@@ -69,10 +89,8 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     metrics = Metrics()
     if opts.metrics_port is not None:
         metrics.serve(opts.metrics_port, addr=opts.host)
-    server = make_server(engine, ServerConfig(
-        host=opts.host, port=50051 if opts.port is None else opts.port, round_deadline_ms=opts.round_deadline_ms,
-        max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=target.name), metrics=metrics, log=log,
-        local=local, tokenizer=target.tokenizer)
+    server = make_server(engine, replace(config, target_name=target.name), metrics=metrics, log=log,
+                         local=local, tokenizer=target.tokenizer)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -94,6 +94,11 @@ class VerifierSpec:
     dtype: str = "float32"
     seed: int | None = None  # root seed (default: the spec's top-level seed)
     metrics_port: int | None = None
+    auth_tokens: str | None = None  # token file (goodspeed tokens add); `goodspeed launch` makes one per run if unset
+    tls_cert: str | None = None  # PEM certificate + key: serve TLS (`goodspeed launch` makes a CA per run if unset)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM: mutual TLS (clients need a certificate signed by it)
+    insecure: bool = False  # accept plaintext on a non-loopback host (refused otherwise)
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux), e.g. to keep drafters off the verifier's cores
     # Local serving (Generate RPC): the verifier's own draft model and how it speculates.
     local_draft: str | None = None
@@ -147,6 +152,11 @@ class DrafterSpec:
     dtype: str = "float32"
     seed: int | None = None  # root seed (default: the spec's top-level seed)
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux)
+    token_file: str | None = None  # this drafter's bearer token (set by `goodspeed launch` with the verifier's tokens)
+    tls_ca: str | None = None  # PEM: the CA of the verifier's certificate (TLS); tls_cert/tls_key: this node's
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None  # the name to check in the verifier's certificate, if not the dialled host
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0

@@ -74,5 +74,13 @@ class TooManyDraftersError(EngineError):
     """The engine already serves its maximum number of drafters."""
 
 
+class NotOwnerError(EngineError):
+    """The session belongs to another identity."""
+
+
+class SessionLimitError(EngineError):
+    """The caller's identity already holds its maximum number of sessions."""
+
+
 class QueueFullError(EngineError):
     """Local serving's wait queue is full: the request was not queued."""

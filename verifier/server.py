@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier import errors
+from goodspeed.verifier.auth import ANONYMOUS, AuthError, Identity, TokenAuth
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
@@ -50,6 +52,8 @@ STATUS = {
     errors.LengthLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.TooManyDraftersError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.SessionLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.NotOwnerError: grpc.StatusCode.PERMISSION_DENIED,
     errors.MalformedDraftError: grpc.StatusCode.INVALID_ARGUMENT,  # and its subclasses
 }
 
@@ -74,6 +78,32 @@ def check_free_text(field: str, value: str, max_chars: int) -> str:
     return value
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_pem(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+
+
+def server_credentials(config: "ServerConfig") -> grpc.ServerCredentials | None:
+    """TLS credentials from the config's PEM files (mutual TLS with a client CA); None: plaintext."""
+    if config.tls_cert is None:
+        return None
+    ca = _read_pem(config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(_read_pem(config.tls_key), _read_pem(config.tls_cert))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 def status_for(exc: errors.EngineError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in STATUS:
@@ -93,12 +123,22 @@ class ServerConfig:
     stream_open_timeout_s: float = 10.0  # drop a session that never opens its verdict stream (squatting)
     target_name: str = ""
     warmup: bool = True
+    auth_tokens: str | None = None  # token file (verifier.auth); None: every caller is "anonymous"
+    tls_cert: str | None = None  # PEM: serve TLS with this certificate and key
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM: mutual TLS, clients need a certificate signed by this CA
+    insecure: bool = False  # allow plaintext on a non-loopback address (refused otherwise)
 
     def __post_init__(self) -> None:
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
             raise ValueError("round_deadline_ms > 0, max_missed_rounds >= 0 and max_message_bytes >= 1024 are required")
         if self.idle_timeout_s <= 0 or self.stream_open_timeout_s <= 0:
             raise ValueError("idle_timeout_s and stream_open_timeout_s must be > 0")
+        if (self.tls_cert is None) != (self.tls_key is None) or (self.tls_client_ca and not self.tls_cert):
+            raise ValueError("TLS needs both --tls-cert and --tls-key; --tls-client-ca needs them too")
+        if self.tls_cert is None and not self.insecure and not is_loopback(self.host):
+            raise ValueError(f"refusing plaintext on {self.host}, which other machines can reach: give --tls-cert and "
+                             "--tls-key (and --tls-client-ca for mutual TLS), or --insecure to accept plaintext")
 
 
 @dataclass
@@ -106,6 +146,7 @@ class _Drafter:
     session_id: str
     name: str
     verdicts: asyncio.Queue
+    identity: str = ANONYMOUS  # who joined it: only they may name this session
     missed: int = 0
     in_request: bool = False
     receive_s: float | None = None  # this round: round open -> its draft arrived
@@ -129,9 +170,9 @@ def _rpc(handler):
 
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, engine: VerificationEngine, config: ServerConfig, metrics: Metrics, log: JsonLog,
-                 local: LocalServing | None = None, tokenizer=None) -> None:
+                 local: LocalServing | None = None, tokenizer=None, auth: TokenAuth | None = None) -> None:
         self.engine, self.config, self.metrics, self.log = engine, config, metrics, log
-        self.local, self.tokenizer = local, tokenizer
+        self.local, self.tokenizer, self.auth = local, tokenizer, auth
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
         self._drafters: dict[str, _Drafter] = {}
         self._queued: set[str] = set()  # sessions with a draft waiting for the next round
@@ -142,10 +183,26 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
-    def _drafter(self, session_id: str) -> _Drafter:
+    async def _identify(self, context) -> Identity:
+        """The caller's identity: from its bearer token when the verifier has a token file
+        (UNAUTHENTICATED without a valid one), else from its client certificate's common name
+        under mutual TLS, else ``anonymous``."""
+        if self.auth is None:
+            names = (context.auth_context() or {}).get("x509_common_name") if self.config.tls_client_ca else None
+            return Identity(names[0].decode()) if names else Identity(ANONYMOUS)
+        try:
+            return self.auth.identify(context.invocation_metadata())
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
+    async def _owned(self, session_id: str, context) -> _Drafter:
+        """The caller's session: unknown ones FAILED_PRECONDITION, another identity's PERMISSION_DENIED."""
+        identity = await self._identify(context)
         drafter = self._drafters.get(session_id)
         if drafter is None:
             raise errors.UnknownSessionError(f"unknown or evicted session {session_id!r}")
+        if drafter.identity != identity.name:
+            raise errors.NotOwnerError(f"session {session_id!r} belongs to another identity")
         return drafter
 
     async def _refuse_if_draining(self, context) -> None:
@@ -154,21 +211,26 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     @_rpc
     async def Join(self, request, context):
+        identity = await self._identify(context)
         await self._refuse_if_draining(context)
         if request.protocol_version != PROTOCOL_VERSION:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {request.protocol_version} != {PROTOCOL_VERSION}")
         name = check_identifier("drafter_name", request.drafter_name or "drafter", MAX_NAME_CHARS)
         check_free_text("model_name", request.model_name, MAX_MODEL_NAME_CHARS)
+        held = sum(d.identity == identity.name for d in self._drafters.values())
+        if identity.max_sessions is not None and held >= identity.max_sessions:
+            raise errors.SessionLimitError(f"identity {identity.name!r} already holds {held} sessions (its max_sessions)")
         session_id = await self.call(self.engine.join, name, request.tokenizer_fingerprint)
-        self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue())
+        self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue(), identity.name)
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=request.drafter_name, model=request.model_name)
         return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)
 
     async def StreamVerdicts(self, request, context):
-        drafter = self._drafters.get(request.session_id)
-        if drafter is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or evicted session {request.session_id!r}")
+        try:
+            drafter = await self._owned(request.session_id, context)
+        except errors.EngineError as exc:
+            await context.abort(status_for(exc), str(exc))
         drafter.streaming = True
         try:
             while (item := await drafter.verdicts.get()) is not None:
@@ -179,7 +241,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     @_rpc
     async def StartRequest(self, request, context):
         await self._refuse_if_draining(context)
-        drafter = self._drafter(request.session_id)
+        drafter = await self._owned(request.session_id, context)
         sampling = sampling_from_pb(request.sampling)
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids))
         started = time.perf_counter()
@@ -191,7 +253,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     @_rpc
     async def SubmitDraft(self, request, context):
-        drafter = self._drafter(request.session_id)
+        drafter = await self._owned(request.session_id, context)
         drafter.last_seen = time.monotonic()
         drafter.receive_s = time.perf_counter() - self._round_opened
         draft = draft_from_pb(request, self.engine.vocab_size)
@@ -204,7 +266,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     @_rpc
     async def FinishRequest(self, request, context):
-        drafter = self._drafter(request.session_id)
+        drafter = await self._owned(request.session_id, context)
         committed = await self.call(self.engine.finish_request, request.session_id)
         drafter.in_request = False
         self._queued.discard(request.session_id)
@@ -214,18 +276,19 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     @_rpc
     async def Resync(self, request, context):
-        self._drafter(request.session_id)
+        await self._owned(request.session_id, context)
         sid = request.session_id
         committed = await self.call(self.engine.committed, sid)
         return pb.ResyncReply(committed_ids=committed, round_index=await self.call(self.engine.next_round, sid), draft_length=await self.call(self.engine.allotment, sid))
 
     @_rpc
     async def Leave(self, request, context):
-        self._drafter(request.session_id)
+        await self._owned(request.session_id, context)
         await self.drop(request.session_id, "left")
         return pb.LeaveReply()
 
     async def Generate(self, request, context):
+        await self._identify(context)
         if self.local is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "local serving is off: start the verifier with --local-draft MODEL")
         await self._refuse_if_draining(context)
@@ -417,6 +480,8 @@ class VerifierServer:
         self.engine, self.config = engine, config
         self.local, self.tokenizer = local, tokenizer
         self.metrics, self.log = metrics or Metrics(), log or JsonLog()
+        # Read now, so a bad token file fails before anything listens.
+        self.auth = TokenAuth.from_file(config.auth_tokens) if config.auth_tokens else None
         self.health = health.aio.HealthServicer()
         self.service: VerifierService | None = None
         self._server: grpc.aio.Server | None = None
@@ -428,20 +493,27 @@ class VerifierServer:
             await self.health.set(name, status)
 
     async def start(self) -> int:
-        self.service = VerifierService(self.engine, self.config, self.metrics, self.log, self.local, self.tokenizer)
+        self.service = VerifierService(self.engine, self.config, self.metrics, self.log, self.local, self.tokenizer, self.auth)
         limit = self.config.max_message_bytes
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         pb_grpc.add_VerifierServicer_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        credentials = server_credentials(self.config)
+        port = self._server.add_insecure_port(address) if credentials is None else self._server.add_secure_port(address, credentials)
         await self._server.start()
         if self.config.warmup:
             await self.service.call(self.service.warm_up)
         self._rounds = asyncio.create_task(self.service.run_rounds())
         self._rounds.add_done_callback(self._on_rounds_done)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.log.event("serving", host=self.config.host, port=port, target=self.config.target_name, seed=self.engine.root_seed)
+        if credentials is None and not is_loopback(self.config.host):
+            self.log.event("warning", message=f"--insecure: plaintext on {self.config.host}; anyone on the network can read "
+                                              "and forge this traffic")
+        self.log.event("serving", host=self.config.host, port=port, target=self.config.target_name, seed=self.engine.root_seed,
+                       auth="tokens" if self.auth is not None else "none",
+                       tls="mutual" if self.config.tls_client_ca else ("server" if self.config.tls_cert else "none"))
         return port
 
     def _on_rounds_done(self, task: asyncio.Task) -> None:

@@ -111,3 +111,35 @@ def test_a_verifier_restart_between_requests_is_survived(models):
         assert client.session_id != old_session and after.repairs == 1
         client.close()
     assert before.token_ids == reference and after.token_ids == reference
+
+
+def test_a_verifier_restart_mid_request_loses_nothing(models):
+    """The verifier goes away mid-request and comes back on the same address with nothing of
+    the old session: the drafter waits (UNAVAILABLE is retried), joins again, resumes from the
+    text verified so far, and the output is the uninterrupted greedy output."""
+    import threading
+
+    target, draft = models
+    long_new = 60
+    reference = greedy_reference(target, PROMPT, long_new)
+    first = ServerThread(VerificationEngine(target, EngineConfig(budget=2, max_draft_len=2)), round_deadline_ms=50)
+    first.__enter__()
+    port = first.port
+    client = DrafterClient(DrafterConfig(first.address, "d", max_new_tokens=long_new, connect_timeout_s=30), DraftRunner(draft))
+    client.wait_until_serving()
+    client.join()
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("result", client.generate("0", PROMPT)))
+    worker.start()
+    for _ in range(400):  # until some rounds are verified
+        if len(first.events("round")) >= 3:
+            break
+        threading.Event().wait(0.01)
+    first.__exit__(None, None, None)  # the verifier dies mid-request
+    threading.Event().wait(0.5)
+    with ServerThread(VerificationEngine(target, EngineConfig(budget=2, max_draft_len=2)), port=port):
+        worker.join(60)
+        assert not worker.is_alive()
+    client.close()
+    result = out["result"]
+    assert result.token_ids == reference and result.repairs >= 1

@@ -48,3 +48,35 @@ def test_local_dry_run_prints_the_processes_and_address_needs_ray(capsys, tmp_pa
     assert out.count("drafter --verifier VERIFIER_ADDRESS") == 4 and not (tmp_path / "run").exists()
     assert main(["launch", "--address", "10.0.0.1:6379"]) == 2
     assert "--address is for --backend ray" in capsys.readouterr().err
+
+
+def test_a_launch_makes_its_own_credentials(tmp_path):
+    """Secure by default: a CA, server and client certificates (mutual TLS) and one token per
+    [[drafters]] entry, hashes only in the verifier's file, each token in a 0600 file named on
+    that drafter's command line."""
+    import stat
+    from pathlib import Path
+
+    from goodspeed.launch.local import drafter_command, verifier_command, with_run_credentials
+    from goodspeed.launch.spec import load_spec
+    from goodspeed.verifier.auth import TokenAuth
+
+    secured = with_run_credentials(load_spec(), tmp_path)
+    tokens_file = tmp_path / "auth" / "tokens.json"
+    assert secured.verifier.auth_tokens == str(tokens_file)
+    assert stat.S_IMODE((tmp_path / "auth").stat().st_mode) == 0o700
+    cmd = verifier_command(secured.verifier)
+    assert cmd[cmd.index("--auth-tokens") + 1] == str(tokens_file)
+    auth = TokenAuth.from_file(tokens_file)
+    for d in secured.drafters:
+        assert d.token_file == str(tmp_path / "auth" / f"{d.name}.token")
+        assert stat.S_IMODE(Path(d.token_file).stat().st_mode) == 0o600
+        token = Path(d.token_file).read_text().strip()
+        assert token not in tokens_file.read_text()
+        assert auth.identify((("authorization", f"Bearer {token}"),)).name == d.name
+    for d in secured.expanded_drafters():  # count = n copies share their entry's token
+        cmd = drafter_command(d, "127.0.0.1:1", d.prompt_path(), tmp_path / "o.jsonl")
+        assert cmd[cmd.index("--token-file") + 1] == d.token_file
+    assert with_run_credentials(secured, tmp_path / "other") == secured  # a spec that names its own keeps them
+    assert secured.verifier.tls_client_ca == str(tmp_path / "auth" / "ca.pem")
+    assert all(d.tls_server_name == "localhost" and d.tls_cert == str(tmp_path / "auth" / f"{d.name}.pem") for d in secured.drafters)

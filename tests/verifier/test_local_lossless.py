@@ -39,7 +39,7 @@ class ValueRankedTetris(LocalServing):
 def generate(models, policy: str, n: int, cls=LocalServing, seed=None) -> list[list[int]]:
     target, draft = models
     engine = VerificationEngine(target, EngineConfig(seed=seed))
-    config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, seed=seed,
+    config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
     serving = cls(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
     for i in range(n):

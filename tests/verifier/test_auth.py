@@ -1,0 +1,132 @@
+"""Bearer tokens and session ownership, through a real server: every RPC but health needs a
+listed token, and a session answers only to the identity that joined it."""
+
+import stat
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from goodspeed.drafter.client import DrafterClient, DrafterConfig, DrafterError
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.generate import generate_request
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.verifier.auth import AuthError, TokenAuth, TokenFileError, add_token, token_hash
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LocalConfig, LocalServing
+from grpckit import ServerThread
+from modelkit import greedy_reference, perturbed, tiny_llama
+
+
+def bearer(token):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def test_the_token_file_keeps_only_hashes(tmp_path):
+    path = tmp_path / "tokens.json"
+    alice, bob = add_token(path, "alice"), add_token(path, "bob", max_sessions=2)
+    text = path.read_text()
+    assert alice not in text and bob not in text and token_hash(alice) in text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    auth = TokenAuth.from_file(path)
+    assert auth.identify(bearer(alice)).name == "alice"
+    assert auth.identify(bearer(bob)).max_sessions == 2
+    for metadata in ((), bearer("nope"), (("authorization", alice),)):
+        with pytest.raises(AuthError):
+            auth.identify(metadata)
+
+
+@pytest.mark.parametrize("content", ["", "{}", '{"tokens": [{"identity": "x", "sha256": "short"}]}',
+                                     '{"tokens": [{"identity": "x", "sha256": "' + "a" * 64 + '", "max_sessions": 0}]}'])
+def test_bad_token_files_are_refused(tmp_path, content):
+    path = tmp_path / "tokens.json"
+    path.write_text(content)
+    with pytest.raises(TokenFileError):
+        TokenAuth.from_file(path)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    return target, perturbed(target, 0.05, 1)
+
+
+@pytest.fixture
+def secured(models, tmp_path):
+    target, draft = models
+    path = tmp_path / "tokens.json"
+    tokens = {"alice": add_token(path, "alice"), "bob": add_token(path, "bob", max_sessions=1)}
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=2))
+    with ServerThread(engine, local=local, auth_tokens=str(path)) as server:
+        channel = grpc.insecure_channel(server.address)
+        yield server, pb_grpc.VerifierStub(channel), health_pb2_grpc.HealthStub(channel), tokens
+        channel.close()
+
+
+def calls(stub, sid):
+    """Every RPC, each naming ``sid`` where it takes a session."""
+    return {
+        "Join": lambda md: stub.Join(pb.JoinRequest(drafter_name="x", protocol_version=1), metadata=md),
+        "StreamVerdicts": lambda md: next(stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid), metadata=md)),
+        "StartRequest": lambda md: stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=[1, 2], max_new_tokens=4), metadata=md),
+        "SubmitDraft": lambda md: stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=0, token_ids=[]), metadata=md),
+        "FinishRequest": lambda md: stub.FinishRequest(pb.FinishRequestRequest(session_id=sid), metadata=md),
+        "Resync": lambda md: stub.Resync(pb.ResyncRequest(session_id=sid), metadata=md),
+        "Leave": lambda md: stub.Leave(pb.LeaveRequest(session_id=sid), metadata=md),
+        "Generate": lambda md: list(stub.Generate(generate_request(prompt_ids=[1, 2], max_new_tokens=2), metadata=md)),
+    }
+
+
+def code_of(fn, metadata):
+    with pytest.raises(grpc.RpcError) as err:
+        fn(metadata)
+    return err.value.code()
+
+
+def test_every_rpc_needs_a_listed_token_and_health_stays_open(secured):
+    server, stub, health, tokens = secured
+    sid = stub.Join(pb.JoinRequest(drafter_name="a", protocol_version=1), metadata=bearer(tokens["alice"])).session_id
+    assert set(calls(stub, sid)) == {m.name for m in pb.DESCRIPTOR.services_by_name["Verifier"].methods}
+    for name, fn in calls(stub, sid).items():
+        assert code_of(fn, ()) == grpc.StatusCode.UNAUTHENTICATED, name
+        assert code_of(fn, bearer("forged")) == grpc.StatusCode.UNAUTHENTICATED, name
+    assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+    assert sid in server.server.engine.session_ids  # nothing an unauthenticated call did touched it
+
+
+def test_a_session_answers_only_to_the_identity_that_joined_it(secured):
+    server, stub, _, tokens = secured
+    alice = bearer(tokens["alice"])
+    sid = stub.Join(pb.JoinRequest(drafter_name="a", protocol_version=1), metadata=alice).session_id
+    stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid), metadata=alice)
+    stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=[1, 2], max_new_tokens=4), metadata=alice)
+    for name, fn in calls(stub, sid).items():
+        if name not in ("Join", "Generate"):  # the two that name no session
+            assert code_of(fn, bearer(tokens["bob"])) == grpc.StatusCode.PERMISSION_DENIED, name
+    assert list(stub.Resync(pb.ResyncRequest(session_id=sid), metadata=alice).committed_ids) == [1, 2]
+    stream.cancel()
+
+
+def test_an_identitys_session_limit(secured):
+    _, stub, _, tokens = secured
+    bob = bearer(tokens["bob"])
+    stub.Join(pb.JoinRequest(drafter_name="b", protocol_version=1), metadata=bob)
+    assert code_of(lambda md: stub.Join(pb.JoinRequest(drafter_name="b2", protocol_version=1), metadata=md), bob) == \
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_drafter_with_its_token_generates_the_targets_output(secured, models):
+    server, stub, _, tokens = secured
+    target, draft = models
+    client = DrafterClient(DrafterConfig(server.address, "a", max_new_tokens=10, token=tokens["alice"]), DraftRunner(draft))
+    client.wait_until_serving()
+    client.join()
+    assert client.generate("0", [1, 2, 3]).token_ids == greedy_reference(target, [1, 2, 3], 10)
+    client.close()
+    stranger = DrafterClient(DrafterConfig(server.address, "s", max_new_tokens=10), DraftRunner(draft))
+    with pytest.raises(DrafterError, match="UNAUTHENTICATED"):
+        stranger.join()
+    stranger.close()
+    assert [e["auth"] for e in server.events("serving")] == ["tokens"]

@@ -1,0 +1,96 @@
+"""TLS and mutual TLS through a real server: certificates from `goodspeed certs init`, identities
+from client certificates, and plaintext refused where other machines can reach the verifier."""
+
+import grpc
+import pytest
+
+from goodspeed.drafter.client import DrafterClient, DrafterConfig, DrafterError
+from goodspeed.drafter.credentials import ClientTLS, open_channel
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.certs import init_certs
+from goodspeed.launch.cli import main
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.server import ServerConfig
+from grpckit import ServerThread
+from modelkit import greedy_reference, perturbed, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    return target, perturbed(target, 0.05, 1)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    ours = init_certs(tmp_path_factory.mktemp("ours"), names=("alice", "bob"))
+    theirs = init_certs(tmp_path_factory.mktemp("theirs"), names=("mallory",))
+    return ours, theirs
+
+
+def tls_for(issued, name):
+    return ClientTLS(str(issued["ca"].cert), str(issued[name].cert), str(issued[name].key))
+
+
+@pytest.fixture
+def mutual(models, certs):
+    ours, _ = certs
+    engine = VerificationEngine(models[0], EngineConfig(budget=8, max_draft_len=4))
+    with ServerThread(engine, tls_cert=str(ours["server"].cert), tls_key=str(ours["server"].key), tls_client_ca=str(ours["ca"].cert)) as server:
+        yield server
+
+
+def test_a_drafter_over_mutual_tls_generates_the_targets_output(mutual, models, certs):
+    target, draft = models
+    client = DrafterClient(DrafterConfig(mutual.address, "a", max_new_tokens=10, tls=tls_for(certs[0], "alice")), DraftRunner(draft))
+    client.wait_until_serving()
+    client.join()
+    assert client.generate("0", [1, 2, 3]).token_ids == greedy_reference(target, [1, 2, 3], 10)
+    client.close()
+    assert [e["tls"] for e in mutual.events("serving")] == ["mutual"]
+
+
+def test_the_client_certificate_is_the_identity(mutual, certs):
+    ours, _ = certs
+    alice = pb_grpc.VerifierStub(open_channel(mutual.address, tls_for(ours, "alice")))
+    bob = pb_grpc.VerifierStub(open_channel(mutual.address, tls_for(ours, "bob")))
+    sid = alice.Join(pb.JoinRequest(drafter_name="a", protocol_version=1)).session_id
+    with pytest.raises(grpc.RpcError) as err:
+        bob.Leave(pb.LeaveRequest(session_id=sid))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    alice.Leave(pb.LeaveRequest(session_id=sid))
+
+
+@pytest.mark.parametrize("who", ["plaintext", "no client certificate", "another CA's client", "another CA's server trust"])
+def test_who_cannot_connect(mutual, certs, who):
+    ours, theirs = certs
+    tls = {
+        "plaintext": None,
+        "no client certificate": ClientTLS(str(ours["ca"].cert)),
+        "another CA's client": ClientTLS(str(ours["ca"].cert), str(theirs["mallory"].cert), str(theirs["mallory"].key)),
+        "another CA's server trust": tls_for(theirs, "mallory"),
+    }[who]
+    client = DrafterClient(DrafterConfig(mutual.address, "x", connect_timeout_s=1.0, tls=tls), DraftRunner(tiny_llama(0)))
+    with pytest.raises(DrafterError):
+        client.join()
+    client.close()
+
+
+def test_plaintext_on_a_reachable_address_is_refused(tmp_path, certs, capsys):
+    with pytest.raises(ValueError, match="--insecure"):
+        ServerConfig(host="0.0.0.0")
+    assert ServerConfig(host="0.0.0.0", insecure=True).insecure
+    ours, _ = certs
+    assert ServerConfig(host="0.0.0.0", tls_cert=str(ours["server"].cert), tls_key=str(ours["server"].key)).tls_cert
+    with pytest.raises(ValueError, match="tls-key"):
+        ServerConfig(tls_cert=str(ours["server"].cert))
+    # The daemon refuses before loading any model (the target named here does not even exist).
+    assert main(["verifier", "--target", str(tmp_path / "none"), "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "--insecure" in capsys.readouterr().err
+
+
+def test_certs_init_cli(tmp_path, capsys):
+    assert main(["certs", "init", str(tmp_path / "c"), "--names", "edge-1,edge-2", "--hosts", "localhost,10.1.2.3"]) == 0
+    assert (tmp_path / "c" / "edge-2.key").exists() and "ca.pem" in capsys.readouterr().out
