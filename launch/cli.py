@@ -73,6 +73,7 @@ def _verifier(args: argparse.Namespace) -> int:
         target=args.target, host=args.host, port=args.port, budget=args.budget, policy=args.policy, eta=args.eta,
         beta=args.beta, round_deadline_ms=args.round_deadline_ms, max_missed_rounds=args.max_missed_rounds,
         idle_timeout_s=args.idle_timeout_s, max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         device=args.device, dtype=args.dtype, seed=args.seed, auth_tokens=args.auth_tokens, tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, insecure=args.insecure,
         **{name: getattr(args, name) for name in VerifierSpec.LOCAL_FLAGS},
@@ -274,6 +275,7 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--max-drafters", type=int, default=64)
     ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
     ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    ver.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default: loopback only)")
     ver.add_argument("--auth-tokens", default=None, help="token file (`goodspeed tokens add`): every RPC but health needs a listed bearer token")
     ver.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
     ver.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")

@@ -89,7 +89,8 @@ def verifier_command(v: VerifierSpec) -> list[str]:
                  "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
                  "--device", v.device, "--dtype", v.dtype] + _seed_args(v.seed)
     cmd += _flags(v, "auth_tokens", "tls_cert", "tls_key", "tls_client_ca") + (["--insecure"] if v.insecure else [])
-    return cmd + (["--metrics-port", str(v.metrics_port)] if v.metrics_port is not None else []) + v.local_args()
+    metrics = ["--metrics-port", str(v.metrics_port), "--metrics-host", v.metrics_host] if v.metrics_port is not None else []
+    return cmd + metrics + v.local_args()
 
 
 def _flags(spec, *names: str) -> list[str]:

@@ -88,7 +88,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
         local = build_local(opts, engine, target)
     metrics = Metrics()
     if opts.metrics_port is not None:
-        metrics.serve(opts.metrics_port, addr=opts.host)
+        metrics.serve(opts.metrics_port, addr=opts.metrics_host)  # loopback unless told otherwise
     server = make_server(engine, replace(config, target_name=target.name), metrics=metrics, log=log,
                          local=local, tokenizer=target.tokenizer)
     await server.start()

@@ -94,6 +94,7 @@ class VerifierSpec:
     dtype: str = "float32"
     seed: int | None = None  # root seed (default: the spec's top-level seed)
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # the metrics endpoint stays on loopback unless told otherwise
     auth_tokens: str | None = None  # token file (goodspeed tokens add); `goodspeed launch` makes one per run if unset
     tls_cert: str | None = None  # PEM certificate + key: serve TLS (`goodspeed launch` makes a CA per run if unset)
     tls_key: str | None = None

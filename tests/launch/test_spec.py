@@ -74,3 +74,12 @@ def test_one_root_seed_per_run(tmp_path):
     assert "--seed" not in verifier_command(load_spec(write(tmp_path, text)).verifier)  # unresolved: the process draws its own
     with pytest.raises(SpecError, match="seed"):
         load_spec(write(tmp_path, "seed = -1\n" + text))
+
+
+def test_the_metrics_endpoint_stays_on_loopback_unless_told(tmp_path):
+    spec = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nhost="0.0.0.0"\nmetrics_port=9400\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
+    cmd = verifier_command(spec.verifier)
+    assert cmd[cmd.index("--metrics-host") + 1] == "127.0.0.1"
+    opened = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nmetrics_port=9400\nmetrics_host="0.0.0.0"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
+    cmd = verifier_command(opened.verifier)
+    assert cmd[cmd.index("--metrics-host") + 1] == "0.0.0.0"
