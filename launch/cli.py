@@ -38,7 +38,8 @@ def _models_list(args: argparse.Namespace) -> int:
 def _tokens_add(args: argparse.Namespace) -> int:
     from goodspeed.verifier.auth import add_token
 
-    token = add_token(args.file, args.name, args.max_sessions)
+    token = add_token(args.file, args.name, args.max_sessions, max_streams=args.max_streams, max_kv_tokens=args.max_kv_tokens,
+                      rate_per_s=args.rate_per_s)
     print(token)
     print(f"token for {args.name!r} added to {args.file} (only its hash is stored: keep this one safe, "
           "e.g. in a file given to --token-file)", file=sys.stderr)
@@ -371,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("file", help="the token file (created 0600 if absent)")
     add.add_argument("name", help="the identity the token stands for")
     add.add_argument("--max-sessions", type=int, default=None, help="sessions this identity may hold at once")
+    add.add_argument("--max-streams", type=int, default=None, help="concurrent Generate streams")
+    add.add_argument("--max-kv-tokens", type=int, default=None, help="prompt + max_new_tokens summed over its requests in progress")
+    add.add_argument("--rate-per-s", type=float, default=None, help="new requests (StartRequest, Generate) per second")
     add.set_defaults(func=_tokens_add)
     certs = sub.add_parser("certs", help="certificates for (mutual) TLS").add_subparsers(dest="certs_command", required=True)
     init = certs.add_parser("init", help="write a CA, a server certificate and one client certificate per name into DIR")

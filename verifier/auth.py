@@ -4,7 +4,14 @@ A token file (JSON) maps the SHA-256 of each token to the identity it stands for
 identity's limits; the tokens themselves are never stored, only shown once when made
 (``goodspeed tokens add``)::
 
-    {"tokens": [{"identity": "edge-1", "sha256": "9f86d0...", "max_sessions": 2}]}
+    {"tokens": [{"identity": "edge-1", "sha256": "9f86d0...", "max_sessions": 2, "max_streams": 4,
+                 "max_kv_tokens": 8192, "rate_per_s": 5}]}
+
+Limits, each optional (absent: none of the identity's own): ``max_sessions`` (drafter sessions
+held at once), ``max_streams`` (concurrent Generate streams), ``max_kv_tokens`` (prompt +
+max_new_tokens summed over the identity's requests in progress, edge and local: the KV it may
+hold), ``rate_per_s`` (new requests, StartRequest and Generate, per second; bursts of
+``max(1, rate)``). Exceeding one is RESOURCE_EXHAUSTED.
 
 Clients send ``authorization: Bearer <token>`` metadata on every call. With a token file the
 verifier answers a call without a valid token UNAUTHENTICATED; without one every caller is the
@@ -20,8 +27,11 @@ import hmac
 import json
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from goodspeed.verifier.errors import LimitExceededError
 
 ANONYMOUS = "anonymous"
 TOKEN_BYTES = 32
@@ -35,10 +45,57 @@ class TokenFileError(ValueError):
     """The token file cannot be read or is malformed; the message names the problem."""
 
 
+LIMITS = ("max_sessions", "max_streams", "max_kv_tokens", "rate_per_s")
+
+
 @dataclass(frozen=True)
 class Identity:
     name: str
     max_sessions: int | None = None  # sessions this identity may hold at once (None: no own limit)
+    max_streams: int | None = None
+    max_kv_tokens: int | None = None
+    rate_per_s: float | None = None
+
+
+class Usage:
+    """What each identity holds now (KV tokens, Generate streams) and its request-rate bucket.
+    Not thread-safe: the servicer calls it from the event loop."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.kv_tokens: dict[str, int] = {}
+        self.streams: dict[str, int] = {}
+        self._bucket: dict[str, tuple[float, float]] = {}  # identity -> (tokens, at)
+
+    def admit_request(self, who: Identity, kv_tokens: int) -> None:
+        """A new request of ``kv_tokens`` (prompt + max new tokens): rate and KV checked, then both
+        charged (a refused request charges neither)."""
+        now = self.clock()
+        if who.rate_per_s is not None:
+            burst = max(1.0, who.rate_per_s)
+            tokens, at = self._bucket.get(who.name, (burst, now))
+            tokens = min(burst, tokens + (now - at) * who.rate_per_s)
+            if tokens < 1.0:
+                raise LimitExceededError(f"identity {who.name!r} is over its rate of {who.rate_per_s:g} requests/s")
+        held = self.kv_tokens.get(who.name, 0)
+        if who.max_kv_tokens is not None and held + kv_tokens > who.max_kv_tokens:
+            raise LimitExceededError(f"identity {who.name!r} holds {held} KV tokens; {kv_tokens} more would pass its "
+                                     f"max_kv_tokens {who.max_kv_tokens}")
+        if who.rate_per_s is not None:
+            self._bucket[who.name] = (tokens - 1.0, now)
+        self.kv_tokens[who.name] = held + kv_tokens
+
+    def release_request(self, name: str, kv_tokens: int) -> None:
+        self.kv_tokens[name] = max(0, self.kv_tokens.get(name, 0) - kv_tokens)
+
+    def open_stream(self, who: Identity) -> None:
+        open_now = self.streams.get(who.name, 0)
+        if who.max_streams is not None and open_now >= who.max_streams:
+            raise LimitExceededError(f"identity {who.name!r} already has {open_now} Generate streams (its max_streams)")
+        self.streams[who.name] = open_now + 1
+
+    def close_stream(self, name: str) -> None:
+        self.streams[name] = max(0, self.streams.get(name, 0) - 1)
 
 
 def token_hash(token: str) -> str:
@@ -60,12 +117,15 @@ class TokenAuth:
             raise TokenFileError(f"{path}: {exc}") from None
         entries: dict[str, Identity] = {}
         for i, row in enumerate(data.get("tokens", []) if isinstance(data, dict) else []):
-            digest, name, limit = row.get("sha256"), row.get("identity"), row.get("max_sessions")
+            digest, name = row.get("sha256"), row.get("identity")
             if not (isinstance(digest, str) and len(digest) == 64 and isinstance(name, str) and name):
                 raise TokenFileError(f"{path}: entry {i} needs 'identity' and a 64-hex-digit 'sha256'")
-            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-                raise TokenFileError(f"{path}: entry {i}: max_sessions must be an integer >= 1")
-            entries[digest.lower()] = Identity(name, limit)
+            limits = {key: row.get(key) for key in LIMITS if row.get(key) is not None}
+            for key, value in limits.items():
+                integral = key != "rate_per_s"
+                if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)) or not value > 0:
+                    raise TokenFileError(f"{path}: entry {i}: {key} must be {'an integer' if integral else 'a number'} > 0")
+            entries[digest.lower()] = Identity(name, **limits)
         if not entries:
             raise TokenFileError(f"{path}: no tokens (add one with `goodspeed tokens add {path} NAME`)")
         return cls(entries)
@@ -82,7 +142,7 @@ class TokenAuth:
         raise AuthError("unknown token")
 
 
-def add_token(path: str | Path, identity: str, max_sessions: int | None = None) -> str:
+def add_token(path: str | Path, identity: str, max_sessions: int | None = None, **limits) -> str:
     """Make a token for ``identity``, store only its hash in ``path`` (created 0600 if absent);
     returns the token, which is not kept anywhere else."""
     path = Path(path)
@@ -94,8 +154,11 @@ def add_token(path: str | Path, identity: str, max_sessions: int | None = None) 
             raise TokenFileError(f"{path}: {exc}") from None
     token = secrets.token_urlsafe(TOKEN_BYTES)
     entry = {"identity": identity, "sha256": token_hash(token)}
-    if max_sessions is not None:
-        entry["max_sessions"] = int(max_sessions)
+    for key, value in {"max_sessions": max_sessions, **limits}.items():
+        if key not in LIMITS:
+            raise TokenFileError(f"unknown limit {key!r}; known: {', '.join(LIMITS)}")
+        if value is not None:
+            entry[key] = value
     data.setdefault("tokens", []).append(entry)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

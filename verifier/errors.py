@@ -78,8 +78,8 @@ class NotOwnerError(EngineError):
     """The session belongs to another identity."""
 
 
-class SessionLimitError(EngineError):
-    """The caller's identity already holds its maximum number of sessions."""
+class LimitExceededError(EngineError):
+    """One of the caller identity's limits (sessions, streams, KV tokens, request rate) would be exceeded."""
 
 
 class QueueFullError(EngineError):

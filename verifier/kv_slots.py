@@ -26,6 +26,7 @@ class SlotKVCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths: list[int] = []  # committed KV entries per slot
+        self._initial_capacity = initial_capacity
         self._capacity = initial_capacity
         self._write_pos: torch.Tensor | None = None  # [window_slots, q_len] positions of this forward
         self._rows = slice(0, 0)
@@ -51,7 +52,25 @@ class SlotKVCache:
             self.lengths[slot] = self.lengths[last]
             moved = last
         self.lengths.pop()
+        self._release_unused()
         return moved
+
+    def _release_unused(self) -> None:
+        """Give memory back once the buffers are 4x larger than the slots left need (in length or
+        in rows; hysteresis, so a steady load never reallocates): one long prompt must not hold
+        its KV-sized buffers after its session has left."""
+        need = self._initial_capacity
+        while need < max(self.lengths, default=0):
+            need *= 2
+        rows = self.num_slots
+        allocated = next((buf.shape[0] for buf in self.keys if buf is not None), 0)
+        if rows and self._capacity < 4 * need and allocated < 4 * rows:
+            return
+        for which in (self.keys, self.values):
+            for i, buf in enumerate(which):
+                if buf is not None:
+                    which[i] = buf[:rows, :, :need].clone() if rows else None
+        self._capacity = need
 
     def prepare(self, q_len: int, rows: slice, offset: int = 0) -> int:
         """Set up a forward over the slots ``rows`` (a contiguous window) that writes ``q_len``

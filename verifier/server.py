@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier import errors
-from goodspeed.verifier.auth import ANONYMOUS, AuthError, Identity, TokenAuth
+from goodspeed.verifier.auth import ANONYMOUS, AuthError, Identity, TokenAuth, Usage
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
@@ -52,7 +53,7 @@ STATUS = {
     errors.LengthLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.TooManyDraftersError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.SessionLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotOwnerError: grpc.StatusCode.PERMISSION_DENIED,
     errors.MalformedDraftError: grpc.StatusCode.INVALID_ARGUMENT,  # and its subclasses
 }
@@ -95,13 +96,61 @@ def _read_pem(path: str) -> bytes:
         raise ValueError(f"cannot read {path}: {exc}") from None
 
 
-def server_credentials(config: "ServerConfig") -> grpc.ServerCredentials | None:
-    """TLS credentials from the config's PEM files (mutual TLS with a client CA); None: plaintext."""
+class _ReloadingCertificates:
+    """The PEM files of a TLS config, read again whenever one changes (mtime or size): gRPC asks
+    before every new handshake, so a renewed certificate or CA is served without a restart and
+    connections already open keep theirs. A half-written or broken set keeps the last good one."""
+
+    def __init__(self, config: "ServerConfig", on_reload=None) -> None:
+        self.paths = [p for p in (config.tls_cert, config.tls_key, config.tls_client_ca) if p]
+        self.config, self.on_reload = config, on_reload
+        self.stamp = self._stamp()
+        self.current = self._load()
+
+    def _stamp(self) -> tuple:
+        out = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        def pem(path: str, kind: bytes) -> bytes:
+            data = _read_pem(path)
+            if b"-----BEGIN " + kind not in data or b"-----END " + kind not in data:  # e.g. half written
+                raise ValueError(f"{path} holds no complete PEM {kind.decode()}")
+            return data
+
+        ca = pem(self.config.tls_client_ca, b"CERTIFICATE") if self.config.tls_client_ca else None
+        key, cert = pem(self.config.tls_key, b"PRIVATE KEY"), pem(self.config.tls_cert, b"CERTIFICATE")
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        stamp = self._stamp()
+        if stamp == self.stamp:
+            return None
+        try:
+            self.current = self._load()
+        except ValueError as exc:
+            if self.on_reload is not None:
+                self.on_reload(f"kept the previous certificates: {exc}")
+            return None
+        self.stamp = stamp
+        if self.on_reload is not None:
+            self.on_reload("reloaded")
+        return self.current
+
+
+def server_credentials(config: "ServerConfig", on_reload=None) -> grpc.ServerCredentials | None:
+    """TLS credentials from the config's PEM files (mutual TLS with a client CA), reloaded when
+    the files change; None: plaintext."""
     if config.tls_cert is None:
         return None
-    ca = _read_pem(config.tls_client_ca) if config.tls_client_ca else None
-    return grpc.ssl_server_credentials([(_read_pem(config.tls_key), _read_pem(config.tls_cert))], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    certs = _ReloadingCertificates(config, on_reload)
+    return grpc.dynamic_ssl_server_credentials(certs.current, certs.fetch, require_client_authentication=bool(config.tls_client_ca))
 
 
 def status_for(exc: errors.EngineError) -> grpc.StatusCode:
@@ -146,7 +195,8 @@ class _Drafter:
     session_id: str
     name: str
     verdicts: asyncio.Queue
-    identity: str = ANONYMOUS  # who joined it: only they may name this session
+    identity: Identity = field(default_factory=lambda: Identity(ANONYMOUS))  # who joined: only they may name it
+    kv_tokens: int = 0  # prompt + max_new_tokens of its request in progress, held against the identity's limit
     missed: int = 0
     in_request: bool = False
     receive_s: float | None = None  # this round: round open -> its draft arrived
@@ -173,6 +223,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                  local: LocalServing | None = None, tokenizer=None, auth: TokenAuth | None = None) -> None:
         self.engine, self.config, self.metrics, self.log = engine, config, metrics, log
         self.local, self.tokenizer, self.auth = local, tokenizer, auth
+        self.usage = Usage()  # what each identity holds (KV tokens, streams) and its request rate
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
         self._drafters: dict[str, _Drafter] = {}
         self._queued: set[str] = set()  # sessions with a draft waiting for the next round
@@ -201,7 +252,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = self._drafters.get(session_id)
         if drafter is None:
             raise errors.UnknownSessionError(f"unknown or evicted session {session_id!r}")
-        if drafter.identity != identity.name:
+        if drafter.identity.name != identity.name:
             raise errors.NotOwnerError(f"session {session_id!r} belongs to another identity")
         return drafter
 
@@ -217,11 +268,11 @@ class VerifierService(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {request.protocol_version} != {PROTOCOL_VERSION}")
         name = check_identifier("drafter_name", request.drafter_name or "drafter", MAX_NAME_CHARS)
         check_free_text("model_name", request.model_name, MAX_MODEL_NAME_CHARS)
-        held = sum(d.identity == identity.name for d in self._drafters.values())
+        held = sum(d.identity.name == identity.name for d in self._drafters.values())
         if identity.max_sessions is not None and held >= identity.max_sessions:
-            raise errors.SessionLimitError(f"identity {identity.name!r} already holds {held} sessions (its max_sessions)")
+            raise errors.LimitExceededError(f"identity {identity.name!r} already holds {held} sessions (its max_sessions)")
         session_id = await self.call(self.engine.join, name, request.tokenizer_fingerprint)
-        self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue(), identity.name)
+        self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue(), identity)
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=request.drafter_name, model=request.model_name)
         return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)
@@ -245,11 +296,23 @@ class VerifierService(pb_grpc.VerifierServicer):
         sampling = sampling_from_pb(request.sampling)
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids))
         started = time.perf_counter()
-        length = await self.call(self.engine.start_request, *args)
+        kv_tokens = len(request.prompt_ids) + request.max_new_tokens
+        self.usage.admit_request(drafter.identity, kv_tokens)
+        try:
+            length = await self.call(self.engine.start_request, *args)
+        except errors.EngineError:
+            self.usage.release_request(drafter.identity.name, kv_tokens)
+            raise
+        drafter.kv_tokens = kv_tokens
         drafter.in_request, drafter.missed, drafter.last_seen = True, 0, time.monotonic()
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
+
+    def _end_request(self, drafter: _Drafter) -> None:
+        """The drafter's request ended (finished, finished early or dropped): release its KV tokens."""
+        self.usage.release_request(drafter.identity.name, drafter.kv_tokens)
+        drafter.kv_tokens = 0
 
     @_rpc
     async def SubmitDraft(self, request, context):
@@ -269,6 +332,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = await self._owned(request.session_id, context)
         committed = await self.call(self.engine.finish_request, request.session_id)
         drafter.in_request = False
+        self._end_request(drafter)
         self._queued.discard(request.session_id)
         self.log.event("finish", session=request.session_id, name=drafter.name, committed_tokens=len(committed))
         self._wakeup.set()  # the round may now be complete without it
@@ -288,7 +352,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.LeaveReply()
 
     async def Generate(self, request, context):
-        await self._identify(context)
+        who = await self._identify(context)
         if self.local is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "local serving is off: start the verifier with --local-draft MODEL")
         await self._refuse_if_draining(context)
@@ -300,14 +364,20 @@ class VerifierService(pb_grpc.VerifierServicer):
         def on_event(event: TokenEvent) -> None:  # engine thread -> event loop
             loop.call_soon_threadsafe(events.put_nowait, event)
 
+        kv_tokens, held = len(prompt_ids) + request.max_new_tokens, []  # held: what to give back at the end
         try:
             sampling = sampling_from_pb(request.sampling)
             if request.request_id:
                 check_identifier("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
+            self.usage.open_stream(who)
+            held.append("stream")
+            self.usage.admit_request(who, kv_tokens)
+            held.append("kv")
             rid = await self.call(functools.partial(
                 self.local.submit, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None, on_event,
                 request.request_id or None))
         except errors.EngineError as exc:
+            self._give_back(who, held, kv_tokens)
             await context.abort(status_for(exc), str(exc))
         self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=request.max_new_tokens,
                        tpot_slo_ms=request.tpot_slo_ms or None)
@@ -330,8 +400,16 @@ class VerifierService(pb_grpc.VerifierServicer):
                     self.log.event("generated", **stats)
                 yield chunk
         finally:
+            self._give_back(who, held, kv_tokens)
             if not finished:  # the client went away: free the request at once
                 await self.call(self.local.cancel, rid)
+
+    def _give_back(self, who: Identity, held: list[str], kv_tokens: int) -> None:
+        if "stream" in held:
+            self.usage.close_stream(who.name)
+        if "kv" in held:
+            self.usage.release_request(who.name, kv_tokens)
+        held.clear()
 
     async def _generate_prompt(self, request, context) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_ids):
@@ -354,6 +432,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = self._drafters.pop(session_id, None)
         if drafter is None:
             return
+        self._end_request(drafter)
         drafter.verdicts.put_nowait(None)
         self._queued.discard(session_id)
         try:
@@ -416,6 +495,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             drafter = self._drafters.get(session_id)
             if drafter is not None:
                 drafter.missed, drafter.in_request = 0, not verdict.finished
+                if verdict.finished:
+                    self._end_request(drafter)
                 drafter.verdicts.put_nowait(verdict_to_pb(verdict))
         send_s = time.perf_counter() - sent
         self._round_opened = time.perf_counter()
@@ -500,7 +581,7 @@ class VerifierServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
-        credentials = server_credentials(self.config)
+        credentials = server_credentials(self.config, on_reload=lambda what: self.log.event("tls_certificates", result=what))
         port = self._server.add_insecure_port(address) if credentials is None else self._server.add_secure_port(address, credentials)
         await self._server.start()
         if self.config.warmup:

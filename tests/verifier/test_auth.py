@@ -130,3 +130,55 @@ def test_a_drafter_with_its_token_generates_the_targets_output(secured, models):
         stranger.join()
     stranger.close()
     assert [e["auth"] for e in server.events("serving")] == ["tokens"]
+
+
+def test_usage_limits_by_hand():
+    from goodspeed.verifier.auth import Identity, Usage
+    from goodspeed.verifier.errors import LimitExceededError
+
+    now = [0.0]
+    usage = Usage(clock=lambda: now[0])
+    slow = Identity("slow", rate_per_s=0.5, max_kv_tokens=30, max_streams=1)
+    usage.admit_request(slow, 10)  # the burst of one
+    with pytest.raises(LimitExceededError, match="rate"):
+        usage.admit_request(slow, 10)
+    now[0] = 2.0  # one more request's worth of rate
+    usage.admit_request(slow, 10)
+    now[0] = 10.0
+    with pytest.raises(LimitExceededError, match="max_kv_tokens"):
+        usage.admit_request(slow, 11)  # 20 held + 11 > 30
+    usage.release_request("slow", 10)
+    usage.admit_request(slow, 11)
+    usage.open_stream(slow)
+    with pytest.raises(LimitExceededError, match="max_streams"):
+        usage.open_stream(slow)
+    usage.close_stream("slow")
+    usage.open_stream(slow)
+
+
+def test_an_identitys_kv_tokens_and_streams_through_the_server(models, tmp_path):
+    target, draft = models
+    path = tmp_path / "tokens.json"
+    token = add_token(path, "small", max_kv_tokens=24, max_streams=1)
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=2))
+    with ServerThread(engine, local=local, auth_tokens=str(path)) as server:
+        channel = grpc.insecure_channel(server.address)
+        stub, md = pb_grpc.VerifierStub(channel), bearer(token)
+        a, b = (stub.Join(pb.JoinRequest(drafter_name=n, protocol_version=1), metadata=md).session_id for n in ("a", "b"))
+        start = pb.StartRequestRequest(session_id=a, prompt_ids=[1, 2], max_new_tokens=10)  # 12 KV tokens
+        stub.StartRequest(start, metadata=md)
+        start.session_id = b
+        stub.StartRequest(start, metadata=md)  # 24: at the limit
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=2), metadata=md))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_kv_tokens" in err.value.details()
+        stub.FinishRequest(pb.FinishRequestRequest(session_id=a), metadata=md)  # gives its 12 back
+        first = stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=8), metadata=md)
+        next(first)  # the stream is open
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=2), metadata=md))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams" in err.value.details()
+        assert list(first)[-1].finished
+        assert list(stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=2), metadata=md))[-1].finished
+        channel.close()

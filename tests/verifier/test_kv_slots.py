@@ -26,3 +26,25 @@ def test_additive_mask_is_zero_where_allowed_and_finfo_min_elsewhere():
     mask = additive_mask(allowed, torch.float32, "cpu")
     assert mask.shape == (1, 1, 2, 2)
     assert mask[0, 0].tolist() == [[0.0, torch.finfo(torch.float32).min], [0.0, 0.0]]
+
+
+def test_memory_is_given_back_when_long_sessions_leave():
+    """A long prompt grew every buffer to its length; after its slot is freed the buffers shrink
+    to what the remaining slots need (and to nothing once every slot has left)."""
+    cache = SlotKVCache(num_layers=1, initial_capacity=8)
+    for _ in range(3):
+        cache.add_slot()
+    cache.prepare(200, slice(0, 1))  # slot 0 writes 200 positions: capacity grows to 256
+    cache.update(torch.ones(1, 2, 200, 4), torch.ones(1, 2, 200, 4), 0)
+    cache.commit(0, 0, list(range(200)))
+    cache.prepare(3, slice(1, 3))
+    cache.update(torch.full((2, 2, 3, 4), 2.0), torch.full((2, 2, 3, 4), 2.0), 0)
+    cache.commit(1, 0, [0, 1, 2])
+    cache.commit(2, 0, [0, 1, 2])
+    assert cache.keys[0].shape[2] == 256
+    cache.free_slot(0)  # the long one leaves; slot 2 moves into its place
+    assert cache.keys[0].shape == (2, 2, 8, 4) and cache.lengths == [3, 3]
+    assert bool((cache.keys[0][:, :, :3] == 2.0).all())  # the others' KV survives the shrink
+    cache.free_slot(1)
+    cache.free_slot(0)
+    assert cache.keys == [None] and cache.values == [None]

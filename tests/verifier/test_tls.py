@@ -94,3 +94,36 @@ def test_plaintext_on_a_reachable_address_is_refused(tmp_path, certs, capsys):
 def test_certs_init_cli(tmp_path, capsys):
     assert main(["certs", "init", str(tmp_path / "c"), "--names", "edge-1,edge-2", "--hosts", "localhost,10.1.2.3"]) == 0
     assert (tmp_path / "c" / "edge-2.key").exists() and "ca.pem" in capsys.readouterr().out
+
+
+def test_renewed_certificates_are_served_without_a_restart(models, tmp_path, certs):
+    """Replace the server's certificate, key and client CA on disk: new connections get the new
+    set (an old-CA client is refused, a new-CA client accepted); a broken file keeps the old set."""
+    import shutil
+
+    first = init_certs(tmp_path / "first", names=("alice",))
+    second = init_certs(tmp_path / "second", names=("alice",))
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("server.pem", "server.key", "ca.pem"):
+        shutil.copy(tmp_path / "first" / name, live / name)
+    engine = VerificationEngine(models[0], EngineConfig(budget=4))
+
+    def joins(issued):
+        channel = open_channel(server.address, tls_for(issued, "alice"))
+        try:
+            return bool(pb_grpc.VerifierStub(channel).Join(pb.JoinRequest(drafter_name="a", protocol_version=1), timeout=5).session_id)
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
+    with ServerThread(engine, tls_cert=str(live / "server.pem"), tls_key=str(live / "server.key"), tls_client_ca=str(live / "ca.pem")) as server:
+        assert joins(first) and not joins(second)
+        (live / "server.pem").write_text("-----BEGIN CERTIFICATE-----\ntruncat")  # a half-written renewal
+        assert joins(first)
+        assert any("kept the previous" in e["result"] for e in server.events("tls_certificates"))
+        for name in ("server.key", "ca.pem", "server.pem"):
+            shutil.copy(tmp_path / "second" / name, live / name)
+        assert joins(second) and not joins(first)
+        assert server.events("tls_certificates")[-1]["result"] == "reloaded"
