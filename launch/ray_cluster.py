@@ -50,10 +50,14 @@ from pathlib import Path
 
 from goodspeed.launch.local import (
     CLI, LaunchError, LocalCluster, _pinned, _prompt_file, _tail, apply_line, drafter_command, run_cluster, verifier_command,
+    with_run_credentials,
 )
 from goodspeed.launch.spec import DrafterSpec, LaunchSpec, Placement, VerifierSpec, placement_of
 
 PULL_S = 0.25
+# Credential fields of each spec whose files travel to the process's node (when this launch made them).
+VERIFIER_FILES = ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens")
+DRAFTER_FILES = ("tls_ca", "tls_cert", "tls_key", "token_file")
 
 
 class PlacementError(LaunchError):
@@ -181,14 +185,28 @@ class ProcessHost:
             rc = subprocess.run(CLI + ["models", "build-demo", "--quiet"], stdout=log, stderr=log).returncode
         return rc, _tail(self.log_path)
 
-    def start_verifier(self, spec: VerifierSpec) -> None:
+    def _with_files(self, spec, files: dict[str, str]):
+        """Write credential files the launcher made (spec field -> PEM or token text) into this
+        node's work dir (0600) and point the spec's fields at them."""
+        paths = {}
+        for field_name, text in files.items():
+            path = self.workdir / f"{self.name}.{field_name}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            paths[field_name] = str(path)
+        return replace(spec, **paths)
+
+    def start_verifier(self, spec: VerifierSpec, files: dict[str, str] | None = None) -> None:
         # Loopback (the spec default) is unreachable from other nodes: bind the node's Ray IP instead.
         host = self.ip if spec.host in ("127.0.0.1", "localhost", "::1") else spec.host
-        self._start(verifier_command(replace(spec, host=host)), spec.cpus, spec.num_cpus)
+        spec = self._with_files(replace(spec, host=host), files or {})
+        self._start(verifier_command(spec), spec.cpus, spec.num_cpus)
 
-    def start_drafter(self, spec: DrafterSpec, address: str, prompts: str) -> None:
+    def start_drafter(self, spec: DrafterSpec, address: str, prompts: str, files: dict[str, str] | None = None) -> None:
         path = self.workdir / f"{spec.name}.prompts.jsonl"
         path.write_text(prompts, encoding="utf-8")
+        spec = self._with_files(spec, files or {})
         self._start(drafter_command(spec, address, path, self.out_path), spec.cpus, spec.num_cpus)
 
     def _start(self, cmd: list[str], cpus: tuple[int, ...] | None, num_cpus: float) -> None:
@@ -340,13 +358,7 @@ class RayCluster(LocalCluster):
         self._prepare_models()
         host = self.hosts["verifier"]
         verifier = self.spec.verifier
-        if verifier.tls_cert is None and not verifier.insecure:
-            # Credentials files would have to reach every node; this backend uses what the spec
-            # names (tls_*, auth_tokens, token_file: paths valid on each node) and says so otherwise.
-            self.log("goodspeed launch: warning: no tls_cert in the spec's [verifier]: traffic between the Ray nodes is "
-                     "plaintext (the verifier runs with --insecure)")
-            verifier = replace(verifier, insecure=True)
-        ray.get(host.start_verifier.remote(verifier), timeout=60)
+        ray.get(host.start_verifier.remote(verifier, self._made_files(verifier, VERIFIER_FILES)), timeout=60)
         with self._procs_lock:
             self.verifier = RemoteProcess(host, "verifier", self.out_dir / "verifier.log", on_line=lambda line: apply_line(self.view, line))
         self._pump = threading.Thread(target=self._pump_loop, name="goodspeed-ray-pump", daemon=True)
@@ -354,12 +366,23 @@ class RayCluster(LocalCluster):
         port = self.wait_serving(f" on {self.placement['verifier']['node']}")
         return f"{self.placement['verifier']['ip']}:{port}"
 
+    def _made_files(self, spec, fields: tuple[str, ...]) -> dict[str, str]:
+        """The credential files this launch made (under OUT/auth) that ``spec`` names: their
+        contents travel to the process's node. Paths a spec gives itself must be valid there."""
+        auth_dir = (self.out_dir / "auth").resolve()
+        out = {}
+        for name in fields:
+            value = getattr(spec, name)
+            if value is not None and Path(value).resolve().parent == auth_dir:
+                out[name] = Path(value).read_text(encoding="utf-8")
+        return out
+
     def start_drafters(self, address: str) -> None:
         import ray
 
         for d in self.spec.expanded_drafters():
             prompts = _prompt_file(d, self.out_dir).read_text(encoding="utf-8")
-            ray.get(self.hosts[d.name].start_drafter.remote(d, address, prompts), timeout=60)
+            ray.get(self.hosts[d.name].start_drafter.remote(d, address, prompts, self._made_files(d, DRAFTER_FILES)), timeout=60)
             with self._procs_lock:
                 self.drafters[d.name] = RemoteProcess(self.hosts[d.name], d.name, self.out_dir / f"{d.name}.log", self.out_dir / f"{d.name}.jsonl")
 
@@ -451,6 +474,10 @@ def launch_ray(spec: LaunchSpec, out_dir: Path, address: str | None = None, log=
             log(line)
         if dry_run:
             return {"placement": placement_rows(plan)}
+        if spec.verifier.insecure:
+            log("goodspeed launch: warning: [verifier] insecure = true: traffic between the Ray nodes is plaintext")
+        else:  # secure by default: a CA, certificates and tokens made here, shipped to each node
+            spec = with_run_credentials(spec, out_dir)
         cluster = RayCluster(spec, out_dir, plan, live=live, log=log, ready_timeout_s=ready_timeout_s)
         return run_cluster(cluster, log, max_rounds)
     finally:

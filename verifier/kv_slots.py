@@ -56,15 +56,14 @@ class SlotKVCache:
         return moved
 
     def _release_unused(self) -> None:
-        """Give memory back once the buffers are 4x larger than the slots left need (in length or
-        in rows; hysteresis, so a steady load never reallocates): one long prompt must not hold
-        its KV-sized buffers after its session has left."""
+        """Give memory back once the buffers are 4x longer than the slots left need (hysteresis,
+        so a steady load never reallocates; rows are bounded by the session limit and kept): one
+        long prompt must not hold its KV-sized buffers after its session has left."""
         need = self._initial_capacity
         while need < max(self.lengths, default=0):
             need *= 2
         rows = self.num_slots
-        allocated = next((buf.shape[0] for buf in self.keys if buf is not None), 0)
-        if rows and self._capacity < 4 * need and allocated < 4 * rows:
+        if self._capacity < 4 * need and (rows or self._capacity == self._initial_capacity):
             return
         for which in (self.keys, self.values):
             for i, buf in enumerate(which):

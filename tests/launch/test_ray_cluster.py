@@ -177,7 +177,8 @@ def test_ray_launch_matches_the_local_backend_and_honours_placement(ray_cluster,
     placement = {name: row["node"] for name, row in summary["placement"].items()}
     assert placement == {"verifier": "verifier-box", "good": "edge-1", "weak": "edge-1"}
     assert summary["rounds"] > 0 and all(r["exit_code"] == 0 and r["requests"] == len(PROMPTS) for r in summary["drafters"].values())
-    assert '"event": "serving"' in (tmp_path / "ray" / "verifier.log").read_text()
+    serving = [json.loads(line) for line in (tmp_path / "ray" / "verifier.log").read_text().splitlines() if '"event": "serving"' in line]
+    assert serving and serving[0]["tls"] == "mutual" and serving[0]["auth"] == "tokens"  # secure by default on Ray too
     assert cluster_is_idle(ray_cluster)
 
 
