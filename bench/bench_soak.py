@@ -75,7 +75,7 @@ def wait_serving(log_path: Path, timeout_s: float = 120) -> None:
     raise RuntimeError(f"verifier did not start: {log_path.read_text()[-2000:]}")
 
 
-def run(args, minutes: float, secure: bool, workdir: Path, draft_model, prompts) -> dict:
+def run(args, minutes: float, secure: bool, workdir: Path, draft, prompts) -> dict:
     port = free_port()
     creds = None
     names = [f"soak-{i}" for i in range(args.drafters)]
@@ -97,8 +97,9 @@ def run(args, minutes: float, secure: bool, workdir: Path, draft_model, prompts)
         def drafter(i: int) -> None:
             name = names[i]
             tls = ClientTLS(str(issued["ca"].cert), str(issued[name].cert), str(issued[name].key)) if secure else None
-            config = DrafterConfig(f"127.0.0.1:{port}", name, max_new_tokens=32, seed=i, tls=tls, token=tokens[name] if secure else None)
-            client = DrafterClient(config, DraftRunner(draft_model))
+            config = DrafterConfig(f"127.0.0.1:{port}", name, fingerprint=draft.fingerprint, max_new_tokens=32, seed=i, tls=tls,
+                                   token=tokens[name] if secure else None)
+            client = DrafterClient(config, DraftRunner(draft.model))
             try:
                 client.join()
                 k = i
@@ -154,9 +155,9 @@ def main() -> int:
     prompts = code_prompts(draft.tokenizer, 64, seed=0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        results.append(run(args, args.minutes, True, Path(tmp), draft.model, prompts))
+        results.append(run(args, args.minutes, True, Path(tmp), draft, prompts))
         if args.plain_minutes > 0:
-            results.append(run(args, args.plain_minutes, False, Path(tmp), draft.model, prompts))
+            results.append(run(args, args.plain_minutes, False, Path(tmp), draft, prompts))
     if args.json:
         print(json.dumps(results, indent=2))
     else:

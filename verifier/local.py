@@ -321,6 +321,21 @@ class LocalServing:
         self._release(req, "cancelled")
         return True
 
+    def fail_all(self, reason: str) -> None:
+        """End every request (waiting and active) with ``reason``, freeing their sessions: after a
+        failed iteration their state cannot be trusted."""
+        for req in list(self._waiting):
+            self._waiting.remove(req)
+            self._finish(req, reason)
+        for req in list(self._active.values()):
+            try:
+                self.engine.leave(req.session_id)
+            except errors.EngineError:
+                pass
+            self.draft.remove(req.request_id)
+            del self._active[req.request_id]
+            self._finish(req, reason)
+
     @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._active)

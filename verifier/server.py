@@ -42,6 +42,7 @@ from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
 
 PROTOCOL_VERSION = 1
+MAX_FAILED_ROUNDS = 3  # consecutive failed rounds after which the round loop gives up (NOT_SERVING)
 SERVICE_NAME = "goodspeed.v1.Verifier"
 STATUS = {
     errors.UnknownSessionError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -228,6 +229,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self._drafters: dict[str, _Drafter] = {}
         self._queued: set[str] = set()  # sessions with a draft waiting for the next round
         self._wakeup = asyncio.Event()
+        self._failed_rounds = 0  # consecutive rounds that raised
         self._round_opened = time.perf_counter()
         self.draining = False
 
@@ -274,7 +276,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         session_id = await self.call(self.engine.join, name, request.tokenizer_fingerprint)
         self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue(), identity)
         self.metrics.active.set(len(self._drafters))
-        self.log.event("join", session=session_id, name=request.drafter_name, model=request.model_name)
+        self.log.event("join", session=session_id, name=name, model=request.model_name, identity=identity.name)
         return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)
 
     async def StreamVerdicts(self, request, context):
@@ -482,13 +484,18 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def _close_round(self, local: bool = False) -> None:
         receive_s = time.perf_counter() - self._round_opened
         report = None
-        if local:
-            report = await self.call(self.local.step)
-            result = report.round if report is not None else None
-            if result is None:
-                return
-        else:
-            result = await self.call(self.engine.run_round)
+        try:
+            if local:
+                report = await self.call(self.local.step)
+                result = report.round if report is not None else None
+                if result is None:
+                    return
+            else:
+                result = await self.call(self.engine.run_round)
+        except Exception as exc:  # inputs are refused before a round; this is a bug or a device error
+            await self._fail_round(exc)
+            return
+        self._failed_rounds = 0
         sent = time.perf_counter()
         for session_id, verdict in result.verdicts.items():
             self._queued.discard(session_id)
@@ -505,6 +512,22 @@ class VerifierService(pb_grpc.VerifierServicer):
         self._record(result, receive_s, send_s, report)
         if self._queued:
             self._wakeup.set()  # drafts that arrived during verification open the next round
+
+    async def _fail_round(self, exc: Exception) -> None:
+        """A round raised: its participants' requests may be half-applied, so their sessions are
+        dropped (a drafter rejoins and resumes from the text already verified) and local requests
+        end with an error; the loop goes on. ``MAX_FAILED_ROUNDS`` failures in a row mean the
+        failure is not one round's: the loop ends (health NOT_SERVING, the daemon exits 1)."""
+        self._failed_rounds += 1
+        error = f"{type(exc).__name__}: {exc}"
+        self.log.event("round_failed", error=error, consecutive=self._failed_rounds)
+        if self._failed_rounds >= MAX_FAILED_ROUNDS:
+            raise exc
+        for session_id in list(self._queued):
+            await self.drop(session_id, f"its round failed ({error})")
+        if self.local is not None:
+            await self.call(self.local.fail_all, f"error: the round failed ({error})")
+        self._round_opened = time.perf_counter()
 
     async def _sweep_idle(self) -> None:
         now = time.monotonic()

@@ -195,3 +195,17 @@ def test_the_wait_queue_is_bounded(models):
     ids.append(serving.submit(PROMPTS[0], max_new_tokens=2))
     drain(serving)
     assert sorted(r.request_id for r in serving.finished) == sorted(ids)
+
+
+def test_fail_all_ends_every_request_and_frees_its_state(models):
+    """After a failed iteration (the server's round loop calls this) nothing half-applied stays."""
+    target, draft = models
+    serving = serve(target, draft, "chain", max_requests=1)
+    events = []
+    for p in PROMPTS[:3]:
+        serving.submit(p, max_new_tokens=6, on_event=events.append)
+    serving.step()  # one active, two waiting
+    serving.fail_all("error: the round failed (injected)")
+    assert not serving.has_work and serving.engine.session_ids == [] and serving.draft.cache.num_slots == 0
+    finals = [e for e in events if e.finished]
+    assert len(finals) == 3 and {e.finish_reason for e in finals} == {"error: the round failed (injected)"}

@@ -216,9 +216,50 @@ def test_finish_request_frees_the_slot_and_allows_a_new_request(served):
     assert again.round_index >= reply.round_index
 
 
-def test_a_dead_round_loop_is_not_serving(models):
-    """If the round loop ever raises, no drafter would get another verdict: health must say so
-    (it used to stay SERVING) and the daemon is told to exit non-zero."""
+def submit_one(stub):
+    """A fresh session with one draft queued (a round will run); its stream, to cancel later."""
+    sid, reply = join(stub)
+    stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
+    tokens = [3] * reply.draft_length
+    stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, token_ids=tokens, dense=dense(tokens) if tokens else None))
+    return sid, stream
+
+
+def wait_until(predicate, timeout_s=10.0):
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return True
+        threading.Event().wait(0.05)
+    return predicate()
+
+
+def test_a_failed_round_drops_its_participants_and_the_loop_goes_on(models):
+    """A round that raises (a bug, a device error) used to end the round loop silently. Now its
+    participants are dropped (a drafter rejoins and resumes from the verified text, so its output
+    is still the target's) and the next rounds run."""
+    target, drafts = models
+    engine = VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))
+    real, calls = engine.run_round, []
+
+    def fails_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(*args, **kw)
+
+    with ServerThread(engine) as server:
+        engine.run_round = fails_once
+        outputs = run_clients(server.address, drafts[:1], [PROMPTS[:2]], 12)
+        assert outputs[0] == [greedy_reference(target, p, 12) for p in PROMPTS[:2]]
+        failed = server.events("round_failed")
+        assert len(failed) == 1 and "injected failure" in failed[0]["error"]
+        assert any("its round failed" in e["reason"] for e in server.events("drop"))
+        assert not server.server.failed.is_set()
+
+
+def test_a_round_loop_that_keeps_failing_is_not_serving(models):
+    """Three failed rounds in a row are not one round's problem: the loop ends, health says
+    NOT_SERVING (it used to stay SERVING with no rounds) and the daemon is told to exit 1."""
     target, _ = models
     engine = VerificationEngine(target, EngineConfig(budget=4))
     with ServerThread(engine) as server:
@@ -228,22 +269,15 @@ def test_a_dead_round_loop_is_not_serving(models):
         engine.run_round = broken
         channel = grpc.insecure_channel(server.address)
         stub, health = pb_grpc.VerifierStub(channel), health_pb2_grpc.HealthStub(channel)
-        sid, reply = join(stub)
-        stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
-        tokens = [3] * reply.draft_length
-        stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, token_ids=tokens, dense=dense(tokens) if tokens else None))
-        for _ in range(200):
-            if server.server.failed.is_set():
-                break
-            threading.Event().wait(0.05)
-        assert server.server.failed.is_set()
+        streams = []
+        for attempt in range(3):
+            streams.append(submit_one(stub)[1])
+            assert wait_until(lambda: len(server.events("round_failed")) > attempt)
+        assert wait_until(server.server.failed.is_set)
         assert any("injected failure" in e["error"] for e in server.events("round_loop_failed"))
-        for _ in range(100):
-            if health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                break
-            threading.Event().wait(0.05)
-        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        stream.cancel()
+        assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING)
+        for stream in streams:
+            stream.cancel()
         channel.close()
 
 
