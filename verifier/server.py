@@ -391,7 +391,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                 event = await events.get()
                 finished = event.finished
                 generated += event.token_ids
-                new_text = self.tokenizer.decode(generated) if self.tokenizer is not None else ""
+                # detokenizing is CPU work too: a worker thread, never the event loop
+                new_text = await asyncio.to_thread(self.tokenizer.decode, list(generated)) if self.tokenizer is not None else ""
                 chunk = pb.GenerateChunk(request_id=rid, token_ids=event.token_ids, token_times_s=[t - arrival for t in event.times],
                                          text=new_text[len(text):] if new_text.startswith(text) else new_text, finished=finished,
                                          finish_reason=event.finish_reason or "")
