@@ -15,7 +15,8 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.auth import TokenAuth
-from goodspeed.verifier.server import ServerConfig, make_server, server_credentials
+from goodspeed.verifier.server import ServerConfig, make_server
+from goodspeed.verifier.tls import server_credentials
 
 
 def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, LoadedModel]:

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
-import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,9 +34,14 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier import errors
 from goodspeed.verifier.auth import ANONYMOUS, AuthError, Identity, TokenAuth, Usage
 from goodspeed.verifier.engine import VerificationEngine
+from goodspeed.verifier.fields import (
+    MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PROMPT_CHARS_PER_TOKEN, MAX_REQUEST_ID_CHARS, check_free_text,
+    check_identifier,
+)
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
+from goodspeed.verifier.tls import is_loopback, server_credentials
 
 PROTOCOL_VERSION = 1
 MAX_FAILED_ROUNDS = 3  # consecutive failed rounds after which the round loop gives up (NOT_SERVING)
@@ -58,100 +60,6 @@ STATUS = {
     errors.NotOwnerError: grpc.StatusCode.PERMISSION_DENIED,
     errors.MalformedDraftError: grpc.StatusCode.INVALID_ARGUMENT,  # and its subclasses
 }
-
-
-NAME_PATTERN = re.compile(r"[A-Za-z0-9._:@+-]+")
-MAX_NAME_CHARS, MAX_MODEL_NAME_CHARS, MAX_REQUEST_ID_CHARS = 64, 256, 128
-MAX_PROMPT_CHARS_PER_TOKEN = 64  # a text prompt longer than this x the context cannot fit it
-
-
-def check_identifier(field: str, value: str, max_chars: int) -> str:
-    """A client-chosen name that reaches session ids, logs and metrics: bounded and plain, else
-    :class:`~goodspeed.verifier.errors.MalformedDraftError` (INVALID_ARGUMENT)."""
-    if len(value) > max_chars or not NAME_PATTERN.fullmatch(value):
-        shown = value[:32] + ("..." if len(value) > 32 else "")
-        raise errors.MalformedDraftError(f"{field} must be 1-{max_chars} characters of [A-Za-z0-9._:@+-], got {shown!r} ({len(value)} chars)")
-    return value
-
-
-def check_free_text(field: str, value: str, max_chars: int) -> str:
-    if len(value) > max_chars or not value.isprintable():
-        raise errors.MalformedDraftError(f"{field} must be at most {max_chars} printable characters ({len(value)} given)")
-    return value
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _read_pem(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
-
-
-class _ReloadingCertificates:
-    """The PEM files of a TLS config, read again whenever one changes (mtime or size): gRPC asks
-    before every new handshake, so a renewed certificate or CA is served without a restart and
-    connections already open keep theirs. A half-written or broken set keeps the last good one."""
-
-    def __init__(self, config: "ServerConfig", on_reload=None) -> None:
-        self.paths = [p for p in (config.tls_cert, config.tls_key, config.tls_client_ca) if p]
-        self.config, self.on_reload = config, on_reload
-        self.stamp = self._stamp()
-        self.current = self._load()
-
-    def _stamp(self) -> tuple:
-        out = []
-        for path in self.paths:
-            try:
-                st = os.stat(path)
-                out.append((st.st_mtime_ns, st.st_size))
-            except OSError:
-                out.append(None)
-        return tuple(out)
-
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        def pem(path: str, kind: bytes) -> bytes:
-            data = _read_pem(path)
-            if b"-----BEGIN " + kind not in data or b"-----END " + kind not in data:  # e.g. half written
-                raise ValueError(f"{path} holds no complete PEM {kind.decode()}")
-            return data
-
-        ca = pem(self.config.tls_client_ca, b"CERTIFICATE") if self.config.tls_client_ca else None
-        key, cert = pem(self.config.tls_key, b"PRIVATE KEY"), pem(self.config.tls_cert, b"CERTIFICATE")
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-
-    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        stamp = self._stamp()
-        if stamp == self.stamp:
-            return None
-        try:
-            self.current = self._load()
-        except ValueError as exc:
-            if self.on_reload is not None:
-                self.on_reload(f"kept the previous certificates: {exc}")
-            return None
-        self.stamp = stamp
-        if self.on_reload is not None:
-            self.on_reload("reloaded")
-        return self.current
-
-
-def server_credentials(config: "ServerConfig", on_reload=None) -> grpc.ServerCredentials | None:
-    """TLS credentials from the config's PEM files (mutual TLS with a client CA), reloaded when
-    the files change; None: plaintext."""
-    if config.tls_cert is None:
-        return None
-    certs = _ReloadingCertificates(config, on_reload)
-    return grpc.dynamic_ssl_server_credentials(certs.current, certs.fetch, require_client_authentication=bool(config.tls_client_ca))
 
 
 def status_for(exc: errors.EngineError) -> grpc.StatusCode:

@@ -1,0 +1,87 @@
+"""TLS for the verifier: server credentials from PEM files, re-read when they change, and the
+loopback test behind refusing plaintext where other machines can reach the daemon."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import TYPE_CHECKING
+
+import grpc
+
+if TYPE_CHECKING:
+    from goodspeed.verifier.server import ServerConfig
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_pem(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+
+
+class _ReloadingCertificates:
+    """The PEM files of a TLS config, read again whenever one changes (mtime or size): gRPC asks
+    before every new handshake, so a renewed certificate or CA is served without a restart and
+    connections already open keep theirs. A half-written or broken set keeps the last good one."""
+
+    def __init__(self, config: ServerConfig, on_reload=None) -> None:
+        self.paths = [p for p in (config.tls_cert, config.tls_key, config.tls_client_ca) if p]
+        self.config, self.on_reload = config, on_reload
+        self.stamp = self._stamp()
+        self.current = self._load()
+
+    def _stamp(self) -> tuple:
+        out = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        def pem(path: str, kind: bytes) -> bytes:
+            data = _read_pem(path)
+            if b"-----BEGIN " + kind not in data or b"-----END " + kind not in data:  # e.g. half written
+                raise ValueError(f"{path} holds no complete PEM {kind.decode()}")
+            return data
+
+        ca = pem(self.config.tls_client_ca, b"CERTIFICATE") if self.config.tls_client_ca else None
+        key, cert = pem(self.config.tls_key, b"PRIVATE KEY"), pem(self.config.tls_cert, b"CERTIFICATE")
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        stamp = self._stamp()
+        if stamp == self.stamp:
+            return None
+        try:
+            self.current = self._load()
+        except ValueError as exc:
+            if self.on_reload is not None:
+                self.on_reload(f"kept the previous certificates: {exc}")
+            return None
+        self.stamp = stamp
+        if self.on_reload is not None:
+            self.on_reload("reloaded")
+        return self.current
+
+
+def server_credentials(config: ServerConfig, on_reload=None) -> grpc.ServerCredentials | None:
+    """TLS credentials from the config's PEM files (mutual TLS with a client CA), reloaded when
+    the files change; None: plaintext."""
+    if config.tls_cert is None:
+        return None
+    certs = _ReloadingCertificates(config, on_reload)
+    return grpc.dynamic_ssl_server_credentials(certs.current, certs.fetch, require_client_authentication=bool(config.tls_client_ca))
