@@ -37,7 +37,6 @@ from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.credentials import ClientTLS
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.certs import init_certs
-from goodspeed.lm.loading import load_causal_lm
 from goodspeed.verifier.auth import add_token
 
 CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
@@ -146,12 +145,13 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
-    if load_demo_pair("draft-tiny") is None:
+    pair = load_demo_pair("draft-tiny")
+    if pair is None:
         return 1
     torch.set_num_threads(1)
     others = set(range(1, os.cpu_count() or 2)) or {0}
     os.sched_setaffinity(0, others)
-    draft = load_causal_lm("demo:draft-tiny")
+    draft = pair[1]
     prompts = code_prompts(draft.tokenizer, 64, seed=0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

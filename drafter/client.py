@@ -5,9 +5,9 @@ duplicate of an earlier round's verdict, which a retried ``SubmitDraft`` can pro
 After every verdict the client checks its own committed length and prefix hash against the
 verdict's; on a mismatch it fetches the verifier's tokens (``Resync``) and rebuilds both its draft
 cache and the request's output from them. Its sampling stream is derived from its root seed and
-name (:mod:`goodspeed.lm.seeding`), never shared with the verifier's. If the verifier dropped the session (e.g. the
-node was frozen past the round deadline), the client joins again and resumes the request from its
-committed text: the continuation of a prefix under the target is still the target's own
+name (:mod:`goodspeed.lm.seeding`), never shared with the verifier's. If the verifier dropped the
+session (e.g. the node was frozen past the round deadline), the client joins again and resumes
+the request from its committed text: the continuation of a prefix under the target is still the target's own
 distribution, so the output stays lossless. While the verifier is unavailable, calls are retried
 with jittered exponential backoff up to ``connect_timeout_s``.
 """

@@ -73,14 +73,15 @@ def client_tls(ca: str | None, cert: str | None = None, key: str | None = None, 
     return ClientTLS(ca, cert, key, server_name)
 
 
-def open_channel(address: str, tls: ClientTLS | None, options: list | tuple = ()) -> grpc.Channel:
+def open_channel(address: str, tls: ClientTLS | None) -> grpc.Channel:
     """A channel to ``address``: TLS with ``tls``, plaintext without."""
     if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.credentials(), options=list(options) + tls.options())
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.credentials(), options=tls.options())
 
 
 def open_aio_channel(address: str, tls: ClientTLS | None) -> grpc.aio.Channel:
+    """The asyncio twin of :func:`open_channel`."""
     if tls is None:
         return grpc.aio.insecure_channel(address)
     return grpc.aio.secure_channel(address, tls.credentials(), options=tls.options())

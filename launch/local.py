@@ -22,11 +22,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from goodspeed.launch.links import EdgeNetwork, check_support
-
-from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
 from goodspeed.launch.certs import init_certs
-from goodspeed.verifier.auth import add_token
+from goodspeed.launch.links import EdgeNetwork, check_support
+from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec, flag_args
+from goodspeed.verifier.auth import add_token, write_private
 
 CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
 
@@ -88,19 +87,9 @@ def verifier_command(v: VerifierSpec) -> list[str]:
                  "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
                  "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
                  "--device", v.device, "--dtype", v.dtype] + _seed_args(v.seed)
-    cmd += _flags(v, "auth_tokens", "tls_cert", "tls_key", "tls_client_ca") + (["--insecure"] if v.insecure else [])
+    cmd += flag_args(v, "auth_tokens", "tls_cert", "tls_key", "tls_client_ca") + (["--insecure"] if v.insecure else [])
     metrics = ["--metrics-port", str(v.metrics_port), "--metrics-host", v.metrics_host] if v.metrics_port is not None else []
     return cmd + metrics + v.local_args()
-
-
-def _flags(spec, *names: str) -> list[str]:
-    """``--name value`` for each of the spec's optional settings that is set."""
-    out = []
-    for name in names:
-        value = getattr(spec, name)
-        if value is not None:
-            out += ["--" + name.replace("_", "-"), str(value)]
-    return out
 
 
 def _seed_args(seed: int | None) -> list[str]:
@@ -111,7 +100,7 @@ def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> l
     return CLI + ["drafter", "--verifier", address, "--draft", d.draft, "--prompts", str(prompts), "--out", str(out),
                   "--name", d.name, "--max-new-tokens", str(d.max_new_tokens), "--temperature", str(d.temperature),
                   "--top-k", str(d.top_k), "--top-p", str(d.top_p), "--device", d.device, "--dtype", d.dtype,
-                  "--quiet"] + _seed_args(d.seed) + _flags(d, "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+                  "--quiet"] + _seed_args(d.seed) + flag_args(d, "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
 
 
 def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_parent: bool = False) -> dict:
@@ -340,15 +329,18 @@ def with_run_credentials(spec: LaunchSpec, out_dir: Path) -> LaunchSpec:
       server's certificate as ``localhost``, whatever address (an edge link's proxy) they dial.
     * Bearer tokens: one per entry (its identity is the entry's name; ``count`` copies share it),
       hashes in the verifier's token file, each token in its own 0600 file.
+
+    ``insecure = true`` in ``[verifier]`` opts out of the TLS part (tokens are still made).
     """
     verifier, drafters = spec.verifier, list(spec.drafters)
-    if verifier.tls_cert is not None and verifier.auth_tokens is not None:
+    wants_tls = verifier.tls_cert is None and not verifier.insecure  # `insecure = true` opts out of TLS only
+    if not wants_tls and verifier.auth_tokens is not None:
         return spec
     auth_dir = out_dir / "auth"
     shutil.rmtree(auth_dir, ignore_errors=True)  # a rerun into the same OUT gets fresh throwaway credentials
     auth_dir.mkdir(parents=True)
     auth_dir.chmod(0o700)
-    if verifier.tls_cert is None:
+    if wants_tls:
         issued = init_certs(auth_dir, names=tuple(d.name for d in drafters))
         verifier = replace(verifier, tls_cert=str(issued["server"].cert), tls_key=str(issued["server"].key),
                            tls_client_ca=str(issued["ca"].cert))
@@ -361,9 +353,7 @@ def with_run_credentials(spec: LaunchSpec, out_dir: Path) -> LaunchSpec:
         for i, d in enumerate(drafters):
             if d.token_file is None:
                 path = auth_dir / f"{d.name}.token"
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(add_token(tokens, d.name) + "\n")
+                write_private(path, add_token(tokens, d.name) + "\n")
                 drafters[i] = replace(d, token_file=str(path))
     return replace(spec, verifier=verifier, drafters=tuple(drafters))
 

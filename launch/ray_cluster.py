@@ -53,6 +53,7 @@ from goodspeed.launch.local import (
     with_run_credentials,
 )
 from goodspeed.launch.spec import DrafterSpec, LaunchSpec, Placement, VerifierSpec, placement_of
+from goodspeed.verifier.auth import write_private
 
 PULL_S = 0.25
 # Credential fields of each spec whose files travel to the process's node (when this launch made them).
@@ -191,9 +192,7 @@ class ProcessHost:
         paths = {}
         for field_name, text in files.items():
             path = self.workdir / f"{self.name}.{field_name}"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
+            write_private(path, text)
             paths[field_name] = str(path)
         return replace(spec, **paths)
 
@@ -476,8 +475,7 @@ def launch_ray(spec: LaunchSpec, out_dir: Path, address: str | None = None, log=
             return {"placement": placement_rows(plan)}
         if spec.verifier.insecure:
             log("goodspeed launch: warning: [verifier] insecure = true: traffic between the Ray nodes is plaintext")
-        else:  # secure by default: a CA, certificates and tokens made here, shipped to each node
-            spec = with_run_credentials(spec, out_dir)
+        spec = with_run_credentials(spec, out_dir)  # a CA, certificates and tokens made here, shipped to each node
         cluster = RayCluster(spec, out_dir, plan, live=live, log=log, ready_timeout_s=ready_timeout_s)
         return run_cluster(cluster, log, max_rounds)
     finally:

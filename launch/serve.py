@@ -11,10 +11,10 @@ from pathlib import Path
 from goodspeed.launch.spec import SpecError, VerifierSpec
 from goodspeed.lm.loading import LoadedModel, load_causal_lm
 from goodspeed.scheduler import SmoothingConfig
+from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
-from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.server import ServerConfig, make_server
 from goodspeed.verifier.tls import server_credentials
 

@@ -126,14 +126,17 @@ class VerifierSpec:
 
     def local_args(self) -> list[str]:
         """The ``goodspeed verifier`` flags for the local-serving settings (none when it is off)."""
-        if self.local_draft is None:
-            return []
-        out = []
-        for name in self.LOCAL_FLAGS:
-            value = getattr(self, name)
-            if value is not None:
-                out += ["--" + name.replace("_", "-"), str(value)]
-        return out
+        return [] if self.local_draft is None else flag_args(self, *self.LOCAL_FLAGS)
+
+
+def flag_args(spec, *names: str) -> list[str]:
+    """``--name value`` for each of the spec's settings ``names`` that is set (not None)."""
+    out = []
+    for name in names:
+        value = getattr(spec, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
 
 
 @dataclass(frozen=True)

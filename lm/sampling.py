@@ -108,14 +108,13 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     rounds up to 1 for ``u >= 1 - 2^-25``), and a token of probability 0 is never returned: a draw
     that rounding puts at or past the total mass takes the last token with positive probability.
     """
-    work = probs.double()
-    cdf = torch.cumsum(work, dim=-1)
-    target = uniforms.double().unsqueeze(-1) * cdf[..., -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    positive = work > 0
-    vocab = probs.shape[-1]
-    last_positive = vocab - 1 - torch.flip(positive, dims=(-1,)).int().argmax(dim=-1)
-    return torch.minimum(idx, last_positive)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    total = cdf[..., -1:].contiguous()  # [..., 1]
+    idx = torch.searchsorted(cdf, uniforms.double().unsqueeze(-1) * total, right=True)
+    # A draw below the total lands on a token of positive mass; only one rounded up to it runs past
+    # the end. The first index whose cdf reaches the total is the last token of positive mass.
+    last_positive = torch.searchsorted(cdf, total)
+    return torch.minimum(idx, last_positive).squeeze(-1)
 
 
 def uniform_like(shape: tuple[int, ...], generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:

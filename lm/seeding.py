@@ -5,7 +5,7 @@ Lossless verification assumes the drafted tokens are independent of the verifier
 the tensor shapes (``torch.rand`` yields the same values), so the verifier's accept uniform would
 be the very uniform that sampled the drafted token. No two components here are ever seeded from
 the same integer: each stream's seed is derived from the run's root seed and a *domain* — the
-role and the process's name, e.g. ``("drafter", "edge-3")`` or ``("verifier", "accept")`` —
+role and the process's name, e.g. ``("drafter", "edge-3")`` or ``("verifier", "verify")`` —
 through :class:`numpy.random.SeedSequence`, whose spawn keys are hashed into the seed (its
 documented purpose: independent streams from one entropy source). Changing any word of the domain
 gives an unrelated stream; the same root and domain give the same stream, so a run is
@@ -49,7 +49,7 @@ def stream_seed(root: int, *domain: str) -> int:
 
     >>> stream_seed(0, "drafter", "a") == stream_seed(0, "drafter", "a")
     True
-    >>> stream_seed(0, "drafter", "a") == stream_seed(0, "verifier", "accept")
+    >>> stream_seed(0, "drafter", "a") == stream_seed(0, "verifier", "verify")
     False
     """
     sequence = np.random.SeedSequence(entropy=resolve_root_seed(root), spawn_key=_spawn_key(domain))

@@ -88,14 +88,17 @@ class Usage:
     def release_request(self, name: str, kv_tokens: int) -> None:
         self.kv_tokens[name] = max(0, self.kv_tokens.get(name, 0) - kv_tokens)
 
-    def open_stream(self, who: Identity) -> None:
+    def open_stream(self, who: Identity, kv_tokens: int) -> None:
+        """A Generate stream and its request (as :meth:`admit_request`): all charged, or nothing."""
         open_now = self.streams.get(who.name, 0)
         if who.max_streams is not None and open_now >= who.max_streams:
             raise LimitExceededError(f"identity {who.name!r} already has {open_now} Generate streams (its max_streams)")
+        self.admit_request(who, kv_tokens)
         self.streams[who.name] = open_now + 1
 
-    def close_stream(self, name: str) -> None:
+    def close_stream(self, name: str, kv_tokens: int) -> None:
         self.streams[name] = max(0, self.streams.get(name, 0) - 1)
+        self.release_request(name, kv_tokens)
 
 
 def token_hash(token: str) -> str:
@@ -160,9 +163,16 @@ def add_token(path: str | Path, identity: str, max_sessions: int | None = None, 
         if value is not None:
             entry[key] = value
     data.setdefault("tokens", []).append(entry)
+    write_private(path, json.dumps(data, indent=2))
+    return token
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), replacing it whole: written
+    to a temporary file first, so a reader never sees half of it."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
+        f.write(text)
     os.replace(tmp, path)
-    return token

@@ -324,17 +324,10 @@ class LocalServing:
     def fail_all(self, reason: str) -> None:
         """End every request (waiting and active) with ``reason``, freeing their sessions: after a
         failed iteration their state cannot be trusted."""
-        for req in list(self._waiting):
-            self._waiting.remove(req)
-            self._finish(req, reason)
+        while self._waiting:
+            self._finish(self._waiting.popleft(), reason)
         for req in list(self._active.values()):
-            try:
-                self.engine.leave(req.session_id)
-            except errors.EngineError:
-                pass
-            self.draft.remove(req.request_id)
-            del self._active[req.request_id]
-            self._finish(req, reason)
+            self._release(req, reason)
 
     @property
     def has_work(self) -> bool:

@@ -44,13 +44,19 @@ class ChainDraft:
     # [k] the draft's probability of each drafted token: q_j(s_j), or for greedy requests (one-hot
     # q) the draft's softmax probability of its argmax
     token_probs: list[float]
-    # [k] the same position's confidence known BEFORE its token was drawn: E_{s~q_j}[q_j(s)] =
-    # sum_v q_j(v)^2 for sampled requests; for greedy ones (nothing is drawn) = token_probs.
-    # TETRIS ranks sampled tokens by this, never by their own sampled values (see verifier.local).
-    expected_probs: list[float]
+    sampled: bool = False  # drawn from q (temperature > 0), not the argmax
 
     def q_rows(self) -> torch.Tensor | None:
         return self.probs if self.token_ids else None
+
+    @property
+    def expected_probs(self) -> list[float]:
+        """[k] each position's confidence known BEFORE its token was drawn: ``E_{s~q_j}[q_j(s)] =
+        sum_v q_j(v)^2`` for sampled drafts; for greedy ones (nothing is drawn) ``token_probs``.
+        TETRIS ranks sampled tokens by this, never by their own sampled values (verifier.local)."""
+        if not self.sampled or not self.token_ids:
+            return list(self.token_probs)
+        return self.probs.double().square().sum(dim=-1).tolist()
 
 
 @dataclass(frozen=True)
@@ -166,14 +172,13 @@ class LocalDraftModel:
         """Draft ``lengths[key]`` tokens after each request's committed tokens (all in one batch
         per step); keys with length 0 are left alone."""
         active = {k: n for k, n in lengths.items() if n > 0}
-        out = {k: ChainDraft([], torch.zeros(0, self.vocab_size), [], []) for k in lengths if k not in active}
+        out = {k: ChainDraft([], torch.zeros(0, self.vocab_size), []) for k in lengths if k not in active}
         if not active:
             return out
         last = self.catch_up({k: committed[k] for k in active})
         drafted: dict[str, list[int]] = {k: [] for k in active}
         probs: dict[str, list[torch.Tensor]] = {k: [] for k in active}
         confidence: dict[str, list[float]] = {k: [] for k in active}
-        expected: dict[str, list[float]] = {k: [] for k in active}
         for step in range(max(active.values())):
             for key in active:
                 if step < active[key]:
@@ -182,13 +187,8 @@ class LocalDraftModel:
                     tok = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
                     drafted[key].append(tok)
                     probs[key].append(q)
-                    if sampling[key].greedy:
-                        conf = float(torch.softmax(last[key].double(), dim=-1)[tok])  # = _ranking, once
-                        confidence[key].append(conf)
-                        expected[key].append(conf)
-                    else:
-                        confidence[key].append(float(q[tok]))
-                        expected[key].append(float(q.double().square().sum()))
+                    rank = torch.softmax(last[key].double(), dim=-1) if sampling[key].greedy else q  # = _ranking, once
+                    confidence[key].append(float(rank[tok]))
             feeding = {k: [drafted[k][-1]] for k in active if step + 1 < active[k]}
             if not feeding:
                 break
@@ -198,7 +198,7 @@ class LocalDraftModel:
                 self.cache.commit(slot, self.cache.lengths[slot], [0])
         for key in active:
             q = torch.stack(probs[key])
-            out[key] = ChainDraft(drafted[key], q, confidence[key], expected[key])
+            out[key] = ChainDraft(drafted[key], q, confidence[key], sampled=not sampling[key].greedy)
         return out
 
     # ------------------------------------------------------------------- trees

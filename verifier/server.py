@@ -7,8 +7,8 @@ draft; drafts that arrive while a round is being verified join the next one. A d
 misses more than ``max_missed_rounds`` consecutive rounds, or whose verdict stream closes, or
 that sends nothing for ``idle_timeout_s`` while a request is in progress (the case where no
 rounds run at all), or that has not opened its verdict stream ``stream_open_timeout_s`` after
-joining (a squatter holding a ``max_drafters`` slot), is dropped and its KV freed, and the next allocation is computed without it. SIGTERM (see the CLI)
-calls :meth:`VerifierServer.drain`: new sessions and requests are refused, rounds continue until
+joining (a squatter holding a ``max_drafters`` slot), is dropped and its KV freed, and the next
+allocation is computed without it. SIGTERM (see the CLI) calls :meth:`VerifierServer.drain`: new sessions and requests are refused, rounds continue until
 the requests in progress finish or the drain timeout passes.
 
 With local serving (:mod:`goodspeed.verifier.local`), Generate requests join the local batch;
@@ -104,7 +104,7 @@ class _Drafter:
     session_id: str
     name: str
     verdicts: asyncio.Queue
-    identity: Identity = field(default_factory=lambda: Identity(ANONYMOUS))  # who joined: only they may name it
+    identity: Identity  # who joined: only they may name this session
     kv_tokens: int = 0  # prompt + max_new_tokens of its request in progress, held against the identity's limit
     missed: int = 0
     in_request: bool = False
@@ -274,20 +274,20 @@ class VerifierService(pb_grpc.VerifierServicer):
         def on_event(event: TokenEvent) -> None:  # engine thread -> event loop
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        kv_tokens, held = len(prompt_ids) + request.max_new_tokens, []  # held: what to give back at the end
+        kv_tokens = len(prompt_ids) + request.max_new_tokens
         try:
             sampling = sampling_from_pb(request.sampling)
             if request.request_id:
                 check_identifier("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
-            self.usage.open_stream(who)
-            held.append("stream")
-            self.usage.admit_request(who, kv_tokens)
-            held.append("kv")
+            self.usage.open_stream(who, kv_tokens)
+        except errors.EngineError as exc:
+            await context.abort(status_for(exc), str(exc))
+        try:
             rid = await self.call(functools.partial(
                 self.local.submit, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None, on_event,
                 request.request_id or None))
         except errors.EngineError as exc:
-            self._give_back(who, held, kv_tokens)
+            self.usage.close_stream(who.name, kv_tokens)
             await context.abort(status_for(exc), str(exc))
         self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=request.max_new_tokens,
                        tpot_slo_ms=request.tpot_slo_ms or None)
@@ -311,16 +311,9 @@ class VerifierService(pb_grpc.VerifierServicer):
                     self.log.event("generated", **stats)
                 yield chunk
         finally:
-            self._give_back(who, held, kv_tokens)
+            self.usage.close_stream(who.name, kv_tokens)
             if not finished:  # the client went away: free the request at once
                 await self.call(self.local.cancel, rid)
-
-    def _give_back(self, who: Identity, held: list[str], kv_tokens: int) -> None:
-        if "stream" in held:
-            self.usage.close_stream(who.name)
-        if "kv" in held:
-            self.usage.release_request(who.name, kv_tokens)
-        held.clear()
 
     async def _generate_prompt(self, request, context) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_ids):

@@ -66,13 +66,13 @@ class _ReloadingCertificates:
         stamp = self._stamp()
         if stamp == self.stamp:
             return None
+        self.stamp = stamp  # a broken set is reported once per change, not at every handshake
         try:
             self.current = self._load()
         except ValueError as exc:
             if self.on_reload is not None:
                 self.on_reload(f"kept the previous certificates: {exc}")
             return None
-        self.stamp = stamp
         if self.on_reload is not None:
             self.on_reload("reloaded")
         return self.current

@@ -55,6 +55,7 @@ def test_a_launch_makes_its_own_credentials(tmp_path):
     [[drafters]] entry, hashes only in the verifier's file, each token in a 0600 file named on
     that drafter's command line."""
     import stat
+    from dataclasses import replace
     from pathlib import Path
 
     from goodspeed.launch.local import drafter_command, verifier_command, with_run_credentials
@@ -78,5 +79,9 @@ def test_a_launch_makes_its_own_credentials(tmp_path):
         cmd = drafter_command(d, "127.0.0.1:1", d.prompt_path(), tmp_path / "o.jsonl")
         assert cmd[cmd.index("--token-file") + 1] == d.token_file
     assert with_run_credentials(secured, tmp_path / "other") == secured  # a spec that names its own keeps them
+    plain = load_spec()
+    plain = with_run_credentials(replace(plain, verifier=replace(plain.verifier, insecure=True)), tmp_path / "plain")
+    assert plain.verifier.tls_cert is None and all(d.tls_ca is None for d in plain.drafters)  # insecure opts out of TLS only
+    assert plain.verifier.auth_tokens and all(d.token_file for d in plain.drafters)
     assert secured.verifier.tls_client_ca == str(tmp_path / "auth" / "ca.pem")
     assert all(d.tls_server_name == "localhost" and d.tls_cert == str(tmp_path / "auth" / f"{d.name}.pem") for d in secured.drafters)

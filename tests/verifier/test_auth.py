@@ -2,6 +2,7 @@
 listed token, and a session answers only to the identity that joined it."""
 
 import stat
+import threading
 
 import grpc
 import pytest
@@ -149,11 +150,18 @@ def test_usage_limits_by_hand():
         usage.admit_request(slow, 11)  # 20 held + 11 > 30
     usage.release_request("slow", 10)
     usage.admit_request(slow, 11)
-    usage.open_stream(slow)
+    now[0] = 20.0  # a stream opens a request too: rate and KV count
+    usage.open_stream(slow, 5)
     with pytest.raises(LimitExceededError, match="max_streams"):
-        usage.open_stream(slow)
-    usage.close_stream("slow")
-    usage.open_stream(slow)
+        usage.open_stream(slow, 0)
+    strict = Usage(clock=lambda: now[0])
+    with pytest.raises(LimitExceededError, match="max_kv_tokens"):
+        strict.open_stream(Identity("kv", max_kv_tokens=4), 5)
+    assert strict.streams.get("kv", 0) == 0 and strict.kv_tokens.get("kv", 0) == 0  # refused whole
+    usage.close_stream("slow", 5)
+    assert usage.streams["slow"] == 0 and usage.kv_tokens["slow"] == 21
+    now[0] = 30.0
+    usage.open_stream(slow, 0)
 
 
 def test_an_identitys_kv_tokens_and_streams_through_the_server(models, tmp_path):
@@ -174,11 +182,14 @@ def test_an_identitys_kv_tokens_and_streams_through_the_server(models, tmp_path)
             list(stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=2), metadata=md))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_kv_tokens" in err.value.details()
         stub.FinishRequest(pb.FinishRequestRequest(session_id=a), metadata=md)  # gives its 12 back
+        gate, step = threading.Event(), local.step
+        local.step = lambda: (gate.wait(30), step())[1]  # hold the first stream open (no race with its end)
         first = stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=8), metadata=md)
         next(first)  # the stream is open
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=2), metadata=md))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams" in err.value.details()
+        gate.set()
         assert list(first)[-1].finished
         assert list(stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=2), metadata=md))[-1].finished
         channel.close()

@@ -186,7 +186,8 @@ def test_sessions_that_never_listen_are_reclaimed(models):
     """Squatting: joins that never open a verdict stream used to hold max_drafters slots forever."""
     target, _ = models
     engine = VerificationEngine(target, EngineConfig(budget=4, max_drafters=3))
-    with ServerThread(engine, stream_open_timeout_s=0.5) as server:
+    # 2 s: the honest session opens its stream within milliseconds; the margin is for loaded machines
+    with ServerThread(engine, stream_open_timeout_s=2.0) as server:
         channel = grpc.insecure_channel(server.address)
         stub = pb_grpc.VerifierStub(channel)
         honest = stub.Join(pb.JoinRequest(drafter_name="honest", protocol_version=1)).session_id
