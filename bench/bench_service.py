@@ -56,10 +56,12 @@ def uplink_bytes(draft_len: int = 4, drafts: int = 20) -> dict:
     return out
 
 
-def cluster_run(drafters: int, prompts: int, max_new: int, budget: int, out_dir: Path) -> dict:
+def cluster_run(drafters: int, prompts: int, max_new: int, budget: int, out_dir: Path, target: str = "demo:target",
+                draft: str = "demo:draft-distilled", prompt_set: str = "code", max_draft_len: int = 16, deadline_ms: float = 500) -> dict:
     spec = LaunchSpec(
-        VerifierSpec(target="demo:target", budget=budget, policy="goodspeed" if budget else "fixed", round_deadline_ms=500, cpus=(0,)),
-        (DrafterSpec(name="d", draft="demo:draft-distilled", prompts="code", max_new_tokens=max_new, count=drafters, max_prompts=prompts, cpus=(1,)),),
+        VerifierSpec(target=target, budget=budget, policy="goodspeed" if budget else "fixed", round_deadline_ms=deadline_ms, cpus=(0,),
+                     max_draft_len=max_draft_len),
+        (DrafterSpec(name="d", draft=draft, prompts=prompt_set, max_new_tokens=max_new, count=drafters, max_prompts=prompts, cpus=(1,)),),
     )
     summary = launch_local(spec, out_dir, log=lambda *a: None, live=False)
     events = [json.loads(line) for line in (out_dir / "verifier.log").read_text().splitlines() if line.startswith("{")]

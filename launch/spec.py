@@ -39,7 +39,16 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PROMPT_SETS = Path(__file__).resolve().parent / "prompts"
-DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "default.toml"
+SPECS_DIR = Path(__file__).resolve().parent / "specs"
+DEFAULT_SPEC = SPECS_DIR / "default.toml"
+
+
+def spec_path(name: str | Path | None) -> Path | None:
+    """A spec file, or a shipped spec by name (``real-smollm2`` -> launch/specs/real-smollm2.toml)."""
+    if name is None:
+        return None
+    shipped = SPECS_DIR / f"{name}.toml"
+    return shipped if not Path(name).exists() and shipped.exists() else Path(name)
 
 
 class SpecError(ValueError):

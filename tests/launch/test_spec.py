@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from goodspeed.launch.local import drafter_command, verifier_command
@@ -83,3 +85,15 @@ def test_the_metrics_endpoint_stays_on_loopback_unless_told(tmp_path):
     opened = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nmetrics_port=9400\nmetrics_host="0.0.0.0"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
     cmd = verifier_command(opened.verifier)
     assert cmd[cmd.index("--metrics-host") + 1] == "0.0.0.0"
+
+
+def test_shipped_specs_are_named_by_stem(tmp_path, monkeypatch):
+    from goodspeed.launch.spec import SPECS_DIR, spec_path
+
+    assert spec_path("real-smollm2") == SPECS_DIR / "real-smollm2.toml"
+    assert spec_path(None) is None and spec_path("no-such-spec") == Path("no-such-spec")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real-smollm2").write_text("")  # a file of that name in the working directory wins
+    assert spec_path("real-smollm2") == Path("real-smollm2")
+    spec = load_spec(SPECS_DIR / "real-smollm2.toml")
+    assert spec.verifier.target == "real:smollm2-135m" and {d.draft for d in spec.drafters} == {"real:smollm2-135m-draft"}

@@ -1,0 +1,124 @@
+"""The real pair (SmolLM2-135M-Instruct and its distilled draft) on every path: greedy output is
+the target's own greedy decoding, token for token. Marked ``real``: ``make test-real`` builds the
+models (``goodspeed models get smollm2-135m``, ~10 min) and runs these; without them they skip."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from goodspeed.drafter.prompts import chat_prompt_ids, load_prompts
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.launch.spec import PROMPT_SETS, DrafterSpec, LaunchSpec, VerifierSpec
+from goodspeed.lm import real
+from goodspeed.lm.loading import load_causal_lm
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, RealClock
+
+pytestmark = [
+    pytest.mark.real,
+    pytest.mark.skipif(not (real.is_built("smollm2-135m") and real.is_built("smollm2-135m-draft")),
+                       reason="real:smollm2-135m is not built: run `goodspeed models get smollm2-135m` (or `make test-real`)"),
+]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.set_num_threads(2)
+    return load_causal_lm("real:smollm2-135m"), load_causal_lm("real:smollm2-135m-draft")
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    target, _ = pair
+    chat = load_prompts(PROMPT_SETS / "chat.jsonl", target.tokenizer)[:2]
+    code = load_prompts(PROMPT_SETS / "code.jsonl", target.tokenizer)[:2]
+    return [p.prompt_ids for p in chat + code]
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts):
+    """The target's own greedy decoding (transformers' generate, one token per forward)."""
+    target, _ = pair
+    out = {}
+    with torch.inference_mode():
+        for p in prompts:
+            gen = target.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=NEW,
+                                        do_sample=False, eos_token_id=None, pad_token_id=target.tokenizer.eos_token_id)
+            out[tuple(p)] = gen[0, len(p):].tolist()
+    return out
+
+
+def test_the_pair_shares_a_tokenizer_and_a_chat_template(pair):
+    target, draft = pair
+    assert target.fingerprint == draft.fingerprint
+    ids = chat_prompt_ids(target.tokenizer, [{"role": "user", "content": "hi"}])
+    assert target.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    assert target.model.config.num_hidden_layers == 30 and target.model.config.vocab_size == 49152
+
+
+def test_edge_drafters_through_the_engine_match_target_greedy(pair, prompts, reference):
+    target, draft = pair
+    engine = VerificationEngine(target.model, EngineConfig(budget=12, policy="goodspeed", max_draft_len=8, seed=0))
+    drafters = [InProcessDrafter("chat", DraftRunner(draft.model), prompts[:2], max_new_tokens=NEW),
+                InProcessDrafter("code", DraftRunner(draft.model), prompts[2:], max_new_tokens=NEW)]
+    results = run_inprocess(engine, drafters)
+    for d in drafters:
+        for prompt, out in zip(d.prompts, d.outputs):
+            assert out == reference[tuple(prompt)], (d.name, prompt)
+    accepted = sum(v.num_accepted for r in results for v in r.verdicts.values())
+    emitted = sum(len(o) for d in drafters for o in d.outputs)
+    assert accepted > 0.15 * emitted  # the distilled draft really predicts the target (an unrelated one: ~0)
+
+
+@pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar"])
+def test_local_serving_every_policy_matches_target_greedy(pair, prompts, reference, policy):
+    from goodspeed.scheduler import LatencyModel
+
+    target, draft = pair
+    # Roughly this machine's costs (goodspeed profile measures them); TurboSpec needs a model.
+    profile = LatencyProfile(LatencyModel(0.0, 1e-3, 0.055), LatencyModel(0.0, 1e-4, 0.003))
+    engine = VerificationEngine(target.model, EngineConfig(seed=0))
+    serving = LocalServing(engine, draft.model, LocalConfig(policy=policy, max_requests=4, budget=12, k=4,
+                                                           latency=profile if policy == "turbospec" else None), RealClock())
+    ids = [serving.submit(p, max_new_tokens=NEW) for p in prompts]
+    for _ in range(10_000):
+        if serving.step() is None:
+            break
+    by_id = {r.request_id: r for r in serving.finished}
+    for rid, prompt in zip(ids, prompts):
+        assert by_id[rid].generated == reference[tuple(prompt)], (policy, prompt)
+
+
+def test_processes_verifier_and_drafters(pair, prompts, reference, tmp_path):
+    """`goodspeed launch` with real processes: the gRPC verifier and two edge drafters."""
+    from goodspeed.launch.local import launch_local
+
+    target, _ = pair
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    drafters = tuple(DrafterSpec(name=n, draft="real:smollm2-135m-draft", prompts=str(prompt_file), max_new_tokens=NEW, max_prompts=2)
+                     for n in ("a", "b"))
+    spec = LaunchSpec(VerifierSpec(target="real:smollm2-135m", budget=12, max_draft_len=8, round_deadline_ms=5000), drafters)
+    summary = launch_local(spec, tmp_path / "run", live=False)
+    assert all(r["exit_code"] == 0 for r in summary["drafters"].values())
+    for name in ("a", "b"):
+        records = [json.loads(line) for line in (tmp_path / "run" / f"{name}.jsonl").read_text().splitlines()]
+        assert len(records) == 2
+        for rec in records:
+            assert rec["token_ids"] == reference[tuple(rec["prompt_ids"])][: len(rec["token_ids"])]
+            assert len(rec["token_ids"]) == NEW or rec["token_ids"][-1] == target.tokenizer.eos_token_id
+
+
+def test_profile_fits_the_real_pair(tmp_path):
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, "-m", "goodspeed.launch.cli", "profile", "--target", "real:smollm2-135m",
+                             "--draft", "real:smollm2-135m-draft", "--repeats", "1", "--out", str(out), "--quiet"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    profile = json.loads(out.read_text())
+    assert profile["target"]["delta_s"] > profile["draft"]["delta_s"] > 0
