@@ -170,14 +170,16 @@ def service(max_new: int, prompts: int) -> dict:
     return out
 
 
+# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across exec, so a child started by
+# this (large) benchmark process would report the parent's peak.
 RSS_SNIPPET = """
-import resource, sys, torch
+import sys, torch
 from goodspeed.lm.loading import load_causal_lm
 m = load_causal_lm(sys.argv[1]).model
 with torch.inference_mode():
     for n in (1, 8, 64):
         m(input_ids=torch.zeros(1, 256 + n, dtype=torch.long))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) / 1024)
 """
 
 
