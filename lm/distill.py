@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +42,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from goodspeed.lm.corpus import load_corpus, prompt_snippets, stdlib_files
+from goodspeed.lm.loading import save_model_dir
+from goodspeed.lm.train import optimize
 
 
 @dataclass(frozen=True)
@@ -182,13 +182,6 @@ class _Windows:
         return ids[s : s + self.recipe.seq_len]
 
 
-def _lr(step: int, total: int, peak: float) -> float:
-    warmup = max(1, total // 20)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
-
-
 def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: int, rng: np.random.Generator):
     """Log-probabilities of the draft at every position but the last, normalised over the
     candidate set (``must`` plus random negatives); returns (log_probs, sorted candidates)."""
@@ -198,23 +191,6 @@ def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: 
         h = draft.model(input_ids=x).last_hidden_state[:, :-1]
         logits = h @ draft.model.embed_tokens.weight[cand].T
     return torch.log_softmax(logits.float(), -1), cand
-
-
-def _train(draft, steps: int, recipe: DraftRecipe, loss_fn, desc: str, progress: bool, peak_lr: float) -> None:
-    opt = torch.optim.AdamW(draft.parameters(), lr=peak_lr, weight_decay=0.0)
-    bar = tqdm(range(steps), desc=desc, disable=not progress, unit="step", mininterval=0.1 if sys.stderr.isatty() else 10.0)
-    draft.train()
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, steps, peak_lr)
-        loss = loss_fn()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    draft.eval()
 
 
 @torch.inference_mode()
@@ -285,7 +261,7 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
         logp, cand = _candidate_log_probs(draft, x, x, recipe.negatives, rng)
         return F.nll_loss(logp.reshape(-1, cand.numel()), torch.searchsorted(cand, x[:, 1:].contiguous()).reshape(-1))
 
-    _train(draft, recipe.pretrain_steps, recipe, next_token_loss, "draft: next-token", progress, recipe.lr)
+    optimize(draft, recipe.pretrain_steps, recipe.lr, next_token_loss, "draft: next-token", progress)
 
     x_teacher = windows.sample(recipe.teacher_windows)
     log(f"labelling {x_teacher.numel():,} tokens with the target's top-{recipe.top_k} (bf16)")
@@ -296,22 +272,14 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
         logp, cand = _candidate_log_probs(draft, x_teacher[rows], t_index[rows], recipe.negatives, rng)
         return -(t_probs[rows] * logp.gather(-1, torch.searchsorted(cand, t_index[rows].contiguous()))).sum(-1).mean()
 
-    _train(draft, recipe.distill_steps, recipe, distill_loss, "draft: distil", progress, recipe.lr / 2)
+    optimize(draft, recipe.distill_steps, recipe.lr / 2, distill_loss, "draft: distil", progress)
 
     del teacher
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     code_acc, chat_acc = held_out_acceptance(target, draft, held["code"]), held_out_acceptance(target, draft, held["chat"])
     log(f"held-out acceptance on the target's code continuations: {code_acc}; on its chat answers: {chat_acc}")
 
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        draft.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    save_model_dir(draft, tokenizer, out)
     return {
         "target_params": int(sum(p.numel() for p in target.parameters())),
         "target_layers": target.config.num_hidden_layers,

