@@ -55,12 +55,14 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 5) -> dict:
+def cost_curve(target_spec: str, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 5) -> dict:
     from transformers import DynamicCache
 
     out = {}
     for dtype in ("float32", "bfloat16"):
-        m = model.to(getattr(torch, dtype))
+        # Loaded in each dtype, never cast in place: a bf16 round trip would change the fp32
+        # target the later sections use.
+        m = load_causal_lm(target_spec, dtype=dtype).model
         for threads in (1, 2):
             torch.set_num_threads(threads)
             cache = DynamicCache()
@@ -76,7 +78,6 @@ def cost_curve(model, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 256, repeat
                     cache.crop(-n)
                 row[n] = statistics.median(times[1:])
             out[f"{dtype}, {threads} thread{'s' if threads > 1 else ''}"] = {n: round(s * 1000, 2) for n, s in row.items()}
-    model.to(torch.float32)
     torch.set_num_threads(2)
     return out
 
@@ -131,7 +132,7 @@ def local(target_model, draft_model, prompts, max_new: int) -> dict:
     profile = LatencyProfile(profile_model(target_model, repeats=2)[1], profile_model(draft_model, repeats=2)[1])
     out = {}
     for concurrency in (1, 8):
-        work = (prompts * 8)[: max(len(prompts), concurrency * 2)] if concurrency > 1 else prompts
+        work = [prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))]
         row = {}
         for policy in LOCAL_POLICIES:
             engine = VerificationEngine(target_model, EngineConfig(seed=0))
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = [s for s in args.only.split(",") if s]
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
-    ensure_models([TARGET, DRAFT])
+    ensure_models([TARGET, DRAFT], log=lambda *a: print(*a, file=sys.stderr))  # stdout stays pure JSON with --json
     torch.set_num_threads(2)
     target, draft = load_causal_lm(TARGET), load_causal_lm(DRAFT)
     prompts = _prompts(target.tokenizer, args.prompts)
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     for section in sections:
         started = time.perf_counter()
         if section == "cost":
-            report[section] = cost_curve(target.model)
+            report[section] = cost_curve(TARGET)
         elif section == "single":
             report[section] = single(TARGET, draft.model, prompts, args.max_new_tokens)
         elif section == "local":

@@ -67,13 +67,18 @@ def resolve_model_path(spec: str) -> str:
 def embedded_families(specs: list[str]) -> list[str]:
     """What ``goodspeed models get`` must build for ``specs``: ``demo`` for any ``demo:`` model,
     the family (e.g. ``smollm2-135m``) of any ``real:`` one; hub ids and paths need nothing."""
-    families = ["demo"] if any(s.startswith("demo:") for s in specs) else []
-    if any(s.startswith("real:") for s in specs):
-        from goodspeed.lm.real import split_name
+    families: list[str] = []
+    for spec in specs:
+        if spec.startswith("demo:"):
+            family = "demo"
+        elif spec.startswith("real:"):
+            from goodspeed.lm.real import split_name
 
-        for s in specs:
-            if s.startswith("real:") and split_name(s.removeprefix("real:"))[0].name not in families:
-                families.append(split_name(s.removeprefix("real:"))[0].name)
+            family = split_name(spec.removeprefix("real:"))[0].name
+        else:
+            continue
+        if family not in families:
+            families.append(family)
     return families
 
 
