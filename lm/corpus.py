@@ -13,6 +13,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 HELDOUT_EVERY = 20
 
@@ -50,6 +52,13 @@ def load_corpus(max_bytes: int = 8_000_000, root: Path | None = None) -> Corpus:
     train_text, heldout_text = "\n".join(train), "\n".join(heldout)
     digest = hashlib.sha256((train_text + "\0" + heldout_text).encode("utf-8")).hexdigest()
     return Corpus(train_text, heldout_text, digest, used)
+
+
+def encode(tokenizer, text: str) -> np.ndarray:
+    """``text`` as token ids (int64), encoded in 200,000-character chunks (no special tokens added)
+    so a corpus of megabytes never goes through the tokenizer in one call."""
+    chunks = [text[i : i + 200_000] for i in range(0, len(text), 200_000)]
+    return np.concatenate([np.asarray(tokenizer(c, add_special_tokens=False)["input_ids"], dtype=np.int64) for c in chunks])
 
 
 def prompt_snippets(text: str, count: int, length: int, seed: int = 0) -> list[str]:

@@ -22,7 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from goodspeed.lm.corpus import load_corpus
+from goodspeed.lm.corpus import encode, load_corpus
 from goodspeed.lm.loading import ModelLoadError
 from goodspeed.lm.train import ModelRecipe, acceptance_against, heldout_cross_entropy, train_model
 
@@ -94,11 +94,6 @@ def train_tokenizer(text: str, vocab_size: int = VOCAB_SIZE) -> PreTrainedTokeni
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS)
 
 
-def _encode(tokenizer: PreTrainedTokenizerFast, text: str) -> np.ndarray:
-    chunks = [text[i : i + 200_000] for i in range(0, len(text), 200_000)]
-    return np.concatenate([np.asarray(tokenizer(c)["input_ids"], dtype=np.int32) for c in chunks])
-
-
 def build_demo(
     force: bool = False, progress: bool = True, log=print, recipes: tuple[ModelRecipe, ...] = RECIPES, max_corpus_bytes: int = 8_000_000
 ) -> dict:
@@ -115,7 +110,7 @@ def build_demo(
     staging.mkdir(parents=True)
     log(f"building demo models from {corpus.num_files} stdlib files ({len(corpus.train_text) / 1e6:.1f} MB) into {demo_dir()}")
     tokenizer = train_tokenizer(corpus.train_text)
-    train_ids, heldout_ids = _encode(tokenizer, corpus.train_text), _encode(tokenizer, corpus.heldout_text)
+    train_ids, heldout_ids = encode(tokenizer, corpus.train_text), encode(tokenizer, corpus.heldout_text)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     entries, target = [], None
     for recipe in recipes:

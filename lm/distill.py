@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from goodspeed.lm.corpus import load_corpus, prompt_snippets, stdlib_files
+from goodspeed.lm.corpus import encode, load_corpus, prompt_snippets, stdlib_files
 from goodspeed.lm.loading import save_model_dir
-from goodspeed.lm.train import optimize
+from goodspeed.lm.train import intermediate_size, optimize
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,6 @@ def chat_requests(seed: int, modules: int = 40) -> list[str]:
     return out
 
 
-def _encode(tokenizer, text: str) -> np.ndarray:
-    chunks = [text[i : i + 200_000] for i in range(0, len(text), 200_000)]
-    return np.concatenate([np.asarray(tokenizer(c, add_special_tokens=False)["input_ids"], dtype=np.int64) for c in chunks])
-
-
 @torch.inference_mode()
 def target_transcripts(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int = 32, progress: bool = True) -> list[np.ndarray]:
     """Each prompt followed by the target's greedy continuation (up to its end of turn), as ids."""
@@ -152,7 +147,7 @@ def draft_config(recipe: DraftRecipe, target_config):
     return LlamaConfig(
         vocab_size=target_config.vocab_size,
         hidden_size=recipe.hidden,
-        intermediate_size=int(recipe.hidden * 8 / 3 + 63) // 64 * 64,
+        intermediate_size=intermediate_size(recipe.hidden),
         num_hidden_layers=recipe.layers,
         num_attention_heads=recipe.hidden // recipe.head_dim,
         num_key_value_heads=recipe.kv_heads,
@@ -232,7 +227,7 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
     # bf16 for the teacher's labels and answers (2-3x faster here); acceptance is measured in fp32.
     teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
     corpus = load_corpus(recipe.corpus_bytes)
-    corpus_ids = _encode(tokenizer, corpus.train_text)
+    corpus_ids = encode(tokenizer, corpus.train_text)
 
     def snippets(text: str, count: int) -> list[list[int]]:
         return [tokenizer(s, add_special_tokens=False)["input_ids"]

@@ -34,11 +34,16 @@ class ModelRecipe:
     kv_heads: int = 2
 
 
+def intermediate_size(hidden: int) -> int:
+    """The SwiGLU width Llama uses for ``hidden``: 8/3 of it, rounded up to a multiple of 64."""
+    return int(hidden * 8 / 3 + 63) // 64 * 64
+
+
 def llama_config(recipe: ModelRecipe, vocab_size: int, eos_id: int) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=recipe.hidden,
-        intermediate_size=int(recipe.hidden * 8 / 3 + 63) // 64 * 64,
+        intermediate_size=intermediate_size(recipe.hidden),
         num_hidden_layers=recipe.layers,
         num_attention_heads=recipe.heads,
         num_key_value_heads=recipe.kv_heads,
