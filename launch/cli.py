@@ -94,7 +94,7 @@ def _verifier(args: argparse.Namespace) -> int:
         target=args.target, host=args.host, port=args.port, budget=args.budget, policy=args.policy, eta=args.eta,
         beta=args.beta, round_deadline_ms=args.round_deadline_ms, max_missed_rounds=args.max_missed_rounds,
         idle_timeout_s=args.idle_timeout_s, max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        metrics_host=args.metrics_host, http_port=args.http_port, http_host=args.http_host,
         device=args.device, dtype=args.dtype, seed=args.seed, auth_tokens=args.auth_tokens, tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, insecure=args.insecure,
         **{name: getattr(args, name) for name in VerifierSpec.LOCAL_FLAGS},
@@ -218,6 +218,15 @@ def _drafter(args: argparse.Namespace) -> int:
         token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_server_name=args.tls_server_name,
     )
+    if (args.prompts is None) == (args.serve is None):
+        print("goodspeed drafter: give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both",
+              file=sys.stderr)
+        return 2
+    if args.serve is not None:
+        from goodspeed.launch.draft_node import serve_node
+
+        return serve_node(spec, args.verifier, args.serve, args.max_concurrency, args.max_waiting, args.api_key_file,
+                          args.connect_timeout_s)
     return run_drafter(spec, args.verifier, args.out, args.connect_timeout_s, progress=not args.quiet)
 
 
@@ -310,6 +319,9 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
     ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     ver.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default: loopback only)")
+    ver.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible API of local serving here "
+                                                                  "(/v1/chat/completions, /v1/completions, /v1/models, /metrics)")
+    ver.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API (default: loopback only)")
     ver.add_argument("--auth-tokens", default=None, help="token file (`goodspeed tokens add`): every RPC but health needs a listed bearer token")
     ver.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
     ver.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -334,7 +346,13 @@ def _add_serving_parsers(sub) -> None:
     dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
     dr.add_argument("--verifier", required=True, help="HOST:PORT")
     dr.add_argument("--draft", required=True, help="hub id, directory or demo:<name>")
-    dr.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
+    dr.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
+    dr.add_argument("--serve", default=None, metavar="HOST:PORT", help="serve the OpenAI API here instead "
+                    "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
+    dr.add_argument("--max-concurrency", type=int, default=4, help="--serve: requests generating at once (one verifier session each)")
+    dr.add_argument("--max-waiting", type=int, default=64, help="--serve: requests queued behind those; more get 429")
+    dr.add_argument("--api-key-file", default=None, help="--serve: clients must send this key as a bearer token "
+                    "(required off loopback)")
     _add_sampling_args(dr, max_new_tokens=64)
     dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
     dr.add_argument("--name", default="drafter")

@@ -1,9 +1,14 @@
-"""``goodspeed drafter``: one edge draft node generating its prompt file through a verifier."""
+"""``goodspeed drafter``: one edge draft node, generating its prompt file through a verifier or
+(``--serve``) serving applications through the OpenAI API (:mod:`goodspeed.drafter.node`)."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
+import signal
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -48,4 +53,63 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
         client.close()
         if out is not sys.stdout:
             out.close()
+    return 0
+
+
+def _api_key_check(path: str | None, host: str):
+    """``authorize`` for the node's HTTP API: the key in ``path`` as a bearer token, or nobody
+    checked — allowed on loopback only (other machines could then spend this node's verifier)."""
+    from goodspeed.api.protocol import ApiError
+    from goodspeed.verifier.tls import is_loopback
+
+    key = read_token(path)
+    if key is None:
+        if not is_loopback(host):
+            raise SystemExit(f"goodspeed drafter: --serve on {host} is reachable from other machines: give --api-key-file")
+        return None
+
+    def authorize(header: str | None) -> str:
+        if header is None or not hmac.compare_digest(header.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        return "application"
+
+    return authorize
+
+
+def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: int = 4, max_waiting: int = 64,
+               api_key_file: str | None = None, connect_timeout_s: float = 60.0) -> int:
+    """Serve ``/v1/chat/completions`` and friends on ``listen`` (HOST:PORT) until SIGTERM/SIGINT."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"goodspeed drafter: --serve wants HOST:PORT, got {listen!r}")
+    authorize = _api_key_check(api_key_file, host)
+    return asyncio.run(_serve_node(spec, verifier, host, int(port), max_concurrency, max_waiting, authorize, connect_timeout_s))
+
+
+async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s) -> int:
+    from goodspeed.api.server import OpenAIServer
+    from goodspeed.drafter.node import EdgeNode, NodeConfig
+
+    def log(event: str, **fields) -> None:
+        print(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}), file=sys.stderr, flush=True)
+
+    draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
+    config = NodeConfig(
+        verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=draft.fingerprint, max_concurrency=max_concurrency,
+        max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
+        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name))
+    node = EdgeNode(config, draft.model, draft.tokenizer)
+    await node.start()
+    server = OpenAIServer(node, node.registry, authorize=authorize)
+    bound = await server.start(host, port)
+    log("serving", http=f"{host}:{bound}", verifier=verifier, model=node.model_ids[0], device=spec.name,
+        max_concurrency=max_concurrency, seed=node.root_seed)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log("stopping")
+    await server.stop()
+    await node.stop()
     return 0

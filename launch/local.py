@@ -89,6 +89,7 @@ def verifier_command(v: VerifierSpec) -> list[str]:
                  "--device", v.device, "--dtype", v.dtype] + _seed_args(v.seed)
     cmd += flag_args(v, "auth_tokens", "tls_cert", "tls_key", "tls_client_ca") + (["--insecure"] if v.insecure else [])
     metrics = ["--metrics-port", str(v.metrics_port), "--metrics-host", v.metrics_host] if v.metrics_port is not None else []
+    metrics += ["--http-port", str(v.http_port), "--http-host", v.http_host] if v.http_port is not None else []
     return cmd + metrics + v.local_args()
 
 

@@ -69,10 +69,12 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
             host=opts.host, port=50051 if opts.port is None else opts.port, round_deadline_ms=opts.round_deadline_ms,
             max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=target_name,
             auth_tokens=opts.auth_tokens, tls_cert=opts.tls_cert, tls_key=opts.tls_key, tls_client_ca=opts.tls_client_ca,
-            insecure=opts.insecure)
+            insecure=opts.insecure, http_port=opts.http_port, http_host=opts.http_host)
         server_credentials(config)  # the PEM files are readable
     except ValueError as exc:
         raise SpecError(str(exc)) from None
+    if opts.http_port is not None and opts.local_draft is None:
+        raise SpecError("--http-port serves local requests: give --local-draft MODEL too")
     if config.auth_tokens:
         TokenAuth.from_file(config.auth_tokens)
     return config

@@ -104,6 +104,8 @@ class VerifierSpec:
     seed: int | None = None  # root seed (default: the spec's top-level seed)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  # the metrics endpoint stays on loopback unless told otherwise
+    http_port: int | None = None  # the OpenAI-compatible API of local serving (needs local_draft)
+    http_host: str = "127.0.0.1"
     auth_tokens: str | None = None  # token file (goodspeed tokens add); `goodspeed launch` makes one per run if unset
     tls_cert: str | None = None  # PEM certificate + key: serve TLS (`goodspeed launch` makes a CA per run if unset)
     tls_key: str | None = None

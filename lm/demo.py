@@ -67,9 +67,17 @@ def demo_model_path(name: str) -> Path:
     return demo_dir() / name
 
 
+# The demo models read and write Python, so a chat turns into comment lines: the role as a comment,
+# then the message. Chat clients (``/v1/chat/completions``, ``generate --chat``) render it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}# {{ message['role'] }}:\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
+
+
 def recipes_digest(recipes: tuple[ModelRecipe, ...]) -> str:
-    """Changes whenever any recipe (architecture, steps, seed, ...) changes."""
-    return hashlib.sha256(repr([dataclasses.astuple(r) for r in recipes]).encode()).hexdigest()
+    """Changes whenever any recipe (architecture, steps, seed, ...) or the chat template changes."""
+    return hashlib.sha256(repr(([dataclasses.astuple(r) for r in recipes], CHAT_TEMPLATE)).encode()).hexdigest()
 
 
 def _is_current(manifest: dict | None, digest: str, recipes: tuple[ModelRecipe, ...]) -> bool:
@@ -91,7 +99,7 @@ def train_tokenizer(text: str, vocab_size: int = VOCAB_SIZE) -> PreTrainedTokeni
     )
     chunks = (text[i : i + 100_000] for i in range(0, len(text), 100_000))
     tok.train_from_iterator(chunks, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, chat_template=CHAT_TEMPLATE)
 
 
 def build_demo(

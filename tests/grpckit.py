@@ -61,3 +61,45 @@ def run_clients(address, drafts, prompts, max_new, sampling=None):
     for t in threads:
         t.join(120)
     return outputs
+
+
+class NodeThread:
+    """An edge node (goodspeed.drafter.node) with its OpenAI API on 127.0.0.1:0, in a background
+    event-loop thread, drafting with ``draft`` against the verifier at ``address``."""
+
+    def __init__(self, address, draft, tokenizer, name="edge", api_key=None, **config) -> None:
+        from goodspeed.drafter.node import EdgeNode, NodeConfig
+
+        self.node = EdgeNode(NodeConfig(address, name, **config), draft, tokenizer)
+        self.api_key = api_key
+        self.loop = asyncio.new_event_loop()
+        self.port = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> "NodeThread":
+        from goodspeed.api.protocol import ApiError
+        from goodspeed.api.server import OpenAIServer
+
+        def authorize(header):
+            if self.api_key is not None and header != f"Bearer {self.api_key}":
+                raise ApiError(401, "invalid API key")
+            return "app"
+
+        self._thread.start()
+        self.run(self.node.start())
+        self.http = OpenAIServer(self.node, self.node.registry, authorize=authorize)
+        self.port = self.run(self.http.start("127.0.0.1", 0))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.run(self.http.stop())
+        self.run(self.node.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -53,3 +53,16 @@ def save_models(root, models: dict, vocab_size: int):
         tokenizer.save_pretrained(root / name)
         paths[name] = root / name
     return paths
+
+
+def chat_pair(vocab_size: int = 300):
+    """A tiny target, a perturbed draft and a byte-level BPE tokenizer with the demo's chat
+    template, all of one vocabulary (for the HTTP API tests)."""
+    import inspect
+    import json
+
+    from goodspeed.lm.demo import train_tokenizer
+
+    tokenizer = train_tokenizer(inspect.getsource(json.decoder) * 3, vocab_size=vocab_size)
+    target = tiny_llama(0, vocab=vocab_size)
+    return target, perturbed(target, 0.05, 1), tokenizer

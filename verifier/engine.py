@@ -28,9 +28,9 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import AllocationInputs, GoodputEstimator, make_policy
 from goodspeed.verifier import errors
-from goodspeed.verifier.attention import use_gqa_attention
+from goodspeed.lm.attention import use_gqa_attention
 from goodspeed.verifier.drafts import draft_depth, validate_draft
-from goodspeed.verifier.kv_slots import SlotKVCache, SlotTable, build_attention
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
 from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict
 from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier
@@ -65,8 +65,12 @@ class VerificationEngine:
 
     # ----------------------------------------------------------------- sessions and requests
 
-    def join(self, name: str, tokenizer_fingerprint: str | None = None, managed: bool = False) -> str:
+    def join(self, name: str, tokenizer_fingerprint: str | None = None, managed: bool = False, device: str | None = None) -> str:
         """Register a drafter; returns its session id.
+
+        Sessions given the same ``device`` are one edge device serving several requests at once:
+        GoodSpeed's utility has one term per device (see :meth:`_schedule`). ``None``: the session
+        is its own device, as in the paper.
 
         A ``managed`` session is drafted for by the caller (local serving), which sets its draft
         size every round with :meth:`set_allotment`: it is left out of the budget ``C``, the
@@ -92,7 +96,7 @@ class VerificationEngine:
         # 128 random bits: no client can guess another's session, and ids never repeat across
         # restarts (a drafter retrying its old id cannot land in a newcomer's session).
         session_id = f"{name}#{secrets.token_hex(16)}"
-        self._sessions[session_id] = Session(session_id, name, managed=managed)
+        self._sessions[session_id] = Session(session_id, name, managed=managed, device=device or session_id)
         self.estimator.join(session_id)
         return session_id
 
@@ -115,15 +119,20 @@ class VerificationEngine:
         sampling: SamplingParams,
         max_new_tokens: int,
         eos_token_ids: Sequence[int] = (),
+        seed: int | None = None,
     ) -> int:
-        """Prefill the prompt into a fresh KV slot; returns the draft length for the first round."""
+        """Prefill the prompt into a fresh KV slot; returns the draft length for the first round.
+        ``seed``: the request's accept/correction uniforms come from its own stream (reproducible
+        per request) instead of the engine's shared one."""
         session = self._session(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
         self.check_request(prompt, max_new_tokens)
         slot = self.slots.add(session_id)
-        session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids))
+        generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
+        session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids),
+                                  generator=generator)
         if len(prompt) > 1:
             self._forward(slice(slot, slot + 1), [prompt[:-1]], [None])
             self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
@@ -249,7 +258,12 @@ class VerificationEngine:
         t1 = time.perf_counter()
         logits = self._forward_rows(rows) if rows else None
         t2 = time.perf_counter()
-        checked = self.row_verifier.verify([r.input for r in rows], logits, uniforms or {}) if rows else []
+        given = dict(uniforms or {})
+        for row in rows:  # seeded requests draw their S + 1 uniforms from their own stream
+            generator = row.session.request.generator
+            if generator is not None and row.input.key not in given:
+                given[row.input.key] = torch.rand(row.draft.num_tokens + 1, generator=generator, dtype=torch.float64).numpy()
+        checked = self.row_verifier.verify([r.input for r in rows], logits, given) if rows else []
         outcomes = [self._apply(row, out) for row, out in zip(rows, checked)]
         t3 = time.perf_counter()
         verdicts = self._schedule(outcomes)
@@ -329,6 +343,7 @@ class VerificationEngine:
         if participants:
             ids = [s.session_id for s in participants]
             acceptance, goodput = self.estimator.arrays(ids)
+            goodput = self._device_goodput(participants, goodput)
             caps = np.array([self._cap(s) for s in participants])
             inputs = AllocationInputs(ids, acceptance, goodput, budget, caps, self.round_index, self.np_rng)
             for s, length in zip(participants, self.policy.allocate(inputs)):
@@ -337,6 +352,27 @@ class VerificationEngine:
         for row, emitted, accepted, reason in outcomes:
             verdicts[row.session.session_id] = self._verdict(row, emitted, accepted, reason)
         return verdicts
+
+    def _device_goodput(self, participants: list[Session], goodput: np.ndarray) -> np.ndarray:
+        """Each participant's DEVICE goodput: the sum of ``X`` over the device's sessions with a
+        request in progress.
+
+        GoodSpeed's utility is ``sum_d log X_d`` over devices. A device serving several requests
+        at once holds one session per request and ``X_d = sum_{r in d} X_r``, so the utility's
+        gradient with respect to request ``r``'s goodput is ``U'(X_d)`` for every ``r`` in ``d``:
+        eq. (5) stays the same separable problem with weight ``U'(X_d)`` on each of the device's
+        requests. The budget then goes to devices in the paper's proportions, and inside a
+        device to the requests with the highest marginal gain. A session alone on its device is
+        unchanged (``X_d = X_r``).
+        """
+        devices = {s.device for s in participants}
+        if len(devices) == len(participants) and all(s.device == s.session_id for s in participants):
+            return goodput
+        totals: dict[str, float] = {}
+        for s in self._edge_active():
+            if s.device in devices:
+                totals[s.device] = totals.get(s.device, 0.0) + self.estimator.get(s.session_id).goodput
+        return np.array([totals[s.device] for s in participants], dtype=np.float64)
 
     def _verdict(self, row: Row, emitted: list[int], accepted: int, reason: str | None) -> Verdict:
         session = row.session

@@ -15,6 +15,7 @@
 | PromptTooLongError         | RESOURCE_EXHAUSTED   |
 | LengthLimitError           | RESOURCE_EXHAUSTED   |
 | TooManyDraftersError       | RESOURCE_EXHAUSTED   |
+| DrainingError              | UNAVAILABLE          |
 """
 
 
@@ -84,3 +85,7 @@ class LimitExceededError(EngineError):
 
 class QueueFullError(EngineError):
     """Local serving's wait queue is full: the request was not queued."""
+
+
+class DrainingError(EngineError):
+    """The verifier is draining: no new sessions or requests."""

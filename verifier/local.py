@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.seeding import numpy_rng, torch_generator
+from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import (
     CandidateTree,
     LatencyModel,
@@ -65,7 +65,7 @@ from goodspeed.scheduler import (
 from goodspeed.scheduler.policy import LOCAL_POLICIES
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
-from goodspeed.verifier.local_draft import LocalDraftModel, subtree
+from goodspeed.lm.batch_draft import BatchDraftModel, subtree
 from goodspeed.verifier.types import Draft, RoundResult
 
 
@@ -190,6 +190,7 @@ class LocalRequest:
     tpot_slo_s: float | None
     on_event: Callable[[TokenEvent], None] | None
     arrival: float
+    seed: int | None = None
     session_id: str | None = None
     decode_start: float | None = None  # clock time the prefill finished
     generated: list[int] = field(default_factory=list)
@@ -199,9 +200,11 @@ class LocalRequest:
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0
     committed: list[int] = field(init=False)  # prompt + generated, kept in step (not rebuilt per use)
+    generator: torch.Generator | None = field(init=False)  # a seeded request's draft stream
 
     def __post_init__(self) -> None:
         self.committed = list(self.prompt_ids) + self.generated
+        self.generator = None if self.seed is None else torch_generator(self.seed, "request", "draft")
 
     def commit(self, tokens: list[int], at: float) -> None:
         self.generated.extend(tokens)
@@ -268,7 +271,7 @@ class LocalServing:
             raise ValueError(f"draft vocabulary {draft_model.config.vocab_size} != target vocabulary {engine.vocab_size}")
         self.engine, self.config = engine, config
         self.clock = clock or RealClock()
-        self.draft = LocalDraftModel(draft_model)
+        self.draft = BatchDraftModel(draft_model)
         self.draft.on_forward = lambda ctx, batched: self.clock.charge("draft", ctx, batched)
         root = engine.root_seed if config.seed is None else config.seed
         # The local draft's sampling stream and the policy's (Nightjar's exploration): both
@@ -291,8 +294,11 @@ class LocalServing:
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 64,
                eos_token_ids: Sequence[int] = (), tpot_slo_ms: float | None = None,
-               on_event: Callable[[TokenEvent], None] | None = None, request_id: str | None = None) -> str:
-        """Queue a request (validated now, so a bad one fails here); returns its id."""
+               on_event: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
+               seed: int | None = None) -> str:
+        """Queue a request (validated now, so a bad one fails here); returns its id. ``seed``: the
+        request's draft sampling and its accept/correction uniforms come from streams of its own,
+        so the same request with the same seed and draft lengths gives the same output."""
         prompt = [int(t) for t in prompt_ids]
         self.engine.check_request(prompt, max_new_tokens)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
@@ -302,9 +308,11 @@ class LocalServing:
         rid = request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
             raise errors.RequestInProgressError(f"request id {rid!r} is already in use")
+        if seed is not None:
+            seed = resolve_root_seed(seed)
         self._waiting.append(LocalRequest(
             rid, prompt, sampling, int(max_new_tokens), tuple(int(t) for t in eos_token_ids),
-            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now()))
+            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now(), seed=seed))
         return rid
 
     def cancel(self, request_id: str) -> bool:
@@ -346,7 +354,8 @@ class LocalServing:
             req = self._waiting.popleft()
             req.session_id = self.engine.join(f"local:{req.request_id}", managed=True)
             try:
-                self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens, req.eos_token_ids)
+                self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens, req.eos_token_ids,
+                                          seed=req.seed)
             except errors.EngineError as exc:
                 self.engine.leave(req.session_id)
                 self._finish(req, f"error: {exc}")
@@ -423,7 +432,8 @@ class LocalServing:
 
     def _draft_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]):
         return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths,
-                                       {r.request_id: r.sampling for r in reqs}, self.generator)
+                                       {r.request_id: r.sampling for r in reqs},
+                                       {r.request_id: r.generator or self.generator for r in reqs})
 
     def _chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, _Plan]:
         return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in self._draft_chains(reqs, lengths).items()}

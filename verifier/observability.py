@@ -1,6 +1,7 @@
 """Prometheus metrics (bounded labels) and structured JSON log lines for the verifier daemon.
 
-Per-drafter detail goes to the JSON round log only (one line per round, read by the experiment
+Names follow vLLM's under a ``goodspeed:`` prefix (:mod:`goodspeed.api.metrics`). Per-drafter
+detail goes to the JSON round log only (one line per round, read by the experiment
 runner and the launcher's live table); metrics carry no drafter labels, so their cardinality does
 not grow with the fleet.
 """
@@ -14,29 +15,35 @@ from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from goodspeed.api.metrics import PREFIX, RequestMetrics, SpecDecodeMetrics
+
 PHASES = ("receive", "assembly", "forward", "sampling", "scheduling", "send")
 
 
 class Metrics:
+    """The verifier's metrics: its rounds (``goodspeed:round_*``) and vLLM's request and
+    spec-decode metrics (:mod:`goodspeed.api.metrics`), all in one registry."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         buckets = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-        self.phase_seconds = Histogram("goodspeed_round_phase_seconds", "Round time by phase", ["phase"], buckets=buckets, registry=self.registry)
-        self.batch_size = Gauge("goodspeed_round_batch_drafters", "Drafters verified in the last round", registry=self.registry)
-        self.drafted = Counter("goodspeed_drafted_tokens", "Drafted tokens verified", registry=self.registry)
-        self.accepted = Counter("goodspeed_accepted_tokens", "Drafted tokens accepted", registry=self.registry)
-        self.active = Gauge("goodspeed_active_drafters", "Joined drafter sessions", registry=self.registry)
-        self.rounds = Counter("goodspeed_rounds", "Verified rounds", registry=self.registry)
+        self.phase_seconds = Histogram(f"{PREFIX}round_phase_seconds", "Round time by phase", ["phase"], buckets=buckets,
+                                       registry=self.registry)
+        self.batch_size = Gauge(f"{PREFIX}round_batch_drafters", "Drafters verified in the last round", registry=self.registry)
+        self.active = Gauge(f"{PREFIX}active_drafters", "Joined drafter sessions", registry=self.registry)
+        self.rounds = Counter(f"{PREFIX}rounds", "Verified rounds", registry=self.registry)
+        self.spec = SpecDecodeMetrics(self.registry)
+        self.requests = RequestMetrics(self.registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def observe_round(self, phases: dict[str, float], batch: int, drafted: int, accepted: int) -> None:
+    def observe_round(self, phases: dict[str, float], verdicts) -> None:
         for phase, seconds in phases.items():
             self.phase_seconds.labels(phase=phase).observe(seconds)
-        self.batch_size.set(batch)
-        self.drafted.inc(drafted)
-        self.accepted.inc(accepted)
+        self.batch_size.set(len(verdicts))
+        for verdict in verdicts:
+            self.spec.observe(verdict.num_drafted, verdict.num_accepted)
         self.rounds.inc()
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from goodspeed.scheduler import LatencyModel, fit_latency_model
-from goodspeed.verifier.local_draft import LocalDraftModel
+from goodspeed.lm.batch_draft import BatchDraftModel
 
 BASELINE_BATCH, BASELINE_PROMPT = 8, 32
 
@@ -39,7 +39,7 @@ def profile_model(model: torch.nn.Module, batch_sizes=(1, 2, 4, 8), contexts=(32
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     if max(contexts) + max(query_lens) > max_pos:
         raise ValueError(f"context {max(contexts)} + query {max(query_lens)} exceeds the model's {max_pos} positions")
-    runner = LocalDraftModel(model)
+    runner = BatchDraftModel(model)
     vocab = runner.vocab_size
     samples = []
     for b in batch_sizes:

@@ -20,7 +20,9 @@ are dropped only by ``idle_timeout_s``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from goodspeed.api.metrics import RequestTimer, finished_reason
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -38,6 +41,7 @@ from goodspeed.verifier.fields import (
     MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PROMPT_CHARS_PER_TOKEN, MAX_REQUEST_ID_CHARS, check_free_text,
     check_identifier,
 )
+from goodspeed.verifier.http_front import make_http_front
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
@@ -59,6 +63,7 @@ STATUS = {
     errors.LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NotOwnerError: grpc.StatusCode.PERMISSION_DENIED,
     errors.MalformedDraftError: grpc.StatusCode.INVALID_ARGUMENT,  # and its subclasses
+    errors.DrainingError: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -86,6 +91,8 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # PEM: mutual TLS, clients need a certificate signed by this CA
     insecure: bool = False  # allow plaintext on a non-loopback address (refused otherwise)
+    http_port: int | None = None  # the OpenAI-compatible front (verifier.http_front); None: off
+    http_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
@@ -97,6 +104,8 @@ class ServerConfig:
         if self.tls_cert is None and not self.insecure and not is_loopback(self.host):
             raise ValueError(f"refusing plaintext on {self.host}, which other machines can reach: give --tls-cert and "
                              "--tls-key (and --tls-client-ca for mutual TLS), or --insecure to accept plaintext")
+        if self.http_port is not None and self.tls_cert is None and not self.insecure and not is_loopback(self.http_host):
+            raise ValueError(f"refusing plaintext HTTP on {self.http_host}: give --tls-cert and --tls-key (HTTPS), or --insecure")
 
 
 @dataclass
@@ -112,6 +121,7 @@ class _Drafter:
     last_seen: float = field(default_factory=time.monotonic)
     joined_at: float = field(default_factory=time.monotonic)
     streaming: bool = False  # its verdict stream is open
+    timer: RequestTimer | None = None  # its request in progress, for the request metrics
 
 
 def _rpc(handler):
@@ -181,7 +191,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         held = sum(d.identity.name == identity.name for d in self._drafters.values())
         if identity.max_sessions is not None and held >= identity.max_sessions:
             raise errors.LimitExceededError(f"identity {identity.name!r} already holds {held} sessions (its max_sessions)")
-        session_id = await self.call(self.engine.join, name, request.tokenizer_fingerprint)
+        device = check_identifier("device", request.device, MAX_NAME_CHARS) if request.device else None
+        # One identity's sessions naming one device share a utility term; another identity
+        # naming the same device does not join it.
+        group = f"{identity.name}/{device}" if device else None
+        session_id = await self.call(functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group))
         self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue(), identity)
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=name, model=request.model_name, identity=identity.name)
@@ -204,7 +218,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self._refuse_if_draining(context)
         drafter = await self._owned(request.session_id, context)
         sampling = sampling_from_pb(request.sampling)
-        args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids))
+        args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids),
+                request.seed if request.HasField("seed") else None)
         started = time.perf_counter()
         kv_tokens = len(request.prompt_ids) + request.max_new_tokens
         self.usage.admit_request(drafter.identity, kv_tokens)
@@ -214,15 +229,19 @@ class VerifierService(pb_grpc.VerifierServicer):
             self.usage.release_request(drafter.identity.name, kv_tokens)
             raise
         drafter.kv_tokens = kv_tokens
+        drafter.timer = self.metrics.requests.track(len(request.prompt_ids), started)
         drafter.in_request, drafter.missed, drafter.last_seen = True, 0, time.monotonic()
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
 
-    def _end_request(self, drafter: _Drafter) -> None:
+    def _end_request(self, drafter: _Drafter, reason: str = "abort") -> None:
         """The drafter's request ended (finished, finished early or dropped): release its KV tokens."""
         self.usage.release_request(drafter.identity.name, drafter.kv_tokens)
         drafter.kv_tokens = 0
+        if drafter.timer is not None:
+            drafter.timer.finish(reason)
+            drafter.timer = None
 
     @_rpc
     async def SubmitDraft(self, request, context):
@@ -268,52 +287,57 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self._refuse_if_draining(context)
         prompt_ids = await self._generate_prompt(request, context)
         eos = () if request.ignore_eos or self.tokenizer is None or self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
         arrival = time.perf_counter()
-
-        def on_event(event: TokenEvent) -> None:  # engine thread -> event loop
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        kv_tokens = len(prompt_ids) + request.max_new_tokens
         try:
             sampling = sampling_from_pb(request.sampling)
             if request.request_id:
                 check_identifier("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
-            self.usage.open_stream(who, kv_tokens)
+            stream = await self.open_local(who, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None,
+                                           request.request_id or None, request.seed if request.HasField("seed") else None)
         except errors.EngineError as exc:
             await context.abort(status_for(exc), str(exc))
-        try:
-            rid = await self.call(functools.partial(
-                self.local.submit, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None, on_event,
-                request.request_id or None))
-        except errors.EngineError as exc:
-            self.usage.close_stream(who.name, kv_tokens)
-            await context.abort(status_for(exc), str(exc))
-        self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=request.max_new_tokens,
-                       tpot_slo_ms=request.tpot_slo_ms or None)
-        self._wakeup.set()
-        generated, text, finished = [], "", False
-        try:
+        rid = stream.request_id
+        generated, text = [], ""
+        async with contextlib.aclosing(stream):
             yield pb.GenerateChunk(request_id=rid, prompt_ids=prompt_ids)
-            while not finished:
-                event = await events.get()
-                finished = event.finished
+            async for event in stream:
                 generated += event.token_ids
                 # detokenizing is CPU work too: a worker thread, never the event loop
                 new_text = await asyncio.to_thread(self.tokenizer.decode, list(generated)) if self.tokenizer is not None else ""
                 chunk = pb.GenerateChunk(request_id=rid, token_ids=event.token_ids, token_times_s=[t - arrival for t in event.times],
-                                         text=new_text[len(text):] if new_text.startswith(text) else new_text, finished=finished,
+                                         text=new_text[len(text):] if new_text.startswith(text) else new_text, finished=event.finished,
                                          finish_reason=event.finish_reason or "")
                 text = new_text
-                if finished and event.summary is not None:
+                if event.finished and event.summary is not None:
                     stats = event.summary
                     chunk.tpot_s, chunk.num_drafted, chunk.num_accepted = stats["tpot_s"] or 0.0, stats["drafted"], stats["accepted"]
-                    self.log.event("generated", **stats)
                 yield chunk
-        finally:
+
+    async def open_local(self, who: Identity, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
+                         eos: tuple[int, ...], tpot_slo_ms: float | None, request_id: str | None = None,
+                         seed: int | None = None) -> "LocalStream":
+        """Admit a local-serving request for ``who`` (gRPC Generate and the HTTP front); raises
+        :class:`errors.EngineError` if refused. The stream yields its :class:`TokenEvent` s;
+        closing it before the last one cancels the request at once."""
+        if self.draining:
+            raise errors.DrainingError("the verifier is draining")
+        kv_tokens = len(prompt_ids) + max_new_tokens
+        self.usage.open_stream(who, kv_tokens)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def on_event(event: TokenEvent) -> None:  # engine thread -> event loop
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            rid = await self.call(functools.partial(
+                self.local.submit, prompt_ids, sampling, max_new_tokens, eos, tpot_slo_ms, on_event, request_id, seed))
+        except errors.EngineError:
             self.usage.close_stream(who.name, kv_tokens)
-            if not finished:  # the client went away: free the request at once
-                await self.call(self.local.cancel, rid)
+            raise
+        self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens,
+                       tpot_slo_ms=tpot_slo_ms)
+        self._wakeup.set()
+        return LocalStream(self, rid, events, who.name, kv_tokens, self.metrics.requests.track(len(prompt_ids)))
 
     async def _generate_prompt(self, request, context) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_ids):
@@ -404,8 +428,10 @@ class VerifierService(pb_grpc.VerifierServicer):
             drafter = self._drafters.get(session_id)
             if drafter is not None:
                 drafter.missed, drafter.in_request = 0, not verdict.finished
+                if drafter.timer is not None:
+                    drafter.timer.tokens(len(verdict.token_ids), sent)
                 if verdict.finished:
-                    self._end_request(drafter)
+                    self._end_request(drafter, finished_reason(verdict.finish_reason))
                 drafter.verdicts.put_nowait(verdict_to_pb(verdict))
         send_s = time.perf_counter() - sent
         self._round_opened = time.perf_counter()
@@ -451,7 +477,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         t = result.timings
         phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s, "scheduling": t.scheduling_s, "send": send_s}
         verdicts = result.verdicts.values()
-        self.metrics.observe_round(phases, len(result.verdicts), sum(v.num_drafted for v in verdicts), sum(v.num_accepted for v in verdicts))
+        self.metrics.observe_round(phases, verdicts)
         rows = [
             {"session": v.session_id, "name": self._drafters[v.session_id].name,
              "drafted": v.num_drafted, "accepted": v.num_accepted, "x": len(v.token_ids), "alpha_hat": v.acceptance,
@@ -478,6 +504,42 @@ class VerifierService(pb_grpc.VerifierServicer):
         return sum(d.in_request for d in self._drafters.values()) + local
 
 
+class LocalStream:
+    """One local request's events as an async iterator (see :meth:`VerifierService.open_local`)."""
+
+    def __init__(self, service: VerifierService, request_id: str, events: asyncio.Queue, who: str, kv_tokens: int,
+                 timer: RequestTimer) -> None:
+        self.service, self.request_id, self.events = service, request_id, events
+        self.who, self.kv_tokens, self.timer = who, kv_tokens, timer
+        self.finished = self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        event = await self.events.get()
+        self.timer.tokens(len(event.token_ids))
+        if event.finished:
+            self.finished = True
+            self.timer.finish(finished_reason(event.finish_reason))
+            if event.summary is not None:
+                self.service.log.event("generated", **event.summary)
+        return event
+
+    async def aclose(self) -> None:
+        """Release the request's hold on its identity; cancel it if it has not finished."""
+        if self.closed:
+            return
+        self.closed = True
+        self.service.usage.close_stream(self.who, self.kv_tokens)
+        if not self.finished:  # the client went away (or its stop string came): free the request at once
+            self.timer.finish("abort")
+            freed = await self.service.call(self.service.local.cancel, self.request_id)
+            self.service.log.event("cancelled", request=self.request_id, freed=freed)
+
+
 class VerifierServer:
     """An unstarted server: ``port = await start()``, then ``await drain()`` / ``await stop()``."""
 
@@ -493,6 +555,8 @@ class VerifierServer:
         self._server: grpc.aio.Server | None = None
         self._rounds: asyncio.Task | None = None
         self.failed = asyncio.Event()  # set if the round loop dies: the daemon must not look healthy
+        self.http = None  # the OpenAI-compatible front, when config.http_port is set
+        self.http_port: int | None = None
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -513,6 +577,10 @@ class VerifierServer:
             await self.service.call(self.service.warm_up)
         self._rounds = asyncio.create_task(self.service.run_rounds())
         self._rounds.add_done_callback(self._on_rounds_done)
+        if self.config.http_port is not None:
+            self.http = make_http_front(self.service, self.config.target_name or "target", self.tokenizer)
+            self.http_port = await self.http.start(self.config.http_host, self.config.http_port, ssl_context=self._http_tls())
+            self.log.event("http_serving", host=self.config.http_host, port=self.http_port)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if credentials is None and not is_loopback(self.config.host):
             self.log.event("warning", message=f"--insecure: plaintext on {self.config.host}; anyone on the network can read "
@@ -521,6 +589,14 @@ class VerifierServer:
                        auth="tokens" if self.auth is not None else "none",
                        tls="mutual" if self.config.tls_client_ca else ("server" if self.config.tls_cert else "none"))
         return port
+
+    def _http_tls(self):
+        """HTTPS with the gRPC server's certificate, when it has one."""
+        if self.config.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        return context
 
     def _on_rounds_done(self, task: asyncio.Task) -> None:
         """The round loop only ends when stopped; if it raised, no drafter would get another
@@ -542,6 +618,8 @@ class VerifierServer:
             await asyncio.sleep(0.05)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self._rounds is not None:
             self._rounds.cancel()
         if self._server is not None:

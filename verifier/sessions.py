@@ -42,6 +42,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: frozenset[int]
     hasher: object = field(default_factory=new_prefix_hasher)  # BLAKE2b of ``committed`` so far
+    generator: object = None  # torch.Generator of a seeded request's uniforms; None: the engine's stream
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
@@ -60,6 +61,7 @@ class Session:
     session_id: str
     name: str
     managed: bool = False  # drafted for by local serving, outside the budget and the policy
+    device: str = ""  # the edge device it drafts for: sessions of one device share a utility term
     request: Request | None = None
     allotted: int = 0
     round_index: int = 0  # the round the session submits next

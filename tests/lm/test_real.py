@@ -109,6 +109,8 @@ def test_chat_prompts_use_the_tokenizer_template(tmp_path):
 
     tok = train_tokenizer("def f(x):\n    return x + 1\n" * 50, vocab_size=300)
     messages = [{"role": "user", "content": "hi"}]
+    assert tok.decode(chat_prompt_ids(tok, messages)) == "# user:\nhi\n# assistant:\n"  # the demo's template
+    tok.chat_template = None
     with pytest.raises(PromptFileError, match="no chat template"):
         chat_prompt_ids(tok, messages)
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"

@@ -122,3 +122,27 @@ def test_profile_fits_the_real_pair(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     profile = json.loads(out.read_text())
     assert profile["target"]["delta_s"] > profile["draft"]["delta_s"] > 0
+
+
+def test_the_openai_api_of_an_edge_node_and_of_the_verifier_serves_the_targets_greedy_text(pair, prompts, reference):
+    """The official client, chat completions, through an edge node (drafting with the real draft)
+    and through the verifier's HTTP front (local serving): the target's greedy text."""
+    import openai
+
+    from grpckit import NodeThread, ServerThread
+
+    target, draft = pair
+    messages = [{"role": "user", "content": json.loads((PROMPT_SETS / "chat.jsonl").read_text().splitlines()[0])["messages"][0]["content"]}]
+    prompt = chat_prompt_ids(target.tokenizer, messages)
+    expected = target.tokenizer.decode(reference[tuple(prompt)], skip_special_tokens=True)
+    engine = VerificationEngine(target.model, EngineConfig(budget=8, seed=0), target.fingerprint)
+    local = LocalServing(engine, draft.model, LocalConfig(policy="chain", k=3))
+    with ServerThread(engine, local=local, tokenizer=target.tokenizer, http_port=0, target_name="real:smollm2-135m") as server, \
+            NodeThread(server.address, draft.model, draft.tokenizer, fingerprint=draft.fingerprint) as edge:
+        texts = []
+        for base in (edge.base_url, f"http://127.0.0.1:{server.server.http_port}/v1"):
+            api = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            chunks = api.chat.completions.create(model="real:smollm2-135m", messages=messages, max_tokens=NEW, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks))
+    assert texts == [expected, expected]

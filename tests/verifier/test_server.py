@@ -1,6 +1,7 @@
 """The verifier over real gRPC: greedy equality, status codes for every misuse, health, draining."""
 
 import threading
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -35,8 +36,11 @@ def test_greedy_outputs_equal_target_through_grpc(models, policy):
         scrape = generate_latest(server.server.metrics.registry).decode()
     for i, plist in enumerate(prompts):
         assert outputs[i] == [greedy_reference(target, p, 14) for p in plist]
-    assert f"goodspeed_rounds_total {float(len(rounds))}" in scrape
-    assert 'goodspeed_round_phase_seconds_count{phase="forward"}' in scrape and "goodspeed_accepted_tokens_total" in scrape
+    assert f"goodspeed:rounds_total {float(len(rounds))}" in scrape
+    assert 'goodspeed:round_phase_seconds_count{phase="forward"}' in scrape
+    drafted = sum(d["drafted"] for r in rounds for d in r["drafters"])
+    assert f"goodspeed:spec_decode_num_draft_tokens_total {float(drafted)}" in scrape
+    assert f"goodspeed:e2e_request_latency_seconds_count {float(sum(map(len, prompts)))}" in scrape  # edge requests too
     assert any(r["batch"] > 1 for r in rounds)  # drafters really shared rounds
     assert all(sum(d["S_next"] for d in r["drafters"]) <= 10 for r in rounds)
 
@@ -306,9 +310,13 @@ def test_metrics_endpoint_serves_prometheus_text():
         port = sock.getsockname()[1]
     metrics = Metrics()
     metrics.serve(port)
-    metrics.observe_round({"forward": 0.01, "receive": 0.2}, batch=3, drafted=12, accepted=7)
+    verdicts = [SimpleNamespace(num_drafted=n, num_accepted=m) for n, m in ((4, 3), (8, 4), (0, 0))]
+    metrics.observe_round({"forward": 0.01, "receive": 0.2}, verdicts)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert "goodspeed_accepted_tokens_total 7.0" in body and "goodspeed_round_batch_drafters 3.0" in body
+    assert "goodspeed:spec_decode_num_accepted_tokens_total 7.0" in body and "goodspeed:round_batch_drafters 3.0" in body
+    assert "goodspeed:spec_decode_num_drafts_total 2.0" in body  # an empty draft is not a draft
+    assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 2.0' in body
+    assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 1.0' in body
 
 
 def test_sampled_outputs_follow_the_target_through_grpc():

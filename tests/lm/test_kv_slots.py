@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from goodspeed.verifier.kv_slots import SlotKVCache, SlotTable, additive_mask
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask
 
 
 def test_slot_table_follows_the_cache_when_a_slot_is_freed():

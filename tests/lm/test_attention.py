@@ -2,7 +2,7 @@
 
 import torch
 
-from goodspeed.verifier.attention import use_gqa_attention
+from goodspeed.lm.attention import use_gqa_attention
 from modelkit import tiny_llama
 
 

@@ -1,4 +1,5 @@
-"""The verifier's attention function: SDPA with grouped-query attention and an additive mask.
+"""The attention function of batched forwards with slot KV caches (the verifier's target and the
+batched draft models): SDPA with grouped-query attention and an additive mask.
 
 With a 4-D mask, transformers' own SDPA path repeats every key/value head for grouped-query
 attention (``repeat_kv``), copying the whole KV cache of each layer on every forward — O(prefix)

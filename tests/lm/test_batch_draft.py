@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits
-from goodspeed.verifier.local_draft import LocalDraftModel, subtree
+from goodspeed.lm.batch_draft import BatchDraftModel, subtree
 from modelkit import tiny_llama
 
 GREEDY = SamplingParams()
@@ -30,7 +30,7 @@ def model():
 
 
 def test_chains_are_the_models_greedy_continuations_across_rounds(model):
-    draft = LocalDraftModel(model)
+    draft = BatchDraftModel(model)
     committed = {"a": [1, 2, 3, 4, 5], "b": [7, 8], "c": [9, 10, 11]}
     for key in committed:
         draft.add(key)
@@ -57,7 +57,7 @@ def test_chains_are_the_models_greedy_continuations_across_rounds(model):
 
 
 def test_sampled_chain_reports_the_processed_draft_distribution(model):
-    draft = LocalDraftModel(model)
+    draft = BatchDraftModel(model)
     draft.add("x")
     sampling = SamplingParams(temperature=0.8, top_k=5)
     out = draft.draft_chains({"x": [3, 4, 5]}, {"x": 2}, {"x": sampling}, torch.Generator().manual_seed(1))["x"]
@@ -76,7 +76,7 @@ def test_sampled_chain_reports_the_processed_draft_distribution(model):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3)])
 def test_beam_trees_match_full_forwards(model, sampling):
-    draft = LocalDraftModel(model)
+    draft = BatchDraftModel(model)
     committed = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8, 9, 10, 11]}
     for key in committed:
         draft.add(key)
@@ -102,7 +102,7 @@ def test_beam_trees_match_full_forwards(model, sampling):
 
 
 def test_subtree_reindexes_parents(model):
-    draft = LocalDraftModel(model)
+    draft = BatchDraftModel(model)
     draft.add("a")
     tree = draft.draft_trees({"a": [1, 2, 3]}, depth=3, width=2, sampling={"a": GREEDY})["a"]
     chosen = [0] + [k for k in range(len(tree.parents)) if tree.parents[k] == 0]

@@ -1,7 +1,9 @@
-"""The verifier's own draft model for local requests: batched chains and beam-search trees.
+"""A draft model drafting for many requests at once: batched chains and beam-search trees.
 
-Local serving drafts for every request of the continuous batch at once, so the draft model keeps
-its KV in a :class:`~goodspeed.verifier.kv_slots.SlotKVCache` (one slot per request, the same
+Two callers: the verifier's local serving (:mod:`goodspeed.verifier.local`) drafts for every
+request of its continuous batch, and an edge node serving several requests
+(:mod:`goodspeed.drafter.node`) drafts for its requests together. Either way the draft model keeps
+its KV in a :class:`~goodspeed.lm.kv_slots.SlotKVCache` (one slot per request, the same
 structure the target uses) and every draft step is ONE forward over all requests.
 
 * Catch-up: the committed tokens a request's draft KV does not hold yet (at least the last
@@ -26,15 +28,15 @@ processed distribution is one-hot, the draft's softmax ranks the candidates. Tre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
-from goodspeed.verifier.attention import use_gqa_attention
-from goodspeed.verifier.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
+from goodspeed.lm.attention import use_gqa_attention
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,9 @@ class BeamTree:
     depths: list[int]
 
 
-class LocalDraftModel:
-    """Batched drafting for the local requests. Not thread-safe (the engine thread owns it)."""
+class BatchDraftModel:
+    """Batched drafting for a set of requests. Not thread-safe (one thread owns it: the verifier's
+    engine thread, or an edge node's drafting thread)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
@@ -168,9 +171,11 @@ class LocalDraftModel:
     # ------------------------------------------------------------------ chains
 
     def draft_chains(self, committed: dict[str, Sequence[int]], lengths: dict[str, int], sampling: dict[str, SamplingParams],
-                     generator: torch.Generator) -> dict[str, ChainDraft]:
+                     generator: torch.Generator | Mapping[str, torch.Generator]) -> dict[str, ChainDraft]:
         """Draft ``lengths[key]`` tokens after each request's committed tokens (all in one batch
-        per step); keys with length 0 are left alone."""
+        per step); keys with length 0 are left alone. ``generator``: one sampling stream for all
+        keys, or one per key (seeded requests)."""
+        streams = generator if isinstance(generator, Mapping) else {k: generator for k in lengths}
         active = {k: n for k, n in lengths.items() if n > 0}
         out = {k: ChainDraft([], torch.zeros(0, self.vocab_size), []) for k in lengths if k not in active}
         if not active:
@@ -184,7 +189,7 @@ class LocalDraftModel:
                 if step < active[key]:
                     # float32 q, as the engine reads it: a sampled token never has q = 0 there
                     q = process_logits(last[key].double(), sampling[key]).float()
-                    tok = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
+                    tok = int(sample_from(q, torch.rand(1, generator=streams[key], dtype=torch.float64)).item())
                     drafted[key].append(tok)
                     probs[key].append(q)
                     rank = torch.softmax(last[key].double(), dim=-1) if sampling[key].greedy else q  # = _ranking, once

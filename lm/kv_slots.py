@@ -1,4 +1,5 @@
-"""The verifier's KV cache: one slot (batch row) per drafter session, each written at its own offset.
+"""A slotted KV cache: one slot (batch row) per session or request, each written at its own offset
+(the verifier's target and every batched draft model use it).
 
 DESIGN.md section 6: a round must cost O(new tokens), never O(prefix). Every layer keeps one
 buffer ``[num_slots, kv_heads, capacity, head_dim]``; a forward over all slots writes row ``b``'s

@@ -1,0 +1,209 @@
+"""The OpenAI API's request bodies, validated, and its error objects.
+
+Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
+``top_k``, ``ignore_eos``; ours: ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every
+refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
+
+* a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
+* a feature this server does not implement (``n > 1``, ``logprobs``, penalties, tools, ``echo``,
+  ``best_of``, non-text response formats, several prompts): 400 naming the field, never a silent
+  fallback;
+* an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
+  400 ``context_length_exceeded``; a full queue: 429.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from goodspeed.lm.sampling import MIN_TEMPERATURE, SamplingParams
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256
+
+
+class ApiError(Exception):
+    """A refusal with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; -1 and 0 are off
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    ignore_eos: bool = False
+    tpot_slo_ms: Annotated[float, Field(gt=0)] | None = None  # AdaServe's per-request SLO (verifier only)
+    user: str | None = None  # accepted for logs, as OpenAI's
+    # Refused unless left at their defaults (see :meth:`refuse_unsupported`).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    best_of: int | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must hold 1 to {MAX_STOP_CHARS} characters")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        """400 for features this server does not implement, naming the field."""
+        if self.n != 1:
+            raise ApiError(400, "only n = 1 is supported", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options needs stream = true", param="stream_options")
+        for name, default in (("logprobs", None), ("top_logprobs", None), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("logit_bias", None), ("best_of", None)):
+            value = getattr(self, name)
+            if value not in (default, False, {}) or (name == "best_of" and value not in (None, 1)):
+                raise ApiError(400, f"{name} is not supported by this server", param=name)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=max(0, self.top_k), top_p=self.top_p)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        if isinstance(value, list) and (not value or any(isinstance(t, bool) or t < 0 for t in value)):
+            raise ValueError("a token-id prompt holds at least one id, each >= 0")
+        if isinstance(value, str) and not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported by this server", param="suffix")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ApiError(400, "tools are not supported by this server", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, f"response_format {self.response_format.type!r} is not supported (only 'text')",
+                           param="response_format")
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_body(model: type[_Sampling], body: Any) -> _Sampling:
+    """Validate a JSON body into ``model``; 400 with the first problem's field path otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
+    request.refuse_unsupported()
+    return request
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a backend generates: the API's request reduced to tokens and sampling."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    seed: int | None = None
+    tpot_slo_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tpot_slo_ms is not None and not (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0):
+            raise ValueError("tpot_slo_ms must be > 0")

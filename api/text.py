@@ -1,0 +1,89 @@
+"""Incremental detokenization with stop strings, for streaming responses.
+
+Decoding the whole output after every token costs O(n^2); decoding one token at a time is wrong
+for byte-level BPE (a character can span tokens, and some tokenizers' decoders merge spaces). So,
+like vLLM's incremental detokenizer, each step decodes a short window: the tokens from
+``prefix_offset`` and those from ``prefix_offset`` to ``read_offset``; the new text is the
+difference. A window that ends in U+FFFD (an incomplete UTF-8 sequence) is held until the next
+token completes it.
+
+Stop strings: the text is searched as it grows; at a match the output ends just before the stop
+string (OpenAI's behaviour) and no later token is consumed. While streaming, the longest tail
+that could still begin a stop string is held back, so a client never sees text that a stop string
+later removes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+class TextStream:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.stop, self.skip_special = tokenizer, list(stop), skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # everything decoded so far (emitted + held back)
+        self.emitted = 0  # characters of ``text`` handed out
+        self.stopped = False
+        self.consumed = 0  # tokens consumed (a stop string's match ends consumption)
+        self._prefix_offset = self._read_offset = 0
+        self._searched = 0  # stop strings are searched from here (minus the longest stop's length)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def _delta(self, allow_incomplete: bool = False) -> str:
+        """Text the tokens after ``read_offset`` add (vLLM's incremental step)."""
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not allow_incomplete):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+    def _push_one(self, token: int) -> None:
+        self.ids.append(int(token))
+        self.text += self._delta()
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Consume tokens (until a stop string matches); returns the text now safe to emit."""
+        for token in token_ids:
+            if self.stopped:
+                break
+            self._push_one(token)
+            self.consumed += 1
+            if self.stop and self._find_stop():
+                break
+        return self._take(final=self.stopped)
+
+    def _find_stop(self) -> bool:
+        longest = max(len(s) for s in self.stop)
+        start = max(0, self._searched - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        self._searched = len(self.text)
+        if not hits:
+            return False
+        self.text, self.stopped = self.text[: min(hits)], True
+        return True
+
+    def _held(self) -> int:
+        """Characters at the end of ``text`` that may still begin a stop string."""
+        held = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), held, -1):
+                if self.text.endswith(s[:k]):
+                    held = k
+                    break
+        return held
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text) if final else len(self.text) - self._held()
+        out = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def finish(self) -> str:
+        """The text still held back once generation ended without a stop string (an incomplete
+        character at the very end comes out as U+FFFD rather than being lost)."""
+        if not self.stopped:
+            self.text += self._delta(allow_incomplete=True)
+        return self._take(final=True)

@@ -1,0 +1,462 @@
+"""An edge node as a server: applications' requests are drafted here and verified remotely.
+
+``goodspeed drafter --serve HOST:PORT`` puts :class:`EdgeNode` behind the OpenAI API
+(:mod:`goodspeed.api.server`); both run on one asyncio loop with the node's ``grpc.aio`` channel.
+
+How a node holds several requests at once, and why fairness stays per DEVICE:
+
+* Each request in progress has its own verifier session (the protocol's unit: one request, one
+  KV slot, one round counter), taken from a pool of at most ``max_concurrency`` sessions that
+  the node keeps joined (their acceptance estimates carry over between requests). Requests
+  beyond that wait in a bounded queue; beyond it they get 429.
+* Every session of the node joins with the node's name as its ``device``. The verifier's
+  GoodSpeed then has ONE utility term per device, ``log X_d`` with ``X_d`` the sum of the
+  device's sessions' goodputs (:meth:`goodspeed.verifier.engine.VerificationEngine._device_goodput`):
+  a node serving four requests gets a device's share of the budget ``C``, split among its
+  requests by their marginal gains, exactly as eq. (5) splits it among devices. Opening more
+  requests does not buy a device more of the verifier.
+* Drafting is batched across the node's requests: requests waiting for a draft are drafted
+  together, one forward per draft step, by :class:`goodspeed.lm.batch_draft.BatchDraftModel`
+  (one KV slot per request). In the paper's synchronous rounds the node's verdicts arrive
+  together, so its requests are drafted together.
+
+Losslessness is the verifier's: the node only drafts. Each request samples from its own stream
+(its ``seed``, else the node's root seed and the request id); each verdict's committed length and
+prefix hash are checked against the node's copy. If the verifier drops a session (a restart, a
+missed deadline), the request joins again and resumes from the tokens already verified (the
+target's continuation of a verified prefix is still its own distribution). A verdict that does
+not match the node's text ends the request with an error: its tokens already reached the client,
+so the node never papers over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
+from goodspeed.api.protocol import ApiError, GenerationRequest
+from goodspeed.api.server import Delta
+from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError
+from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
+from goodspeed.drafter.runner import DraftOutput
+from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
+from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.lm.seeding import resolve_root_seed, torch_generator
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
+
+MAX_REPAIRS = 3  # session losses one request survives
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    verifier: str  # HOST:PORT
+    name: str  # this device's name: the verifier's fairness unit
+    model_name: str = ""
+    fingerprint: str = ""
+    max_concurrency: int = 4  # verifier sessions (requests generating at once)
+    max_waiting: int = 64  # requests queued for a session; more get 429
+    seed: int | None = None  # root of the per-request sampling streams; None: OS entropy
+    connect_timeout_s: float = 60.0
+    verdict_timeout_s: float = 120.0
+    token: str | None = None
+    tls: ClientTLS | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1 or self.max_waiting < 0:
+            raise ValueError("max_concurrency must be >= 1 and max_waiting >= 0")
+
+
+class _SessionLost(Exception):
+    """The verifier no longer knows the session, or its verdict stream ended."""
+
+
+class _Session:
+    """One pooled verifier session and its verdict stream."""
+
+    def __init__(self, session_id: str, stream) -> None:
+        self.session_id, self.stream = session_id, stream
+        self.verdicts: asyncio.Queue = asyncio.Queue()
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for verdict in self.stream:
+                self.verdicts.put_nowait(verdict)
+        except grpc.aio.AioRpcError:
+            pass
+        self.verdicts.put_nowait(None)
+
+    async def verdict(self, round_index: int, timeout_s: float) -> pb.Verdict:
+        """The verdict for ``round_index`` (earlier ones — a retried submit's — are skipped)."""
+        while True:
+            try:
+                item = await asyncio.wait_for(self.verdicts.get(), timeout_s)
+            except asyncio.TimeoutError:
+                raise DrafterError(f"no verdict for round {round_index} within {timeout_s:g} s") from None
+            if item is None:
+                raise _SessionLost()
+            if item.round_index == round_index:
+                return item
+            if item.round_index > round_index:
+                raise DrafterError(f"the verifier answered round {item.round_index} while this node waited for {round_index}")
+
+    async def close(self) -> None:
+        self.stream.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+
+
+@dataclass
+class _Request:
+    gen: GenerationRequest
+    committed: list[int]
+    generator: torch.Generator
+    timer: RequestTimer
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    hasher: object = field(default_factory=new_prefix_hasher)
+    generated: int = 0
+    session: _Session | None = None
+    in_progress: bool = False  # the verifier holds the request (StartRequest done, not finished)
+    length: int = 0  # S for the next round
+    round_index: int = 0
+    repairs: int = 0
+
+    def __post_init__(self) -> None:
+        update_prefix_hasher(self.hasher, self.committed)
+
+    @property
+    def key(self) -> str:
+        return self.gen.request_id
+
+    def commit(self, tokens: list[int]) -> None:
+        self.committed.extend(tokens)
+        self.generated += len(tokens)
+        update_prefix_hasher(self.hasher, tokens)
+
+
+@dataclass
+class _DraftJob:
+    request: _Request
+    length: int
+    committed: list[int]
+    future: asyncio.Future
+
+
+class EdgeNode:
+    """:class:`goodspeed.api.server.Backend` of an edge device: ``await start()``, then serve."""
+
+    def __init__(self, config: NodeConfig, draft_model: torch.nn.Module, tokenizer,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.registry = registry or CollectorRegistry()
+        self.requests = RequestMetrics(self.registry)
+        self.spec = SpecDecodeMetrics(self.registry)
+        self.node_metrics = DrafterMetrics(self.registry)
+        self.drafter = BatchDraftModel(draft_model)
+        self.root_seed = resolve_root_seed(config.seed)
+        self.metadata = bearer_metadata(config.token)
+        self.model_ids: tuple[str, ...] = ()
+        self.max_model_len = 0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-draft")  # owns the draft model
+        self._free: list[_Session] = []
+        self._sessions = 0  # joined, free or busy
+        self._session_freed = asyncio.Condition()
+        self._waiting = 0
+        self._jobs: list[_DraftJob] = []
+        self._jobs_ready = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._batcher: asyncio.Task | None = None
+        self.channel = self.stub = None
+        self.serving = False
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Reach the verifier (retrying until ``connect_timeout_s``) and join the first session."""
+        self.channel = open_aio_channel(self.config.verifier, self.config.tls)
+        self.stub = pb_grpc.VerifierStub(self.channel)
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline, pause = time.monotonic() + self.config.connect_timeout_s, 0.05
+        while True:
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() + pause > deadline:
+                raise DrafterError(f"verifier {self.config.verifier} not serving after {self.config.connect_timeout_s:g} s")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+        try:
+            session, reply = await self._join()
+        except ApiError as exc:
+            raise DrafterError(exc.message) from None
+        self._sessions = 1
+        self.node_metrics.sessions.set(1)
+        self.model_ids = (reply.target_model or self.config.model_name,)
+        self.max_model_len = int(reply.max_seq_len)
+        self._free.append(session)
+        self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+        self.serving = True
+
+    async def stop(self) -> None:
+        """Cancel the requests in progress (freeing them on the verifier) and leave."""
+        self.serving = False
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+        for session in self._free:
+            try:
+                await self.stub.Leave(pb.LeaveRequest(session_id=session.session_id), timeout=5.0, metadata=self.metadata)
+            except grpc.aio.AioRpcError:
+                pass
+            await session.close()
+        self._free.clear()
+        if self.channel is not None:
+            await self.channel.close()
+        self._executor.shutdown(wait=True)
+
+    def ready(self) -> bool:
+        return self.serving
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    # ------------------------------------------------------------------ sessions
+
+    async def _join(self) -> tuple[_Session, pb.JoinReply]:
+        """Join one session (the caller counts it in ``_sessions``)."""
+        try:
+            reply = await self.stub.Join(pb.JoinRequest(
+                drafter_name=self.config.name, model_name=self.config.model_name, tokenizer_fingerprint=self.config.fingerprint,
+                protocol_version=PROTOCOL_VERSION, device=self.config.name), timeout=self.config.verdict_timeout_s,
+                metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise _refusal("join", exc) from None
+        stream = self.stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=reply.session_id), metadata=self.metadata)
+        return _Session(reply.session_id, stream), reply
+
+    async def _acquire(self) -> _Session:
+        """A free session: a pooled one, a newly joined one while the pool is below
+        ``max_concurrency``, or the next one freed (at most ``max_waiting`` requests wait)."""
+        while True:
+            if self._free:
+                return self._free.pop()
+            if self._sessions < self.config.max_concurrency:
+                self._sessions += 1  # counted before the await, so concurrent callers cannot overshoot
+                try:
+                    session, _ = await self._join()
+                except BaseException:
+                    self._sessions -= 1
+                    raise
+                self.node_metrics.sessions.set(self._sessions)
+                return session
+            if self._waiting >= self.config.max_waiting:
+                raise ApiError(429, f"{self._waiting} requests are already waiting on this node; retry later")
+            self._waiting += 1
+            self.requests.waiting.set(self._waiting)
+            try:
+                async with self._session_freed:
+                    await self._session_freed.wait_for(lambda: bool(self._free) or self._sessions < self.config.max_concurrency)
+            finally:
+                self._waiting -= 1
+                self.requests.waiting.set(self._waiting)
+
+    async def _release(self, session: _Session) -> None:
+        self._free.append(session)
+        async with self._session_freed:
+            self._session_freed.notify()
+
+    async def _discard(self, session: _Session) -> None:
+        """A session the verifier dropped: forget it (its place in the pool opens again)."""
+        await session.close()
+        self._sessions -= 1
+        self.node_metrics.sessions.set(self._sessions)
+        async with self._session_freed:
+            self._session_freed.notify()
+
+    # ------------------------------------------------------------------ requests
+
+    async def open(self, request: GenerationRequest, identity: object = None):
+        """Admit the request: a session, a draft KV slot and ``StartRequest`` (refusals raise
+        :class:`ApiError` here, before any response is sent); then its rounds run in a task."""
+        if not self.serving:
+            raise ApiError(503, "the node is not connected to its verifier")
+        if request.tpot_slo_ms is not None:
+            raise ApiError(400, "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
+        generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
+                     else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
+        req = _Request(request, list(request.prompt_ids), generator, self.requests.track(len(request.prompt_ids)))
+        try:
+            await self._call(self.drafter.add, req.key)
+            await self._start(req)
+        except BaseException as exc:
+            await self._end(req, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
+            raise
+        task = asyncio.get_running_loop().create_task(self._serve(req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return self._deltas(req, task)
+
+    @staticmethod
+    async def _deltas(req: _Request, task: asyncio.Task):
+        finished = False
+        try:
+            while not finished:
+                delta = await req.out.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:  # the client went away: stop the request (frees the verifier's KV)
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its cleanup runs to the end
+
+    async def _start(self, req: _Request) -> None:
+        """A session and ``StartRequest`` for the request's committed text (prompt + verified
+        tokens so far); a pooled session the verifier has forgotten is replaced."""
+        for _ in range(MAX_REPAIRS + 1):
+            req.session = await self._acquire()
+            message = pb.StartRequestRequest(
+                session_id=req.session.session_id, prompt_ids=req.committed, sampling=sampling_to_pb(req.gen.sampling),
+                max_new_tokens=req.gen.max_tokens - req.generated, eos_token_ids=list(req.gen.eos_token_ids))
+            if req.gen.seed is not None:
+                message.seed = req.gen.seed
+            try:
+                reply = await self.stub.StartRequest(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise _refusal("the request", exc) from None
+                session, req.session = req.session, None
+                await self._discard(session)
+                continue
+            req.in_progress, req.length, req.round_index = True, reply.draft_length, reply.round_index
+            return
+        raise ApiError(502, f"the verifier dropped this node's sessions {MAX_REPAIRS + 1} times in a row")
+
+    async def _serve(self, req: _Request) -> None:
+        reason = "error"
+        try:
+            while True:
+                try:
+                    verdict = await self._round(req)
+                except _SessionLost:
+                    req.repairs += 1
+                    if req.repairs > MAX_REPAIRS:
+                        raise ApiError(502, f"the verifier dropped this request's session {req.repairs} times") from None
+                    session, req.session, req.in_progress = req.session, None, False
+                    await self._discard(session)
+                    await self._start(req)
+                    continue
+                req.commit(list(verdict.token_ids))
+                req.timer.tokens(len(verdict.token_ids))
+                if len(req.committed) != verdict.committed_length or req.hasher.hexdigest() != verdict.prefix_hash:
+                    raise ApiError(502, "a verdict does not match this node's text (committed length or prefix hash)")
+                req.in_progress = not verdict.finished
+                req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None))
+                if verdict.finished:
+                    reason = finished_reason(verdict.finish_reason)
+                    return
+                req.length, req.round_index = verdict.next_draft_length, verdict.round_index + 1
+        except asyncio.CancelledError:
+            reason = "abort"
+            raise
+        except Exception as exc:  # the client is told; the node and its other requests go on
+            if isinstance(exc, ApiError):
+                error = exc
+            elif isinstance(exc, grpc.aio.AioRpcError):
+                error = _refusal("a round", exc)
+            else:
+                error = ApiError(502 if isinstance(exc, DrafterError) else 500, f"{type(exc).__name__}: {exc}"
+                                 if not isinstance(exc, DrafterError) else str(exc))
+            req.out.put_nowait(Delta([], True, f"error: {error.message}", error=error))
+        finally:
+            await self._end(req, reason)
+
+    async def _end(self, req: _Request, reason: str) -> None:
+        """Free everything the request holds: its request on the verifier (if still running),
+        its session, its draft KV slot."""
+        req.timer.finish(reason)
+        if req.session is not None:
+            if req.in_progress:
+                try:
+                    await self.stub.FinishRequest(pb.FinishRequestRequest(session_id=req.session.session_id), timeout=5.0,
+                                                  metadata=self.metadata)
+                except grpc.aio.AioRpcError:
+                    pass  # it already ended there, or the verifier is gone
+                req.in_progress = False
+            session, req.session = req.session, None
+            await self._release(session)
+        if req.key in self.drafter.slots:
+            await self._call(self.drafter.remove, req.key)
+
+    async def _round(self, req: _Request) -> pb.Verdict:
+        session, length, round_index = req.session, req.length, req.round_index
+        draft: ChainDraft = await self._draft(req, length)
+        message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.gen.sampling)
+        sent = time.perf_counter()
+        try:
+            reply = await self.stub.SubmitDraft(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise _SessionLost() from None
+            raise
+        verdict = reply.verdict if reply.HasField("verdict") else await session.verdict(round_index, self.config.verdict_timeout_s)
+        self.node_metrics.round_trip_seconds.observe(time.perf_counter() - sent)
+        self.node_metrics.draft_length.observe(length)
+        self.spec.observe(verdict.num_drafted, verdict.num_accepted)
+        return verdict
+
+    # ------------------------------------------------------------------ drafting
+
+    async def _draft(self, req: _Request, length: int) -> ChainDraft:
+        """Queue the request for the next batched drafting call and wait for its draft."""
+        future = asyncio.get_running_loop().create_future()
+        self._jobs.append(_DraftJob(req, length, list(req.committed), future))
+        self._jobs_ready.set()
+        return await future
+
+    async def _batch_loop(self) -> None:
+        """Draft every queued request in one batched call (one forward per draft step)."""
+        while True:
+            await self._jobs_ready.wait()
+            self._jobs_ready.clear()
+            jobs = [job for job in self._jobs if not job.future.done()]
+            self._jobs = []
+            if not jobs:
+                continue
+            started = time.perf_counter()
+            try:
+                drafts = await self._call(
+                    self.drafter.draft_chains, {j.request.key: j.committed for j in jobs}, {j.request.key: j.length for j in jobs},
+                    {j.request.key: j.request.gen.sampling for j in jobs}, {j.request.key: j.request.generator for j in jobs})
+            except Exception as exc:  # a device error: every request in the batch fails, the node goes on
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(DrafterError(f"drafting failed: {type(exc).__name__}: {exc}"))
+                continue
+            self.node_metrics.draft_seconds.observe(time.perf_counter() - started)
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_result(drafts[job.request.key])
+
+
+def _refusal(what: str, exc: grpc.aio.AioRpcError) -> ApiError:
+    """A verifier's refusal as the HTTP status an application should see."""
+    code = exc.code()
+    status = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.INVALID_ARGUMENT: 400,
+              grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}.get(code, 502)
+    return ApiError(status, f"the verifier refused {what}: {code.name}: {exc.details()}")

@@ -1,0 +1,113 @@
+"""Bad requests get 4xx with OpenAI's error object — never a 500 — from the official client's view
+(served here by a verifier's local serving; the edge node shares this server)."""
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LocalConfig, LocalServing
+from grpckit import ServerThread
+from modelkit import chat_pair
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    target, draft, tokenizer = chat_pair()
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, max_seq_len=128))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3))
+    with ServerThread(engine, local=local, tokenizer=tokenizer, http_port=0, target_name="tiny") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused", max_retries=0)
+
+
+def refusal(call, **kwargs):
+    with pytest.raises(openai.APIStatusError) as caught:
+        call(**kwargs)
+    error = caught.value
+    assert set(error.body) == {"message", "type", "param", "code"} and error.body["message"]
+    return error.status_code, error.body
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature="hot"), "temperature"),
+    (dict(temperature=3.0), "temperature"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0), "top_p"),
+    (dict(n=2), "n"),
+    (dict(seed=-5), "seed"),
+    (dict(logprobs=3), "logprobs"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(echo=True), "echo"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+    (dict(extra_body={"ignore_eos": "yes please"}), "ignore_eos"),
+])
+def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
+    status, body = refusal(api.completions.create, model="tiny", prompt="x", **kwargs)
+    assert status == 400 and body["type"] == "invalid_request_error" and body["param"] == param
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+    (dict(messages=[{"role": "user", "content": 5}]), "messages.0.content.str"),
+    (dict(messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(messages=MESSAGES, response_format={"type": "json_object"}), "response_format"),
+    (dict(messages=MESSAGES, max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),
+])
+def test_bad_chat_bodies_are_400(api, kwargs, param):
+    status, body = refusal(api.chat.completions.create, model="tiny", **kwargs)
+    assert status == 400 and body["param"] == param
+
+
+def test_an_unknown_model_is_404_model_not_found(api):
+    status, body = refusal(api.completions.create, model="gpt-4", prompt="x")
+    assert status == 404 and body["code"] == "model_not_found"
+
+
+def test_a_prompt_past_the_context_is_400_context_length_exceeded(api, server):
+    status, body = refusal(api.completions.create, model="tiny", prompt="word " * 400, max_tokens=4)
+    assert status == 400 and body["code"] == "context_length_exceeded"
+    status, body = refusal(api.completions.create, model="tiny", prompt=[1, 2, 3], max_tokens=126)  # 3 + 126 > 128
+    assert status == 400 and body["code"] == "context_length_exceeded"
+    status, body = refusal(api.completions.create, model="tiny", prompt=[1, 2, 300], max_tokens=4)  # id past V = 300
+    assert status == 400 and "token" in body["message"]
+
+
+def post(server, path, data: bytes):
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"[1, 2]", b"\xff\xfe", b'"a string"'])
+def test_bodies_that_are_not_a_json_object_are_400(server, data):
+    status, body = post(server, "/v1/completions", data)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_paths_and_huge_bodies_get_the_error_object_too(server):
+    assert post(server, "/v1/embeddings", b"{}")[0] == 404
+    status, body = post(server, "/v1/completions", b'{"prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}')
+    assert status == 413 and body["error"]["message"]
+
+
+def test_the_server_still_serves_after_every_refusal(api):
+    out = api.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3

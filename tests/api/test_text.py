@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop strings (goodspeed.api.text)."""
+
+import inspect
+import json
+
+import pytest
+
+from goodspeed.api.text import TextStream
+from goodspeed.lm.demo import train_tokenizer
+
+TEXT = 'def héllo(wörld):\n    return "✓ 日本語 naïve"  # ok\n'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(inspect.getsource(json.decoder) * 3, vocab_size=300)
+
+
+def stream_all(tokenizer, ids, stop=(), chunk=1):
+    stream, out = TextStream(tokenizer, stop), []
+    for i in range(0, len(ids), chunk):
+        out.append(stream.push(ids[i : i + chunk]))
+        if stream.stopped:
+            break
+    if not stream.stopped:
+        out.append(stream.finish())
+    return stream, out
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_streamed_text_equals_the_full_decode_whatever_the_chunking(tokenizer, chunk):
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    stream, pieces = stream_all(tokenizer, ids, chunk=chunk)
+    assert "".join(pieces) == TEXT == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)  # a character split across tokens is held, never emitted half
+    assert stream.consumed == len(ids) and not stream.stopped
+
+
+def test_a_stop_string_ends_the_text_before_it_and_consumes_no_later_token(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    stream, pieces = stream_all(tokenizer, ids, stop=["日本"])
+    assert "".join(pieces) == 'def héllo(wörld):\n    return "✓ '
+    assert stream.stopped and stream.consumed < len(ids)
+    assert tokenizer.decode(ids[: stream.consumed]).endswith("本") or "日本" in tokenizer.decode(ids[: stream.consumed])
+    assert "日本" not in tokenizer.decode(ids[: stream.consumed - 1])  # the match came with the last consumed token
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back_until_it_cannot(tokenizer):
+    stream = TextStream(tokenizer, ["return 42"])
+    out = stream.push(tokenizer("x = 1\n    return", add_special_tokens=False)["input_ids"])
+    assert out == "x = 1\n    "  # "return" could still become the stop string
+    out += stream.push(tokenizer(" 4", add_special_tokens=False)["input_ids"])
+    assert "return" not in out
+    out += stream.push(tokenizer("3", add_special_tokens=False)["input_ids"])  # "return 43": not a stop
+    assert out == "x = 1\n    return 43" and not stream.stopped
+    assert stream.finish() == ""
+
+
+def test_special_tokens_are_not_in_the_text(tokenizer):
+    ids = tokenizer("pass", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    _, pieces = stream_all(tokenizer, ids)
+    assert "".join(pieces) == "pass"

@@ -1,0 +1,149 @@
+"""An edge node serving the OpenAI API (goodspeed.drafter.node), called with the official client:
+its output equals the target's greedy decoding; several requests share one device's sessions;
+a client that goes away frees the verifier at once; a dropped session is repaired."""
+
+import asyncio
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from grpckit import NodeThread, ServerThread
+from modelkit import chat_pair, greedy_reference
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def models():
+    return chat_pair()
+
+
+def verifier(models, **engine):
+    config = dict(budget=8, max_draft_len=6, seed=5) | engine
+    return ServerThread(VerificationEngine(models[0], EngineConfig(**config)), round_deadline_ms=500, target_name="tiny")
+
+
+def node(server, models, **config):
+    return NodeThread(server.address, models[1], models[2], **config)
+
+
+def api_of(edge, api_key="unused"):
+    return openai.OpenAI(base_url=edge.base_url, api_key=api_key, max_retries=0)
+
+
+def reference(models, prompt, n):
+    tokenizer = models[2]
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else prompt
+    return tokenizer.decode(greedy_reference(models[0], ids, n), skip_special_tokens=True)
+
+
+def samples(port) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        body = response.read().decode()
+    return {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(body) for s in f.samples}
+
+
+def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(models):
+    tokenizer = models[2]
+    messages = [{"role": "user", "content": "parse json"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        assert [m.id for m in api.models.list().data] == ["tiny"]  # the verifier's target, as the verifier names it
+        whole = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, **GREEDY)
+        streamed = list(api.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, stream=True, **GREEDY))
+        chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, **GREEDY)
+        chat_stream = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, stream=True,
+                                                       stream_options={"include_usage": True}, **GREEDY))
+        metrics = samples(edge.port)
+    assert whole.choices[0].text == reference(models, "def f(x):", 20) == "".join(c.choices[0].text for c in streamed)
+    assert chat.choices[0].message.content == reference(models, chat_ids, 16)
+    assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == chat.choices[0].message.content
+    assert chat_stream[-1].usage.completion_tokens == 16 and chat_stream[-1].usage.prompt_tokens == len(chat_ids)
+    # the node's own view: its drafting, its round trips, its acceptance, its requests
+    assert metrics["goodspeed:drafter_draft_seconds_count[]"] > 0 and metrics["goodspeed:drafter_round_trip_seconds_count[]"] > 0
+    assert metrics["goodspeed:spec_decode_num_draft_tokens_total[]"] >= metrics["goodspeed:spec_decode_num_accepted_tokens_total[]"]
+    assert metrics["goodspeed:generation_tokens_total[]"] == 20 + 20 + 16 + 16
+    assert metrics["goodspeed:request_success_total[('finished_reason', 'length')]"] == 4
+    assert metrics["goodspeed:time_to_first_token_seconds_count[]"] == 4
+
+
+def test_concurrent_requests_share_one_devices_sessions(models):
+    prompts = ["import os", "class A:", "def f(x):", "return None", "while True:"]
+    with verifier(models) as server, node(server, models, name="phone", max_concurrency=2) as edge:
+        api, texts = api_of(edge), {}
+
+        def work(p):
+            texts[p] = api.completions.create(model="tiny", prompt=p, max_tokens=14, **GREEDY).choices[0].text
+
+        threads = [threading.Thread(target=work, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        sessions = dict(server.server.engine._sessions)
+        joins = server.events("join")
+    assert texts == {p: reference(models, p, 14) for p in prompts}
+    assert len(joins) == 2  # max_concurrency sessions, reused by the five requests
+    assert {s.device for s in sessions.values()} == {"anonymous/phone"}  # one device: one utility term
+
+
+def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models):
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        stream = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=400, stream=True, **GREEDY)
+        first = next(iter(stream))
+        stream.close()  # the application disconnects mid-stream
+        for _ in range(500):  # bounded: until the node has told the verifier
+            if server.events("finish"):
+                break
+            time.sleep(0.01)
+        finish = server.events("finish")
+        metrics = samples(edge.port)
+        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+    assert first.choices[0].text is not None
+    assert len(finish) == 1 and finish[0]["committed_tokens"] < 3 + 400  # ended early, by FinishRequest
+    assert busy == []  # its KV slot is free
+    assert metrics["goodspeed:request_success_total[('finished_reason', 'abort')]"] == 1
+    assert metrics["goodspeed:num_requests_running[]"] == 0
+
+
+def test_a_session_the_verifier_drops_mid_request_is_repaired_losslessly(models):
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        stream = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=60, stream=True, **GREEDY)
+        chunks = iter(stream)
+        pieces = [next(chunks).choices[0].text]
+        session = next(s for s, d in server.server.service._drafters.items() if d.in_request)
+        server.run(server.server.service.drop(session, "dropped by the test"))
+        pieces += [c.choices[0].text for c in chunks]
+        joins = server.events("join")
+    assert "".join(pieces) == reference(models, "def f(x):", 60)
+    assert len(joins) == 2  # the node joined again and resumed from the verified text
+
+
+def test_the_verifiers_refusal_reaches_the_application_as_its_http_status(models):
+    with verifier(models, max_drafters=1) as server, node(server, models, max_concurrency=2) as edge:
+        api = api_of(edge)
+        stream = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=300, stream=True, **GREEDY)
+        next(iter(stream))  # holds the node's one session
+        with pytest.raises(openai.RateLimitError) as refused:  # a second session would pass max_drafters
+            api.completions.create(model="tiny", prompt="x", max_tokens=4, **GREEDY)
+        stream.close()
+        with pytest.raises(openai.BadRequestError) as slo:
+            api.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"tpot_slo_ms": 50})
+    assert "RESOURCE_EXHAUSTED" in refused.value.body["message"]
+    assert slo.value.body["param"] == "tpot_slo_ms"
+
+
+def test_an_api_key_guards_the_node(models):
+    with verifier(models) as server, node(server, models, api_key="sesame") as edge:
+        with pytest.raises(openai.AuthenticationError):
+            api_of(edge, "wrong").models.list()
+        assert api_of(edge, "sesame").models.list().data[0].id == "tiny"

@@ -1,0 +1,164 @@
+"""The verifier's OpenAI-compatible front (``--http-port``), called with the official client:
+local serving's output through the API equals the target's own greedy decoding."""
+
+import threading
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from goodspeed.verifier.auth import add_token
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LocalConfig, LocalServing
+from grpckit import ServerThread
+from modelkit import chat_pair, greedy_reference
+
+PROMPT = "def decode(self, s):"
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def models():
+    return chat_pair()
+
+
+def front(models, policy="chain", **config):
+    target, draft, tokenizer = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=3))
+    local = LocalServing(engine, draft, LocalConfig(policy=policy, k=3, budget=12))
+    return ServerThread(engine, local=local, tokenizer=tokenizer, http_port=0, target_name="tiny", **config)
+
+
+def client(server, api_key="unused"):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key=api_key, max_retries=0)
+
+
+def scrape(port) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def reference_text(models, prompt_ids, n):
+    target, _, tokenizer = models
+    ids = greedy_reference(target, prompt_ids, n)
+    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_completions_streamed_and_not_equal_the_targets_greedy_decoding(models, policy):
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ids, text = reference_text(models, prompt_ids, 20)
+    with front(models, policy) as server:
+        api = client(server)
+        whole = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, **GREEDY)
+        chunks = list(api.completions.create(model="tiny", prompt=prompt_ids, max_tokens=20, stream=True,
+                                             stream_options={"include_usage": True}, **GREEDY))
+        assert [m.id for m in api.models.list().data] == ["tiny"]
+    assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt_ids), 20)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20  # include_usage: the last chunk
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_completions_render_the_chat_template(models):
+    tokenizer = models[2]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    _, text = reference_text(models, prompt_ids, 16)
+    with front(models) as server:
+        api = client(server)
+        whole = api.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16, **GREEDY)
+        stream = api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, stream=True, **GREEDY)
+        deltas = [c.choices[0].delta for c in stream]
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == text
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == text
+
+
+def test_stop_strings_end_the_text_and_free_the_request(models):
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    _, text = reference_text(models, prompt_ids, 200)
+    stop = text[5:8]  # some text the greedy output does contain, early in 200 tokens
+    assert stop and stop in text
+    with front(models) as server:
+        api = client(server)
+        whole = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, stop=[stop], **GREEDY)
+        streamed = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, stop=stop, stream=True, **GREEDY))
+        local = server.server.service.local
+        server.run(_settle(local))
+        cancelled = server.events("cancelled")
+        leftover = server.server.engine.session_ids
+    expected = text[: text.index(stop)]
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens < 200
+    assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
+    assert [e["freed"] for e in cancelled] == [True, True]  # both ended on the verifier when their stop string came
+    assert not local.has_work and leftover == []
+
+
+async def _settle(local):
+    """Wait (bounded) until local serving holds no request."""
+    import asyncio
+
+    for _ in range(200):
+        if not local.has_work:
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_a_seed_makes_a_sampled_request_reproducible(models):
+    with front(models) as server:
+        api = client(server)
+
+        def sample(seed):
+            return api.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.0, seed=seed,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+
+        first, again, other = sample(7), sample(7), sample(8)
+    assert first == again
+    assert first != other  # 24 tokens sampled at T = 1 from a 300-token vocabulary
+
+
+def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
+    tokenizer = models[2]
+    prompts = ["import os", "class A:", "def f(x):", "return None"]
+    with front(models) as server:
+        api = client(server)
+        texts = {}
+
+        def work(p):
+            texts[p] = api.completions.create(model="tiny", prompt=p, max_tokens=12, **GREEDY).choices[0].text
+
+        threads = [threading.Thread(target=work, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        body = scrape(server.server.http_port)
+    for p in prompts:
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        assert texts[p] == reference_text(models, ids, 12)[1]
+    samples = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(body) for s in f.samples}
+    assert samples["goodspeed:generation_tokens_total[]"] == 4 * 12
+    assert samples["goodspeed:e2e_request_latency_seconds_count[]"] == 4
+    assert samples["goodspeed:request_success_total[('finished_reason', 'length')]"] == 4
+    assert samples["goodspeed:num_requests_running[]"] == 0
+    assert samples["goodspeed:spec_decode_num_draft_tokens_total[]"] >= samples["goodspeed:spec_decode_num_accepted_tokens_total[]"] > 0
+    assert samples["goodspeed:spec_decode_num_accepted_tokens_per_pos_total[('position', '0')]"] > 0
+
+
+def test_with_a_token_file_the_api_key_is_the_bearer_token(models, tmp_path):
+    tokens = tmp_path / "tokens.json"
+    token = add_token(tokens, "app")
+    with front(models, auth_tokens=str(tokens)) as server:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            client(server, api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=2)
+        ok = client(server, api_key=token).completions.create(model="tiny", prompt="x", max_tokens=2, **GREEDY)
+    assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
+    assert ok.usage.completion_tokens == 2
