@@ -196,10 +196,10 @@ class OpenAIServer:
         return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": completion_tokens,
                 "total_tokens": len(gen.prompt_ids) + completion_tokens}
 
-    async def _run(self, identity: str, gen: GenerationRequest, text: TextStream):
-        """Open the backend stream; yield ``(new text, finish_reason or None)`` until the end.
-        The backend stream is always closed, which cancels the request if it did not finish."""
-        deltas = await self.backend.open(gen, identity)
+    @staticmethod
+    async def _pieces(deltas, text: TextStream):
+        """Yield ``(new text, finish_reason or None)`` from an opened backend stream until the end;
+        the backend stream is always closed, which cancels the request if it did not finish."""
         try:
             async for delta in deltas:
                 # inline: a step's few tokens decode in a window of a few tokens (microseconds)
@@ -221,9 +221,13 @@ class OpenAIServer:
 
     async def _complete(self, identity: str, gen: GenerationRequest, body, chat: bool) -> web.Response:
         text, pieces, reason = TextStream(self.backend.tokenizer, body.stop_strings), [], None
-        async with contextlib.aclosing(self._run(identity, gen, text)) as runs:
-            async for piece, reason in runs:
-                pieces.append(piece)
+        deltas = await self.backend.open(gen, identity)  # a refusal (queue full, ...) raises its 4xx here
+        try:
+            async with contextlib.aclosing(self._pieces(deltas, text)) as runs:
+                async for piece, reason in runs:
+                    pieces.append(piece)
+        finally:
+            await deltas.aclose()  # also when cancelled before the first piece
         content = "".join(pieces)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": reason}
                   if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
@@ -232,16 +236,13 @@ class OpenAIServer:
             "model": self.backend.model_ids[0], "choices": [choice], "usage": self._usage(gen, text.consumed)})
 
     async def _stream(self, request: web.Request, identity: str, gen: GenerationRequest, body, chat: bool) -> web.StreamResponse:
+        """Admit the request (a refusal is still a plain 4xx), send the headers at once (so the
+        first token's chunk is all that is left on its path), then one event per new text."""
         text = TextStream(self.backend.tokenizer, body.stop_strings)
-        runs = self._run(identity, gen, text)
-        first = await anext_or_error(runs)  # a refusal (queue full, ...) is still a plain 4xx here
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        deltas = await self.backend.open(gen, identity)
+        runs = self._pieces(deltas, text)
         envelope = self._envelope(gen, chat, int(time.time()))
         usage = {"usage": None} if body.include_usage else {}
-
-        async def send(payload: dict) -> None:
-            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         def chunk(piece: str, reason: str | None, role: bool = False) -> dict:
             if chat:
@@ -250,17 +251,22 @@ class OpenAIServer:
             return {**envelope, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}], **usage}
 
         try:
-            if chat:
-                await send(chunk("", None, role=True))
-            item = first
-            while item is not None:
-                piece, reason = item
-                await send(chunk(piece, reason))
-                item = await anext_or_error(runs) if reason is None else None
-        except ApiError as exc:  # the request failed after the headers went out: say so in the stream
-            await send(exc.body())
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+
+            async def send(payload: dict) -> None:
+                await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+            try:
+                if chat:
+                    await send(chunk("", None, role=True))
+                async for piece, reason in runs:
+                    await send(chunk(piece, reason))
+            except ApiError as exc:  # the request failed after the headers went out: say so in the stream
+                await send(exc.body())
         finally:
             await runs.aclose()
+            await deltas.aclose()  # also when cancelled before the first piece
         if body.include_usage:
             await send({**envelope, "choices": [], "usage": self._usage(gen, text.consumed)})
         await response.write(b"data: [DONE]\n\n")
@@ -268,9 +274,3 @@ class OpenAIServer:
         return response
 
 
-async def anext_or_error(iterator):
-    """The iterator's next item, or None at its end."""
-    try:
-        return await iterator.__anext__()
-    except StopAsyncIteration:
-        return None
