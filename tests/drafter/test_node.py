@@ -2,21 +2,15 @@
 its output equals the target's greedy decoding; several requests share one device's sessions;
 a client that goes away frees the verifier at once; a dropped session is repaired."""
 
-import asyncio
-import threading
 import time
-import urllib.request
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import NodeThread, ServerThread
 from modelkit import chat_pair, greedy_reference
-
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-
 
 @pytest.fixture(scope="module")
 def models():
@@ -42,12 +36,6 @@ def reference(models, prompt, n):
     return tokenizer.decode(greedy_reference(models[0], ids, n), skip_special_tokens=True)
 
 
-def samples(port) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        body = response.read().decode()
-    return {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(body) for s in f.samples}
-
-
 def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(models):
     tokenizer = models[2]
     messages = [{"role": "user", "content": "parse json"}]
@@ -61,7 +49,7 @@ def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(m
         chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, **GREEDY)
         chat_stream = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, stream=True,
                                                        stream_options={"include_usage": True}, **GREEDY))
-        metrics = samples(edge.port)
+        metrics = metric_samples(edge.port)
     assert whole.choices[0].text == reference(models, "def f(x):", 20) == "".join(c.choices[0].text for c in streamed)
     assert chat.choices[0].message.content == reference(models, chat_ids, 16)
     assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == chat.choices[0].message.content
@@ -77,16 +65,7 @@ def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(m
 def test_concurrent_requests_share_one_devices_sessions(models):
     prompts = ["import os", "class A:", "def f(x):", "return None", "while True:"]
     with verifier(models) as server, node(server, models, name="phone", max_concurrency=2) as edge:
-        api, texts = api_of(edge), {}
-
-        def work(p):
-            texts[p] = api.completions.create(model="tiny", prompt=p, max_tokens=14, **GREEDY).choices[0].text
-
-        threads = [threading.Thread(target=work, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        texts = complete_concurrently(api_of(edge), "tiny", prompts, 14)
         sessions = dict(server.server.engine._sessions)
         joins = server.events("join")
     assert texts == {p: reference(models, p, 14) for p in prompts}
@@ -105,7 +84,7 @@ def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models):
                 break
             time.sleep(0.01)
         finish = server.events("finish")
-        metrics = samples(edge.port)
+        metrics = metric_samples(edge.port)
         busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
     assert first.choices[0].text is not None
     assert len(finish) == 1 and finish[0]["committed_tokens"] < 3 + 400  # ended early, by FinishRequest

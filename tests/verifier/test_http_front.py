@@ -1,21 +1,17 @@
 """The verifier's OpenAI-compatible front (``--http-port``), called with the official client:
 local serving's output through the API equals the target's own greedy decoding."""
 
-import threading
-import urllib.request
-
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from goodspeed.verifier.auth import add_token
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
+from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import ServerThread
 from modelkit import chat_pair, greedy_reference
 
 PROMPT = "def decode(self, s):"
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +28,6 @@ def front(models, policy="chain", **config):
 
 def client(server, api_key="unused"):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key=api_key, max_retries=0)
-
-
-def scrape(port) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return response.read().decode()
 
 
 def reference_text(models, prompt_ids, n):
@@ -129,22 +120,11 @@ def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
     tokenizer = models[2]
     prompts = ["import os", "class A:", "def f(x):", "return None"]
     with front(models) as server:
-        api = client(server)
-        texts = {}
-
-        def work(p):
-            texts[p] = api.completions.create(model="tiny", prompt=p, max_tokens=12, **GREEDY).choices[0].text
-
-        threads = [threading.Thread(target=work, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        body = scrape(server.server.http_port)
+        texts = complete_concurrently(client(server), "tiny", prompts, 12)
+        samples = metric_samples(server.server.http_port)
     for p in prompts:
         ids = tokenizer(p, add_special_tokens=False)["input_ids"]
         assert texts[p] == reference_text(models, ids, 12)[1]
-    samples = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(body) for s in f.samples}
     assert samples["goodspeed:generation_tokens_total[]"] == 4 * 12
     assert samples["goodspeed:e2e_request_latency_seconds_count[]"] == 4
     assert samples["goodspeed:request_success_total[('finished_reason', 'length')]"] == 4
