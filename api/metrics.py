@@ -65,19 +65,22 @@ class RequestMetrics:
         self.success = Counter(f"{PREFIX}request_success", "Finished requests by reason", ["finished_reason"],
                                registry=registry)
 
-    def track(self, prompt_tokens: int, arrival: float | None = None) -> "RequestTimer":
-        return RequestTimer(self, prompt_tokens, time.perf_counter() if arrival is None else arrival)
+    def track(self, prompt_tokens: int, arrival: float | None = None, count_running: bool = True) -> "RequestTimer":
+        """A timer for one request. ``count_running``: it moves ``num_requests_running`` (off for
+        an owner that sets the gauges from its own state, as the verifier does)."""
+        return RequestTimer(self, prompt_tokens, time.perf_counter() if arrival is None else arrival, count_running)
 
 
 class RequestTimer:
     """One request's latencies: call :meth:`tokens` as tokens arrive and :meth:`finish` once."""
 
-    def __init__(self, metrics: RequestMetrics, prompt_tokens: int, arrival: float) -> None:
-        self.metrics, self.arrival = metrics, arrival
+    def __init__(self, metrics: RequestMetrics, prompt_tokens: int, arrival: float, count_running: bool = True) -> None:
+        self.metrics, self.arrival, self.count_running = metrics, arrival, count_running
         self.last: float | None = None
         self.done = False
         metrics.prompt_tokens.inc(prompt_tokens)
-        metrics.running.inc()
+        if count_running:
+            metrics.running.inc()
 
     def tokens(self, count: int, now: float | None = None) -> None:
         if count <= 0 or self.done:
@@ -95,7 +98,8 @@ class RequestTimer:
         if self.done:
             return
         self.done = True
-        self.metrics.running.dec()
+        if self.count_running:
+            self.metrics.running.dec()
         if self.last is not None:
             self.metrics.e2e.observe(self.last - self.arrival)
         self.metrics.success.labels(finished_reason=reason if reason in FINISHED_REASONS else "error").inc()

@@ -229,8 +229,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             self.usage.release_request(drafter.identity.name, kv_tokens)
             raise
         drafter.kv_tokens = kv_tokens
-        drafter.timer = self.metrics.requests.track(len(request.prompt_ids), started)
+        drafter.timer = self.metrics.requests.track(len(request.prompt_ids), started, count_running=False)
         drafter.in_request, drafter.missed, drafter.last_seen = True, 0, time.monotonic()
+        self._update_gauges()
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
@@ -263,6 +264,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter.in_request = False
         self._end_request(drafter)
         self._queued.discard(request.session_id)
+        self._update_gauges()
         self.log.event("finish", session=request.session_id, name=drafter.name, committed_tokens=len(committed))
         self._wakeup.set()  # the round may now be complete without it
         return pb.FinishRequestReply(committed_ids=committed)
@@ -337,7 +339,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens,
                        tpot_slo_ms=tpot_slo_ms)
         self._wakeup.set()
-        return LocalStream(self, rid, events, who.name, kv_tokens, self.metrics.requests.track(len(prompt_ids)))
+        self._update_gauges()
+        return LocalStream(self, rid, events, who.name, kv_tokens, self.metrics.requests.track(len(prompt_ids), count_running=False))
 
     async def _generate_prompt(self, request, context) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_ids):
@@ -368,6 +371,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         except errors.UnknownSessionError:
             pass
         self.metrics.active.set(len(self._drafters))
+        self._update_gauges()
         self.log.event("drop", session=session_id, name=drafter.name, reason=reason)
         self._wakeup.set()  # the round may now be complete without it
 
@@ -478,6 +482,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s, "scheduling": t.scheduling_s, "send": send_s}
         verdicts = result.verdicts.values()
         self.metrics.observe_round(phases, verdicts)
+        self._update_gauges()
         rows = [
             {"session": v.session_id, "name": self._drafters[v.session_id].name,
              "drafted": v.num_drafted, "accepted": v.num_accepted, "x": len(v.token_ids), "alpha_hat": v.acceptance,
@@ -498,6 +503,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.engine.start_request(sid, [0], SamplingParams(), 2)
         self.engine.run_round()
         self.engine.leave(sid)
+
+    def _update_gauges(self) -> None:
+        """``num_requests_running`` (edge requests in progress and local requests in the batch)
+        and ``num_requests_waiting`` (local requests queued), from the state itself."""
+        waiting = self.local.num_waiting if self.local is not None else 0
+        self.metrics.requests.running.set(self.requests_in_progress() - waiting)
+        self.metrics.requests.waiting.set(waiting)
 
     def requests_in_progress(self) -> int:
         local = self.local.num_active + self.local.num_waiting if self.local is not None else 0
@@ -537,6 +549,7 @@ class LocalStream:
         if not self.finished:  # the client went away (or its stop string came): free the request at once
             self.timer.finish("abort")
             freed = await self.service.call(self.service.local.cancel, self.request_id)
+            self.service._update_gauges()
             self.service.log.event("cancelled", request=self.request_id, freed=freed)
 
 

@@ -1,6 +1,8 @@
 """The verifier's OpenAI-compatible front (``--http-port``), called with the official client:
 local serving's output through the API equals the target's own greedy decoding."""
 
+import asyncio
+
 import openai
 import pytest
 
@@ -95,8 +97,6 @@ def test_stop_strings_end_the_text_and_free_the_request(models):
 
 async def _settle(local):
     """Wait (bounded) until local serving holds no request."""
-    import asyncio
-
     for _ in range(200):
         if not local.has_work:
             return
@@ -142,3 +142,20 @@ def test_with_a_token_file_the_api_key_is_the_bearer_token(models, tmp_path):
         ok = client(server, api_key=token).completions.create(model="tiny", prompt="x", max_tokens=2, **GREEDY)
     assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
     assert ok.usage.completion_tokens == 2
+
+
+def test_the_running_gauge_follows_requests_in_and_out(models):
+    with front(models) as server:
+        api = client(server)
+        stream = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, stream=True, **GREEDY)
+        next(iter(stream))
+        during = metric_samples(server.server.http_port)
+        stream.close()
+        for _ in range(500):  # bounded: until the front has cancelled the request (logged last)
+            if server.events("cancelled"):
+                break
+            server.run(asyncio.sleep(0.01))
+        after = metric_samples(server.server.http_port)
+    assert during["goodspeed:num_requests_running[]"] == 1
+    assert after["goodspeed:num_requests_running[]"] == 0
+    assert after["goodspeed:request_success_total[('finished_reason', 'abort')]"] == 1
