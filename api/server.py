@@ -35,6 +35,7 @@ from goodspeed.api.text import TextStream
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 INLINE_CHARS = 8192  # prompts up to this long are tokenized on the event loop (about 1 ms at most)
+MAX_CHARS_PER_TOKEN = 64  # no tokenizer packs more characters per token: longer text cannot fit the context
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,11 @@ class OpenAIServer:
 
     async def _tokenize(self, text: str) -> list[int]:
         """Token ids of ``text``: inline when short (a thread hop costs more than a short prompt's
-        tokenization), on a worker thread when long, never stalling the event loop for long."""
+        tokenization), on a worker thread when long, never stalling the event loop for long. Text
+        too long to fit the context at any tokenization is refused before any CPU is spent on it."""
+        if len(text) > MAX_CHARS_PER_TOKEN * self.backend.max_model_len:
+            raise ApiError(400, f"a prompt of {len(text)} characters cannot fit this model's context of "
+                                f"{self.backend.max_model_len} tokens", code="context_length_exceeded")
         if len(text) <= INLINE_CHARS:
             return list(self.backend.tokenizer(text, add_special_tokens=False)["input_ids"])
         encoded = await asyncio.to_thread(self.backend.tokenizer, text, add_special_tokens=False)

@@ -79,7 +79,9 @@ def test_an_unknown_model_is_404_model_not_found(api):
 
 def test_a_prompt_past_the_context_is_400_context_length_exceeded(api, server):
     status, body = refusal(api.completions.create, model="tiny", prompt="word " * 400, max_tokens=4)
-    assert status == 400 and body["code"] == "context_length_exceeded"
+    assert status == 400 and body["code"] == "context_length_exceeded" and "tokens" in body["message"]
+    status, body = refusal(api.chat.completions.create, model="tiny", messages=[{"role": "user", "content": "x" * 9000}])
+    assert status == 400 and body["code"] == "context_length_exceeded" and "characters" in body["message"]  # before tokenizing
     status, body = refusal(api.completions.create, model="tiny", prompt=[1, 2, 3], max_tokens=126)  # 3 + 126 > 128
     assert status == 400 and body["code"] == "context_length_exceeded"
     status, body = refusal(api.completions.create, model="tiny", prompt=[1, 2, 300], max_tokens=4)  # id past V = 300

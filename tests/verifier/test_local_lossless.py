@@ -36,14 +36,15 @@ class ValueRankedTetris(LocalServing):
         return [np.cumsum(np.log(np.array(d.token_probs))) for d in drafts]
 
 
-def generate(models, policy: str, n: int, cls=LocalServing, seed=None) -> list[list[int]]:
+def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_request_seeds=False) -> list[list[int]]:
     target, draft = models
     engine = VerificationEngine(target, EngineConfig(seed=seed))
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
     serving = cls(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
     for i in range(n):
-        serving.submit(PROMPT, SAMPLED, max_new_tokens=4, tpot_slo_ms=None if i % 2 else 12.0)
+        serving.submit(PROMPT, SAMPLED, max_new_tokens=4, tpot_slo_ms=None if i % 2 else 12.0,
+                       seed=i if per_request_seeds else None)
     while serving.step() is not None:
         pass
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
@@ -60,6 +61,15 @@ def check(models, outputs, expect_ok=True):
 @pytest.mark.parametrize("policy", ["none", "chain", "adaserve", "turbospec", "nightjar"])
 def test_every_local_policy_follows_the_target(models, policy):
     check(models, generate(models, policy, 600))
+
+
+@pytest.mark.parametrize("policy", ["chain", "tetris"])
+def test_per_request_seeds_keep_sampling_exact(models, policy):
+    """Seeded requests (the API's ``seed``) draft and verify with streams of their own: request
+    i with seed i, so the draws differ across requests yet are reproducible."""
+    outputs = generate(models, policy, 600, per_request_seeds=True)
+    check(models, outputs)
+    assert outputs == generate(models, policy, 600, per_request_seeds=True)  # the same seeds, the same schedule
 
 
 def test_tetris_selection_keeps_sampling_exact(models):
