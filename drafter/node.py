@@ -56,6 +56,7 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
 
 MAX_REPAIRS = 3  # session losses one request survives
+HEALTH_EVERY_S = 1.0  # how often the node checks its verifier's health
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,10 @@ class EdgeNode:
         self._jobs_ready = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._batcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self.channel = self.stub = None
         self.serving = False
+        self.verifier_serving = False  # the verifier's health, checked every HEALTH_EVERY_S
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -208,7 +211,21 @@ class EdgeNode:
         self.max_model_len = int(reply.max_seq_len)
         self._free.append(session)
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+        self.verifier_serving = True
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(health))
         self.serving = True
+
+    async def _watch(self, health) -> None:
+        """Follow the verifier's health, so the node's own ``/health`` (and new requests) say at
+        once when its verifier is unreachable or draining; requests in progress repair or fail
+        on their own."""
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S)
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_EVERY_S)
+                self.verifier_serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                self.verifier_serving = False
 
     async def stop(self) -> None:
         """Cancel the requests in progress (freeing them on the verifier) and leave."""
@@ -216,9 +233,10 @@ class EdgeNode:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._batcher is not None:
-            self._batcher.cancel()
-            await asyncio.gather(self._batcher, return_exceptions=True)
+        for task in (self._batcher, self._watcher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for session in self._free:
             try:
                 await self.stub.Leave(pb.LeaveRequest(session_id=session.session_id), timeout=5.0, metadata=self.metadata)
@@ -231,7 +249,7 @@ class EdgeNode:
         self._executor.shutdown(wait=True)
 
     def ready(self) -> bool:
-        return self.serving
+        return self.serving and self.verifier_serving
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -294,8 +312,8 @@ class EdgeNode:
     async def open(self, request: GenerationRequest, identity: object = None):
         """Admit the request: a session, a draft KV slot and ``StartRequest`` (refusals raise
         :class:`ApiError` here, before any response is sent); then its rounds run in a task."""
-        if not self.serving:
-            raise ApiError(503, "the node is not connected to its verifier")
+        if not self.ready():
+            raise ApiError(503, "the node's verifier is not serving (unreachable or draining); retry later")
         if request.tpot_slo_ms is not None:
             raise ApiError(400, "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
         generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None

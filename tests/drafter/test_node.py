@@ -126,3 +126,28 @@ def test_an_api_key_guards_the_node(models):
         with pytest.raises(openai.AuthenticationError):
             api_of(edge, "wrong").models.list()
         assert api_of(edge, "sesame").models.list().data[0].id == "tiny"
+
+
+def test_the_nodes_health_follows_its_verifier(models):
+    import urllib.error
+    import urllib.request
+
+    def health(edge):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{edge.port}/health", timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    server = verifier(models).__enter__()
+    with node(server, models) as edge:
+        assert health(edge) == 200
+        server.__exit__(None, None, None)  # the verifier goes away
+        for _ in range(100):  # bounded: the node checks every HEALTH_EVERY_S
+            if health(edge) == 503:
+                break
+            time.sleep(0.1)
+        assert health(edge) == 503
+        with pytest.raises(openai.InternalServerError) as refused:  # new requests: 503 at once
+            api_of(edge).completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert refused.value.status_code == 503
