@@ -7,7 +7,7 @@ import json
 import sys
 
 from goodspeed.launch.spec import VerifierSpec
-from goodspeed.scheduler.policy import LOCAL_POLICIES
+from goodspeed.scheduler.policy import LOCAL_POLICIES, POLICIES
 
 
 def _models_build(args: argparse.Namespace) -> int:
@@ -309,7 +309,7 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--host", default="127.0.0.1")
     ver.add_argument("--port", type=int, default=50051)
     ver.add_argument("--budget", type=int, default=16, help="C: drafted tokens per round, all drafters together")
-    ver.add_argument("--policy", default="goodspeed", choices=["goodspeed", "fixed", "random"])
+    ver.add_argument("--policy", default="goodspeed", choices=sorted(POLICIES))
     ver.add_argument("--eta", type=float, default=0.2, help="acceptance smoothing (eq. 3)")
     ver.add_argument("--beta", type=float, default=0.5, help="goodput smoothing (eq. 4)")
     ver.add_argument("--round-deadline-ms", type=float, default=250.0, help="close a round this long after its first draft")
@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(func=_models_list)
     demo = sub.add_parser("demo", help="run the embedded default in one process (builds the demo models if needed)")
     demo.add_argument("--budget", type=int, default=16, help="tokens per round, C")
-    demo.add_argument("--policy", default="goodspeed", choices=["goodspeed", "fixed", "random"])
+    demo.add_argument("--policy", default="goodspeed", choices=sorted(POLICIES))
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(func=_demo)
     _add_serving_parsers(sub)

@@ -231,6 +231,8 @@ class ClientEstimate:
     acceptance: float
     goodput: float
     rounds: int = 0
+    measured: int = 0  # rounds with S > 0: the ones that updated ``acceptance``
+    stale: int = 0  # rounds since ``acceptance`` was last updated (S = 0 rounds in a row)
 
 
 class GoodputEstimator:
@@ -280,8 +282,17 @@ class GoodputEstimator:
         eta, beta = self.config.eta, self.config.beta
         if ratios:
             est.acceptance = (1.0 - eta) * est.acceptance + eta * (math.fsum(ratios) / len(ratios))
+            est.measured, est.stale = est.measured + 1, 0
+        else:
+            est.stale += 1
         est.goodput = (1.0 - beta) * est.goodput + beta * (num_accepted + 1)
         est.rounds += 1
+
+    def evidence(self, client_ids: Iterable[Hashable]) -> tuple[np.ndarray, np.ndarray]:
+        """``(measured, stale)`` as int64 arrays: rounds that measured each client's acceptance,
+        and rounds since the last one (what exploration and optimism look at)."""
+        ests = [self.get(c) for c in client_ids]
+        return (np.array([e.measured for e in ests], dtype=np.int64), np.array([e.stale for e in ests], dtype=np.int64))
 
     def arrays(self, client_ids: Iterable[Hashable]) -> tuple[np.ndarray, np.ndarray]:
         """``(acceptance, goodput)`` as float64 arrays in the order of ``client_ids``."""

@@ -4,7 +4,9 @@ A policy sees the round's numbers only — drafter ids, their smoothed acceptanc
 (GoodSpeed eqs. 3-4), the budget, per-drafter caps, the round index and a generator — and
 returns one draft length per drafter. It is told each verified round through ``observe`` (the
 distributed policies here are stateless between rounds, so theirs does nothing; policies with
-memory keep it there). Registered names: ``goodspeed``, ``fixed``, ``random``.
+memory keep it there). Registered names: ``goodspeed`` (the paper's eq. 5), ``goodspeed-explore``
+and ``goodspeed-ucb`` (candidate remedies for starved estimates, under evaluation: see
+docs/EXPERIMENTS.md), ``fixed``, ``random``.
 
 ``LOCAL_POLICIES`` names the policies of the verifier's local serving
 (:mod:`goodspeed.verifier.local`), which decide per iteration what the verifier's own draft
@@ -37,6 +39,10 @@ class AllocationInputs:
     max_lengths: np.ndarray | None
     round_index: int
     rng: np.random.Generator
+    # The evidence behind each acceptance estimate (GoodputEstimator.evidence): rounds that
+    # measured it, and rounds since the last one. None: unknown (policies then ignore it).
+    measured: np.ndarray | None = None
+    stale: np.ndarray | None = None
 
 
 class DraftLengthPolicy(Protocol):
@@ -65,6 +71,69 @@ class GoodSpeedPolicy(_Stateless):
         return allocate_draft_lengths(inputs.acceptance, inputs.goodput, inputs.budget, inputs.max_lengths, self.utility)
 
 
+class ExploringGoodSpeedPolicy(GoodSpeedPolicy):
+    """Eq. (5) with an exploration floor, so no estimate can starve.
+
+    Eq. (3) updates ``alpha_hat`` only in rounds with ``S > 0``; a drafter the allocation starves
+    keeps a pessimistic estimate for ever (docs/EXPERIMENTS.md, 8 drafters). Here a drafter whose
+    acceptance has not been measured for more than ``patience`` rounds gets ``S >= 1`` (the
+    stalest first if the budget cannot floor them all), and the rest of the budget is eq. (5)'s
+    exact optimum under that floor: past its floor a drafter's units gain ``w a^k`` for
+    ``k >= 2`` — those of a drafter of weight ``w a`` — so the same solver runs with its goodput
+    scaled to ``X / a^(1/f)``. With no stale drafter it is exactly the paper's rule.
+    """
+
+    name = "goodspeed-explore"
+
+    def __init__(self, utility: str | float = "log", patience: int = 8) -> None:
+        super().__init__(utility)
+        if fairness_exponent(utility) <= 0:
+            raise ValueError("the exploration floor needs an alpha-fair exponent > 0 (utility 'log', 'maxmin' or a number > 0)")
+        if patience < 0:
+            raise ValueError(f"patience must be >= 0, got {patience}")
+        self.patience = patience
+
+    def allocate(self, inputs: AllocationInputs) -> np.ndarray:
+        if inputs.stale is None:
+            return super().allocate(inputs)
+        a, x = inputs.acceptance, inputs.goodput
+        caps = np.full(a.shape, inputs.budget, dtype=np.int64) if inputs.max_lengths is None else np.asarray(inputs.max_lengths, dtype=np.int64)
+        stale = np.flatnonzero((inputs.stale > self.patience) & (caps > 0))
+        stale = stale[np.argsort(-inputs.stale[stale], kind="stable")][: inputs.budget]
+        if stale.size == 0:
+            return super().allocate(inputs)
+        floor = np.zeros(a.shape, dtype=np.int64)
+        floor[stale] = 1
+        rest_caps = caps - floor
+        scaled = x.copy()
+        live = floor.astype(bool) & (a > 0)
+        scaled[live] = x[live] / a[live] ** (1.0 / fairness_exponent(self.utility))
+        rest_caps[floor.astype(bool) & (a <= 0)] = 0  # nothing more to gain past the floor
+        rest = allocate_draft_lengths(a, scaled, inputs.budget - int(floor.sum()), rest_caps, self.utility)
+        return rest + floor
+
+
+class OptimisticGoodSpeedPolicy(GoodSpeedPolicy):
+    """Eq. (5) on an optimistic acceptance (UCB): ``min(1, alpha_hat + c * sqrt(alpha_hat (1 -
+    alpha_hat) / (m + 1)))`` with ``m`` the rounds that measured it. A drafter starved of drafts
+    keeps its bonus while the others' shrink, until the allocation tries it again."""
+
+    name = "goodspeed-ucb"
+
+    def __init__(self, utility: str | float = "log", bonus: float = 1.0) -> None:
+        super().__init__(utility)
+        if not bonus >= 0:
+            raise ValueError(f"bonus must be >= 0, got {bonus}")
+        self.bonus = bonus
+
+    def allocate(self, inputs: AllocationInputs) -> np.ndarray:
+        if inputs.measured is None:
+            return super().allocate(inputs)
+        a = inputs.acceptance
+        optimistic = np.minimum(1.0, a + self.bonus * np.sqrt(a * (1.0 - a) / (inputs.measured + 1.0)))
+        return allocate_draft_lengths(optimistic, inputs.goodput, inputs.budget, inputs.max_lengths, self.utility)
+
+
 class FixedPolicy(_Stateless):
     """Fixed-S: ``C / N`` each; the leftover units rotate with the round index."""
 
@@ -86,6 +155,8 @@ class RandomPolicy(_Stateless):
 
 POLICIES: dict[str, Callable[..., DraftLengthPolicy]] = {
     GoodSpeedPolicy.name: GoodSpeedPolicy,
+    ExploringGoodSpeedPolicy.name: ExploringGoodSpeedPolicy,
+    OptimisticGoodSpeedPolicy.name: OptimisticGoodSpeedPolicy,
     FixedPolicy.name: FixedPolicy,
     RandomPolicy.name: RandomPolicy,
 }

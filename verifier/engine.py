@@ -345,7 +345,8 @@ class VerificationEngine:
             acceptance, goodput = self.estimator.arrays(ids)
             goodput = self._device_goodput(participants, goodput)
             caps = np.array([self._cap(s) for s in participants])
-            inputs = AllocationInputs(ids, acceptance, goodput, budget, caps, self.round_index, self.np_rng)
+            measured, stale = self.estimator.evidence(ids)
+            inputs = AllocationInputs(ids, acceptance, goodput, budget, caps, self.round_index, self.np_rng, measured, stale)
             for s, length in zip(participants, self.policy.allocate(inputs)):
                 s.allotted = int(length)
         verdicts = {}

@@ -171,3 +171,18 @@ def test_observe_rejects_bad_input(ratios, accepted):
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         SmoothingConfig(**kwargs)
+
+
+def test_the_estimator_counts_the_evidence_behind_each_estimate():
+    from goodspeed.scheduler import GoodputEstimator
+
+    est = GoodputEstimator()
+    est.join("a"), est.join("b")
+    est.observe("a", [1.0, 0.0], 1)
+    for _ in range(3):
+        est.observe("b", [], 0)  # S = 0: nothing measured
+    est.observe("a", [], 0)
+    measured, stale = est.evidence(["a", "b"])
+    assert measured.tolist() == [1, 0] and stale.tolist() == [1, 3]
+    est.observe("b", [1.0], 1)
+    assert est.evidence(["b"])[1].tolist() == [0]
