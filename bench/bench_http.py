@@ -60,15 +60,18 @@ def wait_http(port: int, timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"nothing serves on port {port} after {timeout_s} s")
 
 
-def node_means(port: int) -> dict[str, float]:
+def node_totals(port: int) -> dict[str, float]:
+    """The node's latency histograms so far: ``{"ttft": (sum, count), "itl": (sum, count)}``."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-    out = {}
-    for key, name in (("ttft_s", "time_to_first_token_seconds"), ("itl_s", "inter_token_latency_seconds")):
-        out[key] = values[f"goodspeed:{name}_sum"] / values[f"goodspeed:{name}_count"]
-        out[key.replace("_s", "_count")] = values[f"goodspeed:{name}_count"]
-    return out
+    return {key: (values[f"goodspeed:{name}_sum"], values[f"goodspeed:{name}_count"])
+            for key, name in (("ttft", "time_to_first_token_seconds"), ("itl", "inter_token_latency_seconds"))}
+
+
+def mean_between(before: dict, after: dict, key: str) -> float:
+    """The node's mean over the observations made between two scrapes."""
+    return (after[key][0] - before[key][0]) / (after[key][1] - before[key][1])
 
 
 def raw_client(port: int, model: str, prompts: list[str], requests: int, max_tokens: int) -> tuple[list[float], list[float]]:
@@ -112,7 +115,7 @@ def run(requests: int, max_tokens: int, target: str = "demo:target", draft: str 
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
         model = api.models.list().data[0].id
         api.completions.create(model=model, prompt=prompts[0], max_tokens=8, temperature=0)  # warm-up, not measured
-        base = node_means(http_port)
+        base = node_totals(http_port)
         ttfts, gaps, chunks, tokens = [], [], 0, 0
         for i in range(requests):
             sent = time.perf_counter()
@@ -127,9 +130,9 @@ def run(requests: int, max_tokens: int, target: str = "demo:target", draft: str 
             ttfts.append(times[0] - sent)
             gaps += [b - a for a, b in zip(times, times[1:])]
             chunks += len(times)
-        after = node_means(http_port)
+        after = node_totals(http_port)
         raw_ttfts, raw_gaps = raw_client(http_port, model, prompts, requests, max_tokens)
-        after_raw = node_means(http_port)
+        after_raw = node_totals(http_port)
     finally:
         for proc in (node, verifier):
             proc.send_signal(signal.SIGTERM)
@@ -139,17 +142,13 @@ def run(requests: int, max_tokens: int, target: str = "demo:target", draft: str 
             except subprocess.TimeoutExpired:
                 proc.kill()
     # the node's means over the measured requests only (its counters include the warm-up)
-    node_ttft = (after["ttft_s"] * after["ttft_count"] - base["ttft_s"] * base["ttft_count"]) / (after["ttft_count"] - base["ttft_count"])
-    node_itl = (after["itl_s"] * after["itl_count"] - base["itl_s"] * base["itl_count"]) / (after["itl_count"] - base["itl_count"])
+    node_ttft, node_itl = mean_between(base, after, "ttft"), mean_between(base, after, "itl")
+    raw_node_ttft, raw_node_itl = mean_between(after, after_raw, "ttft"), mean_between(after, after_raw, "itl")
     client_ttft, client_itl = statistics.fmean(ttfts), statistics.fmean(gaps)
-    raw_node_ttft = ((after_raw["ttft_s"] * after_raw["ttft_count"] - after["ttft_s"] * after["ttft_count"])
-                     / (after_raw["ttft_count"] - after["ttft_count"]))
-    raw_node_itl = ((after_raw["itl_s"] * after_raw["itl_count"] - after["itl_s"] * after["itl_count"])
-                    / (after_raw["itl_count"] - after["itl_count"]))
     raw_ttft, raw_itl = statistics.fmean(raw_ttfts), statistics.fmean(raw_gaps)
     return {
         "target": target, "draft": draft, "requests": requests, "max_tokens": max_tokens, "tokens": tokens, "chunks": chunks,
-        "node_steps": int(after["itl_count"] - base["itl_count"] + after["ttft_count"] - base["ttft_count"]),
+        "node_steps": int(sum(after[k][1] - base[k][1] for k in ("ttft", "itl"))),
         "client_ttft_ms": round(client_ttft * 1e3, 3), "node_ttft_ms": round(node_ttft * 1e3, 3),
         "ttft_ratio": round(client_ttft / node_ttft, 4),
         "client_itl_ms": round(client_itl * 1e3, 3), "node_itl_ms": round(node_itl * 1e3, 3),

@@ -84,7 +84,7 @@ class DrafterClient:
 
     def _retry(self, fn, request):
         """Call ``fn(request)``, retrying UNAVAILABLE with jittered exponential backoff."""
-        for pause in _backoff(self.config.connect_timeout_s, cap_s=2.0):
+        for pause in backoff(self.config.connect_timeout_s, cap_s=2.0):
             try:
                 return fn(request, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
             except grpc.RpcError as exc:
@@ -94,7 +94,7 @@ class DrafterClient:
 
     def wait_until_serving(self) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
-        for pause in _backoff(self.config.connect_timeout_s, cap_s=1.0):
+        for pause in backoff(self.config.connect_timeout_s, cap_s=1.0):
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -245,7 +245,7 @@ class DrafterClient:
         return reply.draft_length, reply.round_index
 
 
-def _backoff(timeout_s: float, cap_s: float):
+def backoff(timeout_s: float, cap_s: float):
     """Jittered exponential pauses (from 50 ms, doubling up to ``cap_s``) for one attempt each;
     the last attempt, when the next pause would pass ``timeout_s``, gets ``None``."""
     deadline, delay = time.monotonic() + timeout_s, 0.05

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
 from goodspeed.api.protocol import ApiError, GenerationRequest
 from goodspeed.api.server import Delta
-from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError
+from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
@@ -189,18 +189,16 @@ class EdgeNode:
         self.channel = open_aio_channel(self.config.verifier, self.config.tls)
         self.stub = pb_grpc.VerifierStub(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)
-        deadline, pause = time.monotonic() + self.config.connect_timeout_s, 0.05
-        while True:
+        for pause in backoff(self.config.connect_timeout_s, cap_s=1.0):  # the file-mode client's schedule
             try:
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     break
             except grpc.aio.AioRpcError:
                 pass
-            if time.monotonic() + pause > deadline:
+            if pause is None:
                 raise DrafterError(f"verifier {self.config.verifier} not serving after {self.config.connect_timeout_s:g} s")
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 1.0)
         try:
             session, reply = await self._join()
         except ApiError as exc:

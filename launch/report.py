@@ -12,7 +12,9 @@ Inputs are the rows an experiment records (one per round and drafter: ``policy``
   absent from a round gained 0 in it), from the first round by which every drafter took part;
 * per policy: per-drafter goodput (tokens/round and tokens/s), Jain's fairness index of the
   per-drafter tokens/round, final U, total tokens/s, and the rounds until U stays within 1% of
-  its final value; per drafter also its median receive time (what an edge link adds shows here).
+  its final value; per drafter also its median receive time (what an edge link adds shows here),
+  and how often and how long in a row it was allotted ``S = 0`` (starvation, which eq. 3 cannot
+  correct while it lasts).
 """
 
 from __future__ import annotations
@@ -86,7 +88,19 @@ def policy_metrics(rows: list[dict]) -> dict:
         "mean_draft_length": {d: float(np.mean([r["S"] for r in rows if r["drafter"] == d])) for d in drafters},
         "acceptance": {d: _acceptance(rows, d) for d in drafters},
         "receive_ms_median": {d: _median_receive_ms(rows, d) for d in drafters},
+        "zero_draft_rounds": {d: sum(r["S"] == 0 for r in rows if r["drafter"] == d) for d in drafters},
+        "longest_zero_draft_run": {d: _longest_zero_run(rows, d) for d in drafters},
     }
+
+
+def _longest_zero_run(rows: list[dict], drafter: str) -> int:
+    """The most rounds in a row the drafter took part in with ``S = 0`` (allotted nothing: its
+    acceptance estimate cannot change meanwhile, eq. 3)."""
+    longest = run = 0
+    for r in sorted((r for r in rows if r["drafter"] == drafter), key=lambda r: r["round"]):
+        run = run + 1 if r["S"] == 0 else 0
+        longest = max(longest, run)
+    return longest
 
 
 def _median_receive_ms(rows: list[dict], drafter: str) -> float:
@@ -168,11 +182,12 @@ def render_markdown(name: str, metrics: dict[str, dict], figures: dict[str, str]
         lines.append(f"| {policy} | {m['rounds']} | {m['utility']:.4f} | {m['jain_index']:.4f} | {m['total_tokens_per_s']:.2f} | "
                      f"{m['rounds_to_settle']} | {m['receive_s']:.3f} | {m['verify_s']:.3f} | {m['send_s']:.3f} |")
     for policy, m in metrics.items():
-        lines += ["", f"## {policy}: per drafter", "", "| drafter | tokens/round | tokens/s | mean S | acceptance | receive ms (median) |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", f"## {policy}: per drafter", "", "| drafter | tokens/round | tokens/s | mean S | acceptance | receive ms (median) "
+                  "| rounds with S = 0 | longest S = 0 run |", "|---|---|---|---|---|---|---|---|"]
         for d in m["drafters"]:
             lines.append(f"| {d} | {m['tokens_per_round'][d]:.4f} | {m['tokens_per_s'][d]:.2f} | {m['mean_draft_length'][d]:.2f} | "
-                         f"{m['acceptance'][d]:.4f} | {m['receive_ms_median'][d]:.1f} |")
+                         f"{m['acceptance'][d]:.4f} | {m['receive_ms_median'][d]:.1f} | {m['zero_draft_rounds'][d]} | "
+                         f"{m['longest_zero_draft_run'][d]} |")
     lines += ["", "## Figures", ""] + [f"![{k}]({v})" for k, v in figures.items()]
     return "\n".join(lines) + "\n"
 

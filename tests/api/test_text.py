@@ -41,7 +41,7 @@ def test_a_stop_string_ends_the_text_before_it_and_consumes_no_later_token(token
     stream, pieces = stream_all(tokenizer, ids, stop=["日本"])
     assert "".join(pieces) == 'def héllo(wörld):\n    return "✓ '
     assert stream.stopped and stream.consumed < len(ids)
-    assert tokenizer.decode(ids[: stream.consumed]).endswith("本") or "日本" in tokenizer.decode(ids[: stream.consumed])
+    assert "日本" in tokenizer.decode(ids[: stream.consumed])
     assert "日本" not in tokenizer.decode(ids[: stream.consumed - 1])  # the match came with the last consumed token
 
 

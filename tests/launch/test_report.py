@@ -31,6 +31,14 @@ def test_hand_computed_metrics():
     assert m["receive_ms_median"] == pytest.approx({"a": 20.0, "b": 70.0})  # medians of 10/20/30 and 60/80 ms
 
 
+def test_starvation_counts_rounds_with_nothing_allotted():
+    rows = [row(t, "a", 1, S=s) for t, s in enumerate([0, 0, 2, 0, 0, 0, 1], start=1)] + [row(1, "b", 2)]
+    rows = [r for r in rows if not (r["drafter"] == "a" and r["round"] == 5)]  # a missed round 5: the run goes on
+    m = policy_metrics(rows)
+    assert m["zero_draft_rounds"] == {"a": 4, "b": 0}
+    assert m["longest_zero_draft_run"] == {"a": 2, "b": 0}
+
+
 def test_utility_starts_when_every_drafter_has_tokens():
     start, u = utility_curve(np.array([[1, 0], [2, 0], [1, 1]], dtype=float))
     assert start == 2 and len(u) == 1
