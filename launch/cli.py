@@ -263,15 +263,54 @@ def _experiment(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from dataclasses import replace
+
     from goodspeed.launch.experiment import load_experiment, run_experiment
     from goodspeed.launch.spec import spec_path
 
     settings, spec = load_experiment(spec_path(args.spec))  # a file or a shipped name, e.g. table1-4drafters
+    if args.seed is not None:
+        settings = replace(settings, seed=args.seed)
     _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
     only = tuple(args.policies.split(",")) if args.policies else None
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
     return 1 if result["failed"] else 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+    import time
+    from pathlib import Path
+
+    from goodspeed.launch.experiment import load_experiment
+    from goodspeed.launch.simulate import load_profile, parse_range, profile_path, run_simulation
+    from goodspeed.launch.spec import spec_path
+
+    spec_file = spec_path(args.spec)
+    settings, _ = load_experiment(spec_file)
+    profile = load_profile(profile_path(args.profile, settings.name))
+    if args.save_profile:
+        Path(args.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
+        print(f"profile: {args.save_profile}")
+    out = Path(args.out or Path("goodspeed-simulations") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_simulation(spec_file, profile, out, drafters=args.drafters, seeds=args.seeds, rounds=args.rounds,
+                   policies=tuple(args.policies.split(",")) if args.policies else None, spread=args.spread,
+                   rtt_ms=parse_range(args.rtt_ms), validate=[Path(v) for v in args.validate])
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from goodspeed.launch.compare import compare_runs
+
+    out = Path(args.out)
+    summary = compare_runs([Path(d) for d in args.runs], out)
+    for policy, t in summary["policies"].items():
+        print(f"{policy}: U {t['utility_mean']:.3f} ± {t['utility_sd']:.3f} over {len(t['utility'])} runs")
+    print(f"report: {out / 'COMPARISON.md'}")
+    return 0
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -310,7 +349,8 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--port", type=int, default=50051)
     ver.add_argument("--budget", type=int, default=16, help="C: drafted tokens per round, all drafters together")
     ver.add_argument("--policy", default="goodspeed", choices=sorted(POLICIES))
-    ver.add_argument("--eta", type=float, default=0.2, help="acceptance smoothing (eq. 3)")
+    ver.add_argument("--eta", type=float, default=None,
+                     help="acceptance smoothing (eq. 3; default: the policy's, 0.1 for goodspeed, 0.2 for goodspeed-paper)")
     ver.add_argument("--beta", type=float, default=0.5, help="goodput smoothing (eq. 4)")
     ver.add_argument("--round-deadline-ms", type=float, default=250.0, help="close a round this long after its first draft")
     ver.add_argument("--max-missed-rounds", type=int, default=3, help="drop a drafter after this many consecutive misses")
@@ -409,7 +449,29 @@ def _add_serving_parsers(sub) -> None:
     ex.add_argument("--out", default=None, help="results directory (rerun into the same one to complete a failed policy)")
     ex.add_argument("--policies", default=None, help="comma-separated: run only these (e.g. a policy that failed)")
     ex.add_argument("--force", action="store_true", help="rerun policies that already have data")
+    ex.add_argument("--seed", type=int, default=None,
+                    help="prompt order: 0 keeps each drafter's file order, others shuffle it (default: the spec's [experiment] seed, 0)")
     ex.set_defaults(func=_experiment)
+    co = sub.add_parser("compare", help="several runs of one experiment spec side by side: U per run, mean ± sd, convergence")
+    co.add_argument("runs", nargs="+", help="experiment directories (`goodspeed experiment --out DIR`)")
+    co.add_argument("--out", required=True, help="directory for COMPARISON.md, comparison.json and the figure")
+    co.set_defaults(func=_compare)
+    si = sub.add_parser("simulate", help="an experiment spec's policies in simulation, calibrated on a real run; any number of drafters")
+    si.add_argument("spec", nargs="?", default=None, help="experiment SPEC.toml or a shipped name (table1-4drafters, table1-8drafters)")
+    si.add_argument("--profile", default=None,
+                    help="a real run of the spec (`goodspeed experiment --out DIR`) or a profile JSON "
+                         "(default: the profile shipped for the spec, measured on this project's runs)")
+    si.add_argument("--save-profile", default=None, help="write the profile fitted from --profile DIR to this JSON")
+    si.add_argument("--drafters", type=int, default=None, help="synthetic drafters drawn from the profiles (default: the spec's own)")
+    si.add_argument("--seeds", type=int, default=3, help="simulation seeds per policy (mean and sd reported)")
+    si.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the spec's)")
+    si.add_argument("--policies", default=None, help="comma-separated (default: the spec's)")
+    si.add_argument("--spread", type=float, default=1.5, help="--drafters: acceptance heterogeneity (log-acceptance scaled in [1/x, x])")
+    si.add_argument("--rtt-ms", default="2,200", help="--drafters: link round trips drawn log-uniformly from LO,HI ms")
+    si.add_argument("--validate", action="append", default=[], metavar="DIR",
+                    help="a real run of the spec to compare per-drafter tokens/round and U with (repeatable)")
+    si.add_argument("--out", default=None, help="results directory (default: goodspeed-simulations/<name>-<timestamp>)")
+    si.set_defaults(func=_simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -460,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     from goodspeed.launch.certs import CertError
     from goodspeed.launch.links import LinkError
     from goodspeed.launch.local import LaunchError
+    from goodspeed.launch.simulate import SimulationError
     from goodspeed.launch.spec import SpecError
     from goodspeed.lm.loading import ModelLoadError
     from goodspeed.verifier.auth import TokenFileError
@@ -467,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SpecError, ModelLoadError, LinkError, LaunchError, CredentialsError, TokenFileError, CertError) as exc:
+    except (SpecError, ModelLoadError, LinkError, LaunchError, CredentialsError, TokenFileError, CertError,
+            SimulationError) as exc:
         print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except DrafterError as exc:  # the verifier refused or went away past the timeout

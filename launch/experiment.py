@@ -7,13 +7,14 @@ table::
     name = "table1-4"
     policies = ["goodspeed", "fixed", "random"]
     rounds = 600          # stop each policy's run after this many verified rounds
+    seed = 0              # 0: every drafter cycles its prompts in file order; else a shuffled order per drafter
 
 For each policy the cluster of ``goodspeed launch`` runs (verifier + drafter processes, each
 drafter cycling through its prompt set so it never runs dry) until ``rounds`` rounds have run
 since every drafter took part (start-up rounds, while some processes still load, are not
 measured: see :func:`measurement_window`), and those rounds of the verifier's JSON log become
 rows of ``DIR/<policy>/rounds.jsonl`` (one per drafter in the round: S, accepted, x, alpha_hat,
-X, receive/verify/send seconds). ``DIR/<policy>/status.json``
+X, eta, receive/verify/send seconds). ``DIR/<policy>/status.json``
 marks a finished run; a policy that failed can be rerun alone with ``--policies``, and the report
 (``DIR/REPORT.md``, ``DIR/report.json``, PNG figures) is rebuilt from every policy's data.
 """
@@ -21,6 +22,7 @@ marks a finished run; a policy that failed can be rerun alone with ``--policies`
 from __future__ import annotations
 
 import json
+import random
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +32,7 @@ from tqdm import tqdm
 from goodspeed.launch.local import launch_local
 from goodspeed.launch.report import write_report
 from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError, build_table, load_spec, tomllib
+from goodspeed.scheduler import smoothing_of
 
 DEFAULT_EXPERIMENT = SPECS_DIR / "experiment-default.toml"
 PROMPT_CYCLES = 200  # prompt-file repeats: enough that no drafter runs dry before `rounds`
@@ -40,6 +43,7 @@ class ExperimentSettings:
     name: str = "experiment"
     policies: tuple[str, ...] = ("goodspeed", "fixed", "random")
     rounds: int = 600
+    seed: int = 0  # prompt order: 0 keeps the files' order, any other value shuffles each drafter's cycle
 
 
 def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings, LaunchSpec]:
@@ -58,18 +62,26 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
     return settings, spec
 
 
-def _cycled(spec: LaunchSpec, out_dir: Path) -> LaunchSpec:
-    """Point every drafter at a prompt file that repeats its set, so it drafts until stopped."""
+def _cycled(spec: LaunchSpec, out_dir: Path, seed: int = 0) -> LaunchSpec:
+    """Point every drafter at a prompt file that repeats its set, so it drafts until stopped.
+
+    ``seed != 0`` shuffles each cycle (per drafter, from the seed and the drafter's name), so
+    repeated experiments see the text in different orders; every policy of one experiment sees
+    the same order."""
     drafters = []
     for d in spec.drafters:
         lines = [line for line in d.prompt_path().read_text(encoding="utf-8").splitlines() if line.strip()][: d.max_prompts]
+        cycle = lines * PROMPT_CYCLES
+        if seed:
+            rng = random.Random(f"{seed}/{d.name}")
+            cycle = [line for _ in range(PROMPT_CYCLES) for line in rng.sample(lines, len(lines))]
         path = out_dir / f"{d.name}.cycled.jsonl"
-        path.write_text("\n".join(lines * PROMPT_CYCLES) + "\n", encoding="utf-8")
+        path.write_text("\n".join(cycle) + "\n", encoding="utf-8")
         drafters.append(replace(d, prompts=str(path), max_prompts=None))
     return replace(spec, drafters=tuple(drafters))
 
 
-def rows_from_log(log_path: Path, policy: str) -> list[dict]:
+def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list[dict]:
     rows = []
     for line in log_path.read_text(encoding="utf-8").splitlines():
         if not line.startswith("{"):
@@ -80,7 +92,7 @@ def rows_from_log(log_path: Path, policy: str) -> list[dict]:
         for d in event["drafters"]:
             rows.append({
                 "policy": policy, "round": event["round"], "ts": event["ts"], "drafter": d["name"],
-                "S": d["drafted"], "accepted": d["accepted"], "x": d["x"], "alpha_hat": d["alpha_hat"], "X": d["X"],
+                "S": d["drafted"], "accepted": d["accepted"], "x": d["x"], "alpha_hat": d["alpha_hat"], "X": d["X"], "eta": eta,
                 "S_next": d["S_next"], "receive_s": event["receive_s"], "verify_s": event["verify_s"], "send_s": event["send_s"],
                 "drafter_receive_s": d.get("receive_s"),  # this drafter's: round open -> its draft arrived
             })
@@ -91,9 +103,10 @@ def run_policy(settings: ExperimentSettings, spec: LaunchSpec, policy: str, out_
     run_dir = out_dir / policy
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "status.json").unlink(missing_ok=True)
-    cycled = _cycled(replace(spec, verifier=replace(spec.verifier, policy=policy)), run_dir)
+    cycled = _cycled(replace(spec, verifier=replace(spec.verifier, policy=policy)), run_dir, settings.seed)
     launch_local(cycled, run_dir, log=lambda *a: None, live=False, max_rounds=settings.rounds)
-    rows = measurement_window(rows_from_log(run_dir / "verifier.log", policy), [d.name for d in cycled.expanded_drafters()], settings.rounds)
+    eta = smoothing_of(policy, spec.verifier.eta).eta
+    rows = measurement_window(rows_from_log(run_dir / "verifier.log", policy, eta), [d.name for d in cycled.expanded_drafters()], settings.rounds)
     got = len({r["round"] for r in rows})
     if got < settings.rounds:
         raise RuntimeError(f"policy {policy}: only {got} of {settings.rounds} rounds ran; see {run_dir}/verifier.log")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from goodspeed.launch.spec import SpecError, VerifierSpec
 from goodspeed.lm.loading import LoadedModel, load_causal_lm
-from goodspeed.scheduler import SmoothingConfig
+from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
@@ -22,7 +22,7 @@ from goodspeed.verifier.tls import server_credentials
 def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, LoadedModel]:
     target = load_causal_lm(opts.target, dtype=opts.dtype, device=opts.device)
     config = EngineConfig(
-        budget=opts.budget, policy=opts.policy, smoothing=SmoothingConfig(eta=opts.eta, beta=opts.beta),
+        budget=opts.budget, policy=opts.policy, smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
         max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, seed=opts.seed,
     )
     return VerificationEngine(target.model, config, target.fingerprint), target
@@ -85,6 +85,8 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     config = server_config(opts)
     log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
     engine, target = build_engine(opts)
+    smoothing = engine.config.smoothing
+    log.event("scheduling", policy=opts.policy, budget=opts.budget, eta=smoothing.eta, beta=smoothing.beta)
     local = None
     if opts.local_draft is not None:
         log.event("loading", local_draft=opts.local_draft, local_policy=opts.local_policy)

@@ -92,7 +92,7 @@ class VerifierSpec:
     port: int | None = None
     budget: int = 16
     policy: str = "goodspeed"
-    eta: float = 0.2
+    eta: float | None = None  # default: the policy's (scheduler.policy.default_eta)
     beta: float = 0.5
     round_deadline_ms: float = 250.0
     max_missed_rounds: int = 3

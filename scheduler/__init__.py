@@ -8,6 +8,7 @@ transformers), with randomness and time passed in.
 - :mod:`.turbospec` — TurboSpec's latency model and goodput-maximising proposal length
 - :mod:`.nightjar` — Nightjar's switching-cost-aware bandit (Alg. 1, eq. 3)
 - :mod:`.policy` — the by-name interface the verifier uses
+- :mod:`.allotments` — the verifier's per-round draft-length bookkeeping (engine and simulator)
 """
 
 from goodspeed.scheduler.adaserve import (
@@ -26,13 +27,15 @@ from goodspeed.scheduler.goodspeed import (
     expected_goodput,
 )
 from goodspeed.scheduler.nightjar import NightjarBandit
-from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, make_policy, POLICIES
+from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, default_eta, make_policy, POLICIES, smoothing_of
+from goodspeed.scheduler.allotments import DraftAllotments
 from goodspeed.scheduler.tetris import presample_scores, select_by_scores, select_tokens, verification_success_rate
 from goodspeed.scheduler.turbospec import LatencyModel, ProposalChoice, choose_proposal_length, fit_latency_model
 
 __all__ = [
     "AllocationInputs",
     "CandidateTree",
+    "DraftAllotments",
     "DraftLengthPolicy",
     "GoodputEstimator",
     "LatencyModel",
@@ -44,6 +47,7 @@ __all__ = [
     "allocate_draft_lengths",
     "allocation_objective",
     "choose_proposal_length",
+    "default_eta",
     "expected_goodput",
     "fit_latency_model",
     "fixed_draft_lengths",
@@ -54,6 +58,7 @@ __all__ = [
     "select_by_scores",
     "select_tree_nodes",
     "slo_need",
+    "smoothing_of",
     "speculation_shape",
     "verification_success_rate",
 ]

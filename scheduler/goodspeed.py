@@ -205,13 +205,17 @@ class SmoothingConfig:
 
     ``initial_acceptance`` is the prior for a drafter nobody has measured yet (0.5: no evidence
     either way). ``initial_goodput`` = 1 token per round is what plain decoding yields, so a new
-    drafter's weight ``1/X`` starts high and it is measured quickly.
+    drafter's weight ``1/X`` starts high and it is measured quickly. ``warm_start`` replaces the
+    prior with the first measurement (eq. 3 with ``eta = 1`` once); evaluated as a remedy for
+    starved estimates and rejected — a weak drafter's first, pessimistic measurement locks it out
+    sooner (docs/EXPERIMENTS.md) — so it is off by default.
     """
 
     eta: float = 0.2
     beta: float = 0.5
     initial_acceptance: float = 0.5
     initial_goodput: float = 1.0
+    warm_start: bool = False
 
     def __post_init__(self) -> None:
         for name in ("eta", "beta"):
@@ -281,6 +285,8 @@ class GoodputEstimator:
             raise ValueError(f"num_accepted={num_accepted} outside [0, {len(ratios)}]")
         eta, beta = self.config.eta, self.config.beta
         if ratios:
+            if est.measured == 0 and self.config.warm_start:
+                eta = 1.0
             est.acceptance = (1.0 - eta) * est.acceptance + eta * (math.fsum(ratios) / len(ratios))
             est.measured, est.stale = est.measured + 1, 0
         else:

@@ -4,9 +4,13 @@ A policy sees the round's numbers only — drafter ids, their smoothed acceptanc
 (GoodSpeed eqs. 3-4), the budget, per-drafter caps, the round index and a generator — and
 returns one draft length per drafter. It is told each verified round through ``observe`` (the
 distributed policies here are stateless between rounds, so theirs does nothing; policies with
-memory keep it there). Registered names: ``goodspeed`` (the paper's eq. 5), ``goodspeed-explore``
-and ``goodspeed-ucb`` (candidate remedies for starved estimates, under evaluation: see
-docs/EXPERIMENTS.md), ``fixed``, ``random``.
+memory keep it there). Registered names: ``goodspeed`` (eq. 5 with an exploration floor, the
+default: docs/EXPERIMENTS.md has the evidence), ``goodspeed-paper`` (the paper's eq. 5 exactly, for
+reproductions), ``goodspeed-ucb`` (eq. 5 on an optimistic acceptance, an evaluated alternative),
+``fixed``, ``random``.
+
+A policy also names the acceptance smoothing it was chosen with (``eta``, eq. 3): the verifier
+uses it unless the operator sets ``--eta`` (:func:`default_eta`).
 
 ``LOCAL_POLICIES`` names the policies of the verifier's local serving
 (:mod:`goodspeed.verifier.local`), which decide per iteration what the verifier's own draft
@@ -22,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from goodspeed.scheduler.baselines import fixed_draft_lengths, random_draft_lengths
-from goodspeed.scheduler.goodspeed import allocate_draft_lengths, fairness_exponent
+from goodspeed.scheduler.goodspeed import SmoothingConfig, allocate_draft_lengths, fairness_exponent
 
 
 LOCAL_POLICIES = ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
@@ -58,10 +62,11 @@ class _Stateless:
         return None
 
 
-class GoodSpeedPolicy(_Stateless):
-    """Eq. (5) under an alpha-fair utility (``log`` by default)."""
+class GoodSpeedPaperPolicy(_Stateless):
+    """Eq. (5) under an alpha-fair utility (``log`` by default), exactly as the paper states it."""
 
-    name = "goodspeed"
+    name = "goodspeed-paper"
+    eta = 0.2
 
     def __init__(self, utility: str | float = "log") -> None:
         fairness_exponent(utility)  # validate now, not on the first round
@@ -71,8 +76,8 @@ class GoodSpeedPolicy(_Stateless):
         return allocate_draft_lengths(inputs.acceptance, inputs.goodput, inputs.budget, inputs.max_lengths, self.utility)
 
 
-class ExploringGoodSpeedPolicy(GoodSpeedPolicy):
-    """Eq. (5) with an exploration floor, so no estimate can starve.
+class GoodSpeedPolicy(GoodSpeedPaperPolicy):
+    """Eq. (5) with an exploration floor, so no estimate can starve: the default ``goodspeed``.
 
     Eq. (3) updates ``alpha_hat`` only in rounds with ``S > 0``; a drafter the allocation starves
     keeps a pessimistic estimate for ever (docs/EXPERIMENTS.md, 8 drafters). Here a drafter whose
@@ -81,11 +86,16 @@ class ExploringGoodSpeedPolicy(GoodSpeedPolicy):
     exact optimum under that floor: past its floor a drafter's units gain ``w a^k`` for
     ``k >= 2`` — those of a drafter of weight ``w a`` — so the same solver runs with its goodput
     scaled to ``X / a^(1/f)``. With no stale drafter it is exactly the paper's rule.
+
+    It was chosen with ``eta = 0.1``: greedy ratios are 0 or 1, and eq. (5)'s integer optimum
+    follows the noise of a faster average; the floor keeps the slower average from starving
+    anyone (docs/EXPERIMENTS.md, "Estimates that cannot deadlock").
     """
 
-    name = "goodspeed-explore"
+    name = "goodspeed"
+    eta = 0.1
 
-    def __init__(self, utility: str | float = "log", patience: int = 8) -> None:
+    def __init__(self, utility: str | float = "log", patience: int = 4) -> None:
         super().__init__(utility)
         if fairness_exponent(utility) <= 0:
             raise ValueError("the exploration floor needs an alpha-fair exponent > 0 (utility 'log', 'maxmin' or a number > 0)")
@@ -113,7 +123,7 @@ class ExploringGoodSpeedPolicy(GoodSpeedPolicy):
         return rest + floor
 
 
-class OptimisticGoodSpeedPolicy(GoodSpeedPolicy):
+class OptimisticGoodSpeedPolicy(GoodSpeedPaperPolicy):
     """Eq. (5) on an optimistic acceptance (UCB): ``min(1, alpha_hat + c * sqrt(alpha_hat (1 -
     alpha_hat) / (m + 1)))`` with ``m`` the rounds that measured it. A drafter starved of drafts
     keeps its bonus while the others' shrink, until the allocation tries it again."""
@@ -138,6 +148,7 @@ class FixedPolicy(_Stateless):
     """Fixed-S: ``C / N`` each; the leftover units rotate with the round index."""
 
     name = "fixed"
+    eta = 0.2  # reported, not used
 
     def allocate(self, inputs: AllocationInputs) -> np.ndarray:
         n = len(inputs.drafter_ids)
@@ -148,6 +159,7 @@ class RandomPolicy(_Stateless):
     """Random-S: a uniformly random split with ``sum <= C``."""
 
     name = "random"
+    eta = 0.2  # reported, not used
 
     def allocate(self, inputs: AllocationInputs) -> np.ndarray:
         return random_draft_lengths(len(inputs.drafter_ids), inputs.budget, inputs.rng, inputs.max_lengths)
@@ -155,7 +167,7 @@ class RandomPolicy(_Stateless):
 
 POLICIES: dict[str, Callable[..., DraftLengthPolicy]] = {
     GoodSpeedPolicy.name: GoodSpeedPolicy,
-    ExploringGoodSpeedPolicy.name: ExploringGoodSpeedPolicy,
+    GoodSpeedPaperPolicy.name: GoodSpeedPaperPolicy,
     OptimisticGoodSpeedPolicy.name: OptimisticGoodSpeedPolicy,
     FixedPolicy.name: FixedPolicy,
     RandomPolicy.name: RandomPolicy,
@@ -169,3 +181,14 @@ def make_policy(name: str, **options) -> DraftLengthPolicy:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
     return factory(**options)
+
+
+def default_eta(name: str) -> float:
+    """The acceptance smoothing (eq. 3) the policy was chosen with."""
+    make_policy(name)  # unknown names raise the same error
+    return float(getattr(POLICIES[name], "eta", SmoothingConfig.eta))
+
+
+def smoothing_of(name: str, eta: float | None = None, beta: float = SmoothingConfig.beta) -> SmoothingConfig:
+    """Eqs. (3)-(4)'s smoothing for a policy: ``eta`` if set, else the policy's own."""
+    return SmoothingConfig(eta=default_eta(name) if eta is None else eta, beta=beta)

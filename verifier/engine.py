@@ -26,7 +26,7 @@ import torch
 
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
-from goodspeed.scheduler import AllocationInputs, GoodputEstimator, make_policy
+from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
 from goodspeed.lm.attention import use_gqa_attention
 from goodspeed.verifier.drafts import draft_depth, validate_draft
@@ -52,14 +52,14 @@ class VerificationEngine:
         self._work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
-        self.estimator = GoodputEstimator(self.config.smoothing)
-        self.policy = make_policy(self.config.policy)
         # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
         # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.
         self.root_seed = resolve_root_seed(self.config.seed)
         self.generator = torch_generator(self.root_seed, "verifier", "verify")
         self.row_verifier = RowVerifier(self.vocab_size, self.device, self._work_dtype, self.generator)
-        self.np_rng = numpy_rng(self.root_seed, "verifier", "policy")
+        # Smoothing (eqs. 3-4), the policy and the budget: the same code the simulator runs.
+        self.allotments = DraftAllotments(self.config.budget, self.config.policy, self.config.smoothing,
+                                          self.config.max_draft_len, numpy_rng(self.root_seed, "verifier", "policy"))
         self.round_index = 0
         self._sessions: dict[str, Session] = {}
 
@@ -97,15 +97,20 @@ class VerificationEngine:
         # restarts (a drafter retrying its old id cannot land in a newcomer's session).
         session_id = f"{name}#{secrets.token_hex(16)}"
         self._sessions[session_id] = Session(session_id, name, managed=managed, device=device or session_id)
-        self.estimator.join(session_id)
+        self.allotments.join(session_id, device or session_id, managed)
         return session_id
+
+    @property
+    def estimator(self):
+        """Per-session smoothed acceptance and goodput (eqs. 3-4)."""
+        return self.allotments.estimator
 
     def leave(self, session_id: str) -> None:
         """Drop a drafter and free its KV memory."""
         session = self._session(session_id)
         if session.request is not None:
             self._end_request(session)
-        self.estimator.leave(session_id)
+        self.allotments.leave(session_id)
         del self._sessions[session_id]
 
     @property
@@ -136,8 +141,7 @@ class VerificationEngine:
         if len(prompt) > 1:
             self._forward(slice(slot, slot + 1), [prompt[:-1]], [None])
             self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
-        session.allotted = self._first_allotment(session)
-        return session.allotted
+        return self.allotments.start(session_id, session.request.remaining)
 
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
         """Raise the error a request with this prompt and length would get (nothing changes)."""
@@ -154,25 +158,10 @@ class VerificationEngine:
                 f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context limit {self.max_seq_len}"
             )
 
-    def _cap(self, session: Session) -> int:
-        """Most tokens worth drafting: the last new token always comes from the target."""
-        return max(0, min(self.config.max_draft_len, session.request.remaining - 1))
-
-    def _edge_active(self) -> list[Session]:
-        return [s for s in self._sessions.values() if s.request is not None and not s.managed]
-
-    def _first_allotment(self, session: Session) -> int:
-        """A newcomer gets an equal share of the budget, but only what others leave free this round."""
-        if session.managed:
-            return 0
-        active = self._edge_active()
-        free = self.config.budget - sum(s.allotted for s in active if s is not session)
-        share = self.config.budget // len(active)
-        return max(0, min(share, free, self._cap(session)))
-
     def _end_request(self, session: Session) -> None:
         self.slots.remove(session.session_id)
-        session.request, session.allotted, session.pending = None, 0, None
+        self.allotments.end(session.session_id)
+        session.request, session.pending = None, None
 
     def set_allotment(self, session_id: str, num_tokens: int) -> None:
         """Override the session's draft length for its next round: for callers that choose lengths
@@ -183,7 +172,7 @@ class VerificationEngine:
             raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
         if num_tokens < 0 or (not session.managed and num_tokens > self.config.budget):
             raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {self.config.budget}]")
-        session.allotted = int(num_tokens)
+        self.allotments.set(session_id, num_tokens)
 
     def finish_request(self, session_id: str) -> list[int]:
         """End the session's request early: free its KV slot, drop a queued draft; returns the
@@ -203,7 +192,7 @@ class VerificationEngine:
         return list(session.request.committed)
 
     def allotment(self, session_id: str) -> int:
-        return self._session(session_id).allotted
+        return self.allotments.allotted(self._session(session_id).session_id)
 
     def next_round(self, session_id: str) -> int:
         """The round index the session's next draft must carry."""
@@ -234,7 +223,7 @@ class VerificationEngine:
             if list(session.pending.token_ids) == list(draft.token_ids):
                 return None
             raise errors.MalformedDraftError(f"a different draft for round {draft.round_index} is already queued")
-        validate_draft(draft, self.vocab_size, session.allotted, needs_probs=not session.request.sampling.greedy)
+        validate_draft(draft, self.vocab_size, self.allotments.allotted(session_id), needs_probs=not session.request.sampling.greedy)
         depth = draft_depth(draft)
         if depth > session.request.remaining - 1:
             raise errors.DraftTooLongError(
@@ -278,7 +267,7 @@ class VerificationEngine:
             batch_rows=window,
             batch_tokens=window * q_len,
             verified_tokens=sum(len(r.tokens) for r in rows),
-            draft_lengths={s.session_id: s.allotted for s in self._edge_active()},
+            draft_lengths={sid: self.allotments.allotted(sid) for sid in self.allotments.edge_active()},
         )
 
     def _assemble(self) -> list[Row]:
@@ -331,49 +320,21 @@ class VerificationEngine:
             cut, reason = request.remaining, "length"
         request.commit(emitted[:cut])
         accepted = len(outcome.kept) - 1
-        self.estimator.observe(session.session_id, outcome.ratios, accepted)
+        self.allotments.observe(session.session_id, outcome.ratios, accepted)
         return row, emitted[:cut], accepted, reason
 
     def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
         """Eq. (5) (or the configured baseline) for next round, then the verdicts."""
-        finished = {row.session.session_id: reason for row, _, _, reason in outcomes if reason}
+        finished = {row.session.session_id for row, _, _, reason in outcomes if reason}
+        for sid in finished:
+            self.allotments.end(sid)  # its allotment returns to the pool before the others share it
         participants = [row.session for row, *_ in outcomes if row.session.session_id not in finished and not row.session.managed]
-        others = [s for s in self._edge_active() if s.pending is None]
-        budget = max(0, self.config.budget - sum(s.allotted for s in others))
-        if participants:
-            ids = [s.session_id for s in participants]
-            acceptance, goodput = self.estimator.arrays(ids)
-            goodput = self._device_goodput(participants, goodput)
-            caps = np.array([self._cap(s) for s in participants])
-            measured, stale = self.estimator.evidence(ids)
-            inputs = AllocationInputs(ids, acceptance, goodput, budget, caps, self.round_index, self.np_rng, measured, stale)
-            for s, length in zip(participants, self.policy.allocate(inputs)):
-                s.allotted = int(length)
+        self.allotments.schedule([s.session_id for s in participants],
+                                 [self.allotments.cap(s.request.remaining) for s in participants], self.round_index)
         verdicts = {}
         for row, emitted, accepted, reason in outcomes:
             verdicts[row.session.session_id] = self._verdict(row, emitted, accepted, reason)
         return verdicts
-
-    def _device_goodput(self, participants: list[Session], goodput: np.ndarray) -> np.ndarray:
-        """Each participant's DEVICE goodput: the sum of ``X`` over the device's sessions with a
-        request in progress.
-
-        GoodSpeed's utility is ``sum_d log X_d`` over devices. A device serving several requests
-        at once holds one session per request and ``X_d = sum_{r in d} X_r``, so the utility's
-        gradient with respect to request ``r``'s goodput is ``U'(X_d)`` for every ``r`` in ``d``:
-        eq. (5) stays the same separable problem with weight ``U'(X_d)`` on each of the device's
-        requests. The budget then goes to devices in the paper's proportions, and inside a
-        device to the requests with the highest marginal gain. A session alone on its device is
-        unchanged (``X_d = X_r``).
-        """
-        devices = {s.device for s in participants}
-        if len(devices) == len(participants) and all(s.device == s.session_id for s in participants):
-            return goodput
-        totals: dict[str, float] = {}
-        for s in self._edge_active():
-            if s.device in devices:
-                totals[s.device] = totals.get(s.device, 0.0) + self.estimator.get(s.session_id).goodput
-        return np.array([totals[s.device] for s in participants], dtype=np.float64)
 
     def _verdict(self, row: Row, emitted: list[int], accepted: int, reason: str | None) -> Verdict:
         session = row.session
@@ -387,7 +348,7 @@ class VerificationEngine:
             token_ids=emitted,
             committed_length=len(committed),
             prefix_hash=session.request.hasher.hexdigest(),
-            next_draft_length=0 if reason else session.allotted,
+            next_draft_length=0 if reason else self.allotments.allotted(session.session_id),
             finished=reason is not None,
             finish_reason=reason,
             acceptance=est.acceptance,

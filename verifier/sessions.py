@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import resolve_root_seed
-from goodspeed.scheduler import SmoothingConfig, make_policy
+from goodspeed.scheduler import SmoothingConfig, make_policy, smoothing_of
 from goodspeed.verifier.types import Draft, Verdict
 from goodspeed.verifier.verify_rows import RowInput
 
@@ -18,7 +18,7 @@ class EngineConfig:
 
     budget: int = 16
     policy: str = "goodspeed"
-    smoothing: SmoothingConfig = field(default_factory=SmoothingConfig)
+    smoothing: SmoothingConfig | None = None  # default: eq. 3's eta the policy was chosen with, beta 0.5
     max_drafters: int = 64
     max_draft_len: int = 16
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
@@ -30,6 +30,8 @@ class EngineConfig:
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
         make_policy(self.policy)  # unknown names fail here, not on the first round
+        if self.smoothing is None:
+            object.__setattr__(self, "smoothing", smoothing_of(self.policy))
         if self.seed is not None:
             resolve_root_seed(self.seed)
 
@@ -63,7 +65,6 @@ class Session:
     managed: bool = False  # drafted for by local serving, outside the budget and the policy
     device: str = ""  # the edge device it drafts for: sessions of one device share a utility term
     request: Request | None = None
-    allotted: int = 0
     round_index: int = 0  # the round the session submits next
     pending: Draft | None = None
     last_draft: Draft | None = None

@@ -52,7 +52,8 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
     for policy in settings.policies:
         rows = [json.loads(line) for line in (out / policy / "rounds.jsonl").read_text().splitlines()]
         assert len({r["round"] for r in rows}) == 40
-        assert {"S", "accepted", "x", "alpha_hat", "X", "receive_s", "verify_s", "send_s", "drafter_receive_s"} <= set(rows[0])
+        assert {"S", "accepted", "x", "alpha_hat", "X", "eta", "receive_s", "verify_s", "send_s", "drafter_receive_s"} <= set(rows[0])
+        assert rows[0]["eta"] == {"goodspeed": 0.1, "fixed": 0.2}[policy]  # the smoothing the run used
         assert all(r["drafter_receive_s"] >= 0 for r in rows)
         per_round, jain, utility = recompute(rows)
         m = report[policy]
@@ -72,3 +73,24 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
     run_experiment(settings, spec_for(model_dirs, tmp_path), out, only=("fixed",), log=lambda *a: None)
     assert (out / "goodspeed" / "rounds.jsonl").read_text() == before
     assert set(json.loads((out / "report.json").read_text())) == {"goodspeed", "fixed"}
+
+
+def test_a_seed_shuffles_each_drafters_prompt_cycle(tmp_path):
+    from goodspeed.launch.experiment import PROMPT_CYCLES, _cycled
+
+    prompts = tmp_path / "p.jsonl"
+    lines = [json.dumps({"prompt_ids": [i]}) for i in range(6)]
+    prompts.write_text("\n".join(lines) + "\n")
+    spec = LaunchSpec(VerifierSpec(), (DrafterSpec("a", "demo:draft-tiny", str(prompts)), DrafterSpec("b", "demo:draft-tiny", str(prompts))))
+
+    def cycle(seed, name):
+        cycled = _cycled(spec, tmp_path, seed)
+        path = next(d.prompts for d in cycled.drafters if d.name == name)
+        return open(path).read().splitlines()
+
+    assert cycle(0, "a") == lines * PROMPT_CYCLES  # seed 0: the file's order
+    shuffled = cycle(3, "a")
+    assert len(shuffled) == 6 * PROMPT_CYCLES
+    assert all(sorted(shuffled[k:k + 6]) == sorted(lines) for k in range(0, len(shuffled), 6))  # every cycle: each prompt once
+    assert shuffled != lines * PROMPT_CYCLES and shuffled == cycle(3, "a")  # reproducible
+    assert cycle(3, "b") != shuffled and cycle(4, "a") != shuffled  # per drafter, per seed

@@ -68,6 +68,8 @@ def test_a_launch_makes_its_own_credentials(tmp_path):
     assert stat.S_IMODE((tmp_path / "auth").stat().st_mode) == 0o700
     cmd = verifier_command(secured.verifier)
     assert cmd[cmd.index("--auth-tokens") + 1] == str(tokens_file)
+    assert "--eta" not in cmd  # unset: the verifier uses the policy's own smoothing
+    assert verifier_command(replace(secured.verifier, eta=0.3)).count("--eta") == 1
     auth = TokenAuth.from_file(tokens_file)
     for d in secured.drafters:
         assert d.token_file == str(tmp_path / "auth" / f"{d.name}.token")

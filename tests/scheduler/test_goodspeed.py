@@ -186,3 +186,14 @@ def test_the_estimator_counts_the_evidence_behind_each_estimate():
     assert measured.tolist() == [1, 0] and stale.tolist() == [1, 3]
     est.observe("b", [1.0], 1)
     assert est.evidence(["b"])[1].tolist() == [0]
+
+
+def test_warm_start_replaces_the_prior_with_the_first_measurement():
+    est = GoodputEstimator(SmoothingConfig(eta=0.2, warm_start=True))
+    est.join("a")
+    est.observe("a", [], 0)  # S = 0 measures nothing: the prior stays
+    assert est.get("a").acceptance == 0.5
+    est.observe("a", [1.0, 0.0, 0.0, 0.0], 1)
+    assert est.get("a").acceptance == 0.25
+    est.observe("a", [1.0], 1)
+    assert est.get("a").acceptance == pytest.approx(0.8 * 0.25 + 0.2)  # then eq. 3 as usual

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from goodspeed.scheduler import AllocationInputs, allocate_draft_lengths, make_policy
+from goodspeed.scheduler import AllocationInputs, SmoothingConfig, allocate_draft_lengths, default_eta, make_policy, smoothing_of
 
 
 def inputs(round_index=0):
@@ -17,15 +17,24 @@ def inputs(round_index=0):
 
 
 def test_policies_by_name():
-    assert make_policy("goodspeed").allocate(inputs()).tolist() == allocate_draft_lengths([0.9, 0.5, 0.2], [3.0, 1.5, 1.1], 10).tolist()
+    expected = allocate_draft_lengths([0.9, 0.5, 0.2], [3.0, 1.5, 1.1], 10).tolist()
+    assert make_policy("goodspeed-paper").allocate(inputs()).tolist() == expected
+    assert make_policy("goodspeed").allocate(inputs()).tolist() == expected  # no evidence given: no floor
     assert make_policy("fixed").allocate(inputs(1)).tolist() == [3, 4, 3]
     r = make_policy("random").allocate(inputs())
     assert r.sum() <= 10 and r.shape == (3,)
-    assert make_policy("goodspeed", utility="throughput").allocate(inputs()).sum() == 10
+    assert make_policy("goodspeed-paper", utility="throughput").allocate(inputs()).sum() == 10
+
+
+def test_each_policy_names_the_smoothing_it_was_chosen_with():
+    assert default_eta("goodspeed") == 0.1 and default_eta("goodspeed-paper") == 0.2
+    assert smoothing_of("goodspeed").eta == 0.1 and smoothing_of("goodspeed", eta=0.3, beta=0.4) == SmoothingConfig(0.3, 0.4)
+    with pytest.raises(ValueError, match="unknown policy"):
+        default_eta("nope")
 
 
 def test_unknown_policy_and_bad_option():
-    with pytest.raises(ValueError, match="known: fixed, goodspeed, goodspeed-explore, goodspeed-ucb, random"):
+    with pytest.raises(ValueError, match="known: fixed, goodspeed, goodspeed-paper, goodspeed-ucb, random"):
         make_policy("tetrisx")
     with pytest.raises(ValueError):
         make_policy("goodspeed", utility="bogus")
@@ -44,7 +53,7 @@ def test_the_exploration_floor_is_the_exact_optimum_under_the_floor():
     from goodspeed.scheduler.goodspeed import allocation_objective
 
     rng = np.random.default_rng(7)
-    policy = make_policy("goodspeed-explore", patience=3)
+    policy = make_policy("goodspeed", patience=3)
     for _ in range(150):
         n = int(rng.integers(2, 5))
         a = rng.uniform(0.0, 1.0, n).round(2)
@@ -65,12 +74,12 @@ def test_the_exploration_floor_is_the_exact_optimum_under_the_floor():
 
 def test_without_stale_drafters_exploration_is_the_papers_rule():
     a, x = [0.9, 0.5, 0.2], [3.0, 1.5, 1.1]
-    got = make_policy("goodspeed-explore").allocate(with_evidence(a, x, 10, None, [9, 9, 9], [0, 2, 8]))
+    got = make_policy("goodspeed").allocate(with_evidence(a, x, 10, None, [9, 9, 9], [0, 2, 8]))
     assert got.tolist() == allocate_draft_lengths(a, x, 10).tolist()
 
 
 def test_the_stalest_are_floored_first_when_the_budget_is_short():
-    got = make_policy("goodspeed-explore", patience=1).allocate(with_evidence([0.9, 0.1, 0.1, 0.1], [1, 1, 1, 1], 2, None,
+    got = make_policy("goodspeed", patience=1).allocate(with_evidence([0.9, 0.1, 0.1, 0.1], [1, 1, 1, 1], 2, None,
                                                                                 [9, 1, 1, 1], [0, 5, 9, 7]))
     assert got.tolist() == [0, 0, 1, 1]
 
@@ -87,8 +96,8 @@ def test_optimism_shrinks_with_evidence():
 
 def test_remedy_options_are_checked():
     with pytest.raises(ValueError, match="exponent > 0"):
-        make_policy("goodspeed-explore", utility="throughput")
+        make_policy("goodspeed", utility="throughput")
     with pytest.raises(ValueError):
-        make_policy("goodspeed-explore", patience=-1)
+        make_policy("goodspeed", patience=-1)
     with pytest.raises(ValueError):
         make_policy("goodspeed-ucb", bonus=-1.0)

@@ -1,4 +1,4 @@
-"""Sessions of one edge device share one term of GoodSpeed's utility (engine._device_goodput): a
+"""Sessions of one edge device share one term of GoodSpeed's utility (scheduler.allotments.DraftAllotments.device_goodput): a
 node serving several requests at once gets a device's share of the budget, not one per request."""
 
 import itertools

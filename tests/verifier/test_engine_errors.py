@@ -146,3 +146,13 @@ def test_an_empty_tokenizer_fingerprint_is_refused(engine):
     right = engine.join("right", "abc")
     engine.leave(right)  # max_drafters = 3
     assert engine.join("in-process", None) in engine.session_ids  # an in-process caller vouches for its draft
+
+
+def test_the_engine_smooths_with_its_policys_eta_unless_told():
+    from goodspeed.scheduler import SmoothingConfig
+
+    assert EngineConfig(policy="goodspeed").smoothing.eta == 0.1
+    assert EngineConfig(policy="goodspeed-paper").smoothing.eta == 0.2
+    assert EngineConfig(policy="goodspeed", smoothing=SmoothingConfig(eta=0.3)).smoothing.eta == 0.3
+    with pytest.raises(ValueError, match="unknown policy"):
+        EngineConfig(policy="goodspeed-explore")

@@ -1,0 +1,33 @@
+"""Shared fixtures of the launch tests."""
+
+import json
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def fake_experiment():
+    """Write an experiment directory like `goodspeed experiment` does, from known drafters:
+    drafter ``i`` accepts each position with probability ``0.3 + 0.15 i``, ``S = 6`` every round."""
+    from goodspeed.launch.report import policy_metrics
+
+    def write(path, names, policies=("fixed",), rounds=300, seed=5):
+        rng, report = np.random.default_rng(seed), {}
+        for policy in policies:
+            rows, alpha = [], dict.fromkeys(names, 0.5)
+            for t in range(rounds):
+                for i, name in enumerate(names):
+                    s = 6
+                    m = next((k for k in range(s) if rng.random() >= 0.3 + 0.15 * i), s)
+                    alpha[name] = 0.8 * alpha[name] + 0.2 * m / s
+                    rows.append({"policy": policy, "round": t, "ts": t * 0.01, "drafter": name, "S": s, "accepted": m,
+                                 "x": m + 1, "alpha_hat": alpha[name], "X": 2.0, "S_next": s, "eta": 0.2,
+                                 "drafter_receive_s": 0.01, "receive_s": 0.01, "verify_s": 0.005, "send_s": 0.0005})
+            (path / policy).mkdir(parents=True)
+            (path / policy / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            report[policy] = policy_metrics(rows)
+        (path / "report.json").write_text(json.dumps(report))
+        return path
+
+    return write
