@@ -30,6 +30,7 @@ from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
 from goodspeed.lm.demo import build_demo
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.verifier.records import RoundRecord
 
 MODES = {
     "greedy": SamplingParams(),
@@ -65,20 +66,20 @@ def cluster_run(drafters: int, prompts: int, max_new: int, budget: int, out_dir:
     )
     summary = launch_local(spec, out_dir, log=lambda *a: None, live=False)
     events = [json.loads(line) for line in (out_dir / "verifier.log").read_text().splitlines() if line.startswith("{")]
-    rounds = [e for e in events if e["event"] == "round" and e["drafters"]]
+    rounds = [r for r in (RoundRecord.from_event(e) for e in events if e["event"] == "round") if r.drafters]
     prefill_s = sum(e["prefill_s"] for e in events if e["event"] == "start")
-    work = [e["verify_s"] + e["send_s"] for e in rounds]
+    work = [r.verify_s + r.send_s for r in rounds]
     verifier_s = sum(work) + prefill_s
     return {
         "tokens": summary["tokens"],
         "rounds": len(rounds),
-        "mean_batch": statistics.mean(e["batch"] for e in rounds),
+        "mean_batch": statistics.mean(r.batch for r in rounds),
         "verifier_s": verifier_s,
         "tok_per_verifier_s": summary["tokens"] / verifier_s,
         "wall_s": summary["wall_s"],
         "tok_per_wall_s": summary["tokens"] / summary["wall_s"],
-        "non_forward_share": statistics.median(1 - e["forward_s"] / (e["verify_s"] + e["send_s"]) for e in rounds),
-        "median_receive_s": statistics.median(e["receive_s"] for e in rounds),
+        "non_forward_share": statistics.median(1 - r.forward_s / (r.verify_s + r.send_s) for r in rounds),
+        "median_receive_s": statistics.median(r.receive_s for r in rounds),
         "median_round_work_s": statistics.median(work),
         "exit_codes": sorted({r["exit_code"] for r in summary["drafters"].values()}),
     }

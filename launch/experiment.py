@@ -33,6 +33,7 @@ from goodspeed.launch.local import launch_local
 from goodspeed.launch.report import write_report
 from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError, build_table, load_spec, tomllib
 from goodspeed.scheduler import smoothing_of
+from goodspeed.verifier.records import RoundRecord
 
 DEFAULT_EXPERIMENT = SPECS_DIR / "experiment-default.toml"
 PROMPT_CYCLES = 200  # prompt-file repeats: enough that no drafter runs dry before `rounds`
@@ -82,6 +83,9 @@ def _cycled(spec: LaunchSpec, out_dir: Path, seed: int = 0) -> LaunchSpec:
 
 
 def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list[dict]:
+    """The experiment's rows (:mod:`goodspeed.launch.report` documents them) from the verifier's
+    round records; a round event this version cannot read raises
+    :class:`~goodspeed.verifier.records.RecordError`."""
     rows = []
     for line in log_path.read_text(encoding="utf-8").splitlines():
         if not line.startswith("{"):
@@ -89,12 +93,13 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
         event = json.loads(line)
         if event.get("event") != "round":
             continue
-        for d in event["drafters"]:
+        record = RoundRecord.from_event(event)
+        for d in record.drafters:
             rows.append({
-                "policy": policy, "round": event["round"], "ts": event["ts"], "drafter": d["name"],
-                "S": d["drafted"], "accepted": d["accepted"], "x": d["x"], "alpha_hat": d["alpha_hat"], "X": d["X"], "eta": eta,
-                "S_next": d["S_next"], "receive_s": event["receive_s"], "verify_s": event["verify_s"], "send_s": event["send_s"],
-                "drafter_receive_s": d.get("receive_s"),  # this drafter's: round open -> its draft arrived
+                "policy": policy, "round": record.round, "ts": record.ts, "drafter": d.name,
+                "S": d.drafted, "accepted": d.accepted, "x": d.gained, "alpha_hat": d.acceptance, "X": d.goodput, "eta": eta,
+                "S_next": d.next_draft_length, "receive_s": record.receive_s, "verify_s": record.verify_s, "send_s": record.send_s,
+                "drafter_receive_s": d.receive_s,  # this drafter's: round open -> its draft arrived
             })
     return rows
 

@@ -26,6 +26,7 @@ from goodspeed.launch.certs import init_certs
 from goodspeed.launch.links import EdgeNetwork, check_support
 from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec, flag_args
 from goodspeed.verifier.auth import add_token, write_private
+from goodspeed.verifier.records import RecordError, RoundRecord
 
 CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
 
@@ -58,6 +59,7 @@ class ClusterView:
     rounds: int = 0
     first_round: dict[str, int] = field(default_factory=dict)  # drafter name -> count of rounds when first seen
     drops: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # round events this reader could not read (first 10)
     drafters: dict[str, DrafterView] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -68,17 +70,18 @@ class ClusterView:
             elif event["event"] == "drop":
                 self.drops.append(event)
             elif event["event"] == "round":
+                record = RoundRecord.from_event(event)
                 self.rounds += 1
-                for row in event["drafters"]:
-                    self.first_round.setdefault(row["name"], self.rounds)
-                    view = self.drafters.setdefault(row["name"], DrafterView())
-                    view.alpha_hat, view.goodput, view.next_len = row["alpha_hat"], row["X"], row["S_next"]
-                    view.tokens += row["x"]
-                    if row.get("receive_s") is not None:
-                        view.receive_s.append(row["receive_s"])
+                for row in record.drafters:
+                    self.first_round.setdefault(row.name, self.rounds)
+                    view = self.drafters.setdefault(row.name, DrafterView())
+                    view.alpha_hat, view.goodput, view.next_len = row.acceptance, row.goodput, row.next_draft_length
+                    view.tokens += row.gained
+                    if row.receive_s is not None:
+                        view.receive_s.append(row.receive_s)
                     view.rounds += 1
-                    view.first_s = view.first_s or event["ts"]
-                    view.last_s = event["ts"]
+                    view.first_s = view.first_s or record.ts
+                    view.last_s = record.ts
 
 
 def verifier_command(v: VerifierSpec) -> list[str]:
@@ -142,12 +145,21 @@ def _prompt_file(d: DrafterSpec, out_dir: Path) -> Path:
 
 
 def apply_line(view: ClusterView, line: str) -> None:
-    """Feed one line of the verifier's log to the view (JSON events; anything else is ignored)."""
-    if line.startswith("{"):
-        try:
-            view.apply(json.loads(line))
-        except (json.JSONDecodeError, KeyError):
-            pass
+    """Feed one line of the verifier's log to the view. Lines that are not JSON objects (a
+    traceback, a library's warning) are ignored; a round event this reader cannot read is kept in
+    ``view.errors`` (shown by the live table and the summary), not skipped silently."""
+    if not line.startswith("{"):
+        return
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return
+    try:
+        view.apply(event)
+    except RecordError as exc:
+        with view.lock:
+            if len(view.errors) < 10:
+                view.errors.append(str(exc))
 
 
 def _follow(stream, log_path: Path, view: ClusterView) -> None:
@@ -274,6 +286,8 @@ def render_table(view: ClusterView, procs: dict[str, subprocess.Popen], elapsed_
             state = "running" if proc.poll() is None else f"exit {proc.returncode}"
             lines.append(f"  {name:<16} {state:<8} {v.alpha_hat:>9.3f} {v.goodput:>6.2f} {v.next_len:>4} {v.tokens:>7} {v.tok_s():>7.1f}"
                          + node(name))
+        if view.errors:
+            lines.append(f"  log schema error (the table is incomplete): {view.errors[0]}")
     return lines
 
 
@@ -298,8 +312,8 @@ def summarise(cluster: LocalCluster) -> dict:
         }
     elapsed = time.time() - cluster.started_s
     return {"drafters": rows, "rounds": cluster.view.rounds, "wall_s": elapsed, "tokens": sum(r["tokens"] for r in rows.values()),
-            "drops": cluster.view.drops, "out_dir": str(cluster.out_dir), "placement": cluster.placement,
-            "seed": cluster.spec.seed}
+            "drops": cluster.view.drops, "log_errors": list(cluster.view.errors), "out_dir": str(cluster.out_dir),
+            "placement": cluster.placement, "seed": cluster.spec.seed}
 
 
 def print_summary(summary: dict, log=print) -> None:
@@ -308,6 +322,8 @@ def print_summary(summary: dict, log=print) -> None:
         recv = f"{r['receive_ms_median']:>7.1f}" if r.get("receive_ms_median") is not None else f"{'-':>7}"
         log(f"{name:<16} {r['exit_code']:>4} {r['requests']:>4} {r['tokens']:>6} {r['rounds']:>6} {r['acceptance']:>6.3f} "
             f"{r['alpha_hat']:>9.3f} {r['X']:>6.2f} {r['tok_per_s']:>7.1f} {recv}")
+    for error in summary.get("log_errors", []):
+        log(f"unreadable round event in the verifier's log: {error}")
     log(f"{summary['tokens']} tokens in {summary['wall_s']:.1f} s ({summary['tokens'] / summary['wall_s']:.1f} tok/s overall), "
         f"{summary['rounds']} rounds; results in {summary['out_dir']}")
 

@@ -54,5 +54,9 @@ class JsonLog:
         self.stream = stream or sys.stderr
 
     def event(self, event: str, **fields) -> None:
-        self.stream.write(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}) + "\n")
+        self.write({"ts": round(time.time(), 6), "event": event, **fields})
+
+    def write(self, event: dict) -> None:
+        """One already-built event (e.g. :meth:`goodspeed.verifier.records.RoundRecord.to_event`)."""
+        self.stream.write(json.dumps(event) + "\n")
         self.stream.flush()

@@ -44,6 +44,7 @@ from goodspeed.verifier.fields import (
 from goodspeed.verifier.http_front import make_http_front
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
+from goodspeed.verifier.records import DrafterRound, LocalRound, RoundRecord
 from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
 from goodspeed.verifier.tls import is_loopback, server_credentials
 
@@ -483,19 +484,20 @@ class VerifierService(pb_grpc.VerifierServicer):
         verdicts = result.verdicts.values()
         self.metrics.observe_round(phases, verdicts)
         self._update_gauges()
-        rows = [
-            {"session": v.session_id, "name": self._drafters[v.session_id].name,
-             "drafted": v.num_drafted, "accepted": v.num_accepted, "x": len(v.token_ids), "alpha_hat": v.acceptance,
-             "X": v.goodput, "S_next": v.next_draft_length, "finished": v.finished,
-             "receive_s": self._drafters[v.session_id].receive_s}
+        rows = tuple(
+            DrafterRound(session=v.session_id, name=self._drafters[v.session_id].name, drafted=v.num_drafted,
+                         accepted=v.num_accepted, gained=len(v.token_ids), acceptance=v.acceptance, goodput=v.goodput,
+                         next_draft_length=v.next_draft_length, finished=v.finished,
+                         receive_s=self._drafters[v.session_id].receive_s)
             for v in verdicts if v.session_id in self._drafters
-        ]
-        extra = {}
+        )
+        local_round = None
         if local is not None:
-            extra["local"] = {"requests": local.requests, "drafted": local.drafted, "accepted": local.accepted,
-                              "emitted": local.emitted, "k": local.k, "waiting": self.local.num_waiting}
-        self.log.event("round", round=result.round_index, receive_s=receive_s, verify_s=t.total_s, send_s=send_s,
-                       forward_s=t.forward_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows, **extra)
+            local_round = LocalRound(requests=local.requests, drafted=local.drafted, accepted=local.accepted,
+                                     emitted=local.emitted, k=local.k, waiting=self.local.num_waiting)
+        self.log.write(RoundRecord(round=result.round_index, receive_s=receive_s, verify_s=t.total_s, forward_s=t.forward_s,
+                                   send_s=send_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows,
+                                   local=local_round).to_event())
 
     def warm_up(self) -> None:
         """One tiny request through the engine (thread-safe: runs on the engine thread)."""

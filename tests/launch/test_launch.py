@@ -29,9 +29,16 @@ def test_live_table_rows_and_the_ray_backends_node_column():
         def poll(self):
             return self.returncode
 
+    from goodspeed.launch.local import apply_line
+    from goodspeed.verifier.records import DrafterRound, RoundRecord
+
+    def record(ts, acceptance, goodput, next_len, gained):
+        row = DrafterRound("a#1", "a", 3, 2, gained, acceptance, goodput, next_len, False, 0.01)
+        return RoundRecord(0, 0.01, 0.02, 0.015, 0.001, 1, 8, (row,), ts=ts).to_json()
+
     view = ClusterView()
-    view.apply({"event": "round", "ts": 10.0, "drafters": [{"name": "a", "alpha_hat": 0.5, "X": 2.0, "S_next": 4, "x": 3}]})
-    view.apply({"event": "round", "ts": 12.0, "drafters": [{"name": "a", "alpha_hat": 0.6, "X": 2.5, "S_next": 5, "x": 3}]})
+    apply_line(view, record(10.0, 0.5, 2.0, 4, 3))
+    apply_line(view, record(12.0, 0.6, 2.5, 5, 3))
     procs = {"a": Proc(None), "b": Proc(1)}
     lines = render_table(view, procs, 5.0)
     assert lines[0] == "goodspeed launch:    5.0 s, 2 rounds" and "node" not in lines[1]
@@ -39,6 +46,9 @@ def test_live_table_rows_and_the_ray_backends_node_column():
     assert lines[3].split()[:3] == ["b", "exit", "1"]
     placed = render_table(view, procs, 5.0, {"a": {"node": "edge-1"}, "b": {"node": "edge-2"}})
     assert placed[1].endswith(" node") and placed[2].endswith(" edge-1") and placed[3].endswith(" edge-2")
+    # A renamed field is an error the table shows, not a blank.
+    apply_line(view, record(13.0, 0.6, 2.5, 5, 3).replace('"gained"', '"x"'))
+    assert view.rounds == 2 and "missing ['gained']" in render_table(view, procs, 6.0)[-1]
 
 
 def test_local_dry_run_prints_the_processes_and_address_needs_ray(capsys, tmp_path):

@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.records import RoundRecord
 from grpckit import ServerThread, run_clients
 from modelkit import greedy_reference, perturbed, tiny_llama
 
@@ -42,7 +43,9 @@ def test_greedy_outputs_equal_target_through_grpc(models, policy):
     assert f"goodspeed:spec_decode_num_draft_tokens_total {float(drafted)}" in scrape
     assert f"goodspeed:e2e_request_latency_seconds_count {float(sum(map(len, prompts)))}" in scrape  # edge requests too
     assert any(r["batch"] > 1 for r in rounds)  # drafters really shared rounds
-    assert all(sum(d["S_next"] for d in r["drafters"]) <= 10 for r in rounds)
+    assert all(sum(d["next_draft_length"] for d in r["drafters"]) <= 10 for r in rounds)
+    records = [RoundRecord.from_event(r) for r in rounds]  # the log is the typed record
+    assert sum(d.drafted for r in records for d in r.drafters) == drafted
 
 
 @pytest.fixture
