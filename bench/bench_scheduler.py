@@ -44,6 +44,12 @@ def goodspeed_case(rng):
     return rng.uniform(0.05, 0.95, n), rng.uniform(1.0, 6.0, n), 8192
 
 
+def goodspeed_small_case(rng):
+    """A Table I-sized round: 8 drafters, C = 20, max draft length 16 (128 candidate units)."""
+    n = 8
+    return rng.uniform(0.05, 0.95, n), rng.uniform(1.0, 6.0, n), 20, [16] * n
+
+
 def tetris_case(rng, num_drafted: int = 8):
     return [rng.uniform(0.05, 1.0, num_drafted) for _ in range(256)], 2048
 
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [
         ("goodspeed allocate N=1024 C=8192", median_s(goodspeed_case, allocate_draft_lengths, args.repeats), 1e-3),
+        ("goodspeed allocate N=8 C=20", median_s(goodspeed_small_case, allocate_draft_lengths, args.repeats), 100e-6),
         ("tetris select 256x8 C=2048", median_s(tetris_case, select_tokens, args.repeats), 1e-3),
         ("tetris select 256x12 C=2048 (binding)", median_s(tetris_extra_case, select_tokens, args.repeats), 1e-3),
         ("adaserve select n=64 B=512", median_s(adaserve_case, select_tree_nodes, args.repeats), 2e-3),

@@ -16,6 +16,8 @@ moves entries runs in inference mode too. The object implements the two methods 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -86,6 +88,33 @@ class SlotKVCache:
             self._capacity *= 2
         return self._kv_len
 
+    def pack(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> PackedRows:
+        """Set up a *packed* forward over the slots ``rows``: row ``r`` brings ``tokens[r]`` (any
+        number, 0 for an idle slot inside the window), written at its committed length. The model
+        sees only the real tokens (``[1, T]``, no padding); attention (:mod:`goodspeed.lm.attention`)
+        gathers each row's queries into the padded layout of ``mask`` and scatters the outputs
+        back."""
+        q_len = max(len(t) for t in tokens)
+        kv_len = self.prepare(q_len, rows)
+        lengths = self.lengths[rows]
+        mask, positions = build_attention(lengths, parents, q_len, kv_len, dtype, device)
+        sizes = torch.tensor([len(t) for t in tokens])
+        real = torch.arange(q_len) < sizes.unsqueeze(1)  # [rows, q_len]
+        starts = [0, *torch.cumsum(sizes, 0).tolist()]
+        ids = torch.tensor([tok for t in tokens for tok in t], dtype=torch.long).unsqueeze(0).to(device)
+        if bool(real.all()):  # every row is q_len long: the packed order is the padded one
+            self._write_rows, self._write_pos = self._write_rows.reshape(1, -1), self._write_pos.reshape(1, -1)
+            return PackedRows(ids, positions.reshape(1, -1), mask, None, None, starts)
+        scatter = real.view(-1).nonzero().view(-1)  # padded index of each packed token, in row order
+        gather = torch.zeros(len(tokens) * q_len, dtype=torch.long)
+        gather[scatter] = torch.arange(len(scatter))  # packed index of each padded query (pads: token 0)
+        # The cache writes the packed tokens only: ``[1, T]`` slot and position per token.
+        self._write_rows = self._write_rows.reshape(-1)[scatter].unsqueeze(0)
+        self._write_pos = self._write_pos.reshape(-1)[scatter].unsqueeze(0)
+        scatter = scatter.to(device)
+        return PackedRows(ids, positions.reshape(-1)[scatter].unsqueeze(0), mask, gather.to(device), scatter, starts)
+
     def _buffer(self, layer: int, like: torch.Tensor, which: list, slots: int) -> torch.Tensor:
         buf = which[layer]
         _, heads, _, dim = like.shape
@@ -136,6 +165,26 @@ class SlotKVCache:
         self.lengths[slot] = length
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """One packed forward over a window of slots (:meth:`SlotKVCache.pack`): ``T`` real tokens."""
+
+    input_ids: torch.Tensor  # [1, T], row after row
+    position_ids: torch.Tensor  # [1, T]
+    mask: torch.Tensor  # [rows, 1, q_len, kv_len] additive, in the padded layout attention uses
+    gather: torch.Tensor | None  # [rows * q_len]: the packed token of each padded query (pads: token 0); None: no pads
+    scatter: torch.Tensor | None  # [T]: the padded query of each packed token; None: no pads
+    starts: list[int]  # row r's tokens are input_ids[0, starts[r] : starts[r + 1]]
+
+    def padded(self, packed: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``[1, T, ...]`` per-token values (e.g. logits) -> ``[len(rows), q_len, ...]`` for the
+        window rows ``rows``; pad positions repeat the row's last token."""
+        q_len = self.mask.shape[2]
+        first = torch.tensor([self.starts[r] for r in rows]).unsqueeze(1)
+        last = torch.tensor([self.starts[r + 1] - 1 for r in rows]).unsqueeze(1)
+        return packed[0, torch.minimum(first + torch.arange(q_len), last).to(packed.device)]
+
+
 class SlotTable:
     """Keys (session or request ids) over a :class:`SlotKVCache`'s slots. Freeing a slot moves the
     last one into the hole, so ``keys`` (in slot order) and ``slot(key)`` follow that move."""
@@ -169,8 +218,9 @@ class SlotTable:
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``[rows, q_len, kv_len]`` bool -> the additive ``[rows, 1, q_len, kv_len]`` mask (0 / finfo.min)
-    attention takes: a bool 4-D mask is silently wrong under eager attention."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    attention takes: a bool 4-D mask is silently wrong under eager attention. Built where
+    ``allowed`` lives, then moved (a no-op when it is already on ``device``)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.unsqueeze(1).to(device)
 
@@ -203,17 +253,17 @@ def build_attention(
     ``length + depth``. Padding queries are causal too; their outputs are ignored and the
     entries they write lie beyond the committed length.
     """
-    base = torch.tensor(lengths, dtype=torch.long).view(-1, 1, 1)
-    key = torch.arange(kv_len).view(1, 1, -1)
-    query = torch.arange(q_len).view(1, -1, 1)
-    allowed = key <= base + query  # chains: causal with a per-row offset
-    positions = base.view(-1, 1) + torch.arange(q_len)
+    base = torch.tensor(lengths, dtype=torch.long).view(-1, 1, 1).to(device)  # the only host -> device copy for chains
+    key = torch.arange(kv_len, device=device).view(1, 1, -1)
+    query = torch.arange(q_len, device=device).view(1, -1, 1)
+    allowed = key <= base + query  # chains: causal with a per-row offset, built on the device
+    positions = base.view(-1, 1) + torch.arange(q_len, device=device)
     for row, tree in enumerate(parents):
         if tree is None:
             continue
-        anc = ancestor_matrix(tree, q_len)  # [q_len, q_len]
+        anc = ancestor_matrix(tree, q_len).to(device)  # [q_len, q_len]
         length = lengths[row]
         allowed[row] = key[0] < length
         allowed[row, :, length : length + q_len] |= anc
         positions[row] = length + anc.sum(dim=1) - 1  # depth = number of ancestors
-    return additive_mask(allowed, dtype, device), positions.to(device)
+    return additive_mask(allowed, dtype, device), positions

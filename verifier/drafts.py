@@ -109,3 +109,46 @@ def dense_q(draft: Draft, vocab_size: int, dtype: torch.dtype) -> torch.Tensor |
     else:
         return None
     return q / q.sum(dim=-1, keepdim=True)
+
+
+class DraftQ:
+    """A validated chain draft's ``q``, renormalised per position like :func:`dense_q`, without
+    densifying a sparse one: ``at_tokens()`` gives ``q_j(s_j)`` (all the accept tests need) and
+    ``row(j)`` builds one dense ``q_j`` only for a position where a correction needs it. Host
+    memory per round is then independent of ``V`` for sparse drafts (at most one ``[V]`` row per
+    rejecting drafter, built on the verifier's device)."""
+
+    def __init__(self, draft: Draft, dtype: torch.dtype) -> None:
+        self.draft, self.dtype = draft, dtype
+        self._dense = None
+        if draft.dense_probs is not None:
+            q = torch.as_tensor(np.asarray(draft.dense_probs), dtype=dtype)
+            self._dense = q / q.sum(dim=-1, keepdim=True)
+
+    def _sparse(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sp = self.draft.sparse_probs[j]
+        probs = torch.as_tensor(np.asarray(sp.probs), dtype=self.dtype)
+        return torch.as_tensor(np.asarray(sp.token_ids, dtype=np.int64)), probs / probs.sum()
+
+    def at_tokens(self) -> list[float]:
+        tokens = [int(t) for t in self.draft.token_ids]
+        if self._dense is not None:
+            return self._dense[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+        if self.draft.sparse_probs is None:
+            return [1.0] * len(tokens)  # point masses
+        out = []
+        for j, tok in enumerate(tokens):
+            ids, probs = self._sparse(j)
+            out.append(float(probs[ids == tok][0]))
+        return out
+
+    def row(self, j: int, vocab_size: int, device: torch.device | str) -> torch.Tensor:
+        if self._dense is not None:
+            return self._dense[j].to(device)
+        q = torch.zeros(vocab_size, dtype=self.dtype, device=device)
+        if self.draft.sparse_probs is None:
+            q[int(self.draft.token_ids[j])] = 1.0
+        else:
+            ids, probs = self._sparse(j)
+            q[ids.to(device)] = probs.to(device)
+        return q

@@ -5,7 +5,8 @@ A round (GoodSpeed Alg. 1, lines 12-16; DESIGN.md sections 3, 4, 6):
 1. assemble every submitted draft as one row of new tokens — the session's pending token (the
    last committed token, not yet in the KV cache) followed by its drafts — over a contiguous
    window of KV slots, with per-row positions and an additive 4-D mask (trees get ancestor masks);
-2. run ONE target forward;
+2. run ONE target forward, packed: the model's layers see only the real tokens, attention alone
+   works per row over its slot (:mod:`goodspeed.lm.attention`);
 3. process the target logits with each request's sampling settings and verify losslessly
    (:mod:`goodspeed.verifier.rejection`); keep the KV of the pending token and the accepted
    drafts, roll back the rest;
@@ -28,7 +29,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
-from goodspeed.lm.attention import use_gqa_attention
+from goodspeed.lm.attention import PACKED, use_gqa_attention
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
@@ -265,7 +266,7 @@ class VerificationEngine:
             verdicts=verdicts,
             timings=RoundTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3),
             batch_rows=window,
-            batch_tokens=window * q_len,
+            batch_tokens=sum(len(r.tokens) for r in rows) if self.config.packed else window * q_len,
             verified_tokens=sum(len(r.tokens) for r in rows),
             draft_lengths={sid: self.allotments.allotted(sid) for sid in self.allotments.edge_active()},
         )
@@ -290,10 +291,20 @@ class VerificationEngine:
         parents: list[list[int] | None] = [None] * len(tokens)
         for row in rows:
             tokens[row.slot - first], parents[row.slot - first] = row.tokens, row.parents
-        return self._forward(slice(first, last + 1), tokens, parents)[[r.slot - first for r in rows]]
+        return self._forward(slice(first, last + 1), tokens, parents, [r.slot - first for r in rows])
 
-    def _forward(self, window: slice, tokens: list[list[int]], parents: list[list[int] | None]) -> torch.Tensor:
-        """Logits ``[window_slots, q_len, V]`` for new tokens written at each slot's committed length."""
+    def _forward(self, window: slice, tokens: list[list[int]], parents: list[list[int] | None],
+                 rows: list[int] | None = None) -> torch.Tensor:
+        """Logits ``[len(rows), q_len, V]`` (default: every window slot) for new tokens written at
+        each slot's committed length. Packed (``EngineConfig.packed``): the model sees only the real
+        tokens; otherwise every row is padded to the longest (the reference path)."""
+        rows = list(range(len(tokens))) if rows is None else rows
+        if self.config.packed:
+            layout = self.cache.pack(tokens, parents, window, self.dtype, self.device)
+            with torch.inference_mode():
+                out = self.model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
+                                 past_key_values=self.cache, use_cache=True, **{PACKED: layout})
+            return layout.padded(out.logits, rows)
         q_len = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), q_len, dtype=torch.long)
         for i, t in enumerate(tokens):
@@ -304,7 +315,7 @@ class VerificationEngine:
             out = self.model(
                 input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
             )
-        return out.logits
+        return out.logits[rows]
 
     def _apply(self, row: Row, outcome: RowOutcome) -> tuple:
         """Commit the verified tokens to the request and its KV slot; end finished requests."""

@@ -65,7 +65,7 @@ def verify_chains(
     accept_uniforms: torch.Tensor,
     sample_uniforms: torch.Tensor,
 ) -> ChainVerdicts:
-    """Verify ``B`` ragged chains at once.
+    """Verify ``B`` ragged chains at once, with dense draft distributions.
 
     target_probs    [B, S_max + 1, V]  p_1 .. p_{S+1} per row (rows past ``S_b + 1`` ignored)
     draft_probs     [B, S_max, V]      q_1 .. q_S (``q_j(s_j) > 0`` for drafted positions)
@@ -74,23 +74,50 @@ def verify_chains(
     accept_uniforms [B, S_max]         u_j
     sample_uniforms [B]                one uniform for the correction/bonus draw
     """
+    s_max = draft_tokens.shape[1]
+    if s_max == 0:
+        return verify_chains_q(target_probs, None, None, draft_tokens, num_drafted, accept_uniforms, sample_uniforms)
+    tokens = draft_tokens.masked_fill(~_valid(draft_tokens, num_drafted), 0).unsqueeze(-1)
+    rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+    return verify_chains_q(target_probs, draft_probs.gather(-1, tokens).squeeze(-1),
+                           lambda at: draft_probs[rows, at.clamp(max=s_max - 1)],
+                           draft_tokens, num_drafted, accept_uniforms, sample_uniforms)
+
+
+def _valid(draft_tokens: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
+    return torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < num_drafted.unsqueeze(1)  # [B, S_max]
+
+
+def verify_chains_q(
+    target_probs: torch.Tensor,
+    draft_at_tokens: torch.Tensor | None,
+    draft_rows,
+    draft_tokens: torch.Tensor,
+    num_drafted: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+) -> ChainVerdicts:
+    """:func:`verify_chains` without dense ``q``: ``draft_at_tokens [B, S_max]`` holds
+    ``q_j(s_j)``, all the accept tests need, and ``draft_rows(at)`` returns ``[B, V]``: row ``b``'s
+    ``q`` at position ``at[b]`` (only read where the row rejected there: its correction's residual
+    ``max(0, p - q)``). A sparse draft thus never becomes an ``[S, V]`` tensor."""
     batch, s_max = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
     if s_max == 0:
         token = sample_from(target_probs[:, 0], sample_uniforms)
         zeros = torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
         return ChainVerdicts(zeros, token, target_probs.new_zeros(batch, 0))
-    valid = torch.arange(s_max, device=draft_tokens.device) < num_drafted.unsqueeze(1)  # [B, S_max]
+    valid = _valid(draft_tokens, num_drafted)
     tokens = draft_tokens.masked_fill(~valid, 0).unsqueeze(-1)
     # The accept test runs in float64 (as the tree walk does): a float32 uniform rounds.
     p_tok = target_probs[:, :s_max].gather(-1, tokens).squeeze(-1).double()
-    q_tok = draft_probs.gather(-1, tokens).squeeze(-1).double()
+    q_tok = draft_at_tokens.double()
     ratio = torch.where(valid, p_tok / torch.where(valid, q_tok, torch.ones_like(q_tok)), torch.zeros_like(p_tok))
     accepted = (accept_uniforms.double() < ratio) & valid
     num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # leading accepts
     rejected = num_accepted < num_drafted
     p_at = target_probs[rows, num_accepted]  # [B, V]
-    q_at = draft_probs[rows, num_accepted.clamp(max=s_max - 1)]
+    q_at = draft_rows(num_accepted)
     dist = _residual_or_target(p_at, q_at.to(p_at.dtype), rejected)
     return ChainVerdicts(num_accepted, sample_from(dist, sample_uniforms), ratio.clamp(max=1.0))
 

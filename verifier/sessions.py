@@ -23,6 +23,7 @@ class EngineConfig:
     max_draft_len: int = 16
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # the root seed (goodspeed.lm.seeding); None: fresh OS entropy
+    packed: bool = True  # the target sees only real tokens (goodspeed.lm.attention); False: padded rows (reference)
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:

@@ -77,6 +77,6 @@ class RoundResult:
     verdicts: dict[str, Verdict]
     timings: RoundTimings
     batch_rows: int  # rows in the target forward (all live slots)
-    batch_tokens: int  # query positions in the forward, padding included
+    batch_tokens: int  # tokens the model's layers computed: the real ones when packed, else padding included
     verified_tokens: int = 0  # the participants' new tokens (pending + drafts), no padding
     draft_lengths: dict[str, int] = field(default_factory=dict)  # next S of every active session

@@ -4,8 +4,8 @@ tokens to emit, and eq. (3)'s ``min(1, p/q)`` terms.
 Rows are grouped so the common cases cost a few batched tensor operations per round:
 
 * greedy chains: argmax comparison on the raw logits (:func:`verify_greedy_chains`);
-* sampled chains: logits processing and the batched rejection sampler (:func:`verify_chains`),
-  with one draw of uniforms for the whole group;
+* sampled chains: logits processing and the batched rejection sampler (:func:`verify_chains_q`),
+  with one draw of uniforms for the whole group and the draft's ``q`` kept sparse (:class:`DraftQ`);
 * trees: the recursive multi-candidate walk (:func:`verify_tree`), one row at a time.
 """
 
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits
-from goodspeed.verifier.drafts import dense_q
-from goodspeed.verifier.rejection import verify_chains, verify_greedy_chains, verify_tree
+from goodspeed.verifier.drafts import DraftQ, dense_q
+from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_tree
 from goodspeed.verifier.types import Draft
 
 
@@ -78,16 +78,25 @@ class RowVerifier:
     def _sampled(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
         drafted, num, s_max = self._drafted(rows)
         p = process_logits(logits[:, : s_max + 1].to(self.work_dtype), [r.sampling for r in rows])
-        q = torch.zeros(len(rows), s_max, self.vocab_size, dtype=self.work_dtype)
+        qs = [DraftQ(row.draft, self.work_dtype) for row in rows]  # sparse q stays sparse
+        q_tok = torch.ones(len(rows), s_max, dtype=torch.float64)
         u = torch.rand(len(rows), s_max + 1, generator=self.generator, dtype=torch.float64)
         for b, row in enumerate(rows):
             n = row.draft.num_tokens
             if n:
-                q[b, :n] = dense_q(row.draft, self.vocab_size, self.work_dtype)
+                q_tok[b, :n] = torch.tensor(qs[b].at_tokens(), dtype=torch.float64)
             if row.key in given:
                 u[b, : n + 1] = torch.as_tensor(np.asarray(given[row.key], dtype=np.float64)[: n + 1])
             u[b, s_max] = u[b, n]  # the correction/bonus uniform sits right after the row's drafts
-        res = verify_chains(p, q.to(self.device), drafted, num, u[:, :s_max].to(self.device), u[:, s_max].to(self.device))
+
+        def q_rows(at: torch.Tensor) -> torch.Tensor:  # [B, V]: q where a row rejected, else unread zeros
+            out = torch.zeros(len(rows), self.vocab_size, dtype=self.work_dtype, device=self.device)
+            for b, (row, j) in enumerate(zip(rows, at.tolist())):
+                if j < row.draft.num_tokens:
+                    out[b] = qs[b].row(j, self.vocab_size, self.device)
+            return out
+
+        res = verify_chains_q(p, q_tok.to(self.device), q_rows, drafted, num, u[:, :s_max].to(self.device), u[:, s_max].to(self.device))
         return self._outcomes(rows, res.num_accepted.tolist(), res.next_token.tolist(), res.acceptance_ratios.tolist())
 
     def _tree(self, row: RowInput, logits: torch.Tensor, given) -> RowOutcome:

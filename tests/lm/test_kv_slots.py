@@ -55,3 +55,57 @@ def test_memory_is_given_back_when_long_sessions_leave():
     long.commit(0, 0, list(range(100)))
     long.free_slot(0)  # the only (long) session leaves: everything goes
     assert long.keys == [None] and long.values == [None]
+
+
+def _step(model, cache, tokens, parents, packed):
+    """One forward over every slot of ``cache``; logits ``[rows, q_len, V]`` (packed: gathered back
+    to the padded layout; pad positions are not compared)."""
+    from goodspeed.lm.attention import PACKED
+    from goodspeed.lm.kv_slots import build_attention
+
+    window = slice(0, len(tokens))
+    with torch.inference_mode():
+        if packed:
+            layout = cache.pack(tokens, parents, window, torch.float64)
+            out = model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
+                        past_key_values=cache, use_cache=True, **{PACKED: layout})
+            assert out.logits.shape[1] == sum(map(len, tokens))  # the model saw no padding
+            return layout.padded(out.logits, [r for r, t in enumerate(tokens) if t])
+        q_len = max(map(len, tokens))
+        ids = torch.tensor([t + [0] * (q_len - len(t)) for t in tokens])
+        kv_len = cache.prepare(q_len, window)
+        mask, positions = build_attention(cache.lengths[window], parents, q_len, kv_len, torch.float64)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
+        return logits[[r for r, t in enumerate(tokens) if t]]
+
+
+def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
+    """The packed target runner against the padded reference: ragged prefills, then one mixed step
+    (a chain, a tree, an idle slot, a single token), then rows of equal length (no gather). Same logits to 1e-9 (float64; the only
+    difference is the matmul shapes), same KV written."""
+    from goodspeed.lm.attention import use_gqa_attention
+    from modelkit import tiny_llama
+
+    model = tiny_llama(7)  # 4 query heads over 2 KV heads: grouped-query attention
+    use_gqa_attention(model)
+    caches = {mode: SlotKVCache(num_layers=2, initial_capacity=8) for mode in ("padded", "packed")}
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 3, 3, 3], [5]]
+    steps = [
+        (prompts, [None] * 4),
+        ([[10, 11, 12], [13, 14, 15, 16, 17], [], [18]], [None, [-1, 0, 0, 1, 2], None, None]),
+        ([[19, 20], [21, 22], [23, 24], [25, 26]], [None, [-1, -1], None, None]),  # no padding at all
+    ]
+    for mode, cache in caches.items():
+        for _ in prompts:
+            cache.add_slot()
+    for tokens, parents in steps:
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed") for mode, cache in caches.items()}
+        for r, row in enumerate(r for r, t in enumerate(tokens) if t):
+            n = len(tokens[row])
+            assert torch.allclose(out["packed"][r, :n], out["padded"][r, :n], atol=1e-9, rtol=0)
+        for mode, cache in caches.items():
+            for slot, t in enumerate(tokens):
+                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
+        for layer in range(2):
+            for slot, length in enumerate(caches["packed"].lengths):
+                assert torch.allclose(caches["packed"].keys[layer][slot, :, :length], caches["padded"].keys[layer][slot, :, :length], atol=1e-9)

@@ -44,8 +44,12 @@ def test_expected_goodput_closed_form_and_limits():
     assert np.allclose(expected_goodput(np.array([0.3, 0.999999]), 3), [1 + 0.3 + 0.09 + 0.027, 4.0], atol=1e-5)
 
 
+@pytest.mark.parametrize("sort_units", [0, 10**9])
 @pytest.mark.parametrize("utility", ["log", "throughput", 2.0])
-def test_allocation_equals_exhaustive_search(utility):
+def test_allocation_equals_exhaustive_search(monkeypatch, utility, sort_units):
+    from goodspeed.scheduler import goodspeed
+
+    monkeypatch.setattr(goodspeed, "SORT_UNITS", sort_units)
     rng = np.random.default_rng(12345)
     for _ in range(500):
         n = int(rng.integers(1, 5))
@@ -59,7 +63,11 @@ def test_allocation_equals_exhaustive_search(utility):
         assert got == pytest.approx(exhaustive_best(a, x, budget, caps, utility), abs=1e-9, rel=1e-12)
 
 
-def test_vectorised_allocation_equals_heap_greedy_exactly():
+@pytest.mark.parametrize("sort_units", [0, 10**9])  # the threshold search, and sorting every unit
+def test_vectorised_allocation_equals_heap_greedy_exactly(monkeypatch, sort_units):
+    from goodspeed.scheduler import goodspeed
+
+    monkeypatch.setattr(goodspeed, "SORT_UNITS", sort_units)
     rng = np.random.default_rng(7)
     for _ in range(200):
         n = int(rng.integers(1, 200))

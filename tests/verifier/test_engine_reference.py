@@ -35,12 +35,12 @@ def inverse_cdf(weights, u):
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=1.2, top_p=0.7)]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_rounds_equal_reference(seed):
+@pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False)])  # False: the padded reference path
+def test_batched_rounds_equal_reference(seed, packed):
     rng = np.random.default_rng(seed)
     target = tiny_llama(10 + seed)
     draft = perturbed(target, 0.2, 99)
-    engine = VerificationEngine(target, EngineConfig(budget=40, policy="random", max_draft_len=7, seed=seed))
+    engine = VerificationEngine(target, EngineConfig(budget=40, policy="random", max_draft_len=7, seed=seed, packed=packed))
     sessions = []
     for i in range(5):
         sid = engine.join(f"d{i}")

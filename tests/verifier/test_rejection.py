@@ -204,3 +204,52 @@ def test_point_mass_rejection_never_returns_the_rejected_token():
     for u in np.linspace(0, 0.999, 50):
         res = verify_tree(p, torch.tensor([1]), [-1], torch.tensor([0.6, u], dtype=torch.float64))
         assert res.accepted_nodes == [] and res.next_token != 1
+
+
+def test_sparse_q_gives_the_verdicts_of_dense_q_without_densifying():
+    """``DraftQ`` (what the engine verifies sampled chains with) against ``dense_q`` + the dense
+    ``verify_chains``: the same q_j(s_j), the same rows, the same verdicts for the same uniforms —
+    for sparse, dense and point-mass drafts in one batch."""
+    from goodspeed.verifier.drafts import DraftQ, dense_q
+    from goodspeed.verifier.rejection import verify_chains_q
+    from goodspeed.verifier.types import Draft, SparseProbs
+
+    vocab, gen = 40, torch.Generator().manual_seed(3)
+    rng = np.random.default_rng(3)
+    drafts = []
+    for kind, n in (("sparse", 4), ("dense", 3), ("sparse", 1), ("point", 0)):
+        tokens, sparse, dense = [], [], np.zeros((n, vocab), dtype=np.float32)
+        for j in range(n):
+            support = rng.choice(vocab, 5, replace=False)
+            probs = rng.dirichlet(np.ones(5))
+            tokens.append(int(support[rng.integers(5)]))
+            sparse.append(SparseProbs(support.tolist(), probs.tolist()))
+            dense[j, support] = probs
+        drafts.append(Draft(0, tokens, sparse_probs=sparse if kind == "sparse" else None, dense_probs=dense if kind == "dense" else None))
+    s_max = max(d.num_tokens for d in drafts)
+    qs = [DraftQ(d, torch.float32) for d in drafts]
+    dense = torch.zeros(len(drafts), s_max, vocab)
+    for b, d in enumerate(drafts):
+        if d.num_tokens:
+            dense[b, : d.num_tokens] = dense_q(d, vocab, torch.float32)
+            at = dense[b, torch.arange(d.num_tokens), torch.tensor(d.token_ids)]
+            assert torch.allclose(torch.tensor(qs[b].at_tokens()), at, atol=1e-7, rtol=0)
+            for j in range(d.num_tokens):
+                assert torch.allclose(qs[b].row(j, vocab, "cpu"), dense[b, j], atol=1e-7, rtol=0)
+    tokens = torch.tensor([list(d.token_ids) + [0] * (s_max - d.num_tokens) for d in drafts])
+    num = torch.tensor([d.num_tokens for d in drafts])
+    q_tok = torch.ones(len(drafts), s_max, dtype=torch.float64)
+    for b, q in enumerate(qs):
+        q_tok[b, : drafts[b].num_tokens] = torch.tensor(q.at_tokens(), dtype=torch.float64)
+
+    def rows(at):
+        return torch.stack([q.row(min(int(j), max(d.num_tokens - 1, 0)), vocab, "cpu") if d.num_tokens else torch.zeros(vocab)
+                            for q, d, j in zip(qs, drafts, at)])
+
+    for _ in range(50):
+        p = torch.softmax(torch.randn(len(drafts), s_max + 1, vocab, generator=gen) * 2, -1)
+        u = torch.rand(len(drafts), s_max + 1, generator=gen, dtype=torch.float64)
+        a = verify_chains(p, dense, tokens, num, u[:, :s_max], u[:, s_max])
+        b = verify_chains_q(p, q_tok, rows, tokens, num, u[:, :s_max], u[:, s_max])
+        assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.next_token, b.next_token)
+        assert torch.allclose(a.acceptance_ratios, b.acceptance_ratios, atol=1e-6)
