@@ -1,0 +1,61 @@
+"""One setting, one meaning: the verifier's settings as a spec's ``[verifier]`` keys
+(``VerifierSpec``), as ``goodspeed verifier`` flags, as the argv the launcher builds, and as the
+library configs the daemon runs on must name and default the same things. A setting added in one
+place and forgotten in another fails here (issue 15, part 5)."""
+
+import dataclasses
+
+from goodspeed.launch.cli import build_parser
+from goodspeed.launch.local import CLI, verifier_command
+from goodspeed.launch.spec import VerifierSpec
+from goodspeed.verifier.local import LocalConfig
+from goodspeed.verifier.server import ServerConfig
+from goodspeed.verifier.sessions import EngineConfig
+
+PLACEMENT = {"cpus", "num_cpus", "num_gpus", "resources", "node"}  # where the launcher runs the daemon, not the daemon's
+CLI_DEFAULTS = {"port": 50051, "target": None}  # the daemon listens on 50051; --target is required of a user
+
+
+def verifier_parser():
+    return build_parser()._subparsers._group_actions[0].choices["verifier"]
+
+
+def test_every_spec_setting_is_a_flag_with_the_same_default_and_no_flag_is_spec_less():
+    flags = {a.dest: a.default for a in verifier_parser()._actions if a.dest != "help"}
+    spec = {f.name: f.default for f in dataclasses.fields(VerifierSpec) if f.name not in PLACEMENT}
+    assert set(flags) == set(spec)
+    assert {name: flags[name] for name in spec if flags[name] != spec[name]} == CLI_DEFAULTS
+
+
+def test_the_launchers_argv_carries_every_setting():
+    """A spec with every daemon setting away from its default, through ``verifier_command`` and the
+    CLI's own parser, comes back whole."""
+    changed = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy="fixed", eta=0.3, beta=0.25,
+                   round_deadline_ms=123.0, max_missed_rounds=7, idle_timeout_s=9.0, max_drafters=5, max_draft_len=9,
+                   device="cuda", dtype="bfloat16", seed=42, metrics_port=9100, metrics_host="0.0.0.0", http_port=8001,
+                   http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
+                   local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
+                   local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
+                   max_local_requests=8, max_local_waiting=9)
+    defaults = VerifierSpec()
+    assert set(changed) == {f.name for f in dataclasses.fields(VerifierSpec)} - PLACEMENT
+    assert all(getattr(defaults, name) != value for name, value in changed.items())
+    argv = verifier_command(VerifierSpec(**changed))[len(CLI):]
+    parsed = vars(verifier_parser().parse_args(argv[1:]))
+    assert {name: parsed[name] for name in changed} == changed
+
+
+def test_library_defaults_agree_with_the_spec():
+    """The settings the spec shares with the engine, server and local-serving configs default alike."""
+    spec = VerifierSpec()
+    engine, server, local = EngineConfig(), ServerConfig(), LocalConfig()
+    pairs = {
+        "budget": engine.budget, "policy": engine.policy, "max_drafters": engine.max_drafters,
+        "max_draft_len": engine.max_draft_len, "beta": engine.smoothing.beta,
+        "round_deadline_ms": server.round_deadline_ms, "max_missed_rounds": server.max_missed_rounds,
+        "idle_timeout_s": server.idle_timeout_s, "host": server.host, "http_host": server.http_host,
+        "local_policy": local.policy, "local_k": local.k, "local_extra": local.extra, "local_capacity": local.capacity,
+        "local_budget": local.budget, "local_max_depth": local.max_depth, "local_max_width": local.max_width,
+        "local_max_k": local.max_k, "max_local_requests": local.max_requests, "max_local_waiting": local.max_waiting,
+    }
+    assert {name: getattr(spec, name) for name in pairs} == pairs
