@@ -90,15 +90,7 @@ def _verifier(args: argparse.Namespace) -> int:
 
     from goodspeed.launch.serve import serve
 
-    return asyncio.run(serve(VerifierSpec(
-        target=args.target, host=args.host, port=args.port, budget=args.budget, policy=args.policy, eta=args.eta,
-        beta=args.beta, round_deadline_ms=args.round_deadline_ms, max_missed_rounds=args.max_missed_rounds,
-        idle_timeout_s=args.idle_timeout_s, max_drafters=args.max_drafters, max_draft_len=args.max_draft_len, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host, http_port=args.http_port, http_host=args.http_host,
-        device=args.device, dtype=args.dtype, seed=args.seed, auth_tokens=args.auth_tokens, tls_cert=args.tls_cert,
-        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, insecure=args.insecure,
-        **{name: getattr(args, name) for name in VerifierSpec.LOCAL_FLAGS},
-    )))
+    return asyncio.run(serve(VerifierSpec(**{name: getattr(args, name) for name in VerifierSpec.daemon_settings()})))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -85,15 +85,9 @@ class ClusterView:
 
 
 def verifier_command(v: VerifierSpec) -> list[str]:
-    cmd = CLI + ["verifier", "--target", v.target, "--host", v.host, "--port", str(v.port or 0), "--budget", str(v.budget), "--policy", v.policy,
-                 "--beta", str(v.beta), "--round-deadline-ms", str(v.round_deadline_ms),
-                 "--max-missed-rounds", str(v.max_missed_rounds), "--max-draft-len", str(v.max_draft_len),
-                 "--max-drafters", str(v.max_drafters), "--idle-timeout-s", str(v.idle_timeout_s),
-                 "--device", v.device, "--dtype", v.dtype] + _seed_args(v.seed)
-    cmd += flag_args(v, "eta", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca") + (["--insecure"] if v.insecure else [])
-    metrics = ["--metrics-port", str(v.metrics_port), "--metrics-host", v.metrics_host] if v.metrics_port is not None else []
-    metrics += ["--http-port", str(v.http_port), "--http-host", v.http_host] if v.http_port is not None else []
-    return cmd + metrics + v.local_args()
+    """The verifier process's argv: every daemon setting of the spec (a spec without a port gets
+    a free one, read back from the log)."""
+    return CLI + ["verifier"] + replace(v, port=v.port or 0).daemon_flags()
 
 
 def _seed_args(seed: int | None) -> list[str]:

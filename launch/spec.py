@@ -134,10 +134,26 @@ class VerifierSpec:
     LOCAL_FLAGS = ("local_draft", "local_policy", "local_k", "local_extra", "local_capacity", "local_budget",
                    "local_max_depth", "local_max_width", "local_max_k", "latency_profile", "max_local_requests",
                    "max_local_waiting")
+    PLACEMENT = ("cpus", "num_cpus", "num_gpus", "resources", "node")  # where the launcher runs it: not the daemon's
 
-    def local_args(self) -> list[str]:
-        """The ``goodspeed verifier`` flags for the local-serving settings (none when it is off)."""
-        return [] if self.local_draft is None else flag_args(self, *self.LOCAL_FLAGS)
+    @classmethod
+    def daemon_settings(cls) -> list[str]:
+        """The fields that are ``goodspeed verifier`` flags, one for one (same names and defaults:
+        ``tests/launch/test_settings_sync.py``). A new daemon setting is a field here, its flag in
+        ``launch/cli.py`` and its use in ``launch/serve.py``; the launcher's argv and the CLI's spec
+        follow from this list."""
+        return [f.name for f in fields(cls) if f.name not in cls.PLACEMENT]
+
+    def daemon_flags(self) -> list[str]:
+        """The ``goodspeed verifier`` argv for these settings: unset (None) ones are left out, a true
+        switch is its bare flag, and the local-serving settings only go when local serving is on."""
+        out = []
+        for name in self.daemon_settings():
+            value = getattr(self, name)
+            if value is None or value is False or (self.local_draft is None and name in self.LOCAL_FLAGS):
+                continue
+            out += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+        return out
 
 
 def flag_args(spec, *names: str) -> list[str]:

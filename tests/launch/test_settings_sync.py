@@ -12,7 +12,7 @@ from goodspeed.verifier.local import LocalConfig
 from goodspeed.verifier.server import ServerConfig
 from goodspeed.verifier.sessions import EngineConfig
 
-PLACEMENT = {"cpus", "num_cpus", "num_gpus", "resources", "node"}  # where the launcher runs the daemon, not the daemon's
+PLACEMENT = set(VerifierSpec.PLACEMENT)  # where the launcher runs the daemon, not the daemon's
 CLI_DEFAULTS = {"port": 50051, "target": None}  # the daemon listens on 50051; --target is required of a user
 
 
@@ -23,7 +23,7 @@ def verifier_parser():
 def test_every_spec_setting_is_a_flag_with_the_same_default_and_no_flag_is_spec_less():
     flags = {a.dest: a.default for a in verifier_parser()._actions if a.dest != "help"}
     spec = {f.name: f.default for f in dataclasses.fields(VerifierSpec) if f.name not in PLACEMENT}
-    assert set(flags) == set(spec)
+    assert set(flags) == set(spec) == set(VerifierSpec.daemon_settings())
     assert {name: flags[name] for name in spec if flags[name] != spec[name]} == CLI_DEFAULTS
 
 
@@ -43,6 +43,8 @@ def test_the_launchers_argv_carries_every_setting():
     argv = verifier_command(VerifierSpec(**changed))[len(CLI):]
     parsed = vars(verifier_parser().parse_args(argv[1:]))
     assert {name: parsed[name] for name in changed} == changed
+    # ... and the CLI builds the same spec back from its flags (what `goodspeed verifier` serves).
+    assert VerifierSpec(**{name: parsed[name] for name in VerifierSpec.daemon_settings()}) == VerifierSpec(**changed)
 
 
 def test_library_defaults_agree_with_the_spec():
