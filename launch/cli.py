@@ -347,6 +347,11 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--round-deadline-ms", type=float, default=250.0, help="close a round this long after its first draft")
     ver.add_argument("--max-missed-rounds", type=int, default=3, help="drop a drafter after this many consecutive misses")
     ver.add_argument("--idle-timeout-s", type=float, default=60.0, help="drop a session with a request in progress that sends nothing this long")
+    ver.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM: let work in progress finish this long, then stop")
+    ver.add_argument("--max-message-bytes", type=int, default=32 * 1024 * 1024, help="largest gRPC message either way "
+                     "(a dense draft distribution is S x V floats)")
+    ver.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens per request "
+                     "(default: the target's max_position_embeddings)")
     ver.add_argument("--max-drafters", type=int, default=64)
     ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
     ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")

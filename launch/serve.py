@@ -23,7 +23,7 @@ def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, LoadedModel]:
     target = load_causal_lm(opts.target, dtype=opts.dtype, device=opts.device)
     config = EngineConfig(
         budget=opts.budget, policy=opts.policy, smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
-        max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, seed=opts.seed,
+        max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, max_seq_len=opts.max_seq_len, seed=opts.seed,
     )
     return VerificationEngine(target.model, config, target.fingerprint), target
 
@@ -67,7 +67,8 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
     try:
         config = ServerConfig(
             host=opts.host, port=50051 if opts.port is None else opts.port, round_deadline_ms=opts.round_deadline_ms,
-            max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, target_name=target_name,
+            max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, drain_timeout_s=opts.drain_timeout_s,
+            max_message_bytes=opts.max_message_bytes, target_name=target_name,
             auth_tokens=opts.auth_tokens, tls_cert=opts.tls_cert, tls_key=opts.tls_key, tls_client_ca=opts.tls_client_ca,
             insecure=opts.insecure, http_port=opts.http_port, http_host=opts.http_host)
         server_credentials(config)  # the PEM files are readable

@@ -1,8 +1,8 @@
 """Launch specs: a TOML file naming the verifier and the drafters of a local cluster.
 
-    [verifier]                        # target, budget, policy, eta, beta, round_deadline_ms,
-    target = "demo:target"            # max_missed_rounds, idle_timeout_s, max_drafters, max_draft_len, device,
-    budget = 16                       # dtype, seed, metrics_port, cpus, port (default: a free one)
+    [verifier]                        # every `goodspeed verifier` flag, as a key (VerifierSpec's
+    target = "demo:target"            # fields), e.g. budget, policy, eta, round_deadline_ms,
+    budget = 16                       # max_seq_len, seed, cpus, port (default: a free one)
     [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
     name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
     draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
@@ -97,6 +97,9 @@ class VerifierSpec:
     round_deadline_ms: float = 250.0
     max_missed_rounds: int = 3
     idle_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: let rounds and local requests in progress finish this long
+    max_message_bytes: int = 32 * 1024 * 1024  # largest gRPC message either way (a dense q is S x V floats)
+    max_seq_len: int | None = None  # prompt + generated tokens per request (default: the target's max_position_embeddings)
     max_drafters: int = 64
     max_draft_len: int = 16
     device: str = "cpu"

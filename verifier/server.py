@@ -98,8 +98,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
             raise ValueError("round_deadline_ms > 0, max_missed_rounds >= 0 and max_message_bytes >= 1024 are required")
-        if self.idle_timeout_s <= 0 or self.stream_open_timeout_s <= 0:
-            raise ValueError("idle_timeout_s and stream_open_timeout_s must be > 0")
+        if self.idle_timeout_s <= 0 or self.stream_open_timeout_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("idle_timeout_s and stream_open_timeout_s must be > 0, drain_timeout_s >= 0")
         if (self.tls_cert is None) != (self.tls_key is None) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("TLS needs both --tls-cert and --tls-key; --tls-client-ca needs them too")
         if self.tls_cert is None and not self.insecure and not is_loopback(self.host):
