@@ -19,12 +19,20 @@ from goodspeed.verifier.server import ServerConfig, make_server
 from goodspeed.verifier.tls import server_credentials
 
 
+def engine_config(opts: VerifierSpec) -> EngineConfig:
+    """The engine's settings of a spec; bad ones fail here, before any model loads."""
+    try:
+        return EngineConfig(
+            budget=opts.budget, policy=opts.policy, smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
+            max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, max_seq_len=opts.max_seq_len, seed=opts.seed,
+        )
+    except ValueError as exc:
+        raise SpecError(f"verifier: {exc}") from None
+
+
 def build_engine(opts: VerifierSpec) -> tuple[VerificationEngine, LoadedModel]:
+    config = engine_config(opts)
     target = load_causal_lm(opts.target, dtype=opts.dtype, device=opts.device)
-    config = EngineConfig(
-        budget=opts.budget, policy=opts.policy, smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
-        max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, max_seq_len=opts.max_seq_len, seed=opts.seed,
-    )
     return VerificationEngine(target.model, config, target.fingerprint), target
 
 
@@ -84,6 +92,9 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
 async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     log = log or JsonLog()
     config = server_config(opts)
+    engine_config(opts)
+    if opts.local_draft is not None:
+        local_config(opts)
     log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
     engine, target = build_engine(opts)
     smoothing = engine.config.smoothing

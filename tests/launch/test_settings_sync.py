@@ -79,3 +79,21 @@ def test_the_daemon_runs_on_the_settings_it_was_given(monkeypatch):
     assert (server.drain_timeout_s, server.max_message_bytes, server.round_deadline_ms) == (4.0, 4096, 90.0)
     engine, _ = serve.build_engine(spec)
     assert (engine.max_seq_len, engine.config.budget) == (300, 7)
+
+
+def test_bad_settings_fail_as_spec_errors_before_any_model_loads(monkeypatch):
+    import asyncio
+
+    import pytest
+
+    from goodspeed.launch import serve
+    from goodspeed.launch.spec import SpecError
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(serve, "load_causal_lm", no_load)
+    for bad, message in ((dict(max_seq_len=1), "max_seq_len"), (dict(budget=-1), "budget"), (dict(drain_timeout_s=-1.0), "drain_timeout_s"),
+                         (dict(local_draft="demo:draft-tiny", local_policy="turbospec"), "latency profile")):
+        with pytest.raises(SpecError, match=message):
+            asyncio.run(serve.serve(VerifierSpec(**bad)))
