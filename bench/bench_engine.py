@@ -1,6 +1,6 @@
 """Benchmarks of the verification engine on the embedded demo models.
 
-    python -m bench.bench_engine [--rounds 40] [--max-new-tokens 64] [--json]
+    python -m bench.bench_engine [--rounds 40] [--max-new-tokens 64] [--padded] [--json]
 
 Needs the demo models (`goodspeed models build-demo`). Figures:
 
@@ -35,6 +35,7 @@ from goodspeed.verifier.types import Draft
 
 N = 8
 S = 4
+PACKED = True  # --padded: the engine's reference path (every row padded to the longest)
 
 
 def timed_rounds(engine: VerificationEngine, sessions: list[str], rounds: int, rng: np.random.Generator) -> list:
@@ -49,7 +50,8 @@ def timed_rounds(engine: VerificationEngine, sessions: list[str], rounds: int, r
 
 
 def engine_with_prefix(target, prefix_len: int, rng, rounds: int) -> VerificationEngine:
-    engine = VerificationEngine(target, EngineConfig(budget=N * S, policy="fixed", max_draft_len=S, max_seq_len=prefix_len + 8 * rounds + 64))
+    engine = VerificationEngine(target, EngineConfig(budget=N * S, policy="fixed", max_draft_len=S, max_seq_len=prefix_len + 8 * rounds + 64,
+                                                     packed=PACKED))
     for i in range(N):
         sid = engine.join(f"d{i}")
         engine.start_request(sid, rng.integers(0, engine.vocab_size, prefix_len).tolist(), SamplingParams(), 8 * rounds)
@@ -98,7 +100,8 @@ class VerifierClock:
 
 
 def throughput(target, draft_model, prompts: list[list[int]], max_new: int, budget: int) -> dict:
-    engine = VerificationEngine(target.model, EngineConfig(budget=budget, policy="goodspeed" if budget else "fixed", max_draft_len=8))
+    engine = VerificationEngine(target.model, EngineConfig(budget=budget, policy="goodspeed" if budget else "fixed", max_draft_len=8,
+                                                           packed=PACKED))
     clock = VerifierClock(engine)
     drafters = [InProcessDrafter(f"d{i}", DraftRunner(draft_model.model), [p], SamplingParams(), max_new) for i, p in enumerate(prompts)]
     results = run_inprocess(engine, drafters)
@@ -149,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--padded", action="store_true", help="run the engine's padded reference path instead of packed forwards")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    global PACKED
+    PACKED = not args.padded
     torch.manual_seed(0)
     target = load_causal_lm("demo:target")
     report = {"rounds": round_figures(target.model, args.rounds), "throughput": throughput_figures(args.max_new_tokens, args.repeats)}
