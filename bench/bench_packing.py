@@ -1,7 +1,7 @@
 """Packed vs padded target forwards on the Table I experiments' own round shapes.
 
     python -m bench.bench_packing [--specs table1-4drafters table1-8drafters] [--rounds 300]
-                                  [--repeats 3] [--threads 1] [--json]
+                                  [--repeats 3] [--threads 1] [--attention-only] [--json]
 
 Each shipped experiment spec's drafters (their demo drafts, prompt sets and sampling) run in one
 process against one engine (:mod:`goodspeed.launch.inprocess`) for ``--rounds`` rounds under the
@@ -10,7 +10,8 @@ packed (``EngineConfig.packed``: the model sees only the real tokens) and padded
 to the round's longest: the reference). Figure: the verifier's seconds per round (assembly,
 forward, verification, scheduling — what the round log calls ``verify_s``) and each phase,
 medians over ``--repeats`` interleaved runs of each run's mean; also the mean longest row and the
-mean real tokens per round.
+mean real tokens per round. First, an attention micro-benchmark (:func:`attention_cost`):
+what attention still costs in the padded layout packed forwards keep.
 Packed and padded runs of one policy see the same drafts, so their outputs are asserted equal.
 
 Threads are pinned (``--threads``, default 1, like the experiments' verifier on one core).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -82,18 +84,51 @@ def bench_spec(name: str, rounds: int, repeats: int) -> dict:
     return out
 
 
+def attention_cost(repeats: int = 3000) -> dict:
+    """What attention costs in the padded layout packed forwards keep (the demo target's shapes: 4
+    query heads over 2 KV heads of 32, 120 keys): one SDPA call per layer for 4 rows padded to 8
+    and to 12 queries, and the 5-D broadcast layout that would skip the padding (12 queries as 3
+    chunks of 4 sharing their row's keys). Median microseconds per call."""
+    import torch.nn.functional as F
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(4, 2, 120, 32, generator=gen) for _ in range(2))
+    out = {}
+    for q_len in (8, 12):
+        query, mask = torch.randn(4, 4, q_len, 32, generator=gen), torch.zeros(4, 1, q_len, 120)
+        out[f"padded_4x{q_len}_us"] = timed(lambda: F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True))
+    query, mask = torch.randn(4, 3, 4, 4, 32, generator=gen), torch.zeros(4, 3, 1, 4, 120)
+    k5, v5 = keys.unsqueeze(1).expand(4, 3, 2, 120, 32), values.unsqueeze(1).expand(4, 3, 2, 120, 32)
+    out["broadcast_4x3x4_us"] = timed(lambda: F.scaled_dot_product_attention(query, k5, v5, attn_mask=mask, enable_gqa=True))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="packed vs padded verification on the Table I specs' round shapes")
     parser.add_argument("--specs", nargs="+", default=["table1-4drafters", "table1-8drafters"])
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--attention-only", action="store_true", help="only the attention micro-benchmark")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = {name: bench_spec(name, args.rounds, args.repeats) for name in args.specs}
+    attention = attention_cost()
+    report = {} if args.attention_only else {name: bench_spec(name, args.rounds, args.repeats) for name in args.specs}
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps({"attention": attention, **report}, indent=2))
+        return 0
+    print("attention per layer (us): " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in attention.items()))
+    if not report:
         return 0
     print(f"{'spec':<18} {'policy':<10} {'mode':<7} {'verify ms/round':>15} {'assembly':>8} {'forward':>8} {'sampling':>8} "
           f"{'scheduling':>10} {'longest row':>11} {'tokens':>7}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from goodspeed.launch.report import goodput_matrix, utility_curve
+from goodspeed.launch.report import goodput_matrix, read_rows, utility_curve
 from goodspeed.launch.simulate import SimulationError, expected_settle, fit_profile
 
 
@@ -42,7 +42,7 @@ def load_run(run_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
         path = run_dir / policy / "rounds.jsonl"
         if not path.exists():
             raise SimulationError(f"{path}: missing (the report names policy {policy!r})")
-        rows[policy] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows[policy] = read_rows(path)
     return report, rows
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from goodspeed.launch.local import launch_local
-from goodspeed.launch.report import write_report
+from goodspeed.launch.report import read_rows, write_report
 from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError, build_table, load_spec, tomllib
 from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.records import RoundRecord
@@ -142,7 +142,7 @@ def load_rows(out_dir: Path, policy: str) -> list[dict] | None:
     status, rows = out_dir / policy / "status.json", out_dir / policy / "rounds.jsonl"
     if not status.exists() or not rows.exists():
         return None
-    return [json.loads(line) for line in rows.read_text(encoding="utf-8").splitlines()]
+    return read_rows(rows)
 
 
 def run_experiment(settings: ExperimentSettings, spec: LaunchSpec, out_dir: Path, only: tuple[str, ...] | None = None,

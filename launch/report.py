@@ -29,6 +29,11 @@ import numpy as np
 MA_WINDOW = 10
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of one ``rounds.jsonl`` (blank lines skipped)."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def goodput_matrix(rows: list[dict]) -> tuple[list[int], list[str], np.ndarray]:
     """``x[t, i]``: tokens drafter ``i`` gained in the policy's ``t``-th round (0 if absent)."""
     rounds = sorted({r["round"] for r in rows})
@@ -93,14 +98,19 @@ def policy_metrics(rows: list[dict]) -> dict:
     }
 
 
+def longest_run(flags) -> int:
+    """The most consecutive true values."""
+    longest = run = 0
+    for flag in flags:
+        run = run + 1 if flag else 0
+        longest = max(longest, run)
+    return longest
+
+
 def _longest_zero_run(rows: list[dict], drafter: str) -> int:
     """The most rounds in a row the drafter took part in with ``S = 0`` (allotted nothing: its
     acceptance estimate cannot change meanwhile, eq. 3)."""
-    longest = run = 0
-    for r in sorted((r for r in rows if r["drafter"] == drafter), key=lambda r: r["round"]):
-        run = run + 1 if r["S"] == 0 else 0
-        longest = max(longest, run)
-    return longest
+    return longest_run(r["S"] == 0 for r in sorted((r for r in rows if r["drafter"] == drafter), key=lambda r: r["round"]))
 
 
 def _median_receive_ms(rows: list[dict], drafter: str) -> float:

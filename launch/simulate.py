@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from goodspeed.launch.report import goodput_matrix, jain_index, rounds_to_settle, utility_curve
+from goodspeed.launch.report import goodput_matrix, jain_index, longest_run, read_rows, rounds_to_settle, utility_curve
 from goodspeed.scheduler import DraftAllotments, LatencyModel, SmoothingConfig, make_policy, smoothing_of
 from goodspeed.scheduler.policy import DraftLengthPolicy
 
@@ -199,7 +199,7 @@ def load_rows(run_dir: Path) -> list[dict]:
     files = sorted(Path(run_dir).glob("*/rounds.jsonl"))
     if not files:
         raise FileNotFoundError(f"{run_dir}: no <policy>/rounds.jsonl (the output of `goodspeed experiment`)")
-    return [json.loads(line) for f in files for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for f in files for r in read_rows(f)]
 
 
 def profile_path(given: str | Path | None, experiment: str) -> Path:
@@ -289,21 +289,13 @@ class SimResult:
             "tokens_per_round": dict(zip(self.names, per_round.tolist())),
             "total_tokens_per_s": float(tokens.sum() / self.round_s.sum()) if self.round_s.sum() else 0.0,
             "zero_draft_rounds_mean": float((self.drafted == 0).sum(axis=0).mean()),
-            "longest_zero_draft_run": int(max(_longest_run(col == 0) for col in self.drafted.T)) if self.names else 0,
+            "longest_zero_draft_run": int(max(longest_run((col == 0).tolist()) for col in self.drafted.T)) if self.names else 0,
             "schedule_ms_mean": float(self.schedule_s.mean() * 1000),
             "step_ms_mean": float(self.step_s.mean() * 1000),
             "round_ms_mean": float(self.round_s.mean() * 1000),
             "schedule_share_of_round": float(self.schedule_s.sum() / self.round_s.sum()) if self.round_s.sum() else 0.0,
             "schedule_over_step": float(self.schedule_s.mean() / self.step_s.mean()) if self.step_s.mean() else 0.0,
         }
-
-
-def _longest_run(flags: np.ndarray) -> int:
-    longest = run = 0
-    for f in flags.tolist():
-        run = run + 1 if f else 0
-        longest = max(longest, run)
-    return longest
 
 
 def simulate(drafters: list[SimDrafter], settings: SimSettings, step: LatencyModel, send_s: float,
@@ -519,7 +511,7 @@ def run_simulation(spec_file: str | Path, profile: RunProfile, out_dir: Path | N
                 real[policy].append(metrics)
                 rows_file = Path(run) / policy / "rounds.jsonl"
                 if rows_file.exists():
-                    real_rows[policy].append([json.loads(line) for line in rows_file.read_text(encoding="utf-8").splitlines() if line])
+                    real_rows[policy].append(read_rows(rows_file))
         validation = validation_table(results, real)
         convergence = convergence_table(results, real, real_rows, profile)
     title = f"{exp.name}: {len(base) if drafters is None else drafters} drafters, C = {budget}, {rounds} rounds, {seeds} seeds"

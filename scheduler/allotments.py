@@ -91,6 +91,10 @@ class DraftAllotments:
         entry = self._entries[session_id]
         entry.active, entry.allotted = False, 0
 
+    def device_of(self, session_id: Hashable) -> Hashable:
+        """The edge device whose utility term the session counts towards."""
+        return self._entries[session_id].device
+
     def allotted(self, session_id: Hashable) -> int:
         return self._entries[session_id].allotted
 

@@ -97,7 +97,7 @@ class VerificationEngine:
         # 128 random bits: no client can guess another's session, and ids never repeat across
         # restarts (a drafter retrying its old id cannot land in a newcomer's session).
         session_id = f"{name}#{secrets.token_hex(16)}"
-        self._sessions[session_id] = Session(session_id, name, managed=managed, device=device or session_id)
+        self._sessions[session_id] = Session(session_id, name, managed=managed)
         self.allotments.join(session_id, device or session_id, managed)
         return session_id
 

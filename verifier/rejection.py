@@ -132,7 +132,7 @@ def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: torch.Tensor
     """
     batch, s_max = draft_tokens.shape
     best = target_logits.argmax(dim=-1)  # [B, S_max + 1]
-    valid = torch.arange(s_max, device=draft_tokens.device) < num_drafted.unsqueeze(1)
+    valid = _valid(draft_tokens, num_drafted)
     match = (draft_tokens == best[:, :s_max]) & valid
     num_accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
     next_token = best[torch.arange(batch, device=best.device), num_accepted]

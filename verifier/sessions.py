@@ -64,7 +64,6 @@ class Session:
     session_id: str
     name: str
     managed: bool = False  # drafted for by local serving, outside the budget and the policy
-    device: str = ""  # the edge device it drafts for: sessions of one device share a utility term
     request: Request | None = None
     round_index: int = 0  # the round the session submits next
     pending: Draft | None = None
