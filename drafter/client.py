@@ -53,6 +53,7 @@ class DrafterConfig:
     verdict_timeout_s: float = 120.0
     token: str | None = None  # bearer token (the verifier's --auth-tokens); sent on every call
     tls: ClientTLS | None = None  # TLS to the verifier (mutual with a client certificate); None: plaintext
+    proactive: bool = True  # draft the next round while a draft is in flight (drafter.runner, SpecEdge)
 
 
 @dataclass
@@ -65,6 +66,14 @@ class RequestResult:
     accepted_tokens: int = 0
     wall_s: float = 0.0
     repairs: int = 0
+    # Proactive drafting: rounds that pre-drafted, of those the verdicts that matched (hits), the
+    # tokens pre-drafted and those sent as a later draft, and the seconds spent pre-drafting the
+    # tokens that were sent (drafting time taken off the round's critical path).
+    predrafted_rounds: int = 0
+    proactive_hits: int = 0
+    predrafted_tokens: int = 0
+    predraft_used_tokens: int = 0
+    hidden_s: float = 0.0
 
 
 class DrafterClient:
@@ -79,6 +88,7 @@ class DrafterClient:
         self._verdicts: queue.Queue = queue.Queue()
         self._stream = None
         self._pump_thread: threading.Thread | None = None
+        self._predraft_s_per_token: float | None = None  # the last pre-draft's seconds per token
 
     # ------------------------------------------------------------------------- plumbing
 
@@ -214,19 +224,42 @@ class DrafterClient:
         return result
 
     def _round(self, length: int, round_index: int, result: RequestResult) -> pb.Verdict:
+        ready = len(self.runner.ahead)
         out = self.runner.draft(length, self.config.sampling, self.generator)
+        if ready and self._predraft_s_per_token is not None:
+            used = min(ready, length)
+            result.predraft_used_tokens += used
+            result.hidden_s += used * self._predraft_s_per_token
         try:
             reply = self._retry(self.stub.SubmitDraft, draft_to_pb(self.session_id, round_index, out, self.config.sampling))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise _SessionLost() from None
             raise DrafterError(f"draft refused: {exc.code().name}: {exc.details()}") from None
-        verdict = reply.verdict if reply.HasField("verdict") else self._next_verdict(round_index)
-        self.runner.apply(verdict.token_ids, verdict.num_accepted)
+        if reply.HasField("verdict"):
+            verdict = reply.verdict
+        else:
+            self._predraft(length, result)
+            verdict = self._next_verdict(round_index)
+        if self.runner.apply(verdict.token_ids, verdict.num_accepted):
+            result.proactive_hits += 1
         result.rounds += 1
         result.drafted_tokens += verdict.num_drafted
         result.accepted_tokens += verdict.num_accepted
         return verdict
+
+    def _predraft(self, length: int, result: RequestResult) -> None:
+        """Proactive drafting while the draft is verified: up to ``length`` tokens after the
+        guessed bonus token, stopping as soon as the verdict arrives (``runner.predraft``)."""
+        self._predraft_s_per_token = None
+        if not self.config.proactive or length <= 0:
+            return
+        started = time.perf_counter()
+        made = self.runner.predraft(length, length, self.config.sampling, self.generator, stop=lambda: not self._verdicts.empty())
+        if made:
+            result.predrafted_rounds += 1
+            result.predrafted_tokens += made
+            self._predraft_s_per_token = (time.perf_counter() - started) / (made + 1)  # + the guess's forward
 
     def _in_sync(self, verdict: pb.Verdict) -> bool:
         return len(self.runner.committed) == verdict.committed_length and self.runner.prefix_hash == verdict.prefix_hash

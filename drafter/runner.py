@@ -6,6 +6,16 @@ the cache is cropped to the committed tokens plus the accepted drafts (rollback)
 committed tokens are not yet cached (at least the correction/bonus token) are fed at the start of
 the next draft. The draft distribution ``q_j`` of every drafted token is returned after the same
 :func:`goodspeed.lm.sampling.process_logits` the verifier applies to the target.
+
+**Proactive drafting** (SpecEdge's idea): while a draft is in flight, :meth:`DraftRunner.predraft`
+keeps going on the assumption that the whole draft is accepted — it guesses the verifier's bonus
+token (the draft's own most likely next token) and drafts the next round's tokens after it. When
+the verdict's tokens are exactly the draft plus that guess, the pre-drafted tokens are the next
+draft and no drafting time is spent on it; otherwise they are rolled back. It is lossless: each
+pre-drafted token was sampled from ``q`` given exactly the text the verifier then committed, with
+the drafter's own random stream, and travels with that ``q`` — the verifier verifies it as any
+other draft. The continuation (:attr:`DraftRunner.ahead`) holds at most ``S + 1 + K`` tokens, its
+KV at most as many positions.
 """
 
 from __future__ import annotations
@@ -54,6 +64,12 @@ class DraftRunner:
         self.cache = DynamicCache()
         self._hasher = new_prefix_hasher()
         update_prefix_hasher(self._hasher, self.committed)
+        # The speculative continuation after the committed text: tokens and the q rows they were
+        # sampled from (None for the guessed bonus token, which nobody sampled). The cache holds
+        # the committed text but its last token, then every continuation token but the last.
+        self.ahead: list[int] = []
+        self._ahead_q: list[torch.Tensor | None] = []
+        self._reusable = False  # the continuation is pre-drafted text a verdict confirmed (apply)
 
     @property
     def prefix_hash(self) -> str:
@@ -71,29 +87,74 @@ class DraftRunner:
         return out.logits[0, -1]
 
     def draft(self, num_tokens: int, sampling: SamplingParams, generator: torch.Generator) -> DraftOutput:
-        """Draft ``num_tokens`` tokens after the committed text."""
+        """Draft ``num_tokens`` tokens after the committed text: the pre-drafted ones first (a
+        proactive hit), then new ones."""
+        if not self._reusable or any(q is None for q in self._ahead_q[:num_tokens]):
+            self._truncate(0)  # drafting again without a verdict: the old draft is dropped
+        self._reusable = False
         if num_tokens <= 0:
+            self._truncate(0)
             return DraftOutput([], torch.zeros(0, self.model.config.vocab_size))
-        pending = len(self.committed) - 1  # the last committed token is always fed again
-        if self.cached_len > pending:  # drafting again without a verdict: drop the old drafts
-            self.cache.crop(pending - self.cached_len)
-        feed = self.committed[self.cached_len :]
-        tokens, probs = [], []
-        for j in range(num_tokens):
+        self._truncate(num_tokens)
+        self.extend(num_tokens - len(self.ahead), sampling, generator)
+        return DraftOutput(list(self.ahead), torch.stack(self._ahead_q))
+
+    def extend(self, num_tokens: int, sampling: SamplingParams, generator: torch.Generator, stop=None) -> int:
+        """Sample ``num_tokens`` more continuation tokens (fewer if ``stop()`` turns true between
+        two); returns how many."""
+        done = 0
+        while done < num_tokens and not (stop is not None and stop()):
             # q as it travels (float32): the token is sampled from exactly what the verifier gets,
             # so a drafted token never has q = 0 there (a float64 q below float32's range would).
-            q = process_logits(self._logits_after(feed).double(), sampling).float()
+            q = process_logits(self._logits_after(self._feed()).double(), sampling).float()
             token = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
-            tokens.append(token)
-            probs.append(q)
-            feed = [token]
-        return DraftOutput(tokens, torch.stack(probs))
+            self.ahead.append(token)
+            self._ahead_q.append(q)
+            done += 1
+        return done
 
-    def apply(self, emitted: Sequence[int], num_accepted: int) -> None:
-        """Append the verdict's tokens; keep cached KV only for committed tokens."""
-        keep = min(len(self.committed) + num_accepted, self.cached_len)
-        if keep < self.cached_len:
+    def predraft(self, num_drafted: int, num_tokens: int, sampling: SamplingParams, generator: torch.Generator,
+                 stop=None) -> int:
+        """While the first ``num_drafted`` continuation tokens are being verified: guess the bonus
+        token after them (the draft's most likely one) and sample up to ``num_tokens`` after it,
+        stopping early when ``stop()`` turns true. Returns the tokens pre-drafted."""
+        self._truncate(num_drafted)
+        if len(self.ahead) < num_drafted or num_tokens <= 0 or (stop is not None and stop()):
+            return 0
+        q = process_logits(self._logits_after(self._feed()).double(), sampling)
+        self.ahead.append(int(torch.argmax(q).item()))
+        self._ahead_q.append(None)
+        return self.extend(num_tokens, sampling, generator, stop)
+
+    def _feed(self) -> list[int]:
+        """The tokens to feed before sampling the next continuation token (all but cached)."""
+        text = self.committed + self.ahead
+        pending = len(text) - 1
+        if self.cached_len > pending:
+            self.cache.crop(pending - self.cached_len)
+        return text[self.cached_len :]
+
+    def _truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` continuation tokens (and no KV past them)."""
+        del self.ahead[num_tokens:], self._ahead_q[num_tokens:]
+        keep = len(self.committed) + max(0, len(self.ahead) - 1)
+        if self.cached_len > keep:
             self.cache.crop(keep - self.cached_len)
+
+    def apply(self, emitted: Sequence[int], num_accepted: int) -> bool:
+        """Append the verdict's tokens; keep cached KV only for committed tokens, and the
+        continuation past them only if it begins with exactly those tokens. True when pre-drafted
+        tokens remain for the next draft (a proactive hit)."""
         emitted = [int(t) for t in emitted]
+        hit = len(self.ahead) >= len(emitted) and self.ahead[: len(emitted)] == emitted
+        if hit:
+            del self.ahead[: len(emitted)], self._ahead_q[: len(emitted)]
+        else:
+            keep = min(len(self.committed) + num_accepted, self.cached_len)
+            if keep < self.cached_len:
+                self.cache.crop(keep - self.cached_len)
+            self.ahead, self._ahead_q = [], []
         self.committed.extend(emitted)
         update_prefix_hasher(self._hasher, emitted)
+        self._reusable = hit and bool(self.ahead)
+        return self._reusable

@@ -8,6 +8,7 @@ import sys
 
 from goodspeed.launch.spec import VerifierSpec
 from goodspeed.scheduler.policy import LOCAL_POLICIES, POLICIES
+from goodspeed.verifier.records import ROUND_MODES
 
 
 def _models_build(args: argparse.Namespace) -> int:
@@ -208,7 +209,7 @@ def _drafter(args: argparse.Namespace) -> int:
         name=args.name, draft=args.draft, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, device=args.device, dtype=args.dtype, seed=args.seed,
         token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_server_name=args.tls_server_name,
+        tls_server_name=args.tls_server_name, proactive=args.proactive,
     )
     if (args.prompts is None) == (args.serve is None):
         print("goodspeed drafter: give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both",
@@ -258,13 +259,25 @@ def _experiment(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from goodspeed.launch.experiment import load_experiment, run_experiment
-    from goodspeed.launch.spec import spec_path
+    from goodspeed.launch.spec import SpecError, spec_path
 
     settings, spec = load_experiment(spec_path(args.spec))  # a file or a shipped name, e.g. table1-4drafters
     if args.seed is not None:
         settings = replace(settings, seed=args.seed)
     _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
     only = tuple(args.policies.split(",")) if args.policies else None
+    if only:  # a policy the spec does not list joins the experiment
+        settings = replace(settings, policies=settings.policies + tuple(p for p in only if p not in settings.policies))
+    if args.modes:
+        unknown = [m for m in args.modes.split(",") if m not in ROUND_MODES]
+        if unknown:
+            raise SpecError(f"--modes: unknown {unknown}; known: {', '.join(ROUND_MODES)}")
+        settings = replace(settings, modes=tuple(args.modes.split(",")))
+    if args.proactive:
+        values = {"on": True, "off": False}
+        if unknown := [v for v in args.proactive.split(",") if v not in values]:
+            raise SpecError(f"--proactive: unknown {unknown}; give on, off or on,off")
+        settings = replace(settings, proactive=tuple(values[v] for v in args.proactive.split(",")))
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
     return 1 if result["failed"] else 0
@@ -344,6 +357,8 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--eta", type=float, default=None,
                      help="acceptance smoothing (eq. 3; default: the policy's, 0.1 for goodspeed, 0.2 for goodspeed-paper)")
     ver.add_argument("--beta", type=float, default=0.5, help="goodput smoothing (eq. 4)")
+    ver.add_argument("--rounds", choices=ROUND_MODES, default="sync",
+                     help="sync: the paper's lockstep round; async: verify whatever drafts arrived whenever the engine is free")
     ver.add_argument("--round-deadline-ms", type=float, default=250.0, help="close a round this long after its first draft")
     ver.add_argument("--max-missed-rounds", type=int, default=3, help="drop a drafter after this many consecutive misses")
     ver.add_argument("--idle-timeout-s", type=float, default=60.0, help="drop a session with a request in progress that sends nothing this long")
@@ -396,6 +411,8 @@ def _add_serving_parsers(sub) -> None:
     _add_client_credentials(dr)
     dr.add_argument("--connect-timeout-s", type=float, default=60.0)
     dr.add_argument("--quiet", action="store_true", help="no progress bar")
+    dr.add_argument("--no-proactive", dest="proactive", action="store_false",
+                    help="do not draft the next round while a draft is being verified (proactive drafting is on by default)")
     _add_model_args(dr)
     dr.set_defaults(func=_drafter)
     gen = sub.add_parser("generate", help="send one request to a verifier's local serving and stream the answer")
@@ -444,7 +461,11 @@ def _add_serving_parsers(sub) -> None:
     ex = sub.add_parser("experiment", help="compare draft-length policies on a local cluster and write a report")
     ex.add_argument("spec", nargs="?", default=None, help="SPEC.toml or a shipped name (default, table1-4drafters, table1-8drafters)")
     ex.add_argument("--out", default=None, help="results directory (rerun into the same one to complete a failed policy)")
-    ex.add_argument("--policies", default=None, help="comma-separated: run only these (e.g. a policy that failed)")
+    ex.add_argument("--policies", default=None,
+                    help="comma-separated: run only these (e.g. a policy that failed; one the spec does not list is added)")
+    ex.add_argument("--modes", default=None, help="comma-separated round modes to run each policy in (sync, async; default: the spec's)")
+    ex.add_argument("--proactive", default=None, help="on, off or on,off: run with and/or without the drafters' proactive drafting "
+                                                      "(default: the spec's [experiment] proactive, else each drafter's own)")
     ex.add_argument("--force", action="store_true", help="rerun policies that already have data")
     ex.add_argument("--seed", type=int, default=None,
                     help="prompt order: 0 keeps each drafter's file order, others shuffle it (default: the spec's [experiment] seed, 0)")

@@ -31,6 +31,7 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
         sampling=SamplingParams(spec.temperature, spec.top_k, spec.top_p), max_new_tokens=spec.max_new_tokens,
         eos_token_ids=(eos,) if eos is not None else (), seed=spec.seed, connect_timeout_s=connect_timeout_s,
         token=read_token(spec.token_file), tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name),
+        proactive=spec.proactive,
     )
     client = DrafterClient(config, DraftRunner(draft.model))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
@@ -46,6 +47,9 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
                 "text": draft.tokenizer.decode(result.token_ids), "rounds": result.rounds,
                 "drafted_tokens": result.drafted_tokens, "accepted_tokens": result.accepted_tokens,
                 "wall_s": round(result.wall_s, 6), "repairs": result.repairs,
+                "predrafted_rounds": result.predrafted_rounds, "proactive_hits": result.proactive_hits,
+                "predrafted_tokens": result.predrafted_tokens, "predraft_used_tokens": result.predraft_used_tokens,
+                "hidden_s": round(result.hidden_s, 6),
             }
             out.write(json.dumps(record) + "\n")
             out.flush()

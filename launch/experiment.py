@@ -6,8 +6,14 @@ table::
     [experiment]
     name = "table1-4"
     policies = ["goodspeed", "fixed", "random"]
-    rounds = 600          # stop each policy's run after this many verified rounds
+    modes = ["sync"]      # the verifier's round modes to run each policy in ("sync", "async")
+    proactive = [true, false]  # optional: run each with and without proactive drafting (default: as each drafter says)
+    rounds = 600          # stop each run after this many verified rounds (verification steps in async mode)
     seed = 0              # 0: every drafter cycles its prompts in file order; else a shuffled order per drafter
+
+Each policy runs once per mode (and per ``proactive`` setting, when given); a sync run is named
+after its policy, an async one ``POLICY@async``, and one with proactive drafting off gets
+``+no-proactive`` (its directory and its rows in the report).
 
 For each policy the cluster of ``goodspeed launch`` runs (verifier + drafter processes, each
 drafter cycling through its prompt set so it never runs dry) until ``rounds`` rounds have run
@@ -33,7 +39,7 @@ from goodspeed.launch.local import launch_local
 from goodspeed.launch.report import read_rows, write_report
 from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError, build_table, load_spec, tomllib
 from goodspeed.scheduler import smoothing_of
-from goodspeed.verifier.records import RoundRecord
+from goodspeed.verifier.records import ROUND_MODES, RoundRecord
 
 DEFAULT_EXPERIMENT = SPECS_DIR / "experiment-default.toml"
 PROMPT_CYCLES = 200  # prompt-file repeats: enough that no drafter runs dry before `rounds`
@@ -43,6 +49,8 @@ PROMPT_CYCLES = 200  # prompt-file repeats: enough that no drafter runs dry befo
 class ExperimentSettings:
     name: str = "experiment"
     policies: tuple[str, ...] = ("goodspeed", "fixed", "random")
+    modes: tuple[str, ...] = ("sync",)
+    proactive: tuple[bool, ...] | None = None  # None: each drafter's own setting
     rounds: int = 600
     seed: int = 0  # prompt order: 0 keeps the files' order, any other value shuffles each drafter's cycle
 
@@ -54,11 +62,14 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SpecError(f"{path}: {exc}") from None
     table = dict(raw.pop("experiment", {}))
-    if "policies" in table:
-        table["policies"] = tuple(table["policies"])
+    for key in ("policies", "modes", "proactive"):
+        if key in table:
+            table[key] = tuple(table[key])
     settings = build_table(ExperimentSettings, table, f"{path} [experiment]")
-    if settings.rounds < 2 or not settings.policies:
-        raise SpecError(f"{path} [experiment]: rounds >= 2 and at least one policy are required")
+    if settings.rounds < 2 or not settings.policies or not settings.modes:
+        raise SpecError(f"{path} [experiment]: rounds >= 2, at least one policy and one mode are required")
+    if unknown := [m for m in settings.modes if m not in ROUND_MODES]:
+        raise SpecError(f"{path} [experiment]: unknown modes {unknown}; known: {', '.join(ROUND_MODES)}")
     spec = load_spec(path, data=raw)
     return settings, spec
 
@@ -100,33 +111,82 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
                 "S": d.drafted, "accepted": d.accepted, "x": d.gained, "alpha_hat": d.acceptance, "X": d.goodput, "eta": eta,
                 "S_next": d.next_draft_length, "receive_s": record.receive_s, "verify_s": record.verify_s, "send_s": record.send_s,
                 "drafter_receive_s": d.receive_s,  # this drafter's: round open -> its draft arrived
+                "drafter_cycle_s": d.cycle_s,  # its previous verdict sent -> this draft arrived
+                "mode": record.mode,
             })
     return rows
 
 
-def run_policy(settings: ExperimentSettings, spec: LaunchSpec, policy: str, out_dir: Path) -> list[dict]:
-    run_dir = out_dir / policy
+def run_name(policy: str, mode: str, proactive: bool | None = None) -> str:
+    return policy + ("" if mode == "sync" else f"@{mode}") + ("+no-proactive" if proactive is False else "")
+
+
+def runs_of(settings: ExperimentSettings) -> list[tuple[str, str, bool | None]]:
+    """``(policy, mode, proactive)`` of every run, in order."""
+    return [(p, m, a) for m in settings.modes for a in (settings.proactive or (None,)) for p in settings.policies]
+
+
+def run_policy(settings: ExperimentSettings, spec: LaunchSpec, policy: str, out_dir: Path, mode: str = "sync",
+               proactive: bool | None = None) -> list[dict]:
+    name = run_name(policy, mode, proactive)
+    run_dir = out_dir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "status.json").unlink(missing_ok=True)
-    cycled = _cycled(replace(spec, verifier=replace(spec.verifier, policy=policy)), run_dir, settings.seed)
+    if proactive is not None:
+        spec = replace(spec, drafters=tuple(replace(d, proactive=proactive) for d in spec.drafters))
+    cycled = _cycled(replace(spec, verifier=replace(spec.verifier, policy=policy, rounds=mode)), run_dir, settings.seed)
     launch_local(cycled, run_dir, log=lambda *a: None, live=False, max_rounds=settings.rounds)
     eta = smoothing_of(policy, spec.verifier.eta).eta
-    rows = measurement_window(rows_from_log(run_dir / "verifier.log", policy, eta), [d.name for d in cycled.expanded_drafters()], settings.rounds)
-    got = len({r["round"] for r in rows})
+    rows = measurement_window(rows_from_log(run_dir / "verifier.log", name, eta), [d.name for d in cycled.expanded_drafters()],
+                              settings.rounds, per_drafter=mode == "async")
+    got = len({r["round"] for r in rows}) if mode == "sync" else min(
+        (sum(r["drafter"] == d for r in rows) for d in {r["drafter"] for r in rows}), default=0)
     if got < settings.rounds:
-        raise RuntimeError(f"policy {policy}: only {got} of {settings.rounds} rounds ran; see {run_dir}/verifier.log")
+        raise RuntimeError(f"run {name}: only {got} of {settings.rounds} rounds ran; see {run_dir}/verifier.log")
     with open(run_dir / "rounds.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    (run_dir / "status.json").write_text(json.dumps({"policy": policy, "rounds": got, "ok": True}))
+    (run_dir / "proactive.json").write_text(json.dumps(proactive_summary(run_dir, [d.name for d in cycled.expanded_drafters()]), indent=2))
+    (run_dir / "status.json").write_text(json.dumps({"policy": policy, "mode": mode, "proactive": proactive, "rounds": got, "ok": True}))
     return rows
 
 
-def measurement_window(rows: list[dict], drafters: list[str], rounds: int) -> list[dict]:
+PROACTIVE_FIELDS = ("rounds", "predrafted_rounds", "proactive_hits", "predrafted_tokens", "predraft_used_tokens", "hidden_s", "wall_s")
+
+
+def proactive_summary(run_dir: Path, drafters: list[str]) -> dict[str, dict]:
+    """Per drafter, proactive drafting over its finished requests (the drafter's JSONL): rounds,
+    rounds that pre-drafted, hits, tokens pre-drafted and sent, seconds hidden, wall seconds."""
+    out = {}
+    for name in drafters:
+        path = run_dir / f"{name}.jsonl"
+        records = read_rows(path) if path.exists() else []
+        out[name] = {k: sum(r.get(k, 0) for r in records) for k in PROACTIVE_FIELDS}
+    return out
+
+
+def proactive_markdown(summaries: dict[str, dict]) -> str:
+    lines = ["## Proactive drafting (finished requests)", "",
+             "| run | drafter | rounds | pre-drafted | hits | hit rate | tokens pre-drafted / sent | hidden s | of wall |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for run, drafters in summaries.items():
+        for name, s in drafters.items():
+            rate = s["proactive_hits"] / s["predrafted_rounds"] if s["predrafted_rounds"] else 0.0
+            share = s["hidden_s"] / s["wall_s"] if s["wall_s"] else 0.0
+            lines.append(f"| {run} | {name} | {s['rounds']} | {s['predrafted_rounds']} | {s['proactive_hits']} | {rate:.2f} | "
+                         f"{s['predrafted_tokens']} / {s['predraft_used_tokens']} | {s['hidden_s']:.2f} | {share:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def measurement_window(rows: list[dict], drafters: list[str], rounds: int, per_drafter: bool = False) -> list[dict]:
     """The ``rounds`` rounds from the first one by which every drafter had taken part.
 
     GoodSpeed's clients all take part from iteration 1; here processes start at different times,
     and counting the rounds before a slow starter joined as zero goodput for it would charge
     start-up latency to whichever policy happened to run with a slower start.
+
+    ``per_drafter`` (async mode, where a round is one verification step and each drafter takes
+    part at its own cadence): the steps from that first one until every drafter has taken part in
+    ``rounds`` of them, so the slowest link's drafter gets as many rounds as in a sync run.
     """
     first_seen: dict[str, int] = {}
     for r in rows:
@@ -134,6 +194,15 @@ def measurement_window(rows: list[dict], drafters: list[str], rounds: int) -> li
     if not set(drafters) <= set(first_seen):
         return []
     start = max(first_seen[d] for d in drafters)
+    if per_drafter:
+        counts, end = dict.fromkeys(drafters, 0), None
+        for r in sorted((r for r in rows if r["round"] >= start), key=lambda r: r["round"]):
+            if r["drafter"] in counts:
+                counts[r["drafter"]] += 1
+            if min(counts.values()) >= rounds:
+                end = r["round"]
+                break
+        return [r for r in rows if start <= r["round"] and (end is None or r["round"] <= end)]
     window = set(sorted({r["round"] for r in rows if r["round"] >= start})[:rounds])
     return [r for r in rows if r["round"] in window]
 
@@ -148,15 +217,21 @@ def load_rows(out_dir: Path, policy: str) -> list[dict] | None:
 def run_experiment(settings: ExperimentSettings, spec: LaunchSpec, out_dir: Path, only: tuple[str, ...] | None = None,
                    force: bool = False, log=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    todo = [p for p in settings.policies if (only is None or p in only) and (force or only or load_rows(out_dir, p) is None)]
+    runs = runs_of(settings)
+    todo = [run for run in runs
+            if (only is None or run[0] in only) and (force or only or load_rows(out_dir, run_name(*run)) is None)]
     failed = []
-    for policy in tqdm(todo, desc=f"experiment {settings.name}", unit="policy", file=sys.stderr):
+    for run in tqdm(todo, desc=f"experiment {settings.name}", unit="run", file=sys.stderr):
         try:
-            run_policy(settings, spec, policy, out_dir)
-        except Exception as exc:  # one policy failing must not lose the others' data
-            failed.append(policy)
-            log(f"policy {policy} failed: {exc}; rerun it alone with --policies {policy}")
-    data = {p: rows for p in settings.policies if (rows := load_rows(out_dir, p)) is not None}
+            run_policy(settings, spec, run[0], out_dir, run[1], run[2])
+        except Exception as exc:  # one run failing must not lose the others' data
+            failed.append(run_name(*run))
+            log(f"run {run_name(*run)} failed: {exc}; rerun it alone with --policies {run[0]}")
+    data = {name: rows for run in runs if (rows := load_rows(out_dir, name := run_name(*run))) is not None}
     metrics = write_report(settings.name, data, out_dir) if data else {}
-    log(f"report: {out_dir / 'REPORT.md'} ({len(data)} of {len(settings.policies)} policies)")
+    summaries = {name: json.loads(path.read_text()) for name in data if (path := out_dir / name / "proactive.json").exists()}
+    if summaries:
+        with open(out_dir / "REPORT.md", "a", encoding="utf-8") as f:
+            f.write("\n" + proactive_markdown(summaries))
+    log(f"report: {out_dir / 'REPORT.md'} ({len(data)} of {len(runs)} runs)")
     return {"metrics": metrics, "failed": failed}

@@ -10,6 +10,7 @@ log to ``OUT/<name>.log``.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
@@ -58,6 +59,7 @@ class ClusterView:
     port: int | None = None
     rounds: int = 0
     first_round: dict[str, int] = field(default_factory=dict)  # drafter name -> count of rounds when first seen
+    took_part: dict[str, list[int]] = field(default_factory=dict)  # drafter name -> the round counts it took part in
     drops: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # round events this reader could not read (first 10)
     drafters: dict[str, DrafterView] = field(default_factory=dict)
@@ -74,6 +76,7 @@ class ClusterView:
                 self.rounds += 1
                 for row in record.drafters:
                     self.first_round.setdefault(row.name, self.rounds)
+                    self.took_part.setdefault(row.name, []).append(self.rounds)
                     view = self.drafters.setdefault(row.name, DrafterView())
                     view.alpha_hat, view.goodput, view.next_len = row.acceptance, row.goodput, row.next_draft_length
                     view.tokens += row.gained
@@ -98,7 +101,7 @@ def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> l
     return CLI + ["drafter", "--verifier", address, "--draft", d.draft, "--prompts", str(prompts), "--out", str(out),
                   "--name", d.name, "--max-new-tokens", str(d.max_new_tokens), "--temperature", str(d.temperature),
                   "--top-k", str(d.top_k), "--top-p", str(d.top_p), "--device", d.device, "--dtype", d.dtype,
-                  "--quiet"] + _seed_args(d.seed) + flag_args(d, "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+                  "--quiet"] + ([] if d.proactive else ["--no-proactive"]) + _seed_args(d.seed) + flag_args(d, "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
 
 
 def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_parent: bool = False) -> dict:
@@ -212,11 +215,16 @@ class LocalCluster:
                 self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, **_pinned(d.cpus))
 
     def rounds_with_everyone(self) -> int:
-        """Rounds run since the first round by which every drafter had taken part (0 before)."""
+        """Rounds run since the first round by which every drafter had taken part (0 before). In
+        async mode, where a round is one verification step and each drafter takes part at its own
+        cadence: the fewest rounds any drafter has taken part in since then."""
         with self.view.lock:
-            if set(self.view.first_round) < set(self.drafters):
+            if not set(self.drafters) <= set(self.view.first_round):
                 return 0
-            return self.view.rounds - max(self.view.first_round[n] for n in self.drafters) + 1
+            start = max(self.view.first_round[n] for n in self.drafters)
+            if self.spec.verifier.rounds == "async":
+                return min(len(self.view.took_part[n]) - bisect.bisect_left(self.view.took_part[n], start) for n in self.drafters)
+            return self.view.rounds - start + 1
 
     def wait(self, refresh_s: float = 1.0, max_rounds: int | None = None) -> None:
         """Until every drafter exits, or until ``max_rounds`` rounds have run since every drafter

@@ -14,7 +14,14 @@ Inputs are the rows an experiment records (one per round and drafter: ``policy``
   per-drafter tokens/round, final U, total tokens/s, and the rounds until U stays within 1% of
   its final value; per drafter also its median receive time (what an edge link adds shows here),
   and how often and how long in a row it was allotted ``S = 0`` (starvation, which eq. 3 cannot
-  correct while it lasts).
+  correct while it lasts);
+* the time-aware utility ``U_s = sum_i log r_i``, ``r_i`` drafter ``i``'s tokens per second over
+  the run (what the async round mode and ``goodspeed-time`` optimise,
+  :mod:`goodspeed.scheduler.timing`), each drafter's median cycle (its verdict sent -> its next
+  draft arrived: link plus drafting, ``drafter_cycle_s``) and Fig. 5, each drafter's tokens per
+  second over time (1-second bins).
+
+A run named ``POLICY@async`` ran the verifier in async mode; its "rounds" are verification steps.
 """
 
 from __future__ import annotations
@@ -87,6 +94,8 @@ def policy_metrics(rows: list[dict]) -> dict:
         "utility_from_round": start + 1,
         "rounds_to_settle": rounds_to_settle(u),
         "total_tokens_per_s": float(tokens.sum() / span_s) if span_s else 0.0,
+        "utility_per_s": float(np.log(tokens / span_s).sum()) if span_s and tokens.all() else float("nan"),
+        "cycle_ms_median": {d: _median_ms(rows, d, "drafter_cycle_s") for d in drafters},
         "receive_s": float(sum(r["receive_s"] for r in per_round.values())),
         "verify_s": float(sum(r["verify_s"] for r in per_round.values())),
         "send_s": float(sum(r["send_s"] for r in per_round.values())),
@@ -114,8 +123,24 @@ def _longest_zero_run(rows: list[dict], drafter: str) -> int:
 
 
 def _median_receive_ms(rows: list[dict], drafter: str) -> float:
-    times = [r["drafter_receive_s"] for r in rows if r["drafter"] == drafter and r.get("drafter_receive_s") is not None]
+    return _median_ms(rows, drafter, "drafter_receive_s")
+
+
+def _median_ms(rows: list[dict], drafter: str, key: str) -> float:
+    times = [r[key] for r in rows if r["drafter"] == drafter and r.get(key) is not None]
     return float(np.median(times) * 1000) if times else float("nan")
+
+
+def rate_over_time(rows: list[dict], bin_s: float = 1.0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Each drafter's tokens per second in ``bin_s`` bins from the run's first row (bin starts, rates)."""
+    if not rows:
+        return np.zeros(0), {}
+    t0 = min(r["ts"] for r in rows)
+    bins = int((max(r["ts"] for r in rows) - t0) // bin_s) + 1
+    rates: dict[str, np.ndarray] = {}
+    for r in rows:
+        rates.setdefault(r["drafter"], np.zeros(bins))[int((r["ts"] - t0) // bin_s)] += r["x"] / bin_s
+    return np.arange(bins) * bin_s, dict(sorted(rates.items()))
 
 
 def _acceptance(rows: list[dict], drafter: str) -> float:
@@ -172,6 +197,14 @@ def write_figures(data: dict[str, list[dict]], out_dir: Path) -> dict[str, str]:
     ax.set(title="U(xbar(T)) = sum_i log xbar_i(T)", xlabel="round T", ylabel="utility")
     ax.legend(fontsize=8)
     paths["fig4"] = _save(fig, out_dir / "fig4_utility.png")
+    fig, axes = plt.subplots(1, len(data), figsize=(5 * len(data), 3.4), squeeze=False, sharey=True)
+    for ax, (policy, rows) in zip(axes[0], data.items()):
+        starts, rates = rate_over_time(rows)
+        for drafter, rate in rates.items():
+            ax.plot(starts, rate, label=drafter)
+        ax.set(title=f"{policy}: tokens/s per drafter", xlabel="seconds", ylabel="tokens/s")
+        ax.legend(fontsize=7)
+    paths["fig5"] = _save(fig, out_dir / "fig5_rate_over_time.png")
     return paths
 
 
@@ -186,18 +219,19 @@ def _save(fig, path: Path) -> str:
 
 def render_markdown(name: str, metrics: dict[str, dict], figures: dict[str, str]) -> str:
     lines = [f"# Experiment {name}", ""]
-    lines += ["| policy | rounds | U(xbar) | Jain | total tok/s | rounds to settle (1%) | receive s | verify s | send s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| policy | rounds | U(xbar) | U(tok/s) | Jain | total tok/s | rounds to settle (1%) | receive s | verify s | send s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for policy, m in metrics.items():
-        lines.append(f"| {policy} | {m['rounds']} | {m['utility']:.4f} | {m['jain_index']:.4f} | {m['total_tokens_per_s']:.2f} | "
-                     f"{m['rounds_to_settle']} | {m['receive_s']:.3f} | {m['verify_s']:.3f} | {m['send_s']:.3f} |")
+        lines.append(f"| {policy} | {m['rounds']} | {m['utility']:.4f} | {m['utility_per_s']:.3f} | {m['jain_index']:.4f} | "
+                     f"{m['total_tokens_per_s']:.2f} | {m['rounds_to_settle']} | {m['receive_s']:.3f} | {m['verify_s']:.3f} | "
+                     f"{m['send_s']:.3f} |")
     for policy, m in metrics.items():
         lines += ["", f"## {policy}: per drafter", "", "| drafter | tokens/round | tokens/s | mean S | acceptance | receive ms (median) "
-                  "| rounds with S = 0 | longest S = 0 run |", "|---|---|---|---|---|---|---|---|"]
+                  "| cycle ms (median) | rounds with S = 0 | longest S = 0 run |", "|---|---|---|---|---|---|---|---|---|"]
         for d in m["drafters"]:
             lines.append(f"| {d} | {m['tokens_per_round'][d]:.4f} | {m['tokens_per_s'][d]:.2f} | {m['mean_draft_length'][d]:.2f} | "
-                         f"{m['acceptance'][d]:.4f} | {m['receive_ms_median'][d]:.1f} | {m['zero_draft_rounds'][d]} | "
-                         f"{m['longest_zero_draft_run'][d]} |")
+                         f"{m['acceptance'][d]:.4f} | {m['receive_ms_median'][d]:.1f} | {m['cycle_ms_median'][d]:.1f} | "
+                         f"{m['zero_draft_rounds'][d]} | {m['longest_zero_draft_run'][d]} |")
     lines += ["", "## Figures", ""] + [f"![{k}]({v})" for k, v in figures.items()]
     return "\n".join(lines) + "\n"
 

@@ -74,7 +74,7 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
     an unreadable token file) fail here, before any model loads."""
     try:
         config = ServerConfig(
-            host=opts.host, port=50051 if opts.port is None else opts.port, round_deadline_ms=opts.round_deadline_ms,
+            host=opts.host, port=50051 if opts.port is None else opts.port, rounds=opts.rounds, round_deadline_ms=opts.round_deadline_ms,
             max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, drain_timeout_s=opts.drain_timeout_s,
             max_message_bytes=opts.max_message_bytes, target_name=target_name,
             auth_tokens=opts.auth_tokens, tls_cert=opts.tls_cert, tls_key=opts.tls_key, tls_client_ca=opts.tls_client_ca,

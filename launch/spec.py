@@ -94,6 +94,7 @@ class VerifierSpec:
     policy: str = "goodspeed"
     eta: float | None = None  # default: the policy's (scheduler.policy.default_eta)
     beta: float = 0.5
+    rounds: str = "sync"  # sync: the paper's lockstep round; async: every drafter at its own cadence (verifier.round_loop)
     round_deadline_ms: float = 250.0
     max_missed_rounds: int = 3
     idle_timeout_s: float = 60.0
@@ -192,6 +193,7 @@ class DrafterSpec:
     tls_key: str | None = None
     tls_server_name: str | None = None  # the name to check in the verifier's certificate, if not the dialled host
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
+    proactive: bool = True  # draft the next round while a draft is in flight (goodspeed.drafter.runner)
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0

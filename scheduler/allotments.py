@@ -18,7 +18,10 @@ same code:
   keep their allotment, and the policy shares only what they leave of ``C``;
 * sessions of one edge device share a utility term (:meth:`device_goodput`);
 * managed sessions (the verifier's own local serving) are outside ``C`` and the policy: their
-  caller sets their size (:meth:`set`).
+  caller sets their size (:meth:`set`);
+* each session's period (seconds between its verdicts) is fitted online (:meth:`observe_period`,
+  :class:`~goodspeed.scheduler.timing.PeriodEstimator`) for policies that allocate on tokens per
+  second (``goodspeed-time``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from goodspeed.scheduler.goodspeed import GoodputEstimator, SmoothingConfig
 from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, make_policy
+from goodspeed.scheduler.timing import PeriodEstimator
 
 
 @dataclass
@@ -49,6 +53,7 @@ class DraftAllotments:
             raise ValueError("budget and max_draft_len must be >= 0")
         self.budget, self.max_draft_len = int(budget), int(max_draft_len)
         self.estimator = GoodputEstimator(smoothing)
+        self.periods = PeriodEstimator()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.rng = rng if rng is not None else np.random.default_rng()
         self._entries: dict[Hashable, _Entry] = {}
@@ -63,6 +68,7 @@ class DraftAllotments:
 
     def leave(self, session_id: Hashable) -> None:
         self.estimator.leave(session_id)
+        self.periods.leave(session_id)
         del self._entries[session_id]
 
     def cap(self, remaining: int) -> int:
@@ -108,6 +114,19 @@ class DraftAllotments:
         """Eqs. (3)-(4) for one verified row (see :meth:`GoodputEstimator.observe`)."""
         self.estimator.observe(session_id, acceptance_ratios, num_accepted)
 
+    def observe_period(self, session_id: Hashable, draft_length: int, seconds: float) -> None:
+        """The session's period that ended with a verified draft of ``draft_length`` tokens."""
+        self.periods.observe(session_id, draft_length, seconds)
+
+    def period_arrays(self, participants: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(base, per_token, mean)`` per participant, ``(1, 0, 1)`` for one not timed yet; None if
+        none is timed."""
+        fits = [self.periods.fit(s) for s in participants]
+        if all(f is None for f in fits):
+            return None
+        return tuple(np.array([default if f is None else getattr(f, name) for f in fits], dtype=np.float64)
+                     for name, default in (("base", 1.0), ("per_token", 0.0), ("mean", 1.0)))
+
     def schedule(self, participants: Sequence[Hashable], caps: Sequence[int], round_index: int) -> np.ndarray:
         """Next round's ``S_i`` for the edge sessions verified this round whose request goes on.
 
@@ -122,7 +141,7 @@ class DraftAllotments:
         goodput = self.device_goodput(participants, goodput)
         measured, stale = self.estimator.evidence(participants)
         inputs = AllocationInputs(list(participants), acceptance, goodput, budget, np.asarray(caps, dtype=np.int64),
-                                  round_index, self.rng, measured, stale)
+                                  round_index, self.rng, measured, stale, self.period_arrays(participants))
         lengths = np.asarray(self.policy.allocate(inputs), dtype=np.int64)
         for sid, length in zip(participants, lengths.tolist()):
             self._entries[sid].allotted = length

@@ -7,6 +7,7 @@ distributed policies here are stateless between rounds, so theirs does nothing; 
 memory keep it there). Registered names: ``goodspeed`` (eq. 5 with an exploration floor, the
 default: docs/EXPERIMENTS.md has the evidence), ``goodspeed-paper`` (the paper's eq. 5 exactly, for
 reproductions), ``goodspeed-ucb`` (eq. 5 on an optimistic acceptance, an evaluated alternative),
+``goodspeed-time`` (the log utility of tokens per second, :mod:`.timing`: for ``--rounds async``),
 ``fixed``, ``random``.
 
 A policy also names the acceptance smoothing it was chosen with (``eta``, eq. 3): the verifier
@@ -27,6 +28,7 @@ import numpy as np
 
 from goodspeed.scheduler.baselines import fixed_draft_lengths, random_draft_lengths
 from goodspeed.scheduler.goodspeed import SmoothingConfig, allocate_draft_lengths, fairness_exponent
+from goodspeed.scheduler.timing import allocate_time_aware
 
 
 LOCAL_POLICIES = ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
@@ -47,6 +49,9 @@ class AllocationInputs:
     # measured it, and rounds since the last one. None: unknown (policies then ignore it).
     measured: np.ndarray | None = None
     stale: np.ndarray | None = None
+    # Each drafter's period model (scheduler.timing.PeriodFit) as arrays (base, per_token, mean),
+    # seconds; a drafter not timed yet has (1, 0, 1): its term is eq. 5's. None: no timing known.
+    periods: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class DraftLengthPolicy(Protocol):
@@ -108,12 +113,9 @@ class GoodSpeedPolicy(GoodSpeedPaperPolicy):
             return super().allocate(inputs)
         a, x = inputs.acceptance, inputs.goodput
         caps = np.full(a.shape, inputs.budget, dtype=np.int64) if inputs.max_lengths is None else np.asarray(inputs.max_lengths, dtype=np.int64)
-        stale = np.flatnonzero((inputs.stale > self.patience) & (caps > 0))
-        stale = stale[np.argsort(-inputs.stale[stale], kind="stable")][: inputs.budget]
-        if stale.size == 0:
+        floor = self.floor(inputs)
+        if not floor.any():
             return super().allocate(inputs)
-        floor = np.zeros(a.shape, dtype=np.int64)
-        floor[stale] = 1
         rest_caps = caps - floor
         scaled = x.copy()
         live = floor.astype(bool) & (a > 0)
@@ -121,6 +123,34 @@ class GoodSpeedPolicy(GoodSpeedPaperPolicy):
         rest_caps[floor.astype(bool) & (a <= 0)] = 0  # nothing more to gain past the floor
         rest = allocate_draft_lengths(a, scaled, inputs.budget - int(floor.sum()), rest_caps, self.utility)
         return rest + floor
+
+    def floor(self, inputs: AllocationInputs) -> np.ndarray:
+        """``S >= 1`` for drafters unmeasured for more than ``patience`` rounds (stalest first)."""
+        floor = np.zeros(len(inputs.drafter_ids), dtype=np.int64)
+        if inputs.stale is None:
+            return floor
+        caps = np.full(floor.shape, inputs.budget, dtype=np.int64) if inputs.max_lengths is None else np.asarray(inputs.max_lengths)
+        stale = np.flatnonzero((inputs.stale > self.patience) & (caps > 0))
+        floor[stale[np.argsort(-inputs.stale[stale], kind="stable")][: inputs.budget]] = 1
+        return floor
+
+
+class TimeAwareGoodSpeedPolicy(GoodSpeedPolicy):
+    """GoodSpeed on tokens per second (:mod:`goodspeed.scheduler.timing`), with the default's
+    exploration floor. Without timing (or with no drafter's period depending on its draft
+    length) it is the default ``goodspeed``."""
+
+    name = "goodspeed-time"
+
+    def __init__(self, patience: int = 4) -> None:
+        super().__init__("log", patience)
+
+    def allocate(self, inputs: AllocationInputs) -> np.ndarray:
+        if inputs.periods is None or not np.any(inputs.periods[1] > 0):
+            return super().allocate(inputs)
+        base, per_token, mean = inputs.periods
+        return allocate_time_aware(inputs.acceptance, inputs.goodput, base, per_token, mean, inputs.budget,
+                                   inputs.max_lengths, self.floor(inputs))
 
 
 class OptimisticGoodSpeedPolicy(GoodSpeedPaperPolicy):
@@ -169,6 +199,7 @@ POLICIES: dict[str, Callable[..., DraftLengthPolicy]] = {
     GoodSpeedPolicy.name: GoodSpeedPolicy,
     GoodSpeedPaperPolicy.name: GoodSpeedPaperPolicy,
     OptimisticGoodSpeedPolicy.name: OptimisticGoodSpeedPolicy,
+    TimeAwareGoodSpeedPolicy.name: TimeAwareGoodSpeedPolicy,
     FixedPolicy.name: FixedPolicy,
     RandomPolicy.name: RandomPolicy,
 }

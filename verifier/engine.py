@@ -236,12 +236,15 @@ class VerificationEngine:
 
     # ------------------------------------------------------------------------------- rounds
 
-    def run_round(self, uniforms: dict[str, np.ndarray] | None = None) -> RoundResult:
+    def run_round(self, uniforms: dict[str, np.ndarray] | None = None, periods: dict[str, float] | None = None) -> RoundResult:
         """Verify every queued draft in one target forward.
 
         ``uniforms[session_id]`` (tests): at least ``S + 1`` uniforms in ``[0, 1)`` consumed as
         the accept tests then the correction/bonus draw; otherwise they come from the engine's
-        seeded generator.
+        seeded generator. ``periods[session_id]``: seconds since the session's last verdict was
+        sent (the serving layer's clock); this step's own duration is added and the total, with
+        the draft's length, feeds the session's timing estimate (the time-aware allocation,
+        :mod:`goodspeed.scheduler.timing`).
         """
         t0 = time.perf_counter()
         rows = self._assemble()
@@ -256,6 +259,9 @@ class VerificationEngine:
         checked = self.row_verifier.verify([r.input for r in rows], logits, given) if rows else []
         outcomes = [self._apply(row, out) for row, out in zip(rows, checked)]
         t3 = time.perf_counter()
+        for row in rows:  # before scheduling: the time-aware policy reads it
+            if periods and row.input.key in periods and not row.session.managed:
+                self.allotments.observe_period(row.input.key, row.draft.num_tokens, periods[row.input.key] + (t3 - t0))
         verdicts = self._schedule(outcomes)
         t4 = time.perf_counter()
         self.round_index += 1

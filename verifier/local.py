@@ -380,8 +380,9 @@ class LocalServing:
 
     # ---------------------------------------------------------------------- step
 
-    def step(self) -> StepReport | None:
-        """One iteration over the batch (plus any queued edge drafts); None when there is no work."""
+    def step(self, periods: dict[str, float] | None = None) -> StepReport | None:
+        """One iteration over the batch (plus any queued edge drafts); None when there is no work.
+        ``periods``: the queued edge drafters' seconds since their last verdict (``run_round``)."""
         started = self.clock.now()
         self._admit()
         if not self._active:
@@ -398,7 +399,7 @@ class LocalServing:
             self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents, dense))
             drafted += len(plan.token_ids)
         context = sum(self.engine.cache.lengths)
-        result = self.engine.run_round()
+        result = self.engine.run_round(periods=periods)
         self.clock.charge("target", context, result.verified_tokens)
         now = self.clock.now()
         seen = [self.engine.estimator.get(r.session_id).acceptance for r in reqs if r.drafted or plans[r.request_id].token_ids]

@@ -9,10 +9,15 @@ and the experiment runner (:mod:`goodspeed.launch.experiment`) read it back with
 Per drafter in the round (:class:`DrafterRound`): ``drafted`` (``S_i``), ``accepted`` (``m_i``),
 ``gained`` (tokens the drafter's text grew by: ``m_i + 1``, less at the request's end),
 ``acceptance`` (the smoothed ``alpha_hat_i`` after this round, GoodSpeed eq. 3), ``goodput`` (the
-smoothed ``X_i``, eq. 4), ``next_draft_length`` (``S_i`` for the next round), ``finished`` and
-``receive_s`` (round open -> its draft arrived). The round: its index, the phase seconds
-(``receive_s``, ``verify_s`` of which ``forward_s``, ``send_s``), the rows in the forward
-(``batch``), the budget ``C`` and, with local serving, a :class:`LocalRound`.
+smoothed ``X_i``, eq. 4), ``next_draft_length`` (``S_i`` for the next round), ``finished``,
+``receive_s`` (round open -> its draft arrived) and ``cycle_s`` (its previous verdict sent -> this
+draft arrived: its link and its drafting; ``None`` for a request's first draft). The round: its
+index, the phase seconds (``receive_s``, ``verify_s`` of which ``forward_s``, ``send_s``), the rows
+in the forward (``batch``), the budget ``C``, the round ``mode`` (``sync`` or ``async``, see
+:mod:`goodspeed.verifier.round_loop`: in async mode a record is one verification step), the wall
+clock ``ts`` and, with local serving, a :class:`LocalRound`.
+
+Schema 2 added ``cycle_s`` and ``mode``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import json
 import time
 from dataclasses import dataclass
 
-SCHEMA = 1
+SCHEMA = 2
+ROUND_MODES = ("sync", "async")  # the round loop's modes (goodspeed.verifier.round_loop)
 
 
 class RecordError(ValueError):
@@ -52,6 +58,7 @@ class DrafterRound:
     next_draft_length: int
     finished: bool
     receive_s: float | None
+    cycle_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class RoundRecord:
     budget: int
     drafters: tuple[DrafterRound, ...]
     local: LocalRound | None = None
+    mode: str = "sync"
     ts: float = dataclasses.field(default_factory=time.time)
 
     def to_event(self) -> dict:

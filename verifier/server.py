@@ -1,15 +1,14 @@
 """The verifier daemon: the verification engine behind a ``grpc.aio`` server.
 
 Every engine call runs on one worker thread (the engine is single-threaded; a target forward
-must not block the event loop). The round loop closes a round when every drafter with a request
-in progress has submitted, or when ``round_deadline_ms`` has passed since the round's first
-draft; drafts that arrive while a round is being verified join the next one. A drafter that
-misses more than ``max_missed_rounds`` consecutive rounds, or whose verdict stream closes, or
-that sends nothing for ``idle_timeout_s`` while a request is in progress (the case where no
-rounds run at all), or that has not opened its verdict stream ``stream_open_timeout_s`` after
-joining (a squatter holding a ``max_drafters`` slot), is dropped and its KV freed, and the next
-allocation is computed without it. SIGTERM (see the CLI) calls :meth:`VerifierServer.drain`: new sessions and requests are refused, rounds continue until
-the requests in progress finish or the drain timeout passes.
+must not block the event loop). The RPC handlers here validate each call, hand it to the engine
+and tell the round loop (:mod:`goodspeed.verifier.round_loop`) what changed; the round loop
+decides when a step runs (``sync``: the paper's lockstep round; ``async``: continuous batching of
+drafts), drops drafters that miss rounds, go idle or never open their verdict stream, and writes
+the round log. A drafter whose verdict stream closes is dropped and its KV freed, and the next
+allocation is computed without it. SIGTERM (see the CLI) calls :meth:`VerifierServer.drain`: new
+sessions and requests are refused, rounds continue until the requests in progress finish or the
+drain timeout passes.
 
 With local serving (:mod:`goodspeed.verifier.local`), Generate requests join the local batch;
 while any is in progress the loop runs iterations back to back, each one verifying the local
@@ -25,7 +24,7 @@ import functools
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,12 +43,12 @@ from goodspeed.verifier.fields import (
 from goodspeed.verifier.http_front import make_http_front
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
-from goodspeed.verifier.records import DrafterRound, LocalRound, RoundRecord
+from goodspeed.verifier.records import ROUND_MODES
+from goodspeed.verifier.round_loop import Drafter, RoundLoop
 from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
 from goodspeed.verifier.tls import is_loopback, server_credentials
 
 PROTOCOL_VERSION = 1
-MAX_FAILED_ROUNDS = 3  # consecutive failed rounds after which the round loop gives up (NOT_SERVING)
 SERVICE_NAME = "goodspeed.v1.Verifier"
 STATUS = {
     errors.UnknownSessionError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -79,6 +78,7 @@ def status_for(exc: errors.EngineError) -> grpc.StatusCode:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
+    rounds: str = "sync"  # "sync": the paper's lockstep round; "async": continuous batching of drafts (round_loop)
     round_deadline_ms: float = 250.0
     max_missed_rounds: int = 3
     max_message_bytes: int = 32 * 1024 * 1024
@@ -96,6 +96,8 @@ class ServerConfig:
     http_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        if self.rounds not in ROUND_MODES:
+            raise ValueError(f"rounds must be one of {', '.join(ROUND_MODES)}, got {self.rounds!r}")
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
             raise ValueError("round_deadline_ms > 0, max_missed_rounds >= 0 and max_message_bytes >= 1024 are required")
         if self.idle_timeout_s <= 0 or self.stream_open_timeout_s <= 0 or self.drain_timeout_s < 0:
@@ -107,22 +109,6 @@ class ServerConfig:
                              "--tls-key (and --tls-client-ca for mutual TLS), or --insecure to accept plaintext")
         if self.http_port is not None and self.tls_cert is None and not self.insecure and not is_loopback(self.http_host):
             raise ValueError(f"refusing plaintext HTTP on {self.http_host}: give --tls-cert and --tls-key (HTTPS), or --insecure")
-
-
-@dataclass
-class _Drafter:
-    session_id: str
-    name: str
-    verdicts: asyncio.Queue
-    identity: Identity  # who joined: only they may name this session
-    kv_tokens: int = 0  # prompt + max_new_tokens of its request in progress, held against the identity's limit
-    missed: int = 0
-    in_request: bool = False
-    receive_s: float | None = None  # this round: round open -> its draft arrived
-    last_seen: float = field(default_factory=time.monotonic)
-    joined_at: float = field(default_factory=time.monotonic)
-    streaming: bool = False  # its verdict stream is open
-    timer: RequestTimer | None = None  # its request in progress, for the request metrics
 
 
 def _rpc(handler):
@@ -145,11 +131,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.local, self.tokenizer, self.auth = local, tokenizer, auth
         self.usage = Usage()  # what each identity holds (KV tokens, streams) and its request rate
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
-        self._drafters: dict[str, _Drafter] = {}
-        self._queued: set[str] = set()  # sessions with a draft waiting for the next round
-        self._wakeup = asyncio.Event()
-        self._failed_rounds = 0  # consecutive rounds that raised
-        self._round_opened = time.perf_counter()
+        self._drafters: dict[str, Drafter] = {}
+        self.rounds = RoundLoop(engine, local, config, metrics, log, self._drafters, self.call, self.drop,
+                                self._end_request, self._update_gauges)
         self.draining = False
 
     async def call(self, fn, *args):
@@ -167,7 +151,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         except AuthError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
-    async def _owned(self, session_id: str, context) -> _Drafter:
+    async def _owned(self, session_id: str, context) -> Drafter:
         """The caller's session: unknown ones FAILED_PRECONDITION, another identity's PERMISSION_DENIED."""
         identity = await self._identify(context)
         drafter = self._drafters.get(session_id)
@@ -197,7 +181,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         # naming the same device does not join it.
         group = f"{identity.name}/{device}" if device else None
         session_id = await self.call(functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group))
-        self._drafters[session_id] = _Drafter(session_id, name, asyncio.Queue(), identity)
+        self._drafters[session_id] = Drafter(session_id, name, asyncio.Queue(), identity)
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=name, model=request.model_name, identity=identity.name)
         return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)
@@ -237,7 +221,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
 
-    def _end_request(self, drafter: _Drafter, reason: str = "abort") -> None:
+    def _end_request(self, drafter: Drafter, reason: str = "abort") -> None:
         """The drafter's request ended (finished, finished early or dropped): release its KV tokens."""
         self.usage.release_request(drafter.identity.name, drafter.kv_tokens)
         drafter.kv_tokens = 0
@@ -249,25 +233,22 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def SubmitDraft(self, request, context):
         drafter = await self._owned(request.session_id, context)
         drafter.last_seen = time.monotonic()
-        drafter.receive_s = time.perf_counter() - self._round_opened
         draft = draft_from_pb(request, self.engine.vocab_size)
         verdict = await self.call(self.engine.submit, request.session_id, draft)
         if verdict is not None:
             return pb.SubmitReply(queued=False, verdict=verdict_to_pb(verdict))
-        self._queued.add(request.session_id)
-        self._wakeup.set()
+        self.rounds.queued(request.session_id)
         return pb.SubmitReply(queued=True)
 
     @_rpc
     async def FinishRequest(self, request, context):
         drafter = await self._owned(request.session_id, context)
         committed = await self.call(self.engine.finish_request, request.session_id)
-        drafter.in_request = False
+        drafter.in_request, drafter.verdict_at = False, None
         self._end_request(drafter)
-        self._queued.discard(request.session_id)
         self._update_gauges()
         self.log.event("finish", session=request.session_id, name=drafter.name, committed_tokens=len(committed))
-        self._wakeup.set()  # the round may now be complete without it
+        self.rounds.forget(request.session_id)  # the round may now be complete without it
         return pb.FinishRequestReply(committed_ids=committed)
 
     @_rpc
@@ -339,7 +320,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise
         self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens,
                        tpot_slo_ms=tpot_slo_ms)
-        self._wakeup.set()
+        self.rounds.wake()
         self._update_gauges()
         return LocalStream(self, rid, events, who.name, kv_tokens, self.metrics.requests.track(len(prompt_ids), count_running=False))
 
@@ -366,7 +347,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             return
         self._end_request(drafter)
         drafter.verdicts.put_nowait(None)
-        self._queued.discard(session_id)
+        self.rounds.forget(session_id)  # before the await below: no step may include it now
         try:
             await self.call(self.engine.leave, session_id)
         except errors.UnknownSessionError:
@@ -374,130 +355,6 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.metrics.active.set(len(self._drafters))
         self._update_gauges()
         self.log.event("drop", session=session_id, name=drafter.name, reason=reason)
-        self._wakeup.set()  # the round may now be complete without it
-
-    # ------------------------------------------------------------------------ round loop
-
-    def _everyone_submitted(self) -> bool:
-        return all(d.session_id in self._queued for d in self._drafters.values() if d.in_request)
-
-    def _local_work(self) -> bool:
-        return self.local is not None and self.local.has_work
-
-    async def run_rounds(self) -> None:
-        loop = asyncio.get_running_loop()
-        sweep_every_s = min(1.0, self.config.idle_timeout_s / 2, self.config.stream_open_timeout_s / 2)
-        last_sweep = loop.time()
-        while True:
-            if loop.time() - last_sweep > sweep_every_s:
-                await self._sweep_idle()  # missed-round counting cannot act when no edge rounds run
-                last_sweep = loop.time()
-            if self._local_work():
-                await self._close_round(local=True)
-                continue
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), sweep_every_s)
-            except asyncio.TimeoutError:
-                continue
-            self._wakeup.clear()
-            if not self._queued:
-                continue
-            deadline = loop.time() + self.config.round_deadline_ms / 1000
-            while not self._everyone_submitted() and not self._local_work() and (left := deadline - loop.time()) > 0:
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-                self._wakeup.clear()
-            if self._queued:
-                await self._close_round()
-
-    async def _close_round(self, local: bool = False) -> None:
-        receive_s = time.perf_counter() - self._round_opened
-        report = None
-        try:
-            if local:
-                report = await self.call(self.local.step)
-                result = report.round if report is not None else None
-                if result is None:
-                    return
-            else:
-                result = await self.call(self.engine.run_round)
-        except Exception as exc:  # inputs are refused before a round; this is a bug or a device error
-            await self._fail_round(exc)
-            return
-        self._failed_rounds = 0
-        sent = time.perf_counter()
-        for session_id, verdict in result.verdicts.items():
-            self._queued.discard(session_id)
-            drafter = self._drafters.get(session_id)
-            if drafter is not None:
-                drafter.missed, drafter.in_request = 0, not verdict.finished
-                if drafter.timer is not None:
-                    drafter.timer.tokens(len(verdict.token_ids), sent)
-                if verdict.finished:
-                    self._end_request(drafter, finished_reason(verdict.finish_reason))
-                drafter.verdicts.put_nowait(verdict_to_pb(verdict))
-        send_s = time.perf_counter() - sent
-        self._round_opened = time.perf_counter()
-        if not local:
-            await self._count_missed(result.verdicts)
-        self._record(result, receive_s, send_s, report)
-        if self._queued:
-            self._wakeup.set()  # drafts that arrived during verification open the next round
-
-    async def _fail_round(self, exc: Exception) -> None:
-        """A round raised: its participants' requests may be half-applied, so their sessions are
-        dropped (a drafter rejoins and resumes from the text already verified) and local requests
-        end with an error; the loop goes on. ``MAX_FAILED_ROUNDS`` failures in a row mean the
-        failure is not one round's: the loop ends (health NOT_SERVING, the daemon exits 1)."""
-        self._failed_rounds += 1
-        error = f"{type(exc).__name__}: {exc}"
-        self.log.event("round_failed", error=error, consecutive=self._failed_rounds)
-        if self._failed_rounds >= MAX_FAILED_ROUNDS:
-            raise exc
-        for session_id in list(self._queued):
-            await self.drop(session_id, f"its round failed ({error})")
-        if self.local is not None:
-            await self.call(self.local.fail_all, f"error: the round failed ({error})")
-        self._round_opened = time.perf_counter()
-
-    async def _sweep_idle(self) -> None:
-        now = time.monotonic()
-        for drafter in list(self._drafters.values()):
-            if drafter.in_request and drafter.session_id not in self._queued and now - drafter.last_seen > self.config.idle_timeout_s:
-                await self.drop(drafter.session_id, f"idle for {now - drafter.last_seen:.1f} s")
-            elif not drafter.streaming and now - drafter.joined_at > self.config.stream_open_timeout_s:
-                # Joined and never listened: it holds a session slot (max_drafters) for nothing.
-                await self.drop(drafter.session_id, f"no verdict stream within {self.config.stream_open_timeout_s:g} s")
-
-    async def _count_missed(self, verified) -> None:
-        for drafter in list(self._drafters.values()):
-            if drafter.in_request and drafter.session_id not in verified and drafter.session_id not in self._queued:
-                drafter.missed += 1
-                if drafter.missed > self.config.max_missed_rounds:
-                    await self.drop(drafter.session_id, f"missed {drafter.missed} rounds")
-
-    def _record(self, result, receive_s: float, send_s: float, local=None) -> None:
-        t = result.timings
-        phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s, "scheduling": t.scheduling_s, "send": send_s}
-        verdicts = result.verdicts.values()
-        self.metrics.observe_round(phases, verdicts)
-        self._update_gauges()
-        rows = tuple(
-            DrafterRound(session=v.session_id, name=self._drafters[v.session_id].name, drafted=v.num_drafted,
-                         accepted=v.num_accepted, gained=len(v.token_ids), acceptance=v.acceptance, goodput=v.goodput,
-                         next_draft_length=v.next_draft_length, finished=v.finished,
-                         receive_s=self._drafters[v.session_id].receive_s)
-            for v in verdicts if v.session_id in self._drafters
-        )
-        local_round = None
-        if local is not None:
-            local_round = LocalRound(requests=local.requests, drafted=local.drafted, accepted=local.accepted,
-                                     emitted=local.emitted, k=local.k, waiting=self.local.num_waiting)
-        self.log.write(RoundRecord(round=result.round_index, receive_s=receive_s, verify_s=t.total_s, forward_s=t.forward_s,
-                                   send_s=send_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows,
-                                   local=local_round).to_event())
 
     def warm_up(self) -> None:
         """One tiny request through the engine (thread-safe: runs on the engine thread)."""
@@ -590,7 +447,7 @@ class VerifierServer:
         await self._server.start()
         if self.config.warmup:
             await self.service.call(self.service.warm_up)
-        self._rounds = asyncio.create_task(self.service.run_rounds())
+        self._rounds = asyncio.create_task(self.service.rounds.run())
         self._rounds.add_done_callback(self._on_rounds_done)
         if self.config.http_port is not None:
             self.http = make_http_front(self.service, self.config.target_name or "target", self.tokenizer)

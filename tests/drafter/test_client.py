@@ -143,3 +143,32 @@ def test_a_verifier_restart_mid_request_loses_nothing(models):
     client.close()
     result = out["result"]
     assert result.token_ids == reference and result.repairs >= 1
+
+
+@pytest.mark.parametrize("proactive", [True, False])
+def test_proactive_drafting_hides_drafting_and_stays_lossless(models, proactive):
+    """A draft equal to the target is always accepted and guesses every bonus token, so while a
+    (slowed) round is verified the next draft is ready: hits, and the next draft is sent at once."""
+    target, _ = models
+    engine = VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))
+    run_round = engine.run_round
+
+    def slow_round(*args, **kw):  # verification takes long enough to pre-draft (events, not timing, are asserted)
+        import time
+
+        time.sleep(0.05)
+        return run_round(*args, **kw)
+
+    engine.run_round = slow_round
+    with ServerThread(engine) as server:
+        client = DrafterClient(DrafterConfig(server.address, "p", max_new_tokens=MAX_NEW, proactive=proactive), DraftRunner(target))
+        client.wait_until_serving()
+        client.join()
+        result = client.generate("r", PROMPT)
+        client.close()
+    assert result.token_ids == greedy_reference(target, PROMPT, MAX_NEW)
+    if proactive:
+        assert result.predrafted_rounds >= 1 and result.proactive_hits >= 1
+        assert 1 <= result.predraft_used_tokens <= result.predrafted_tokens and result.hidden_s > 0
+    else:
+        assert (result.predrafted_rounds, result.proactive_hits, result.predrafted_tokens, result.hidden_s) == (0, 0, 0, 0.0)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import SamplingParams, process_logits
 from modelkit import tiny_llama
 
 
@@ -58,3 +58,66 @@ def test_q_travels_as_sampled_in_float32_and_never_holds_an_unsendable_token():
     assert out.probs.dtype == torch.float32  # what was sampled from is exactly what is sent
     assert float(out.probs[:, 0].max()) == 0.0  # underflows in float32: it cannot be drafted
     assert all(float(out.probs[j, tok]) > 0 for j, tok in enumerate(out.token_ids))
+
+
+def fresh_draft(model, committed, n, sampling, seed):
+    fresh = DraftRunner(model)
+    fresh.start(committed)
+    return fresh.draft(n, sampling, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=5)])
+def test_proactive_hit_sends_the_predrafted_tokens_with_their_exact_q(sampling):
+    """A verdict that accepts the draft and whose bonus is the guess: the pre-drafted tokens are
+    the next draft, with the q a fresh runner computes on the committed text (lossless)."""
+    model = tiny_llama(1)
+    runner = DraftRunner(model)
+    runner.start([1, 2, 3])
+    gen = torch.Generator().manual_seed(7)
+    out = runner.draft(3, sampling, gen)
+    made = runner.predraft(3, 4, sampling, gen)
+    assert made == 4 and len(runner.ahead) == 3 + 1 + 4  # bounded: S + guess + K
+    guess, predrafted = runner.ahead[3], runner.ahead[4:]
+    assert runner.apply(out.token_ids + [guess], 3) is True
+    assert runner.ahead == predrafted
+    nxt = runner.draft(2, sampling, torch.Generator().manual_seed(1))  # fewer than pre-drafted
+    assert nxt.token_ids == predrafted[:2]
+    with torch.inference_mode():  # q of each sent token given the committed text and the tokens before it
+        logits = model(input_ids=torch.tensor([runner.committed + nxt.token_ids])).logits[0]
+    q_ref = [process_logits(logits[len(runner.committed) - 1 + j].double(), sampling).float() for j in range(2)]
+    assert torch.allclose(nxt.probs, torch.stack(q_ref), atol=1e-6)
+    if sampling.greedy:  # greedy: exactly what drafting after the verdict gives
+        assert nxt.token_ids == fresh_draft(model, runner.committed, 2, sampling, 0).token_ids
+    # more than pre-drafted: the rest is drafted after them, from a consistent cache
+    runner.apply(nxt.token_ids + [9], 2)
+    again = runner.draft(3, sampling, torch.Generator().manual_seed(5))
+    assert again.token_ids == fresh_draft(model, runner.committed, 3, sampling, 5).token_ids
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=5)])
+def test_proactive_miss_rolls_back_to_a_fresh_runners_state(sampling):
+    model = tiny_llama(1)
+    runner = DraftRunner(model)
+    runner.start([4, 5])
+    gen = torch.Generator().manual_seed(3)
+    out = runner.draft(4, sampling, gen)
+    runner.predraft(4, 4, sampling, gen)
+    wrong = (runner.ahead[4] + 1) % 48
+    assert runner.apply(out.token_ids + [wrong], 4) is False  # all accepted, another bonus
+    assert runner.ahead == []
+    a = runner.draft(3, sampling, torch.Generator().manual_seed(11))
+    assert a.token_ids == fresh_draft(model, runner.committed, 3, sampling, 11).token_ids
+    runner.predraft(3, 2, sampling, gen)
+    assert runner.apply(a.token_ids[:1] + [wrong], 1) is False  # a rejection mid-draft
+    b = runner.draft(2, sampling, torch.Generator().manual_seed(12))
+    assert b.token_ids == fresh_draft(model, runner.committed, 2, sampling, 12).token_ids
+
+
+def test_predraft_stops_when_the_verdict_arrives():
+    runner = DraftRunner(tiny_llama(1))
+    runner.start([1, 2])
+    runner.draft(2, SamplingParams(), torch.Generator())
+    calls = iter([False, False, True])
+    assert runner.predraft(2, 10, SamplingParams(), torch.Generator(), stop=lambda: next(calls)) == 1
+    assert runner.predraft(2, 10, SamplingParams(), torch.Generator(), stop=lambda: True) == 0
+    assert runner.ahead[:2] and len(runner.ahead) == 2

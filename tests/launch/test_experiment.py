@@ -45,7 +45,7 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
     result = run_experiment(settings, spec_for(model_dirs, tmp_path), tmp_path / "out", log=lambda *a: None)
     out = tmp_path / "out"
     assert result["failed"] == []
-    for name in ("REPORT.md", "report.json", "fig2_goodput.png", "fig3_wall_time.png", "fig4_utility.png"):
+    for name in ("REPORT.md", "report.json", "fig2_goodput.png", "fig3_wall_time.png", "fig4_utility.png", "fig5_rate_over_time.png"):
         assert (out / name).stat().st_size > 0, name
     report = json.loads((out / "report.json").read_text())
     markdown = (out / "REPORT.md").read_text()
@@ -60,7 +60,7 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
         assert m["tokens_per_round"] == pytest.approx(per_round)
         assert m["jain_index"] == pytest.approx(jain) and m["utility"] == pytest.approx(utility)
         assert all(m["receive_ms_median"][d] >= 0 for d in m["drafters"]) and "receive ms (median)" in markdown
-        assert f"| {policy} | 40 | {m['utility']:.4f} | {m['jain_index']:.4f} |" in markdown
+        assert f"| {policy} | 40 | {m['utility']:.4f} | {m['utility_per_s']:.3f} | {m['jain_index']:.4f} |" in markdown
     # Greedy and lossless: whatever the policy, a drafter's finished requests are the same tokens.
     for drafter in ("good", "noisy", "unrelated"):
         runs = [{r["id"]: r["token_ids"] for r in map(json.loads, (out / p / f"{drafter}.jsonl").read_text().splitlines())} for p in settings.policies]
@@ -73,6 +73,33 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
     run_experiment(settings, spec_for(model_dirs, tmp_path), out, only=("fixed",), log=lambda *a: None)
     assert (out / "goodspeed" / "rounds.jsonl").read_text() == before
     assert set(json.loads((out / "report.json").read_text())) == {"goodspeed", "fixed"}
+
+
+def test_one_spec_runs_each_policy_in_each_round_mode_with_and_without_proactive_drafting(model_dirs, tmp_path):
+    settings = ExperimentSettings(name="modes", policies=("goodspeed",), modes=("sync", "async"), proactive=(True, False), rounds=12)
+    result = run_experiment(settings, spec_for(model_dirs, tmp_path), tmp_path / "out", log=lambda *a: None)
+    out = tmp_path / "out"
+    assert result["failed"] == []
+    names = {("goodspeed", "sync", True), ("goodspeed+no-proactive", "sync", False), ("goodspeed@async", "async", True),
+             ("goodspeed@async+no-proactive", "async", False)}
+    assert set(json.loads((out / "report.json").read_text())) == {n for n, _, _ in names}
+    for name, mode, proactive in names:
+        rows = [json.loads(line) for line in (out / name / "rounds.jsonl").read_text().splitlines()]
+        assert {r["mode"] for r in rows} == {mode} and {r["policy"] for r in rows} == {name}
+        assert any(r["drafter_cycle_s"] is not None for r in rows)
+        if mode == "async":  # the window gives every drafter its rounds
+            assert min(sum(r["drafter"] == d for r in rows) for d in ("good", "noisy", "unrelated")) == 12
+        summary = json.loads((out / name / "proactive.json").read_text())
+        predrafted = sum(s["predrafted_rounds"] for s in summary.values())
+        assert (predrafted > 0) == proactive, (name, summary)
+    assert "## Proactive drafting" in (out / "REPORT.md").read_text()
+    # lossless in every run: a request finished in several runs is the same tokens
+    for drafter in ("good", "noisy", "unrelated"):
+        runs = [{r["id"]: r["token_ids"] for r in map(json.loads, (out / n / f"{drafter}.jsonl").read_text().splitlines())}
+                for n, _, _ in sorted(names)]
+        for other in runs[1:]:
+            common = set(runs[0]) & set(other)
+            assert all(runs[0][k] == other[k] for k in common), drafter
 
 
 def test_a_seed_shuffles_each_drafters_prompt_cycle(tmp_path):

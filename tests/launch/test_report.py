@@ -3,7 +3,9 @@ import math
 import numpy as np
 import pytest
 
-from goodspeed.launch.report import goodput_matrix, jain_index, moving_average, policy_metrics, rounds_to_settle, utility_curve
+from goodspeed.launch.report import (
+    goodput_matrix, jain_index, moving_average, policy_metrics, rate_over_time, rounds_to_settle, utility_curve,
+)
 
 
 def row(t, drafter, x, S=3, accepted=None, ts=None):
@@ -29,6 +31,15 @@ def test_hand_computed_metrics():
     assert (m["receive_s"], m["verify_s"], m["send_s"]) == pytest.approx((0.6, 0.03, 0.003))
     assert m["acceptance"]["b"] == pytest.approx((0 + 1) / 6)
     assert m["receive_ms_median"] == pytest.approx({"a": 20.0, "b": 70.0})  # medians of 10/20/30 and 60/80 ms
+    assert m["utility_per_s"] == pytest.approx(math.log(6 / 2.0) + math.log(3 / 2.0))  # tokens per second each
+
+
+def test_rate_over_time_bins_each_drafters_tokens():
+    starts, rates = rate_over_time(ROWS, bin_s=1.0)  # ts 101, 102, 103
+    assert starts.tolist() == [0.0, 1.0, 2.0]
+    assert rates["a"].tolist() == [2.0, 3.0, 1.0] and rates["b"].tolist() == [1.0, 0.0, 2.0]
+    starts, rates = rate_over_time(ROWS, bin_s=2.0)
+    assert rates["a"].tolist() == [2.5, 0.5]
 
 
 def test_starvation_counts_rounds_with_nothing_allotted():
@@ -57,3 +68,13 @@ def test_measurement_window_starts_when_every_drafter_took_part():
     rows = [row(1, "a", 1), row(2, "a", 1), row(3, "a", 1), row(3, "b", 1), row(4, "a", 1), row(5, "b", 1)]
     assert [(r["round"], r["drafter"]) for r in measurement_window(rows, ["a", "b"], 2)] == [(3, "a"), (3, "b"), (4, "a")]
     assert measurement_window(rows, ["a", "b", "c"], 2) == []
+
+
+def test_async_measurement_window_runs_until_every_drafter_had_its_rounds():
+    from goodspeed.launch.experiment import measurement_window
+
+    # steps 1..6: a takes part in every step, b (a slow link) in steps 2, 4 and 6
+    rows = [row(t, "a", 1) for t in range(1, 7)] + [row(t, "b", 1) for t in (2, 4, 6)]
+    window = measurement_window(rows, ["a", "b"], 2, per_drafter=True)
+    assert sorted({r["round"] for r in window}) == [2, 3, 4]  # from b's first step until b had 2
+    assert sum(r["drafter"] == "b" for r in window) == 2 and sum(r["drafter"] == "a" for r in window) == 3

@@ -31,7 +31,7 @@ def test_the_launchers_argv_carries_every_setting():
     """A spec with every daemon setting away from its default, through ``verifier_command`` and the
     CLI's own parser, comes back whole."""
     changed = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy="fixed", eta=0.3, beta=0.25,
-                   round_deadline_ms=123.0, max_missed_rounds=7, idle_timeout_s=9.0, drain_timeout_s=4.0,
+                   rounds="async", round_deadline_ms=123.0, max_missed_rounds=7, idle_timeout_s=9.0, drain_timeout_s=4.0,
                    max_message_bytes=4096, max_seq_len=300, max_drafters=5, max_draft_len=9,
                    device="cuda", dtype="bfloat16", seed=42, metrics_port=9100, metrics_host="0.0.0.0", http_port=8001,
                    http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
@@ -55,7 +55,7 @@ def test_library_defaults_agree_with_the_spec():
     pairs = {
         "budget": engine.budget, "policy": engine.policy, "max_drafters": engine.max_drafters,
         "max_draft_len": engine.max_draft_len, "beta": engine.smoothing.beta,
-        "round_deadline_ms": server.round_deadline_ms, "max_missed_rounds": server.max_missed_rounds,
+        "rounds": server.rounds, "round_deadline_ms": server.round_deadline_ms, "max_missed_rounds": server.max_missed_rounds,
         "idle_timeout_s": server.idle_timeout_s, "host": server.host, "http_host": server.http_host,
         "drain_timeout_s": server.drain_timeout_s, "max_message_bytes": server.max_message_bytes,
         "max_seq_len": engine.max_seq_len,
@@ -74,9 +74,10 @@ def test_the_daemon_runs_on_the_settings_it_was_given(monkeypatch):
     from modelkit import tiny_llama
 
     monkeypatch.setattr(serve, "load_causal_lm", lambda name, **kw: LoadedModel(name, name, tiny_llama(0), None, ""))
-    spec = VerifierSpec(drain_timeout_s=4.0, max_message_bytes=4096, max_seq_len=300, round_deadline_ms=90.0, budget=7)
+    spec = VerifierSpec(drain_timeout_s=4.0, max_message_bytes=4096, max_seq_len=300, round_deadline_ms=90.0, budget=7,
+                        rounds="async")
     server = serve.server_config(spec)
-    assert (server.drain_timeout_s, server.max_message_bytes, server.round_deadline_ms) == (4.0, 4096, 90.0)
+    assert (server.drain_timeout_s, server.max_message_bytes, server.round_deadline_ms, server.rounds) == (4.0, 4096, 90.0, "async")
     engine, _ = serve.build_engine(spec)
     assert (engine.max_seq_len, engine.config.budget) == (300, 7)
 

@@ -34,7 +34,7 @@ def test_each_policy_names_the_smoothing_it_was_chosen_with():
 
 
 def test_unknown_policy_and_bad_option():
-    with pytest.raises(ValueError, match="known: fixed, goodspeed, goodspeed-paper, goodspeed-ucb, random"):
+    with pytest.raises(ValueError, match="known: fixed, goodspeed, goodspeed-paper, goodspeed-time, goodspeed-ucb, random"):
         make_policy("tetrisx")
     with pytest.raises(ValueError):
         make_policy("goodspeed", utility="bogus")

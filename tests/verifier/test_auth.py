@@ -183,7 +183,7 @@ def test_an_identitys_kv_tokens_and_streams_through_the_server(models, tmp_path)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_kv_tokens" in err.value.details()
         stub.FinishRequest(pb.FinishRequestRequest(session_id=a), metadata=md)  # gives its 12 back
         gate, step = threading.Event(), local.step
-        local.step = lambda: (gate.wait(30), step())[1]  # hold the first stream open (no race with its end)
+        local.step = lambda *a: (gate.wait(30), step(*a))[1]  # hold the first stream open (no race with its end)
         first = stub.Generate(generate_request(prompt_ids=[1], max_new_tokens=8), metadata=md)
         next(first)  # the stream is open
         with pytest.raises(grpc.RpcError) as err:

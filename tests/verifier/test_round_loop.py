@@ -1,0 +1,118 @@
+"""The round loop's two modes over real gRPC: in async mode no drafter waits for a slow link."""
+
+import threading
+
+import grpc
+import pytest
+
+from goodspeed.drafter.client import DrafterClient, DrafterConfig
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.links import DelayProxy, LinkSpec
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.records import RoundRecord
+from goodspeed.verifier.server import ServerConfig
+from grpckit import ServerThread
+from modelkit import greedy_reference, perturbed, tiny_llama
+
+SLOW_PROMPT, FAST_PROMPTS = [4, 4, 4, 4, 5], [[1, 2, 3], [9, 8]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    return target, perturbed(target, 0.05, 1)
+
+
+def generate(address, name, draft, prompts, max_new, outputs, started=None):
+    client = DrafterClient(DrafterConfig(address, name, max_new_tokens=max_new), DraftRunner(draft))
+    client.wait_until_serving()
+    client.join()
+    if started is not None:
+        started.set()
+    outputs[name] = [client.generate(str(k), p).token_ids for k, p in enumerate(prompts)]
+    client.close()
+
+
+def race(models, rounds):
+    """A drafter behind a 150 ms link and one on loopback, in one verifier: each one's steps while
+    both are generating, and their outputs."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4))
+    outputs = {}
+    with ServerThread(engine, rounds=rounds, round_deadline_ms=1000) as server:
+        proxy = DelayProxy("127.0.0.1", ("127.0.0.1", server.port), LinkSpec(rtt_ms=150))
+        port = proxy.start()
+        try:
+            joined = threading.Event()
+            slow = threading.Thread(target=generate, args=(f"127.0.0.1:{port}", "slow", draft, [SLOW_PROMPT], 90, outputs, joined))
+            slow.start()
+            assert joined.wait(60)
+            generate(server.address, "fast", draft, FAST_PROMPTS, 30, outputs)
+            slow.join(120)
+        finally:
+            proxy.stop()
+        records = [RoundRecord.from_event(e) for e in server.events("round")]
+    assert outputs["slow"] == [greedy_reference(target, SLOW_PROMPT, 90)]
+    assert outputs["fast"] == [greedy_reference(target, p, 30) for p in FAST_PROMPTS]
+    fast = [r.round for r in records if any(d.name == "fast" for d in r.drafters)]
+    during = [r for r in records if fast[0] <= r.round <= fast[-1]]
+    slow_steps = sum(any(d.name == "slow" for d in r.drafters) for r in during)
+    return len(fast), slow_steps, records
+
+
+def test_async_rounds_let_the_fast_drafter_run_ahead_of_a_slow_link(models):
+    fast, slow, records = race(models, "async")
+    assert slow >= 1 and fast >= 3 * slow, (fast, slow)
+    assert {r.mode for r in records} == {"async"}
+    # The budget bounds every step: outstanding allotments never pass C.
+    assert all(sum(d.drafted for d in r.drafters) <= r.budget for r in records)
+    # A drafter's cycle (verdict sent -> next draft arrived) shows its link: the slow one's spans the RTT.
+    slow_cycles = [d.cycle_s for r in records for d in r.drafters if d.name == "slow" and d.cycle_s is not None]
+    fast_cycles = [d.cycle_s for r in records for d in r.drafters if d.name == "fast" and d.cycle_s is not None]
+    assert slow_cycles and min(slow_cycles) >= 0.15 and fast_cycles and min(fast_cycles) < min(slow_cycles)
+
+
+def test_sync_rounds_pace_everyone_by_the_slowest_link(models):
+    """The control: the paper's lockstep round makes the fast drafter wait for the slow one."""
+    fast, slow, records = race(models, "sync")
+    assert fast <= 1.5 * slow, (fast, slow)
+    assert {r.mode for r in records} == {"sync"}
+
+
+def test_async_never_waits_for_a_frozen_drafter(models):
+    """A drafter that stops sending mid-request is never waited for (no missed-round deadline to
+    sit out); the idle timeout evicts it."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4))
+    with ServerThread(engine, rounds="async", round_deadline_ms=5000, idle_timeout_s=3.0) as server:
+        channel = grpc.insecure_channel(server.address)
+        stub = pb_grpc.VerifierStub(channel)
+        frozen = stub.Join(pb.JoinRequest(protocol_version=1, drafter_name="frozen")).session_id
+        verdicts = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=frozen))  # listening, so not a squatter
+        stub.StartRequest(pb.StartRequestRequest(session_id=frozen, prompt_ids=[3, 4], max_new_tokens=20,
+                                                 sampling=pb.SamplingParams(temperature=0.0)))
+        outputs = {}
+        generate(server.address, "live", draft, FAST_PROMPTS, 30, outputs)
+        live_done = len(server.events())
+        deadline = threading.Event()
+        for _ in range(200):  # bounded: the idle sweep runs every second
+            if any(e.get("session") == frozen for e in server.events("drop")):
+                break
+            deadline.wait(0.05)
+        events = server.events()
+        verdicts.cancel()
+        channel.close()
+    assert outputs["live"] == [greedy_reference(target, p, 30) for p in FAST_PROMPTS]
+    drops = [i for i, e in enumerate(events) if e["event"] == "drop" and e["session"] == frozen]
+    assert drops and drops[0] >= live_done, "the live drafter finished before the frozen one was evicted"
+    assert events[drops[0]]["reason"].startswith("idle"), events[drops[0]]
+    # Not one of the live drafter's steps waited out the 5 s deadline: each closed within its window.
+    rounds = [RoundRecord.from_event(e) for e in events[:live_done] if e["event"] == "round"]
+    assert rounds and max(r.receive_s for r in rounds) < 5.0
+
+
+def test_unknown_round_mode_is_refused():
+    with pytest.raises(ValueError, match="rounds must be one of"):
+        ServerConfig(rounds="lockstep")

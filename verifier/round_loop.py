@@ -1,0 +1,246 @@
+"""The verifier's round loop: when a verification step runs, who is evicted, what the log says.
+
+The RPC handlers (:mod:`goodspeed.verifier.server`) validate a call, hand it to the engine and
+tell the loop what changed (:meth:`RoundLoop.queued`, :meth:`RoundLoop.forget`,
+:meth:`RoundLoop.wake`); the loop alone decides when the engine verifies, counts missed rounds,
+sweeps idle sessions and writes the :class:`~goodspeed.verifier.records.RoundRecord`. Its state
+(``_queued``: sessions with a draft waiting) changes only on the event loop, from what engine
+calls returned, so it never races the engine thread.
+
+Two modes (``ServerConfig.rounds``):
+
+* ``sync`` — GoodSpeed's lockstep round (the paper's model, Alg. 1): a round closes when every
+  drafter with a request in progress has submitted, or ``round_deadline_ms`` after its first
+  draft. A drafter that misses more than ``max_missed_rounds`` rounds in a row is dropped.
+* ``async`` — continuous batching of drafts: whenever the engine is free and a draft is waiting,
+  a step closes after a coalescing window of at most one step's duration (the smoothed time of
+  the last verification steps; never more than ``round_deadline_ms``), or at once when every
+  drafter has submitted. Waiting longer than a step costs more than running one (the
+  ski-rental argument: the window is 2-competitive with the best wait in hindsight), and drafts
+  that arrive while a step runs join the next one, so under load batches form by themselves. A
+  drafter behind a slow link is therefore never waited for beyond the window: each drafter
+  advances at its own cadence. Missed rounds mean nothing here (nobody waits for anyone);
+  a drafter that sends nothing for ``idle_timeout_s`` with a request in progress is dropped.
+
+In both modes the budget ``C`` bounds every step: a drafter's allotment stays outstanding until
+its draft is verified, and the policy shares only what the others' outstanding allotments leave
+of ``C`` (:class:`goodspeed.scheduler.DraftAllotments`), so a step never verifies more than ``C``
+draft tokens plus one pending token per row.
+
+Each drafter's *period* — the seconds between two of its verdicts, the round time it sees: link,
+drafting and verification — is measured here and given to the engine with the step that ends it
+(``run_round(periods=...)``), for the time-aware allocation (:mod:`goodspeed.scheduler.timing`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from goodspeed.api.metrics import RequestTimer, finished_reason
+from goodspeed.verifier.auth import Identity
+from goodspeed.verifier.records import ROUND_MODES, DrafterRound, LocalRound, RoundRecord
+from goodspeed.verifier.serde import verdict_to_pb
+
+MAX_FAILED_ROUNDS = 3  # consecutive failed rounds after which the round loop gives up (NOT_SERVING)
+STEP_SMOOTHING = 0.2  # weight of the newest step in the async coalescing window's moving average
+
+
+@dataclass
+class Drafter:
+    """One edge drafter's session, as the server and the round loop see it."""
+
+    session_id: str
+    name: str
+    verdicts: asyncio.Queue
+    identity: Identity  # who joined: only they may name this session
+    kv_tokens: int = 0  # prompt + max_new_tokens of its request in progress, held against the identity's limit
+    missed: int = 0
+    in_request: bool = False
+    receive_s: float | None = None  # this round: round open -> its draft arrived
+    cycle_s: float | None = None  # its previous verdict sent -> this draft arrived (link + drafting)
+    verdict_at: float | None = None  # perf_counter when its last verdict was sent (None: first of its request)
+    last_seen: float = field(default_factory=time.monotonic)
+    joined_at: float = field(default_factory=time.monotonic)
+    streaming: bool = False  # its verdict stream is open
+    timer: RequestTimer | None = None  # its request in progress, for the request metrics
+
+
+class RoundLoop:
+    """Runs verification steps on the engine thread as the mode says (see the module docstring)."""
+
+    def __init__(self, engine, local, config, metrics, log, drafters: dict[str, Drafter],
+                 call: Callable[..., Awaitable], drop: Callable[[str, str], Awaitable[None]],
+                 end_request: Callable[[Drafter, str], None], update_gauges: Callable[[], None]) -> None:
+        if config.rounds not in ROUND_MODES:
+            raise ValueError(f"rounds must be one of {ROUND_MODES}, got {config.rounds!r}")
+        self.engine, self.local, self.config, self.metrics, self.log = engine, local, config, metrics, log
+        self.drafters, self.call, self.drop = drafters, call, drop
+        self.end_request, self.update_gauges = end_request, update_gauges
+        self._queued: set[str] = set()  # sessions with a draft waiting for the next step
+        self._wakeup = asyncio.Event()
+        self._failed_rounds = 0  # consecutive steps that raised
+        self._round_opened = time.perf_counter()
+        self._step_s: float | None = None  # smoothed seconds per verification step (async window)
+
+    # ------------------------------------------------------------------ told by the handlers
+
+    def queued(self, session_id: str) -> None:
+        """The engine queued the session's draft for the next step."""
+        drafter = self.drafters[session_id]
+        now = time.perf_counter()
+        drafter.receive_s = now - self._round_opened
+        drafter.cycle_s = None if drafter.verdict_at is None else now - drafter.verdict_at
+        self._queued.add(session_id)
+        self._wakeup.set()
+
+    def forget(self, session_id: str) -> None:
+        """The session's request ended or the session left: the step may close without it."""
+        self._queued.discard(session_id)
+        self._wakeup.set()
+
+    def wake(self) -> None:
+        """Something changed that may let a step close (a local request arrived)."""
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------------------ the loop
+
+    @property
+    def window_s(self) -> float:
+        """How long a step waits for more drafts after the first one arrived."""
+        deadline = self.config.round_deadline_ms / 1000
+        if self.config.rounds == "sync":
+            return deadline
+        return min(deadline, self._step_s if self._step_s is not None else 0.0)
+
+    def _everyone_submitted(self) -> bool:
+        return all(d.session_id in self._queued for d in self.drafters.values() if d.in_request)
+
+    def _local_work(self) -> bool:
+        return self.local is not None and self.local.has_work
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sweep_every_s = min(1.0, self.config.idle_timeout_s / 2, self.config.stream_open_timeout_s / 2)
+        last_sweep = loop.time()
+        while True:
+            if loop.time() - last_sweep > sweep_every_s:
+                await self._sweep_idle()  # missed-round counting cannot act when no edge rounds run
+                last_sweep = loop.time()
+            if self._local_work():
+                await self._close(local=True)
+                continue
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), sweep_every_s)
+            except asyncio.TimeoutError:
+                continue
+            self._wakeup.clear()
+            if not self._queued:
+                continue
+            deadline = loop.time() + self.window_s
+            while not self._everyone_submitted() and not self._local_work() and (left := deadline - loop.time()) > 0:
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+                self._wakeup.clear()
+            if self._queued:
+                await self._close()
+
+    def _periods(self) -> dict[str, float]:
+        """Each queued drafter's seconds since its last verdict (its period ends with this step)."""
+        now = time.perf_counter()
+        return {sid: now - d.verdict_at for sid in self._queued
+                if (d := self.drafters.get(sid)) is not None and d.verdict_at is not None}
+
+    async def _close(self, local: bool = False) -> None:
+        receive_s = time.perf_counter() - self._round_opened
+        report = None
+        try:
+            if local:
+                report = await self.call(self.local.step, self._periods())
+                result = report.round if report is not None else None
+                if result is None:
+                    return
+            else:
+                result = await self.call(self.engine.run_round, None, self._periods())
+        except Exception as exc:  # inputs are refused before a step; this is a bug or a device error
+            await self._fail(exc)
+            return
+        self._failed_rounds = 0
+        step_s = result.timings.total_s
+        self._step_s = step_s if self._step_s is None else (1 - STEP_SMOOTHING) * self._step_s + STEP_SMOOTHING * step_s
+        sent = time.perf_counter()
+        for session_id, verdict in result.verdicts.items():
+            self._queued.discard(session_id)
+            drafter = self.drafters.get(session_id)
+            if drafter is not None:
+                drafter.missed, drafter.in_request = 0, not verdict.finished
+                drafter.verdict_at = None if verdict.finished else sent
+                if drafter.timer is not None:
+                    drafter.timer.tokens(len(verdict.token_ids), sent)
+                if verdict.finished:
+                    self.end_request(drafter, finished_reason(verdict.finish_reason))
+                drafter.verdicts.put_nowait(verdict_to_pb(verdict))
+        send_s = time.perf_counter() - sent
+        self._round_opened = time.perf_counter()
+        if not local and self.config.rounds == "sync":
+            await self._count_missed(result.verdicts)
+        self._record(result, receive_s, send_s, report)
+        if self._queued:
+            self._wakeup.set()  # drafts that arrived during verification open the next step
+
+    async def _fail(self, exc: Exception) -> None:
+        """A step raised: its participants' requests may be half-applied, so their sessions are
+        dropped (a drafter rejoins and resumes from the text already verified) and local requests
+        end with an error; the loop goes on. ``MAX_FAILED_ROUNDS`` failures in a row mean the
+        failure is not one step's: the loop ends (health NOT_SERVING, the daemon exits 1)."""
+        self._failed_rounds += 1
+        error = f"{type(exc).__name__}: {exc}"
+        self.log.event("round_failed", error=error, consecutive=self._failed_rounds)
+        if self._failed_rounds >= MAX_FAILED_ROUNDS:
+            raise exc
+        for session_id in list(self._queued):
+            await self.drop(session_id, f"its round failed ({error})")
+        if self.local is not None:
+            await self.call(self.local.fail_all, f"error: the round failed ({error})")
+        self._round_opened = time.perf_counter()
+
+    async def _sweep_idle(self) -> None:
+        now = time.monotonic()
+        for drafter in list(self.drafters.values()):
+            if drafter.in_request and drafter.session_id not in self._queued and now - drafter.last_seen > self.config.idle_timeout_s:
+                await self.drop(drafter.session_id, f"idle for {now - drafter.last_seen:.1f} s")
+            elif not drafter.streaming and now - drafter.joined_at > self.config.stream_open_timeout_s:
+                # Joined and never listened: it holds a session slot (max_drafters) for nothing.
+                await self.drop(drafter.session_id, f"no verdict stream within {self.config.stream_open_timeout_s:g} s")
+
+    async def _count_missed(self, verified) -> None:
+        for drafter in list(self.drafters.values()):
+            if drafter.in_request and drafter.session_id not in verified and drafter.session_id not in self._queued:
+                drafter.missed += 1
+                if drafter.missed > self.config.max_missed_rounds:
+                    await self.drop(drafter.session_id, f"missed {drafter.missed} rounds")
+
+    def _record(self, result, receive_s: float, send_s: float, local=None) -> None:
+        t = result.timings
+        phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s,
+                  "scheduling": t.scheduling_s, "send": send_s}
+        verdicts = result.verdicts.values()
+        self.metrics.observe_round(phases, verdicts)
+        self.update_gauges()
+        rows = tuple(
+            DrafterRound(session=v.session_id, name=(d := self.drafters[v.session_id]).name, drafted=v.num_drafted,
+                         accepted=v.num_accepted, gained=len(v.token_ids), acceptance=v.acceptance, goodput=v.goodput,
+                         next_draft_length=v.next_draft_length, finished=v.finished, receive_s=d.receive_s, cycle_s=d.cycle_s)
+            for v in verdicts if v.session_id in self.drafters
+        )
+        local_round = None
+        if local is not None:
+            local_round = LocalRound(requests=local.requests, drafted=local.drafted, accepted=local.accepted,
+                                     emitted=local.emitted, k=local.k, waiting=self.local.num_waiting)
+        self.log.write(RoundRecord(round=result.round_index, receive_s=receive_s, verify_s=t.total_s, forward_s=t.forward_s,
+                                   send_s=send_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows,
+                                   local=local_round, mode=self.config.rounds).to_event())
