@@ -12,8 +12,8 @@ table::
     seed = 0              # 0: every drafter cycles its prompts in file order; else a shuffled order per drafter
 
 Each policy runs once per mode (and per ``proactive`` setting, when given); a sync run is named
-after its policy, an async one ``POLICY@async``, and one with proactive drafting off gets
-``+no-proactive`` (its directory and its rows in the report).
+after its policy, an async one ``POLICY@async``, and a given proactive setting adds
+``+proactive`` or ``+no-proactive`` (its directory and its rows in the report).
 
 For each policy the cluster of ``goodspeed launch`` runs (verifier + drafter processes, each
 drafter cycling through its prompt set so it never runs dry) until ``rounds`` rounds have run
@@ -118,7 +118,7 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
 
 
 def run_name(policy: str, mode: str, proactive: bool | None = None) -> str:
-    return policy + ("" if mode == "sync" else f"@{mode}") + ("+no-proactive" if proactive is False else "")
+    return policy + ("" if mode == "sync" else f"@{mode}") + {None: "", True: "+proactive", False: "+no-proactive"}[proactive]
 
 
 def runs_of(settings: ExperimentSettings) -> list[tuple[str, str, bool | None]]:

@@ -193,7 +193,11 @@ class DrafterSpec:
     tls_key: str | None = None
     tls_server_name: str | None = None  # the name to check in the verifier's certificate, if not the dialled host
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
-    proactive: bool = True  # draft the next round while a draft is in flight (goodspeed.drafter.runner)
+    # Draft the next round while a draft is in flight (goodspeed.drafter.runner). Off for launched
+    # drafters, which share this machine's cores: one drafter's pre-drafting takes CPU from
+    # another's drafting (docs/EXPERIMENTS.md measured it); `goodspeed drafter` on its own device
+    # has it on unless --no-proactive.
+    proactive: bool = False
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0

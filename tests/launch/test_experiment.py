@@ -80,8 +80,8 @@ def test_one_spec_runs_each_policy_in_each_round_mode_with_and_without_proactive
     result = run_experiment(settings, spec_for(model_dirs, tmp_path), tmp_path / "out", log=lambda *a: None)
     out = tmp_path / "out"
     assert result["failed"] == []
-    names = {("goodspeed", "sync", True), ("goodspeed+no-proactive", "sync", False), ("goodspeed@async", "async", True),
-             ("goodspeed@async+no-proactive", "async", False)}
+    names = {("goodspeed+proactive", "sync", True), ("goodspeed+no-proactive", "sync", False),
+             ("goodspeed@async+proactive", "async", True), ("goodspeed@async+no-proactive", "async", False)}
     assert set(json.loads((out / "report.json").read_text())) == {n for n, _, _ in names}
     for name, mode, proactive in names:
         rows = [json.loads(line) for line in (out / name / "rounds.jsonl").read_text().splitlines()]

@@ -83,3 +83,48 @@ def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path
         records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         assert [r["token_ids"] for r in records] == [greedy_reference(target32, p, 120) for p in prompts], name
     assert sum(r["repairs"] for r in map(json.loads, (tmp_path / "frozen.jsonl").read_text().splitlines())) >= 1
+
+
+def test_async_rounds_never_wait_on_killed_or_frozen_drafters(model_dirs, tmp_path):
+    """Async mode: no step waits for anyone, so after SIGKILL / SIGSTOP the survivor's steps go on
+    at once — the killed node leaves when its stream closes, the frozen one by the idle timeout,
+    and the survivor keeps getting verdicts meanwhile (asserted on events, not wall-clock gaps)."""
+    _, paths = model_dirs
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    target32 = tiny_llama(0, vocab=VOCAB, dtype=torch.float32)
+    engine = VerificationEngine(target32, EngineConfig(budget=12, max_draft_len=4))
+    procs = {}
+    with ServerThread(engine, rounds="async", round_deadline_ms=60000, idle_timeout_s=4.0) as server:
+        try:
+            for name in ("killed", "frozen", "survivor"):
+                procs[name] = start_drafter(server.address, paths["draft"], prompt_file, tmp_path / f"{name}.jsonl", name, 120)
+            deadline = time.monotonic() + 120
+            while {"killed", "frozen", "survivor"} - {d["name"] for r in server.events("round") for d in r["drafters"]}:
+                assert time.monotonic() < deadline, "drafters never all took part in a step"
+                time.sleep(0.05)
+            procs["killed"].send_signal(signal.SIGKILL)
+            procs["frozen"].send_signal(signal.SIGSTOP)
+            faults_at = time.time()
+            assert exit_code(procs["survivor"]) == 0
+            events = server.events()
+            drops = {e["name"]: e for e in events if e["event"] == "drop"}
+            survivor_steps = [e for e in events if e["event"] == "round" and e["ts"] > faults_at
+                              and any(d["name"] == "survivor" for d in e["drafters"])]
+            # The survivor never waited for the frozen node: none of its steps sat out the 60 s
+            # deadline, and it finished (or kept going) before the idle timeout evicted the node.
+            assert survivor_steps and max(e["receive_s"] for e in survivor_steps) < 60
+            assert drops["frozen"]["reason"].startswith("idle"), drops
+            assert drops["killed"]["reason"] in ("verdict stream closed",) or drops["killed"]["reason"].startswith("idle"), drops
+            before_frozen_drop = [e for e in survivor_steps if e["ts"] < drops["frozen"]["ts"]]
+            # (in sync mode at most the round already under way could close before that eviction)
+            assert len(before_frozen_drop) >= 3, "the survivor's steps waited for the frozen node's eviction"
+            assert {r["mode"] for r in (e for e in events if e["event"] == "round")} == {"async"}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGCONT)
+                    p.kill()
+    records = [json.loads(line) for line in (tmp_path / "survivor.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in records] == [greedy_reference(target32, p, 120) for p in prompts]

@@ -322,9 +322,11 @@ def test_metrics_endpoint_serves_prometheus_text():
     assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 1.0' in body
 
 
-def test_sampled_outputs_follow_the_target_through_grpc():
-    """Real drafter clients over gRPC with default seeds (fresh entropy on both sides), T > 0:
-    the first two tokens follow the target's own distribution (chi-square, p = 0.001)."""
+@pytest.mark.parametrize("rounds", ["sync", "async"])
+def test_sampled_outputs_follow_the_target_through_grpc(rounds):
+    """Real drafter clients over gRPC with default seeds (fresh entropy on both sides), T > 0,
+    proactive drafting on (the client's default), in either round mode: the first two tokens
+    follow the target's own distribution (chi-square, p = 0.001)."""
     from goodspeed.lm.sampling import SamplingParams
     from statkit import count_first_two, exact_first_two, fits
 
@@ -332,7 +334,7 @@ def test_sampled_outputs_follow_the_target_through_grpc():
     target = tiny_llama(4, vocab=vocab, init=0.08)
     draft = perturbed(target, 1.0, 5)
     engine = VerificationEngine(target, EngineConfig(budget=24, max_draft_len=3))
-    with ServerThread(engine) as server:
+    with ServerThread(engine, rounds=rounds) as server:
         outputs = run_clients(server.address, [draft] * 6, [[prompt] * 100] * 6, 3, sampling=sampling)
     samples = [o for outs in outputs.values() for o in outs]
     assert len(samples) == 600
