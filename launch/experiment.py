@@ -159,7 +159,13 @@ def proactive_summary(run_dir: Path, drafters: list[str]) -> dict[str, dict]:
     out = {}
     for name in drafters:
         path = run_dir / f"{name}.jsonl"
-        records = read_rows(path) if path.exists() else []
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] if path.exists() else []
+        records = [json.loads(line) for line in lines[:-1]]
+        if lines:
+            try:
+                records.append(json.loads(lines[-1]))
+            except json.JSONDecodeError:
+                pass  # the drafter was stopped while writing its last record (the run ends by stopping it)
         out[name] = {k: sum(r.get(k, 0) for r in records) for k in PROACTIVE_FIELDS}
     return out
 

@@ -78,3 +78,18 @@ def test_async_measurement_window_runs_until_every_drafter_had_its_rounds():
     window = measurement_window(rows, ["a", "b"], 2, per_drafter=True)
     assert sorted({r["round"] for r in window}) == [2, 3, 4]  # from b's first step until b had 2
     assert sum(r["drafter"] == "b" for r in window) == 2 and sum(r["drafter"] == "a" for r in window) == 3
+
+
+def test_proactive_summary_sums_finished_requests_and_skips_a_cut_last_line(tmp_path):
+    import json
+
+    from goodspeed.launch.experiment import proactive_summary
+
+    rec = {"rounds": 4, "predrafted_rounds": 3, "proactive_hits": 1, "predrafted_tokens": 6, "predraft_used_tokens": 2,
+           "hidden_s": 0.5, "wall_s": 2.0}
+    (tmp_path / "a.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n" + '{"rounds": 9, "pre')
+    summary = proactive_summary(tmp_path, ["a", "b"])
+    assert summary["a"] == {k: 2 * v for k, v in rec.items()} and summary["b"]["rounds"] == 0
+    (tmp_path / "a.jsonl").write_text('{"cut\n' + json.dumps(rec) + "\n")  # only the last line may be cut
+    with pytest.raises(json.JSONDecodeError):
+        proactive_summary(tmp_path, ["a"])
