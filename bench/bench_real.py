@@ -40,8 +40,8 @@ from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.launch.spec import PROMPT_SETS
 from goodspeed.lm.loading import ensure_models, load_causal_lm
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.scheduler.policy import LOCAL_POLICIES
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LOCAL_POLICIES
 
 TARGET, DRAFT = "real:smollm2-135m", "real:smollm2-135m-draft"
 SECTIONS = ("cost", "single", "local", "service", "rss")

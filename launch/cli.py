@@ -7,7 +7,7 @@ import json
 import sys
 
 from goodspeed.launch.spec import VerifierSpec
-from goodspeed.scheduler.policy import LOCAL_POLICIES, POLICIES
+from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
 
 
@@ -382,7 +382,9 @@ def _add_serving_parsers(sub) -> None:
     ver.add_argument("--insecure", action="store_true", help="accept plaintext on a non-loopback --host (refused otherwise)")
     loc = ver.add_argument_group("local serving (Generate RPC)")
     loc.add_argument("--local-draft", default=None, help="serve Generate requests, drafting with this model (hub id, directory or demo:<name>)")
-    loc.add_argument("--local-policy", default="chain", choices=list(LOCAL_POLICIES), help="how local requests speculate")
+    loc.add_argument("--local-policy", default="chain",
+                     help="how local requests speculate: none, chain, tetris, adaserve, turbospec or nightjar "
+                          "(goodspeed.verifier.local.LOCAL_POLICY_CLASSES; checked before any model loads)")
     loc.add_argument("--local-k", type=int, default=4, help="chain: tokens drafted per request; tetris: base length")
     loc.add_argument("--local-extra", type=int, default=2, help="tetris: extra tokens drafted per request")
     loc.add_argument("--local-capacity", type=int, default=None, help="tetris: draft tokens verified per iteration (default k x requests)")

@@ -13,9 +13,9 @@ reproductions), ``goodspeed-ucb`` (eq. 5 on an optimistic acceptance, an evaluat
 A policy also names the acceptance smoothing it was chosen with (``eta``, eq. 3): the verifier
 uses it unless the operator sets ``--eta`` (:func:`default_eta`).
 
-``LOCAL_POLICIES`` names the policies of the verifier's local serving
-(:mod:`goodspeed.verifier.local`), which decide per iteration what the verifier's own draft
-model drafts and what it verifies.
+The policies of the verifier's local serving, which decide per iteration what the verifier's own
+draft model drafts and verifies, are classes in :mod:`goodspeed.verifier.local`
+(``LOCAL_POLICY_CLASSES``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from goodspeed.scheduler.baselines import fixed_draft_lengths, random_draft_leng
 from goodspeed.scheduler.goodspeed import SmoothingConfig, allocate_draft_lengths, fairness_exponent
 from goodspeed.scheduler.timing import allocate_time_aware
 
-
-LOCAL_POLICIES = ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
 
 
 @dataclass(frozen=True)

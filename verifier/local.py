@@ -10,7 +10,8 @@ Each iteration (one call of :meth:`LocalServing.step`):
 4. accepted tokens are streamed to each request's callback with their times; finished requests
    leave the batch.
 
-Policies (``--local-policy``):
+Policies (``--local-policy``), one :class:`LocalPolicy` subclass each, found by name in
+``LOCAL_POLICY_CLASSES`` (adding one touches that registry and nothing else):
 
 * ``none`` — plain decoding (no draft), ``chain`` — every request drafts ``k`` tokens;
 * ``tetris`` — TETRIS (seeds 004, Alg. 1): each request drafts ``k + extra`` tokens and the batch
@@ -62,7 +63,6 @@ from goodspeed.scheduler import (
     slo_need,
     speculation_shape,
 )
-from goodspeed.scheduler.policy import LOCAL_POLICIES
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel, subtree
@@ -148,7 +148,7 @@ class LocalConfig:
     seed: int | None = None  # root seed of the local streams; None: the engine's root seed
 
     def __post_init__(self) -> None:
-        if self.policy not in LOCAL_POLICIES:
+        if self.policy not in LOCAL_POLICY_CLASSES:
             raise ValueError(f"unknown local policy {self.policy!r}; choose one of {', '.join(LOCAL_POLICIES)}")
         if self.k < 0 or self.extra < 0 or self.max_k < 0 or self.max_requests < 1 or self.max_waiting < 0:
             raise ValueError("k, extra and max_k must be >= 0, max_requests >= 1 and max_waiting >= 0")
@@ -156,10 +156,7 @@ class LocalConfig:
             raise ValueError("capacity must be >= 0")
         if self.budget < 1 or self.max_depth < 1 or self.max_width < 1 or self.max_slo_tree_size < 1:
             raise ValueError("budget, max_depth, max_width and max_slo_tree_size must be >= 1")
-        if self.policy == "turbospec" and self.latency is None:
-            raise ValueError("the turbospec policy needs a latency profile: run `goodspeed profile` and pass --latency-profile")
-        if self.policy == "nightjar" and self.max_k < 1:
-            raise ValueError("nightjar needs max_k >= 1")
+        LOCAL_POLICY_CLASSES[self.policy].check(self)
         if not 0 < self.iteration_smoothing <= 1:
             raise ValueError("iteration_smoothing must lie in (0, 1]")
 
@@ -278,7 +275,7 @@ class LocalServing:
         # independent of the engine's accept uniforms even under the same root (lm.seeding).
         self.generator = torch_generator(root, "verifier", "local-draft")
         self.rng = numpy_rng(root, "verifier", "local-policy")
-        self.bandit = NightjarBandit(config.max_k) if config.policy == "nightjar" else None
+        self.policy = LOCAL_POLICY_CLASSES[config.policy](self)
         self._waiting: deque[LocalRequest] = deque()
         self._active: dict[str, LocalRequest] = {}
         self.finished: list[LocalRequest] = []
@@ -388,7 +385,7 @@ class LocalServing:
         if not self._active:
             return None
         reqs = list(self._active.values())
-        plans, k = self._plan(reqs)
+        plans, k = self.policy.plan(reqs)
         drafted = 0
         for req in reqs:
             plan = plans[req.request_id]
@@ -423,8 +420,7 @@ class LocalServing:
         duration = now - started
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
-        if self.bandit is not None and k is not None and duration > 0:
-            self.bandit.observe(len(reqs), k, emitted / duration)
+        self.policy.observe(len(reqs), k, emitted, duration)
         for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted)):
             self.totals[key] += value
         return StepReport(result, len(reqs), drafted, accepted, emitted, duration, k)
@@ -450,24 +446,6 @@ class LocalServing:
             per = (self.clock.now() - t0) / n
             self.draft_forward_s = per if self.draft_forward_s == 0 else 0.5 * per + 0.5 * self.draft_forward_s
         return plans
-
-    def _plan(self, reqs: list[LocalRequest]) -> tuple[dict[str, _Plan], int | None]:
-        policy, cfg = self.config.policy, self.config
-        if policy == "none":
-            return {r.request_id: _Plan([]) for r in reqs}, 0
-        if policy == "chain":
-            return self._chains(reqs, {r.request_id: min(cfg.k, r.cap) for r in reqs}), cfg.k
-        if policy == "turbospec":
-            acceptance = [self._acceptance(r) for r in reqs]
-            context = sum(len(r.committed) for r in reqs)
-            k = choose_proposal_length(acceptance, context, cfg.latency.target, cfg.latency.draft, cfg.max_k).k
-            return self._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
-        if policy == "nightjar":
-            k = self.bandit.choose_arm(len(reqs), self.rng, prefill_cost_s=self.draft_forward_s)
-            return self._timed_chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
-        if policy == "tetris":
-            return self._tetris(reqs), None
-        return self._adaserve(reqs), None
 
     def _acceptance(self, req: LocalRequest) -> float:
         """The request's smoothed acceptance (eq. 3) once it has drafted, else the pooled one."""
@@ -519,3 +497,121 @@ class LocalServing:
         t = self.totals
         return {**t, "vsr": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
                 "active": len(self._active), "waiting": len(self._waiting)}
+
+
+# ----------------------------------------------------------------------------------- policies
+
+
+class LocalPolicy:
+    """One paper's rule for what local serving drafts and verifies each iteration.
+
+    A policy is built per :class:`LocalServing` (it may keep state, as Nightjar's bandit does),
+    checks the settings it needs before anything loads (:meth:`check`), plans an iteration
+    (:meth:`plan`: per request the tokens to verify, and the chain length ``k`` when it chose one)
+    and hears how the iteration went (:meth:`observe`). Adding a policy is one subclass here with
+    its ``name``, listed in ``LOCAL_POLICY_CLASSES``; ``--local-policy`` and the spec key accept it.
+    """
+
+    name = ""
+
+    def __init__(self, serving: LocalServing) -> None:
+        self.serving = serving
+
+    @staticmethod
+    def check(config: LocalConfig) -> None:
+        """Raise ``ValueError`` for settings this policy cannot run with."""
+
+    def plan(self, reqs: list[LocalRequest]) -> tuple[dict[str, _Plan], int | None]:
+        raise NotImplementedError
+
+    def observe(self, batch_size: int, k: int | None, emitted: int, duration_s: float) -> None:
+        """The iteration planned with ``k`` emitted ``emitted`` tokens in ``duration_s`` seconds."""
+
+
+class PlainDecoding(LocalPolicy):
+    """``none``: no draft; the target decodes one token per request per iteration."""
+
+    name = "none"
+
+    def plan(self, reqs):
+        return {r.request_id: _Plan([]) for r in reqs}, 0
+
+
+class FixedChains(LocalPolicy):
+    """``chain``: every request drafts ``k`` tokens."""
+
+    name = "chain"
+
+    def plan(self, reqs):
+        k = self.serving.config.k
+        return self.serving._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
+
+
+class TurboSpecChains(LocalPolicy):
+    """``turbospec`` (TurboSpec, seeds 001, Listing 2): the ``k`` (0 included) that maximises
+    predicted goodput under the profiled latency models, from the smoothed acceptances."""
+
+    name = "turbospec"
+
+    @staticmethod
+    def check(config):
+        if config.latency is None:
+            raise ValueError("the turbospec policy needs a latency profile: run `goodspeed profile` and pass --latency-profile")
+
+    def plan(self, reqs):
+        s, cfg = self.serving, self.serving.config
+        acceptance = [s._acceptance(r) for r in reqs]
+        context = sum(len(r.committed) for r in reqs)
+        k = choose_proposal_length(acceptance, context, cfg.latency.target, cfg.latency.draft, cfg.max_k).k
+        return s._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
+
+
+class NightjarChains(LocalPolicy):
+    """``nightjar`` (Nightjar, seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded
+    with each step's measured goodput, the draft catch-up forward as its switching cost."""
+
+    name = "nightjar"
+
+    def __init__(self, serving):
+        super().__init__(serving)
+        self.bandit = NightjarBandit(serving.config.max_k)
+
+    @staticmethod
+    def check(config):
+        if config.max_k < 1:
+            raise ValueError("nightjar needs max_k >= 1")
+
+    def plan(self, reqs):
+        s = self.serving
+        k = self.bandit.choose_arm(len(reqs), s.rng, prefill_cost_s=s.draft_forward_s)
+        return s._timed_chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
+
+    def observe(self, batch_size, k, emitted, duration_s):
+        if k is not None and duration_s > 0:
+            self.bandit.observe(batch_size, k, emitted / duration_s)
+
+
+class TetrisSelection(LocalPolicy):
+    """``tetris`` (TETRIS, seeds 004, Alg. 1): draft ``k + extra``, verify the batch's ``capacity``
+    most probable tokens (:meth:`LocalServing._tetris`)."""
+
+    name = "tetris"
+
+    def plan(self, reqs):
+        return self.serving._tetris(reqs), None
+
+
+class AdaServeTrees(LocalPolicy):
+    """``adaserve`` (AdaServe, seeds 000, Alg. 2): SLO-customized then throughput-optimized token
+    trees under the budget ``B`` (:meth:`LocalServing._adaserve`)."""
+
+    name = "adaserve"
+
+    def plan(self, reqs):
+        return self.serving._adaserve(reqs), None
+
+
+LOCAL_POLICY_CLASSES: dict[str, type[LocalPolicy]] = {
+    cls.name: cls for cls in (PlainDecoding, FixedChains, TetrisSelection, AdaServeTrees, TurboSpecChains, NightjarChains)
+}
+LOCAL_POLICIES = tuple(LOCAL_POLICY_CLASSES)

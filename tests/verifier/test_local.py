@@ -7,7 +7,8 @@ import pytest
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier import local as local_module
+from goodspeed.verifier.local import LOCAL_POLICIES, LatencyProfile, LocalConfig, LocalPolicy, LocalServing, SimulatedClock
 from modelkit import greedy_reference, perturbed, tiny_llama
 
 # Modeled costs (seconds): a target forward of ~10 ms growing with batched tokens, a draft
@@ -40,7 +41,7 @@ def drain(serving, max_steps=10_000):
     raise AssertionError("serving did not finish")
 
 
-@pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar"])
+@pytest.mark.parametrize("policy", LOCAL_POLICIES)
 def test_greedy_outputs_equal_the_targets_own(models, policy):
     target, draft = models
     serving = serve(target, draft, policy, max_requests=4, budget=12, k=3, extra=2)
@@ -160,7 +161,7 @@ def _decided_ks(serving, max_steps=10_000) -> list[int]:
         report = serving.step()
         if report is None:
             return ks
-        exploring = serving.bandit is not None and serving.bandit.is_exploring(report.requests)
+        exploring = hasattr(serving.policy, "bandit") and serving.policy.bandit.is_exploring(report.requests)
         if report.k is not None and not exploring:
             ks.append(report.k)
     raise AssertionError("serving did not finish")
@@ -209,3 +210,36 @@ def test_fail_all_ends_every_request_and_frees_its_state(models):
     assert not serving.has_work and serving.engine.session_ids == [] and serving.draft.cache.num_slots == 0
     finals = [e for e in events if e.finished]
     assert len(finals) == 3 and {e.finish_reason for e in finals} == {"error: the round failed (injected)"}
+
+
+def test_a_local_policy_is_one_registered_class(models, monkeypatch):
+    """Adding a policy: one LocalPolicy subclass in the registry; the config checks it, serving uses it."""
+    assert LOCAL_POLICIES == ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
+
+    class EveryOtherStep(LocalPolicy):
+        name = "every-other"
+        seen = []
+
+        @staticmethod
+        def check(config):
+            if config.k < 1:
+                raise ValueError("every-other needs k >= 1")
+
+        def plan(self, reqs):
+            k = self.serving.config.k if self.serving.totals["steps"] % 2 else 0
+            return self.serving._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
+
+        def observe(self, batch_size, k, emitted, duration_s):
+            self.seen.append(k)
+
+    with pytest.raises(ValueError, match="unknown local policy 'every-other'"):
+        LocalConfig(policy="every-other")
+    monkeypatch.setitem(local_module.LOCAL_POLICY_CLASSES, "every-other", EveryOtherStep)
+    with pytest.raises(ValueError, match="k >= 1"):
+        LocalConfig(policy="every-other", k=0)
+    target, draft = models
+    serving = serve(target, draft, "every-other", k=2)
+    serving.submit(PROMPTS[0], max_new_tokens=12)
+    drain(serving)
+    assert serving.finished[0].generated == greedy_reference(target, PROMPTS[0], 12)
+    assert EveryOtherStep.seen[:4] == [0, 2, 0, 2]
