@@ -87,12 +87,12 @@ class RoundLoop:
 
     # ------------------------------------------------------------------ told by the handlers
 
-    def queued(self, session_id: str) -> None:
-        """The engine queued the session's draft for the next step."""
+    def queued(self, session_id: str, arrived: float) -> None:
+        """The engine queued the session's draft, which arrived at ``arrived`` (perf_counter:
+        before the engine call, which may wait behind a step), for the next step."""
         drafter = self.drafters[session_id]
-        now = time.perf_counter()
-        drafter.receive_s = now - self._round_opened
-        drafter.cycle_s = None if drafter.verdict_at is None else now - drafter.verdict_at
+        drafter.receive_s = max(0.0, arrived - self._round_opened)
+        drafter.cycle_s = None if drafter.verdict_at is None else arrived - drafter.verdict_at
         self._queued.add(session_id)
         self._wakeup.set()
 

@@ -232,12 +232,12 @@ class VerifierService(pb_grpc.VerifierServicer):
     @_rpc
     async def SubmitDraft(self, request, context):
         drafter = await self._owned(request.session_id, context)
-        drafter.last_seen = time.monotonic()
+        drafter.last_seen, arrived = time.monotonic(), time.perf_counter()
         draft = draft_from_pb(request, self.engine.vocab_size)
         verdict = await self.call(self.engine.submit, request.session_id, draft)
         if verdict is not None:
             return pb.SubmitReply(queued=False, verdict=verdict_to_pb(verdict))
-        self.rounds.queued(request.session_id)
+        self.rounds.queued(request.session_id, arrived)
         return pb.SubmitReply(queued=True)
 
     @_rpc
