@@ -108,6 +108,10 @@ def test_async_rounds_never_wait_on_killed_or_frozen_drafters(model_dirs, tmp_pa
             procs["frozen"].send_signal(signal.SIGSTOP)
             faults_at = time.time()
             assert exit_code(procs["survivor"]) == 0
+            deadline = time.monotonic() + 30  # the survivor may finish before the idle timeout drops the frozen node
+            while {"killed", "frozen"} - {e["name"] for e in server.events("drop")}:
+                assert time.monotonic() < deadline, "the killed or frozen drafter was never dropped"
+                time.sleep(0.1)
             events = server.events()
             drops = {e["name"]: e for e in events if e["event"] == "drop"}
             survivor_steps = [e for e in events if e["event"] == "round" and e["ts"] > faults_at
