@@ -369,6 +369,8 @@ def _add_serving_parsers(sub) -> None:
                      "(default: the target's max_position_embeddings)")
     ver.add_argument("--max-drafters", type=int, default=64)
     ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
+    ver.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step, packed next to "
+                     "verification, so a long prompt delays others' rounds by one chunk at most (0: whole prompts at StartRequest)")
     ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     ver.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default: loopback only)")
     ver.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible API of local serving here "

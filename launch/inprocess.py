@@ -3,7 +3,8 @@
 This is the distributed protocol without the network: each round every drafter with a request
 drafts exactly its allotted ``S_i`` tokens, submits them with their draft distributions (sparse
 when the sampling truncates, so the transfer is exact), the engine verifies all of them in one
-forward, and each drafter applies its verdict.
+forward, and each drafter applies its verdict. With chunked prefill a drafter whose prompt is being
+prefilled waits (the steps carry its chunks) and drafts from the step after its prefill completes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class InProcessDrafter:
     leave_round: int | None = None
     outputs: list[list[int]] = field(default_factory=list)
     session_id: str | None = None
-    draft_length: int = 0
+    draft_length: int | None = 0  # None: its prompt is being prefilled (chunked prefill)
     round_index: int = 0  # the session's next round, counted by the drafter itself
     generator: torch.Generator | None = None
     next_prompt: int = 0
@@ -100,8 +101,8 @@ def run_inprocess(
         _update_membership(engine, drafters, t, eos_token_ids)
         if all(d.done for d in drafters):
             break
-        active = [d for d in drafters if d.session_id is not None and d.busy]
-        if not active:
+        active = [d for d in drafters if d.session_id is not None and d.busy and d.draft_length is not None]
+        if not active and not engine.has_prefill:
             continue
         for d in active:
             out = d.runner.draft(d.draft_length, d.sampling, d.generator)
@@ -110,6 +111,9 @@ def run_inprocess(
         results.append(result)
         for d in active:
             _apply_verdict(engine, d, result, eos_token_ids)
+        for d in drafters:
+            if d.session_id in result.started:  # its prompt's last chunk was in this step
+                d.draft_length = result.started[d.session_id]
         if on_round:
             on_round(result)
     return results

@@ -25,6 +25,7 @@ def engine_config(opts: VerifierSpec) -> EngineConfig:
         return EngineConfig(
             budget=opts.budget, policy=opts.policy, smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
             max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, max_seq_len=opts.max_seq_len, seed=opts.seed,
+            prefill_chunk=opts.prefill_chunk or None,
         )
     except ValueError as exc:
         raise SpecError(f"verifier: {exc}") from None

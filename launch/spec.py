@@ -103,6 +103,7 @@ class VerifierSpec:
     max_seq_len: int | None = None  # prompt + generated tokens per request (default: the target's max_position_embeddings)
     max_drafters: int = 64
     max_draft_len: int = 16
+    prefill_chunk: int = 512  # prompt tokens prefilled per step, next to verification (chunked prefill); 0: whole prompts
     device: str = "cpu"
     dtype: str = "float32"
     seed: int | None = None  # root seed (default: the spec's top-level seed)

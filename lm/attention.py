@@ -10,9 +10,11 @@ Packed forwards (:meth:`goodspeed.lm.kv_slots.SlotKVCache.pack`, the verifier's 
 model runs on ``[1, T]`` real tokens — every linear layer, norm and the LM head see exactly the
 step's tokens, with no padding to the longest row — and the call carries the layout as the keyword
 ``PACKED`` (transformers passes a forward's extra keywords down to the attention function).
-Attention alone works in the padded ``[rows, q_len]`` layout the slot cache's KV views have: the
-queries are gathered into it, one SDPA call runs with the rows' masks, and the outputs are
-scattered back to the packed tokens. Exact: every real query sees the same keys under the same
+Attention alone works in the padded ``[rows, q_len]`` layout the slot cache's KV views have, one
+SDPA call per :class:`~goodspeed.lm.kv_slots.AttentionGroup`: the queries are gathered into it,
+SDPA runs with the rows' masks, and the outputs are scattered back to the packed tokens. A prompt
+chunk (chunked prefill) is a group of its own, so its hundreds of queries do not pad the
+verification rows' few. Exact: every real query sees the same keys under the same
 mask as in the padded forward; only the padding's wasted compute in the rest of the model is gone.
 """
 
@@ -39,14 +41,22 @@ def gqa_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     groups = query.shape[1] // key.shape[1]
     packed = kwargs.get(PACKED)
-    if packed is not None:  # [1, heads, T, dim] -> the padded [rows, heads, q_len, dim]
-        rows, q_len = packed.mask.shape[0], packed.mask.shape[2]
-        heads, dim = query.shape[1], query.shape[3]
-        flat = query[0] if packed.gather is None else query[0].index_select(1, packed.gather)  # no padding: rows are already equal
-        out = F.scaled_dot_product_attention(flat.view(heads, rows, q_len, dim).transpose(0, 1), key, value,
-                                             attn_mask=packed.mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1)
-        out = out.transpose(1, 2).reshape(rows * q_len, heads, dim)
-        return (out if packed.scatter is None else out.index_select(0, packed.scatter)).unsqueeze(0), None
+    if packed is not None:  # [1, heads, T, dim]: per group, the padded [rows, heads, q_len, dim]
+        heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
+        out = None if len(packed.groups) == 1 else query.new_empty(total, heads, dim)
+        for group in packed.groups:
+            rows = group.rows.stop - group.rows.start
+            flat = query[0, :, group.tokens] if group.gather is None else query[0].index_select(1, group.gather)
+            part = F.scaled_dot_product_attention(
+                flat.reshape(heads, rows, group.q_len, dim).transpose(0, 1), key[group.rows, :, : group.kv_len],
+                value[group.rows, :, : group.kv_len], attn_mask=group.mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1)
+            part = part.transpose(1, 2).reshape(rows * group.q_len, heads, dim)
+            if group.scatter is not None:
+                part = part.index_select(0, group.scatter)
+            if out is None:  # one group answers for every token
+                return part.unsqueeze(0), None
+            out[group.dest] = part
+        return out.unsqueeze(0), None
     # Like transformers' own SDPA path: no mask means the plain causal case (q_len == kv_len).
     is_causal = attention_mask is None and query.shape[2] > 1
     out = F.scaled_dot_product_attention(

@@ -36,6 +36,11 @@ class SlotKVCache:
         self._kv_len = 0
 
     @property
+    def capacity(self) -> int:
+        """Positions every slot's buffers hold (the longest slot's need, doubled as it grows)."""
+        return self._capacity
+
+    @property
     def num_slots(self) -> int:
         return len(self.lengths)
 
@@ -89,31 +94,60 @@ class SlotKVCache:
         return self._kv_len
 
     def pack(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
-             device: torch.device | str = "cpu") -> PackedRows:
+             device: torch.device | str = "cpu", solo: tuple[int, ...] = ()) -> PackedRows:
         """Set up a *packed* forward over the slots ``rows``: row ``r`` brings ``tokens[r]`` (any
         number, 0 for an idle slot inside the window), written at its committed length. The model
         sees only the real tokens (``[1, T]``, no padding); attention (:mod:`goodspeed.lm.attention`)
-        gathers each row's queries into the padded layout of ``mask`` and scatters the outputs
-        back."""
-        q_len = max(len(t) for t in tokens)
-        kv_len = self.prepare(q_len, rows)
-        lengths = self.lengths[rows]
-        mask, positions = build_attention(lengths, parents, q_len, kv_len, dtype, device)
-        sizes = torch.tensor([len(t) for t in tokens])
-        real = torch.arange(q_len) < sizes.unsqueeze(1)  # [rows, q_len]
-        starts = [0, *torch.cumsum(sizes, 0).tolist()]
-        ids = torch.tensor([tok for t in tokens for tok in t], dtype=torch.long).unsqueeze(0).to(device)
-        if bool(real.all()):  # every row is q_len long: the packed order is the padded one
-            self._write_rows, self._write_pos = self._write_rows.reshape(1, -1), self._write_pos.reshape(1, -1)
-            return PackedRows(ids, positions.reshape(1, -1), mask, None, None, starts)
-        scatter = real.view(-1).nonzero().view(-1)  # padded index of each packed token, in row order
-        gather = torch.zeros(len(tokens) * q_len, dtype=torch.long)
-        gather[scatter] = torch.arange(len(scatter))  # packed index of each padded query (pads: token 0)
-        # The cache writes the packed tokens only: ``[1, T]`` slot and position per token.
-        self._write_rows = self._write_rows.reshape(-1)[scatter].unsqueeze(0)
-        self._write_pos = self._write_pos.reshape(-1)[scatter].unsqueeze(0)
-        scatter = scatter.to(device)
-        return PackedRows(ids, positions.reshape(-1)[scatter].unsqueeze(0), mask, gather.to(device), scatter, starts)
+        runs per :class:`AttentionGroup`, gathering its rows' queries into a padded layout and
+        scattering the outputs back.
+
+        ``solo``: rows attended on their own (a prompt chunk: hundreds of tokens that would pad
+        every short verification row to their length); the others share one group. Solo rows come
+        first in the packed order, so the others' tokens are the last ``PackedRows.keep`` (the
+        only ones whose logits anyone reads)."""
+        lengths, sizes = self.lengths[rows], [len(t) for t in tokens]
+        alone = sorted(set(solo))
+        shared = [r for r in range(len(tokens)) if r not in alone]
+        order = alone + shared
+        starts, total = [0] * len(tokens), 0
+        for r in order:
+            starts[r], total = total, total + sizes[r]
+        q_len = max((sizes[r] for r in shared), default=0)
+        keep = sum(sizes[r] for r in shared)
+        self._rows = rows
+        self._write_rows = torch.tensor([rows.start + r for r in order for _ in range(sizes[r])], dtype=torch.long).unsqueeze(0)
+        self._write_pos = torch.tensor([lengths[r] + i for r in order for i in range(sizes[r])], dtype=torch.long).unsqueeze(0)
+        ids = torch.tensor([tok for r in order for tok in tokens[r]], dtype=torch.long).unsqueeze(0).to(device)
+        positions = self._write_pos.clone()  # chains; tree rows get their depths below
+        groups = []
+        for r in alone:
+            n, length = sizes[r], lengths[r]
+            mask, pos = build_attention([length], [parents[r]], n, length + n, dtype, device)
+            span = slice(starts[r], starts[r] + n)
+            positions[0, span] = pos[0].cpu()
+            groups.append(AttentionGroup(slice(r, r + 1), n, length + n, mask, span, None, None, span))
+        if q_len:
+            # Keys up to the longest row with tokens here: a solo or idle row's pads attend to what is
+            # there (their outputs are dropped), so a long prompt's slot does not widen everyone's attention.
+            kv_len = max(lengths[r] + q_len for r in shared if sizes[r])
+            mask, pos = build_attention(lengths, [None if r in alone else parents[r] for r in range(len(tokens))],
+                                        q_len, kv_len, dtype, device)
+            real = torch.arange(q_len) < torch.tensor([0 if r in alone else sizes[r] for r in range(len(tokens))]).unsqueeze(1)
+            span = slice(total - keep, total)
+            if bool(real.all()):  # every row is q_len long: the packed order is the padded one
+                positions[0, span] = pos.reshape(-1).cpu()
+                groups.append(AttentionGroup(slice(0, len(tokens)), q_len, kv_len, mask, span, None, None, span))
+            else:
+                scatter = real.view(-1).nonzero().view(-1)  # padded index of each real token, in row order
+                gather = torch.zeros(len(tokens) * q_len, dtype=torch.long)
+                gather[scatter] = torch.arange(total - keep, total)  # packed index of each padded query (pads: token 0)
+                positions[0, span] = pos.reshape(-1).cpu()[scatter]
+                groups.append(AttentionGroup(slice(0, len(tokens)), q_len, kv_len, mask, None, gather.to(device),
+                                             scatter.to(device), span))
+        self._kv_len = max(g.kv_len for g in groups)
+        while self._kv_len > self._capacity:
+            self._capacity *= 2
+        return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, q_len, keep)
 
     def _buffer(self, layer: int, like: torch.Tensor, which: list, slots: int) -> torch.Tensor:
         buf = which[layer]
@@ -166,23 +200,44 @@ class SlotKVCache:
 
 
 @dataclass(frozen=True)
+class AttentionGroup:
+    """Window rows whose queries attend in one SDPA call, padded to the group's longest row."""
+
+    rows: slice  # window rows: their KV views are the keys
+    q_len: int
+    kv_len: int
+    mask: torch.Tensor  # [rows, 1, q_len, kv_len] additive
+    tokens: slice | None  # no pads: the packed tokens, already in the padded order
+    gather: torch.Tensor | None  # [rows * q_len]: the packed token of each padded query (pads: token 0)
+    scatter: torch.Tensor | None  # the padded query of each real token (None: no pads)
+    dest: slice  # the packed tokens the group's real queries answer for, in row order
+
+
+@dataclass(frozen=True)
 class PackedRows:
     """One packed forward over a window of slots (:meth:`SlotKVCache.pack`): ``T`` real tokens."""
 
-    input_ids: torch.Tensor  # [1, T], row after row
+    input_ids: torch.Tensor  # [1, T]: solo rows, then the others, row after row
     position_ids: torch.Tensor  # [1, T]
-    mask: torch.Tensor  # [rows, 1, q_len, kv_len] additive, in the padded layout attention uses
-    gather: torch.Tensor | None  # [rows * q_len]: the packed token of each padded query (pads: token 0); None: no pads
-    scatter: torch.Tensor | None  # [T]: the padded query of each packed token; None: no pads
-    starts: list[int]  # row r's tokens are input_ids[0, starts[r] : starts[r + 1]]
+    groups: tuple[AttentionGroup, ...]
+    starts: list[int]  # row r's tokens are input_ids[0, starts[r] : starts[r] + sizes[r]]
+    sizes: list[int]
+    q_len: int  # the longest non-solo row
+    keep: int  # the non-solo rows' tokens: the last ``keep`` of the forward, the ones with logits
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The non-solo rows' mask (what a caller passes as ``attention_mask``; attention reads the groups)."""
+        return self.groups[-1].mask
 
     def padded(self, packed: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """``[1, T, ...]`` per-token values (e.g. logits) -> ``[len(rows), q_len, ...]`` for the
-        window rows ``rows``; pad positions repeat the row's last token."""
-        q_len = self.mask.shape[2]
-        first = torch.tensor([self.starts[r] for r in rows]).unsqueeze(1)
-        last = torch.tensor([self.starts[r + 1] - 1 for r in rows]).unsqueeze(1)
-        return packed[0, torch.minimum(first + torch.arange(q_len), last).to(packed.device)]
+        """``[1, T', ...]`` per-token values (e.g. logits) of the last ``T'`` tokens (all of them,
+        or the ``keep`` non-solo ones) -> ``[len(rows), q_len, ...]`` for the non-solo window rows
+        ``rows``; pad positions repeat the row's last token."""
+        offset = self.input_ids.shape[1] - packed.shape[1]
+        first = torch.tensor([self.starts[r] - offset for r in rows]).unsqueeze(1)
+        last = torch.tensor([self.starts[r] + self.sizes[r] - 1 - offset for r in rows]).unsqueeze(1)
+        return packed[0, torch.minimum(first + torch.arange(self.q_len), last).to(packed.device)]
 
 
 class SlotTable:

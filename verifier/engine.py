@@ -13,11 +13,21 @@ A round (GoodSpeed Alg. 1, lines 12-16; DESIGN.md sections 3, 4, 6):
 4. update each drafter's smoothed acceptance and goodput (eqs. 3-4) and ask the configured policy
    for next round's draft lengths under the budget ``C``; answer each drafter with a verdict.
 
+Chunked prefill (``EngineConfig.prefill_chunk``, vLLM's and Sarathi's idea): a new request's
+prompt is not prefilled when it starts but packed, at most ``prefill_chunk`` tokens per step and
+first come first served, into the steps' forwards next to the verification rows, as a row that
+attends on its own (:class:`goodspeed.lm.kv_slots.AttentionGroup`) and whose logits are never
+computed (``logits_to_keep``). One long prompt therefore costs every other drafter's round at most
+one chunk, not the whole prompt. The request joins drafting (its first allotment, ``started``)
+when its last chunk is in; between steps the serving layer may run a prefill-only step
+(:meth:`VerificationEngine.prefill_step`).
+
 Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any state changes.
 """
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import time
 from collections.abc import Sequence
@@ -33,7 +43,7 @@ from goodspeed.lm.attention import PACKED, use_gqa_attention
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
-from goodspeed.verifier.types import Draft, RoundResult, RoundTimings, Verdict
+from goodspeed.verifier.types import Draft, PrefillStep, RoundResult, RoundTimings, Verdict
 from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier
 
 
@@ -63,6 +73,10 @@ class VerificationEngine:
                                           self.config.max_draft_len, numpy_rng(self.root_seed, "verifier", "policy"))
         self.round_index = 0
         self._sessions: dict[str, Session] = {}
+        self._prefilling: list[str] = []  # sessions whose prompt is not all in KV yet, first come first served
+        # Logits only for the tokens someone reads (never a prompt chunk's): transformers' causal LMs
+        # take ``logits_to_keep``; a model without it computes them all (slower, same result).
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # ----------------------------------------------------------------- sessions and requests
 
@@ -128,8 +142,11 @@ class VerificationEngine:
         seed: int | None = None,
     ) -> int:
         """Prefill the prompt into a fresh KV slot; returns the draft length for the first round.
-        ``seed``: the request's accept/correction uniforms come from its own stream (reproducible
-        per request) instead of the engine's shared one."""
+        With chunked prefill (``EngineConfig.prefill_chunk``) a prompt of more than one token is
+        queued instead and ``None`` returned: the steps prefill it, and the step that completes it
+        lists the session in ``started`` with its first draft length. ``seed``: the request's
+        accept/correction uniforms come from its own stream (reproducible per request) instead of
+        the engine's shared one."""
         session = self._session(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
@@ -139,10 +156,55 @@ class VerificationEngine:
         generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids),
                                   generator=generator)
+        if len(prompt) > 1 and self.config.prefill_chunk is not None:
+            self._prefilling.append(session_id)
+            return None
         if len(prompt) > 1:
-            self._forward(slice(slot, slot + 1), [prompt[:-1]], [None])
+            self._forward_rows([], [(slot, prompt[:-1])])
             self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
         return self.allotments.start(session_id, session.request.remaining)
+
+    @property
+    def has_prefill(self) -> bool:
+        """Some request's prompt is still being prefilled (chunked prefill)."""
+        return bool(self._prefilling)
+
+    def prefilling(self, session_id: str) -> bool:
+        return session_id in self._prefilling
+
+    def prefill_step(self) -> PrefillStep:
+        """Prefill one chunk (at most ``prefill_chunk`` tokens, oldest prompts first) and nothing
+        else: the serving layer runs it while no draft is ready. Queued drafts stay queued."""
+        t0 = time.perf_counter()
+        chunks = self._chunks()
+        if chunks:
+            self._forward_rows([], chunks)
+        started = {sid: self.allotments.start(sid, self._sessions[sid].request.remaining) for sid in self._prefilled(chunks)}
+        return PrefillStep(sum(len(c) for _, c in chunks), time.perf_counter() - t0, started)
+
+    def _chunks(self) -> list[tuple[int, list[int]]]:
+        """This step's prompt chunks: ``(slot, tokens)``, at most ``prefill_chunk`` tokens in all."""
+        budget, out = self.config.prefill_chunk or 0, []
+        for session_id in self._prefilling:
+            if budget <= 0:
+                break
+            request, slot = self._sessions[session_id].request, self.slots.slot(session_id)
+            done = self.cache.lengths[slot]
+            n = min(request.prompt_len - 1 - done, budget)
+            out.append((slot, request.committed[done : done + n]))
+            budget -= n
+        return out
+
+    def _prefilled(self, chunks: list[tuple[int, list[int]]]) -> list[str]:
+        """Keep the chunks' KV; returns the sessions whose prompt is now all in."""
+        done = []
+        for slot, chunk in chunks:
+            self.cache.commit(slot, self.cache.lengths[slot], list(range(len(chunk))))
+            session_id = self.slots.keys[slot]
+            if self.cache.lengths[slot] == self._sessions[session_id].request.prompt_len - 1:
+                self._prefilling.remove(session_id)
+                done.append(session_id)
+        return done
 
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
         """Raise the error a request with this prompt and length would get (nothing changes)."""
@@ -160,6 +222,8 @@ class VerificationEngine:
             )
 
     def _end_request(self, session: Session) -> None:
+        if session.session_id in self._prefilling:
+            self._prefilling.remove(session.session_id)
         self.slots.remove(session.session_id)
         self.allotments.end(session.session_id)
         session.request, session.pending = None, None
@@ -169,8 +233,7 @@ class VerificationEngine:
         themselves (local serving with TETRIS or AdaServe) instead of the engine's policy. A
         managed session may be allotted any size; an edge session at most the budget ``C``."""
         session = self._session(session_id)
-        if session.request is None:
-            raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
+        self._check_drafting(session)
         if num_tokens < 0 or (not session.managed and num_tokens > self.config.budget):
             raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {self.config.budget}]")
         self.allotments.set(session_id, num_tokens)
@@ -199,6 +262,13 @@ class VerificationEngine:
         """The round index the session's next draft must carry."""
         return self._session(session_id).round_index
 
+    def _check_drafting(self, session: Session) -> None:
+        if session.request is None:
+            raise errors.NoActiveRequestError(f"session {session.session_id} has no request in progress")
+        if session.session_id in self._prefilling:
+            raise errors.NoActiveRequestError(f"session {session.session_id}'s prompt is still being prefilled: "
+                                              "draft once its request has started")
+
     def _session(self, session_id: str) -> Session:
         try:
             return self._sessions[session_id]
@@ -218,8 +288,7 @@ class VerificationEngine:
             raise errors.StaleRoundError(f"round {draft.round_index} is over; session {session_id} is at round {session.round_index}")
         if draft.round_index > session.round_index:
             raise errors.FutureRoundError(f"session {session_id} is at round {session.round_index}, not {draft.round_index}")
-        if session.request is None:
-            raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
+        self._check_drafting(session)
         if session.pending is not None:
             if list(session.pending.token_ids) == list(draft.token_ids):
                 return None
@@ -236,8 +305,10 @@ class VerificationEngine:
 
     # ------------------------------------------------------------------------------- rounds
 
-    def run_round(self, uniforms: dict[str, np.ndarray] | None = None, periods: dict[str, float] | None = None) -> RoundResult:
-        """Verify every queued draft in one target forward.
+    def run_round(self, uniforms: dict[str, np.ndarray] | None = None, periods: dict[str, float] | None = None,
+                  prefill: bool = True) -> RoundResult:
+        """Verify every queued draft in one target forward (with one prompt chunk, unless
+        ``prefill`` is false; see the module docstring).
 
         ``uniforms[session_id]`` (tests): at least ``S + 1`` uniforms in ``[0, 1)`` consumed as
         the accept tests then the correction/bonus draw; otherwise they come from the engine's
@@ -248,9 +319,11 @@ class VerificationEngine:
         """
         t0 = time.perf_counter()
         rows = self._assemble()
+        chunks = self._chunks() if prefill else []
         t1 = time.perf_counter()
-        logits = self._forward_rows(rows) if rows else None
+        logits = self._forward_rows(rows, chunks) if rows or chunks else None
         t2 = time.perf_counter()
+        prefilled = self._prefilled(chunks)
         given = dict(uniforms or {})
         for row in rows:  # seeded requests draw their S + 1 uniforms from their own stream
             generator = row.session.request.generator
@@ -263,18 +336,24 @@ class VerificationEngine:
             if periods and row.input.key in periods and not row.session.managed:
                 self.allotments.observe_period(row.input.key, row.draft.num_tokens, periods[row.input.key] + (t3 - t0))
         verdicts = self._schedule(outcomes)
+        started = {sid: self.allotments.start(sid, self._sessions[sid].request.remaining) for sid in prefilled}
         t4 = time.perf_counter()
         self.round_index += 1
         q_len = max((len(r.tokens) for r in rows), default=0)
-        window = (max(r.slot for r in rows) - min(r.slot for r in rows) + 1) if rows else 0
+        slots = [r.slot for r in rows] + [slot for slot, _ in chunks]
+        window = (max(slots) - min(slots) + 1) if slots else 0
+        prefill_tokens = sum(len(c) for _, c in chunks)
         return RoundResult(
             round_index=self.round_index - 1,
             verdicts=verdicts,
             timings=RoundTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3),
             batch_rows=window,
-            batch_tokens=sum(len(r.tokens) for r in rows) if self.config.packed else window * q_len,
+            batch_tokens=sum(len(r.tokens) for r in rows) + prefill_tokens if self.config.packed
+            else window * max([q_len] + [len(c) for _, c in chunks]),
             verified_tokens=sum(len(r.tokens) for r in rows),
             draft_lengths={sid: self.allotments.allotted(sid) for sid in self.allotments.edge_active()},
+            prefill_tokens=prefill_tokens,
+            started=started,
         )
 
     def _assemble(self) -> list[Row]:
@@ -290,27 +369,35 @@ class VerificationEngine:
             rows.append(Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents))
         return rows
 
-    def _forward_rows(self, rows: list[Row]) -> torch.Tensor:
-        """One forward over the slot window spanning the participants; idle slots get padding."""
-        first, last = rows[0].slot, rows[-1].slot
+    def _forward_rows(self, rows: list[Row], chunks: list[tuple[int, list[int]]] = ()) -> torch.Tensor | None:
+        """One forward over the slot window spanning the verification rows and the prompt chunks
+        (``(slot, tokens)``); idle slots get padding. Logits ``[len(rows), q_len, V]`` of the rows
+        (None without rows): a chunk's are never read."""
+        slots = [r.slot for r in rows] + [slot for slot, _ in chunks]
+        first, last = min(slots), max(slots)
         tokens: list[list[int]] = [[] for _ in range(last - first + 1)]
         parents: list[list[int] | None] = [None] * len(tokens)
         for row in rows:
             tokens[row.slot - first], parents[row.slot - first] = row.tokens, row.parents
-        return self._forward(slice(first, last + 1), tokens, parents, [r.slot - first for r in rows])
+        for slot, chunk in chunks:
+            tokens[slot - first] = chunk
+        return self._forward(slice(first, last + 1), tokens, parents, [r.slot - first for r in rows],
+                             tuple(slot - first for slot, _ in chunks))
 
     def _forward(self, window: slice, tokens: list[list[int]], parents: list[list[int] | None],
-                 rows: list[int] | None = None) -> torch.Tensor:
-        """Logits ``[len(rows), q_len, V]`` (default: every window slot) for new tokens written at
-        each slot's committed length. Packed (``EngineConfig.packed``): the model sees only the real
-        tokens; otherwise every row is padded to the longest (the reference path)."""
-        rows = list(range(len(tokens))) if rows is None else rows
+                 rows: list[int], solo: tuple[int, ...] = ()) -> torch.Tensor | None:
+        """Logits ``[len(rows), q_len, V]`` of the window rows ``rows`` (None if there are none)
+        for new tokens written at each slot's committed length. Packed (``EngineConfig.packed``):
+        the model sees only the real tokens, and the ``solo`` rows (prompt chunks) attend on their
+        own with no logits computed; otherwise every row is padded to the longest (the reference
+        path)."""
         if self.config.packed:
-            layout = self.cache.pack(tokens, parents, window, self.dtype, self.device)
+            layout = self.cache.pack(tokens, parents, window, self.dtype, self.device, solo)
+            extra = {"logits_to_keep": max(layout.keep, 1)} if self._keeps_logits else {}
             with torch.inference_mode():
                 out = self.model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
-                                 past_key_values=self.cache, use_cache=True, **{PACKED: layout})
-            return layout.padded(out.logits, rows)
+                                 past_key_values=self.cache, use_cache=True, **{PACKED: layout}, **extra)
+            return layout.padded(out.logits, rows) if rows else None
         q_len = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), q_len, dtype=torch.long)
         for i, t in enumerate(tokens):
@@ -321,7 +408,7 @@ class VerificationEngine:
             out = self.model(
                 input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
             )
-        return out.logits[rows]
+        return out.logits[rows] if rows else None
 
     def _apply(self, row: Row, outcome: RowOutcome) -> tuple:
         """Commit the verified tokens to the request and its KV slot; end finished requests."""

@@ -351,14 +351,15 @@ class LocalServing:
             req = self._waiting.popleft()
             req.session_id = self.engine.join(f"local:{req.request_id}", managed=True)
             try:
-                self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens, req.eos_token_ids,
-                                          seed=req.seed)
+                length = self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens,
+                                                   req.eos_token_ids, seed=req.seed)
             except errors.EngineError as exc:
                 self.engine.leave(req.session_id)
                 self._finish(req, f"error: {exc}")
                 continue
-            self.clock.charge("target", len(req.prompt_ids), len(req.prompt_ids))
-            req.decode_start = self.clock.now()
+            if length is not None:  # prefilled now; with chunked prefill the steps do it
+                self.clock.charge("target", len(req.prompt_ids), len(req.prompt_ids))
+                req.decode_start = self.clock.now()
             self.draft.add(req.request_id)
             self._active[req.request_id] = req
 
@@ -384,8 +385,9 @@ class LocalServing:
         self._admit()
         if not self._active:
             return None
-        reqs = list(self._active.values())
-        plans, k = self.policy.plan(reqs)
+        # A request whose prompt is still being prefilled (chunked prefill) drafts from the step after.
+        reqs = [r for r in self._active.values() if not self.engine.prefilling(r.session_id)]
+        plans, k = self.policy.plan(reqs) if reqs else ({}, None)
         drafted = 0
         for req in reqs:
             plan = plans[req.request_id]
@@ -397,8 +399,11 @@ class LocalServing:
             drafted += len(plan.token_ids)
         context = sum(self.engine.cache.lengths)
         result = self.engine.run_round(periods=periods)
-        self.clock.charge("target", context, result.verified_tokens)
+        self.clock.charge("target", context, result.verified_tokens + result.prefill_tokens)
         now = self.clock.now()
+        for req in self._active.values():
+            if req.session_id in result.started:
+                req.decode_start = now
         seen = [self.engine.estimator.get(r.session_id).acceptance for r in reqs if r.drafted or plans[r.request_id].token_ids]
         if seen:
             self.pooled_acceptance = float(np.mean(seen))
@@ -418,6 +423,8 @@ class LocalServing:
             if verdict.finished:
                 self._release(req, verdict.finish_reason)
         duration = now - started
+        if not reqs:  # a prefill step: nothing drafted, nothing for the policies to learn
+            return StepReport(result, 0, 0, 0, 0, duration, k)
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
         self.policy.observe(len(reqs), k, emitted, duration)

@@ -15,9 +15,10 @@ draft arrived: its link and its drafting; ``None`` for a request's first draft).
 index, the phase seconds (``receive_s``, ``verify_s`` of which ``forward_s``, ``send_s``), the rows
 in the forward (``batch``), the budget ``C``, the round ``mode`` (``sync`` or ``async``, see
 :mod:`goodspeed.verifier.round_loop`: in async mode a record is one verification step), the wall
-clock ``ts`` and, with local serving, a :class:`LocalRound`.
+clock ``ts``, the prompt tokens of chunked prefill packed into the step's forward
+(``prefill_tokens``, part of ``verify_s``) and, with local serving, a :class:`LocalRound`.
 
-Schema 2 added ``cycle_s`` and ``mode``.
+Schema 2 added ``cycle_s`` and ``mode``; schema 3 ``prefill_tokens``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import time
 from dataclasses import dataclass
 
-SCHEMA = 2
+SCHEMA = 3
 ROUND_MODES = ("sync", "async")  # the round loop's modes (goodspeed.verifier.round_loop)
 
 
@@ -85,6 +86,7 @@ class RoundRecord:
     drafters: tuple[DrafterRound, ...]
     local: LocalRound | None = None
     mode: str = "sync"
+    prefill_tokens: int = 0
     ts: float = dataclasses.field(default_factory=time.time)
 
     def to_event(self) -> dict:

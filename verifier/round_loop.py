@@ -27,6 +27,12 @@ its draft is verified, and the policy shares only what the others' outstanding a
 of ``C`` (:class:`goodspeed.scheduler.DraftAllotments`), so a step never verifies more than ``C``
 draft tokens plus one pending token per row.
 
+Chunked prefill (``EngineConfig.prefill_chunk``): a StartRequest whose prompt the engine queued
+waits here (:meth:`RoundLoop.started`) until a step completes its prefill. Every verification
+step carries at most one chunk; while no step is ready (no draft queued, or a sync round still
+waiting for drafts) the loop runs prefill-only steps. A round that waited behind a prefill-only
+step carries no chunk itself, so one long prompt delays any round by at most one chunk.
+
 Each drafter's *period* — the seconds between two of its verdicts, the round time it sees: link,
 drafting and verification — is measured here and given to the engine with the step that ends it
 (``run_round(periods=...)``), for the time-aware allocation (:mod:`goodspeed.scheduler.timing`).
@@ -40,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from goodspeed.api.metrics import RequestTimer, finished_reason
+from goodspeed.verifier import errors
 from goodspeed.verifier.auth import Identity
 from goodspeed.verifier.records import ROUND_MODES, DrafterRound, LocalRound, RoundRecord
 from goodspeed.verifier.serde import verdict_to_pb
@@ -84,6 +91,8 @@ class RoundLoop:
         self._failed_rounds = 0  # consecutive steps that raised
         self._round_opened = time.perf_counter()
         self._step_s: float | None = None  # smoothed seconds per verification step (async window)
+        self._starting: dict[str, asyncio.Future] = {}  # sessions waiting for their prompt's prefill -> first draft length
+        self._ready: dict[str, int] = {}  # prefilled before their StartRequest began to wait (kept for it)
 
     # ------------------------------------------------------------------ told by the handlers
 
@@ -97,9 +106,37 @@ class RoundLoop:
         self._wakeup.set()
 
     def forget(self, session_id: str) -> None:
-        """The session's request ended or the session left: the step may close without it."""
+        """The session's request ended or the session left: the step may close without it (and a
+        StartRequest waiting for its prefill gets an error)."""
         self._queued.discard(session_id)
+        self._ready.pop(session_id, None)
+        waiting = self._starting.pop(session_id, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_exception(errors.NoActiveRequestError(f"session {session_id}'s request ended while its prompt was prefilled"))
         self._wakeup.set()
+
+    async def started(self, session_id: str) -> int:
+        """Wait until the steps have prefilled the session's queued prompt (chunked prefill);
+        returns its first draft length."""
+        if session_id in self._ready:
+            return self._ready.pop(session_id)
+        waiting = self._starting[session_id] = asyncio.get_running_loop().create_future()
+        self._wakeup.set()
+        try:
+            return await waiting
+        finally:
+            if self._starting.get(session_id) is waiting:
+                del self._starting[session_id]
+
+    def _resolve(self, started: dict[str, int]) -> None:
+        for session_id, length in started.items():
+            if session_id not in self.drafters:  # a local-serving request: LocalServing takes it from here
+                continue
+            waiting = self._starting.pop(session_id, None)
+            if waiting is None:  # its StartRequest has not begun to wait yet
+                self._ready[session_id] = length
+            elif not waiting.done():
+                waiting.set_result(length)
 
     def wake(self) -> None:
         """Something changed that may let a step close (a local request arrived)."""
@@ -132,6 +169,9 @@ class RoundLoop:
             if self._local_work():
                 await self._close(local=True)
                 continue
+            if self._starting and not self._queued:  # nothing to verify: the engine prefills
+                await self._prefill()
+                continue
             try:
                 await asyncio.wait_for(self._wakeup.wait(), sweep_every_s)
             except asyncio.TimeoutError:
@@ -140,14 +180,19 @@ class RoundLoop:
             if not self._queued:
                 continue
             deadline = loop.time() + self.window_s
+            chunked = False  # a prefill-only step ran while this round waited: the round carries no chunk
             while not self._everyone_submitted() and not self._local_work() and (left := deadline - loop.time()) > 0:
+                if self._starting:
+                    await self._prefill()
+                    chunked = True
+                    continue
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), left)
                 except asyncio.TimeoutError:
                     break
                 self._wakeup.clear()
             if self._queued:
-                await self._close()
+                await self._close(prefill=not chunked)
 
     def _periods(self) -> dict[str, float]:
         """Each queued drafter's seconds since its last verdict (its period ends with this step)."""
@@ -155,7 +200,22 @@ class RoundLoop:
         return {sid: now - d.verdict_at for sid in self._queued
                 if (d := self.drafters.get(sid)) is not None and d.verdict_at is not None}
 
-    async def _close(self, local: bool = False) -> None:
+    async def _prefill(self) -> None:
+        """One prefill-only step (at most one chunk); its completed prompts start drafting."""
+        try:
+            step = await self.call(self.engine.prefill_step)
+        except Exception as exc:
+            await self._fail(exc)
+            return
+        self._failed_rounds = 0
+        self._resolve(step.started)
+        if not step.tokens:  # nothing left to prefill for those still waiting: their requests are gone
+            for session_id in list(self._starting):
+                self.forget(session_id)
+            return
+        self.log.event("prefill", tokens=step.tokens, seconds=round(step.seconds, 6), started=len(step.started))
+
+    async def _close(self, local: bool = False, prefill: bool = True) -> None:
         receive_s = time.perf_counter() - self._round_opened
         report = None
         try:
@@ -165,11 +225,12 @@ class RoundLoop:
                 if result is None:
                     return
             else:
-                result = await self.call(self.engine.run_round, None, self._periods())
+                result = await self.call(self.engine.run_round, None, self._periods(), prefill)
         except Exception as exc:  # inputs are refused before a step; this is a bug or a device error
             await self._fail(exc)
             return
         self._failed_rounds = 0
+        self._resolve(result.started)
         step_s = result.timings.total_s
         self._step_s = step_s if self._step_s is None else (1 - STEP_SMOOTHING) * self._step_s + STEP_SMOOTHING * step_s
         sent = time.perf_counter()
@@ -202,7 +263,7 @@ class RoundLoop:
         self.log.event("round_failed", error=error, consecutive=self._failed_rounds)
         if self._failed_rounds >= MAX_FAILED_ROUNDS:
             raise exc
-        for session_id in list(self._queued):
+        for session_id in list(self._queued) + list(self._starting):
             await self.drop(session_id, f"its round failed ({error})")
         if self.local is not None:
             await self.call(self.local.fail_all, f"error: the round failed ({error})")
@@ -243,4 +304,4 @@ class RoundLoop:
                                      emitted=local.emitted, k=local.k, waiting=self.local.num_waiting)
         self.log.write(RoundRecord(round=result.round_index, receive_s=receive_s, verify_s=t.total_s, forward_s=t.forward_s,
                                    send_s=send_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows,
-                                   local=local_round, mode=self.config.rounds).to_event())
+                                   local=local_round, mode=self.config.rounds, prefill_tokens=result.prefill_tokens).to_event())

@@ -210,8 +210,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.usage.admit_request(drafter.identity, kv_tokens)
         try:
             length = await self.call(self.engine.start_request, *args)
+            if length is None:  # chunked prefill: the steps prefill the prompt, this call waits
+                length = await self.rounds.started(request.session_id)
         except errors.EngineError:
             self.usage.release_request(drafter.identity.name, kv_tokens)
+            raise
+        except asyncio.CancelledError:  # the client went away mid-prefill: free what it holds
+            asyncio.get_running_loop().create_task(self._abandon_start(request.session_id, drafter.identity.name, kv_tokens))
             raise
         drafter.kv_tokens = kv_tokens
         drafter.timer = self.metrics.requests.track(len(request.prompt_ids), started, count_running=False)
@@ -220,6 +225,14 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
+
+    async def _abandon_start(self, session_id: str, identity: str, kv_tokens: int) -> None:
+        self.rounds.forget(session_id)
+        try:
+            await self.call(self.engine.finish_request, session_id)
+        except errors.EngineError:
+            pass  # it had already left, or its request had ended
+        self.usage.release_request(identity, kv_tokens)
 
     def _end_request(self, drafter: Drafter, reason: str = "abort") -> None:
         """The drafter's request ended (finished, finished early or dropped): release its KV tokens."""

@@ -24,12 +24,18 @@ class EngineConfig:
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # the root seed (goodspeed.lm.seeding); None: fresh OS entropy
     packed: bool = True  # the target sees only real tokens (goodspeed.lm.attention); False: padded rows (reference)
+    # Chunked prefill: at most this many prompt tokens per step, packed into the steps' forwards
+    # (a prompt joins drafting when its last chunk is in); None: a prompt is prefilled whole, in
+    # its own forward, when its request starts (in-process callers that drive steps themselves).
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
             raise ValueError("budget and max_draft_len must be >= 0, max_drafters >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1 (or None: whole prompts)")
         make_policy(self.policy)  # unknown names fail here, not on the first round
         if self.smoothing is None:
             object.__setattr__(self, "smoothing", smoothing_of(self.policy))

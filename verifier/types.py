@@ -80,3 +80,14 @@ class RoundResult:
     batch_tokens: int  # tokens the model's layers computed: the real ones when packed, else padding included
     verified_tokens: int = 0  # the participants' new tokens (pending + drafts), no padding
     draft_lengths: dict[str, int] = field(default_factory=dict)  # next S of every active session
+    prefill_tokens: int = 0  # prompt tokens of chunked prefill packed into this step's forward
+    started: dict[str, int] = field(default_factory=dict)  # sessions whose prefill completed -> first draft length
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """A step that only prefilled prompt chunks (:meth:`VerificationEngine.prefill_step`)."""
+
+    tokens: int
+    seconds: float
+    started: dict[str, int] = field(default_factory=dict)  # sessions whose prefill completed -> first draft length

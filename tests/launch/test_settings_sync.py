@@ -32,7 +32,7 @@ def test_the_launchers_argv_carries_every_setting():
     CLI's own parser, comes back whole."""
     changed = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy="fixed", eta=0.3, beta=0.25,
                    rounds="async", round_deadline_ms=123.0, max_missed_rounds=7, idle_timeout_s=9.0, drain_timeout_s=4.0,
-                   max_message_bytes=4096, max_seq_len=300, max_drafters=5, max_draft_len=9,
+                   max_message_bytes=4096, max_seq_len=300, max_drafters=5, max_draft_len=9, prefill_chunk=0,
                    device="cuda", dtype="bfloat16", seed=42, metrics_port=9100, metrics_host="0.0.0.0", http_port=8001,
                    http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
                    local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,

@@ -57,7 +57,7 @@ def test_memory_is_given_back_when_long_sessions_leave():
     assert long.keys == [None] and long.values == [None]
 
 
-def _step(model, cache, tokens, parents, packed):
+def _step(model, cache, tokens, parents, packed, solo=()):
     """One forward over every slot of ``cache``; logits ``[rows, q_len, V]`` (packed: gathered back
     to the padded layout; pad positions are not compared)."""
     from goodspeed.lm.attention import PACKED
@@ -66,17 +66,17 @@ def _step(model, cache, tokens, parents, packed):
     window = slice(0, len(tokens))
     with torch.inference_mode():
         if packed:
-            layout = cache.pack(tokens, parents, window, torch.float64)
+            layout = cache.pack(tokens, parents, window, torch.float64, solo=solo)
             out = model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
                         past_key_values=cache, use_cache=True, **{PACKED: layout})
             assert out.logits.shape[1] == sum(map(len, tokens))  # the model saw no padding
-            return layout.padded(out.logits, [r for r, t in enumerate(tokens) if t])
+            return layout.padded(out.logits, [r for r, t in enumerate(tokens) if t and r not in solo])
         q_len = max(map(len, tokens))
         ids = torch.tensor([t + [0] * (q_len - len(t)) for t in tokens])
         kv_len = cache.prepare(q_len, window)
         mask, positions = build_attention(cache.lengths[window], parents, q_len, kv_len, torch.float64)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
-        return logits[[r for r, t in enumerate(tokens) if t]]
+        return logits[[r for r, t in enumerate(tokens) if t and r not in solo]]
 
 
 def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
@@ -109,3 +109,42 @@ def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
         for layer in range(2):
             for slot, length in enumerate(caches["packed"].lengths):
                 assert torch.allclose(caches["packed"].keys[layer][slot, :, :length], caches["padded"].keys[layer][slot, :, :length], atol=1e-9)
+
+
+def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged():
+    """A prompt chunk packed as a solo row (its own attention group, first in the packed order)
+    next to a chain, a tree and an idle slot: the others' logits and every row's KV equal the
+    padded reference's (float64, 1e-9), and the chunk's own KV too."""
+    from goodspeed.lm.attention import use_gqa_attention
+    from modelkit import tiny_llama
+
+    model = tiny_llama(7)
+    use_gqa_attention(model)
+    caches = {mode: SlotKVCache(num_layers=2, initial_capacity=8) for mode in ("padded", "packed")}
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [], [3, 3, 3, 3], [5]]
+    chunk = list(range(10, 31))  # slot 2's prompt chunk: 21 tokens, far longer than the others' rows
+    steps = [
+        (prompts, [None] * 5, ()),
+        ([[10, 11, 12], [13, 14, 15, 16, 17], chunk, [], [18]], [None, [-1, 0, 0, 1, 2], None, None, None], (2,)),
+        ([[19], [20, 21], list(range(31, 36)), [22], [23, 24]], [None] * 5, (2,)),  # the chunk's second part
+        ([[25, 26]] * 5, [None] * 5, (0, 4)),  # two solo rows, no padding in the shared group
+    ]
+    for cache in caches.values():
+        for _ in prompts:
+            cache.add_slot()
+    for tokens, parents, solo in steps:
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed", solo if mode == "packed" else ())
+               for mode, cache in caches.items()}
+        padded_rows = [r for r, t in enumerate(tokens) if t]
+        packed_rows = [r for r in padded_rows if r not in solo]
+        for i, row in enumerate(packed_rows):
+            n = len(tokens[row])
+            assert torch.allclose(out["packed"][i, :n], out["padded"][padded_rows.index(row), :n], atol=1e-9, rtol=0)
+        for cache in caches.values():
+            for slot, t in enumerate(tokens):
+                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
+        for layer in range(2):
+            for slot, length in enumerate(caches["packed"].lengths):
+                for which in ("keys", "values"):
+                    got, want = getattr(caches["packed"], which)[layer], getattr(caches["padded"], which)[layer]
+                    assert torch.allclose(got[slot, :, :length], want[slot, :, :length], atol=1e-9)

@@ -25,8 +25,8 @@ def models():
     return target, perturbed(target, 0.3, 2)
 
 
-def serve(target, draft, policy, clock=None, **kw):
-    engine = VerificationEngine(target, EngineConfig(seed=3 if kw.get("seed") is None else kw["seed"]))
+def serve(target, draft, policy, clock=None, prefill_chunk=None, **kw):
+    engine = VerificationEngine(target, EngineConfig(seed=3 if kw.get("seed") is None else kw["seed"], prefill_chunk=prefill_chunk))
     config = LocalConfig(policy=policy, latency=PROFILE if policy == "turbospec" else None, **kw)
     return LocalServing(engine, draft, config, clock or SimulatedClock(TARGET_COST, DRAFT_COST))
 
@@ -41,10 +41,13 @@ def drain(serving, max_steps=10_000):
     raise AssertionError("serving did not finish")
 
 
+@pytest.mark.parametrize("chunk", [None, 2])
 @pytest.mark.parametrize("policy", LOCAL_POLICIES)
-def test_greedy_outputs_equal_the_targets_own(models, policy):
+def test_greedy_outputs_equal_the_targets_own(models, policy, chunk):
+    """Also with chunked prefill (2 prompt tokens per step): requests draft from the step after
+    their prompt is in, next to others that already do."""
     target, draft = models
-    serving = serve(target, draft, policy, max_requests=4, budget=12, k=3, extra=2)
+    serving = serve(target, draft, policy, prefill_chunk=chunk, max_requests=4, budget=12, k=3, extra=2)
     slos = [None, 5.0, 50.0, None, 1.0, 20.0]
     ids = [serving.submit(p, max_new_tokens=10 + i, tpot_slo_ms=slo) for i, (p, slo) in enumerate(zip(PROMPTS, slos))]
     reports = drain(serving)
@@ -59,6 +62,9 @@ def test_greedy_outputs_equal_the_targets_own(models, policy):
         assert stats["accepted"] > 0  # speculation really happened
     assert max(r.requests for r in reports) == 4  # continuous batching: up to max_requests together
     assert stats["emitted"] == sum(10 + i for i in range(len(PROMPTS)))
+    if chunk is not None:
+        assert max(r.round.prefill_tokens for r in reports) == chunk
+        assert any(r.round.prefill_tokens and r.requests for r in reports)  # chunks next to drafting requests
 
 
 def test_adaserve_really_verifies_trees(models):

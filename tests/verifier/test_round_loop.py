@@ -116,3 +116,30 @@ def test_async_never_waits_for_a_frozen_drafter(models):
 def test_unknown_round_mode_is_refused():
     with pytest.raises(ValueError, match="rounds must be one of"):
         ServerConfig(rounds="lockstep")
+
+
+@pytest.mark.parametrize("rounds", ["sync", "async"])
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_drafting(models, rounds):
+    """Chunked prefill through the service: a 300-token prompt arrives while another drafter is
+    generating. Its StartRequest returns once the steps have prefilled it; no step carries more
+    than one chunk; the other drafter's rounds go on meanwhile (rounds carrying chunks verify its
+    drafts); both outputs are the target's greedy decoding."""
+    target, draft = models
+    chunk, long_prompt = 16, [(7 * i) % 47 + 1 for i in range(300)]
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4, prefill_chunk=chunk))
+    outputs = {}
+    with ServerThread(engine, rounds=rounds, round_deadline_ms=1000) as server:
+        joined = threading.Event()
+        steady = threading.Thread(target=generate, args=(server.address, "steady", draft, [[1, 2, 3]], 200, outputs, joined))
+        steady.start()
+        assert joined.wait(60)
+        generate(server.address, "long", draft, [long_prompt], 20, outputs)
+        steady.join(120)
+        records = [RoundRecord.from_event(e) for e in server.events("round")]
+        prefill_only = server.events("prefill")
+    assert outputs["long"] == [greedy_reference(target, long_prompt, 20)]
+    assert outputs["steady"] == [greedy_reference(target, [1, 2, 3], 200)]
+    assert all(r.prefill_tokens <= chunk for r in records) and all(e["tokens"] <= chunk for e in prefill_only)
+    assert sum(r.prefill_tokens for r in records) + sum(e["tokens"] for e in prefill_only) == len(long_prompt) - 1 + 2  # + steady's
+    steady_with_chunk = [r for r in records if r.prefill_tokens and any(d.name == "steady" for d in r.drafters)]
+    assert steady_with_chunk, "no round verified the steady drafter next to a prompt chunk"

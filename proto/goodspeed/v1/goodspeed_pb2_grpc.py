@@ -96,6 +96,9 @@ class VerifierServicer:
 
     def StartRequest(self, request, context):
         """Begin a request: the verifier prefills the prompt and replies with the first draft length.
+        A verifier with chunked prefill (--prefill-chunk) packs the prompt, a chunk per step, into
+        its verification steps and replies once the last chunk is in: a long prompt takes several
+        steps, and the other drafters' rounds go on meanwhile. The messages are unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
