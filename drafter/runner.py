@@ -128,11 +128,11 @@ class DraftRunner:
 
     def _feed(self) -> list[int]:
         """The tokens to feed before sampling the next continuation token (all but cached)."""
-        text = self.committed + self.ahead
-        pending = len(text) - 1
+        pending = len(self.committed) + len(self.ahead) - 1
         if self.cached_len > pending:
             self.cache.crop(pending - self.cached_len)
-        return text[self.cached_len :]
+        start = self.cached_len  # O(new tokens): the committed text is not copied
+        return self.committed[start:] + self.ahead[max(0, start - len(self.committed)) :]
 
     def _truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` continuation tokens (and no KV past them)."""

@@ -141,7 +141,8 @@ class DraftAllotments:
         goodput = self.device_goodput(participants, goodput)
         measured, stale = self.estimator.evidence(participants)
         inputs = AllocationInputs(list(participants), acceptance, goodput, budget, np.asarray(caps, dtype=np.int64),
-                                  round_index, self.rng, measured, stale, self.period_arrays(participants))
+                                  round_index, self.rng, measured, stale,
+                                  self.period_arrays(participants) if getattr(self.policy, "uses_periods", False) else None)
         lengths = np.asarray(self.policy.allocate(inputs), dtype=np.int64)
         for sid, length in zip(participants, lengths.tolist()):
             self._entries[sid].allotted = length

@@ -54,6 +54,7 @@ class AllocationInputs:
 
 class DraftLengthPolicy(Protocol):
     name: str
+    uses_periods: bool  # it reads AllocationInputs.periods (only then are they computed each round)
 
     def allocate(self, inputs: AllocationInputs) -> np.ndarray: ...
 
@@ -61,6 +62,8 @@ class DraftLengthPolicy(Protocol):
 
 
 class _Stateless:
+    uses_periods = False
+
     def observe(self, drafter_ids: Sequence[str], drafted: np.ndarray, accepted: np.ndarray) -> None:
         return None
 
@@ -139,6 +142,7 @@ class TimeAwareGoodSpeedPolicy(GoodSpeedPolicy):
     length) it is the default ``goodspeed``."""
 
     name = "goodspeed-time"
+    uses_periods = True
 
     def __init__(self, patience: int = 4) -> None:
         super().__init__("log", patience)

@@ -179,7 +179,7 @@ class VerificationEngine:
         chunks = self._chunks()
         if chunks:
             self._forward_rows([], chunks)
-        started = {sid: self.allotments.start(sid, self._sessions[sid].request.remaining) for sid in self._prefilled(chunks)}
+        started = self._start(self._prefilled(chunks))
         return PrefillStep(sum(len(c) for _, c in chunks), time.perf_counter() - t0, started)
 
     def _chunks(self) -> list[tuple[int, list[int]]]:
@@ -196,7 +196,8 @@ class VerificationEngine:
         return out
 
     def _prefilled(self, chunks: list[tuple[int, list[int]]]) -> list[str]:
-        """Keep the chunks' KV; returns the sessions whose prompt is now all in."""
+        """Keep the chunks' KV (right after the forward: slots move when a request ends); returns
+        the sessions whose prompt is now all in."""
         done = []
         for slot, chunk in chunks:
             self.cache.commit(slot, self.cache.lengths[slot], list(range(len(chunk))))
@@ -205,6 +206,10 @@ class VerificationEngine:
                 self._prefilling.remove(session_id)
                 done.append(session_id)
         return done
+
+    def _start(self, session_ids: list[str]) -> dict[str, int]:
+        """Prefilled sessions join drafting: their first draft lengths."""
+        return {sid: self.allotments.start(sid, self._sessions[sid].request.remaining) for sid in session_ids}
 
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
         """Raise the error a request with this prompt and length would get (nothing changes)."""
@@ -336,7 +341,7 @@ class VerificationEngine:
             if periods and row.input.key in periods and not row.session.managed:
                 self.allotments.observe_period(row.input.key, row.draft.num_tokens, periods[row.input.key] + (t3 - t0))
         verdicts = self._schedule(outcomes)
-        started = {sid: self.allotments.start(sid, self._sessions[sid].request.remaining) for sid in prefilled}
+        started = self._start(prefilled)  # after scheduling: a new request gets what the others leave of C
         t4 = time.perf_counter()
         self.round_index += 1
         q_len = max((len(r.tokens) for r in rows), default=0)

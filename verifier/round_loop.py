@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from goodspeed.api.metrics import RequestTimer, finished_reason
 from goodspeed.verifier import errors
 from goodspeed.verifier.auth import Identity
-from goodspeed.verifier.records import ROUND_MODES, DrafterRound, LocalRound, RoundRecord
+from goodspeed.verifier.records import DrafterRound, LocalRound, RoundRecord
 from goodspeed.verifier.serde import verdict_to_pb
 
 MAX_FAILED_ROUNDS = 3  # consecutive failed rounds after which the round loop gives up (NOT_SERVING)
@@ -81,8 +81,6 @@ class RoundLoop:
     def __init__(self, engine, local, config, metrics, log, drafters: dict[str, Drafter],
                  call: Callable[..., Awaitable], drop: Callable[[str, str], Awaitable[None]],
                  end_request: Callable[[Drafter, str], None], update_gauges: Callable[[], None]) -> None:
-        if config.rounds not in ROUND_MODES:
-            raise ValueError(f"rounds must be one of {ROUND_MODES}, got {config.rounds!r}")
         self.engine, self.local, self.config, self.metrics, self.log = engine, local, config, metrics, log
         self.drafters, self.call, self.drop = drafters, call, drop
         self.end_request, self.update_gauges = end_request, update_gauges
@@ -172,12 +170,7 @@ class RoundLoop:
             if self._starting and not self._queued:  # nothing to verify: the engine prefills
                 await self._prefill()
                 continue
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), sweep_every_s)
-            except asyncio.TimeoutError:
-                continue
-            self._wakeup.clear()
-            if not self._queued:
+            if not await self._woken(sweep_every_s) or not self._queued:
                 continue
             deadline = loop.time() + self.window_s
             chunked = False  # a prefill-only step ran while this round waited: the round carries no chunk
@@ -186,13 +179,19 @@ class RoundLoop:
                     await self._prefill()
                     chunked = True
                     continue
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), left)
-                except asyncio.TimeoutError:
+                if not await self._woken(left):
                     break
-                self._wakeup.clear()
             if self._queued:
                 await self._close(prefill=not chunked)
+
+    async def _woken(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a wake-up (and consume it); False if none came."""
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        self._wakeup.clear()
+        return True
 
     def _periods(self) -> dict[str, float]:
         """Each queued drafter's seconds since its last verdict (its period ends with this step)."""

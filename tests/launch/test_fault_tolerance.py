@@ -42,25 +42,44 @@ def exit_code(proc, timeout_s=120):
         pytest.fail(f"process {proc.args[5:9]} did not exit in {timeout_s} s\n{stacks}")
 
 
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+def write_prompts(tmp_path):
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    return prompt_file
+
+
+def wait_until(done, timeout_s, message):
+    """Poll ``done()`` (bounded): events, not wall-clock margins."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
+def start_then_fault(server, paths, tmp_path, procs) -> float:
+    """Start the killed, frozen and survivor drafters; once all three took part in a step,
+    SIGKILL one and SIGSTOP another; returns when (wall clock)."""
+    prompt_file = write_prompts(tmp_path)
+    for name in ("killed", "frozen", "survivor"):
+        procs[name] = start_drafter(server.address, paths["draft"], prompt_file, tmp_path / f"{name}.jsonl", name, 120)
+    wait_until(lambda: {"killed", "frozen", "survivor"} <= {d["name"] for r in server.events("round") for d in r["drafters"]},
+               120, "drafters never all took part in a step")
+    procs["killed"].send_signal(signal.SIGKILL)
+    procs["frozen"].send_signal(signal.SIGSTOP)
+    return time.time()
+
+
 def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path):
     _, paths = model_dirs
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    prompt_file = tmp_path / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
     target32 = tiny_llama(0, vocab=VOCAB, dtype=torch.float32)  # the saved target's weights, as the drafters load them
     engine = VerificationEngine(target32, EngineConfig(budget=12, max_draft_len=4))
     procs = {}
     with ServerThread(engine, round_deadline_ms=DEADLINE_MS, max_missed_rounds=2) as server:
         try:
-            for name in ("killed", "frozen", "survivor"):
-                procs[name] = start_drafter(server.address, paths["draft"], prompt_file, tmp_path / f"{name}.jsonl", name, 120)
-            deadline = time.monotonic() + 120
-            while {"killed", "frozen", "survivor"} - {d["name"] for r in server.events("round") for d in r["drafters"]}:
-                assert time.monotonic() < deadline, "drafters never all took part in a round"
-                time.sleep(0.05)
-            procs["killed"].send_signal(signal.SIGKILL)
-            procs["frozen"].send_signal(signal.SIGSTOP)
-            faults_at = time.time()
+            faults_at = start_then_fault(server, paths, tmp_path, procs)
             assert exit_code(procs["survivor"]) == 0
             rounds = [r for r in server.events("round") if r["ts"] > faults_at]
             drops = {e["name"]: e for e in server.events("drop")}
@@ -81,7 +100,7 @@ def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path
                     p.kill()
     for name in ("survivor", "frozen"):
         records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-        assert [r["token_ids"] for r in records] == [greedy_reference(target32, p, 120) for p in prompts], name
+        assert [r["token_ids"] for r in records] == [greedy_reference(target32, p, 120) for p in PROMPTS], name
     assert sum(r["repairs"] for r in map(json.loads, (tmp_path / "frozen.jsonl").read_text().splitlines())) >= 1
 
 
@@ -90,28 +109,16 @@ def test_async_rounds_never_wait_on_killed_or_frozen_drafters(model_dirs, tmp_pa
     at once — the killed node leaves when its stream closes, the frozen one by the idle timeout,
     and the survivor keeps getting verdicts meanwhile (asserted on events, not wall-clock gaps)."""
     _, paths = model_dirs
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    prompt_file = tmp_path / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
     target32 = tiny_llama(0, vocab=VOCAB, dtype=torch.float32)
     engine = VerificationEngine(target32, EngineConfig(budget=12, max_draft_len=4))
     procs = {}
     with ServerThread(engine, rounds="async", round_deadline_ms=60000, idle_timeout_s=4.0) as server:
         try:
-            for name in ("killed", "frozen", "survivor"):
-                procs[name] = start_drafter(server.address, paths["draft"], prompt_file, tmp_path / f"{name}.jsonl", name, 120)
-            deadline = time.monotonic() + 120
-            while {"killed", "frozen", "survivor"} - {d["name"] for r in server.events("round") for d in r["drafters"]}:
-                assert time.monotonic() < deadline, "drafters never all took part in a step"
-                time.sleep(0.05)
-            procs["killed"].send_signal(signal.SIGKILL)
-            procs["frozen"].send_signal(signal.SIGSTOP)
-            faults_at = time.time()
+            faults_at = start_then_fault(server, paths, tmp_path, procs)
             assert exit_code(procs["survivor"]) == 0
-            deadline = time.monotonic() + 30  # the survivor may finish before the idle timeout drops the frozen node
-            while {"killed", "frozen"} - {e["name"] for e in server.events("drop")}:
-                assert time.monotonic() < deadline, "the killed or frozen drafter was never dropped"
-                time.sleep(0.1)
+            # The survivor may finish before the idle timeout drops the frozen node.
+            wait_until(lambda: {"killed", "frozen"} <= {e["name"] for e in server.events("drop")}, 30,
+                       "the killed or frozen drafter was never dropped")
             events = server.events()
             drops = {e["name"]: e for e in events if e["event"] == "drop"}
             survivor_steps = [e for e in events if e["event"] == "round" and e["ts"] > faults_at
@@ -131,4 +138,4 @@ def test_async_rounds_never_wait_on_killed_or_frozen_drafters(model_dirs, tmp_pa
                     p.send_signal(signal.SIGCONT)
                     p.kill()
     records = [json.loads(line) for line in (tmp_path / "survivor.jsonl").read_text().splitlines()]
-    assert [r["token_ids"] for r in records] == [greedy_reference(target32, p, 120) for p in prompts]
+    assert [r["token_ids"] for r in records] == [greedy_reference(target32, p, 120) for p in PROMPTS]
