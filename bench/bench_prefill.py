@@ -10,10 +10,13 @@ plus any prefill the engine ran in between. Reported per mode (whole-prompt pref
 StartRequest, then each chunk size): the longest interval before the prompt arrived (baseline)
 and after it (until its prefill completed), the increase, and the cost of one chunk alone
 (a prefill-only step of that many tokens at the prompt's deepest context, median of 5); the
-goal is increase <= one chunk's cost. The slot cache's buffers hold every slot at the longest
-slot's capacity, doubled as it grows, so the steps where the prompt's slot doubles it also copy
-every slot's KV: the increase is also reported without those steps (``steady``), with their
-count. Also: the steps the prompt took to prefill and its time to its first round. torch runs on ``--threads`` threads (default 2) so runs compare.
+goal is increase <= one chunk's cost. A step where the slot cache's pool doubles its capacity
+copies every pooled slot's KV: the increase is also reported without those steps (``steady``),
+with their count (0 since per-slot KV sizing: the prompt's slot moves to buffers of its own
+instead, :mod:`goodspeed.lm.kv_slots`). Also: the steps the prompt took to prefill, its time to
+its first round, and the KV positions the cache reserves once it is in (``KV held``) against
+what a cache holding every slot at the longest slot's capacity would (``pool only``). torch runs
+on ``--threads`` threads (default 2) so runs compare.
 """
 
 from __future__ import annotations
@@ -82,10 +85,13 @@ def one_mode(target, drafters: int, chunk: int | None, prompt: int) -> dict:
         if not prefilling:
             break
     first_round_s = time.perf_counter() - arrived
+    longest = max(engine.cache.lengths)
+    pool_only = engine.cache.num_slots * 2 ** max(8, (longest - 1).bit_length())  # from 256, doubled to fit the longest
     return {"baseline_max_ms": max(intervals) * 1e3, "baseline_median_ms": statistics.median(intervals) * 1e3,
             "during_max_ms": max(during) * 1e3, "increase_ms": (max(during) - max(intervals)) * 1e3,
             "steady_increase_ms": (max(steady, default=0.0) - max(intervals)) * 1e3, "growth_steps": len(during) - len(steady),
-            "prefill_steps": steps, "time_to_first_round_ms": first_round_s * 1e3}
+            "prefill_steps": steps, "time_to_first_round_ms": first_round_s * 1e3,
+            "kv_positions": engine.cache.reserved_positions, "kv_positions_pool_only": pool_only}
 
 
 def chunk_cost(target, chunk: int, prompt: int) -> float:
@@ -122,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{args.drafters} drafters x S={S}, prefix {PREFIX}; a {args.prompt}-token prompt arrives after {WARM_ROUNDS} rounds")
     print(f"{'mode':<10} {'base max':>8} {'during max':>10} {'increase':>8} {'steady':>7} {'growths':>7} {'1 chunk':>7} "
-          f"{'steps':>5} {'to 1st round':>12}  (ms)")
+          f"{'steps':>5} {'to 1st round':>12}  (ms)  {'KV held':>8} {'pool only':>9}  (positions per layer)")
     for mode, r in report.items():
         cost = f"{r['chunk_cost_ms']:.1f}" if "chunk_cost_ms" in r else "-"
         print(f"{mode:<10} {r['baseline_max_ms']:>8.1f} {r['during_max_ms']:>10.1f} {r['increase_ms']:>8.1f} "
-              f"{r['steady_increase_ms']:>7.1f} {r['growth_steps']:>7} {cost:>7} {r['prefill_steps']:>5} {r['time_to_first_round_ms']:>12.1f}")
+              f"{r['steady_increase_ms']:>7.1f} {r['growth_steps']:>7} {cost:>7} {r['prefill_steps']:>5} {r['time_to_first_round_ms']:>12.1f}        "
+              f"{r['kv_positions']:>8} {r['kv_positions_pool_only']:>9}")
     return 0
 
 

@@ -14,7 +14,9 @@ Attention alone works in the padded ``[rows, q_len]`` layout the slot cache's KV
 SDPA call per :class:`~goodspeed.lm.kv_slots.AttentionGroup`: the queries are gathered into it,
 SDPA runs with the rows' masks, and the outputs are scattered back to the packed tokens. A prompt
 chunk (chunked prefill) is a group of its own, so its hundreds of queries do not pad the
-verification rows' few. Exact: every real query sees the same keys under the same
+verification rows' few; so is a row whose slot keeps its KV in buffers of its own (a slot far
+longer than the others), whose keys come from :meth:`~goodspeed.lm.kv_slots.SlotKVCache.own_view`
+(the attention module's ``layer_idx`` names the layer). Exact: every real query sees the same keys under the same
 mask as in the padded forward; only the padding's wasted compute in the rest of the model is gone.
 """
 
@@ -47,9 +49,13 @@ def gqa_sdpa_attention(
         for group in packed.groups:
             rows = group.rows.stop - group.rows.start
             flat = query[0, :, group.tokens] if group.gather is None else query[0].index_select(1, group.gather)
+            if group.own is None:
+                keys, values = key[group.rows, :, : group.kv_len], value[group.rows, :, : group.kv_len]
+            else:  # a slot with KV buffers of its own
+                keys, values = packed.cache.own_view(module.layer_idx, group.own, group.kv_len)
             part = F.scaled_dot_product_attention(
-                flat.reshape(heads, rows, group.q_len, dim).transpose(0, 1), key[group.rows, :, : group.kv_len],
-                value[group.rows, :, : group.kv_len], attn_mask=group.mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1)
+                flat.reshape(heads, rows, group.q_len, dim).transpose(0, 1), keys, values, attn_mask=group.mask,
+                dropout_p=dropout, scale=scaling, enable_gqa=groups > 1)
             part = part.transpose(1, 2).reshape(rows * group.q_len, heads, dim)
             if group.scatter is not None:
                 part = part.index_select(0, group.scatter)

@@ -2,12 +2,23 @@
 (the verifier's target and every batched draft model use it).
 
 DESIGN.md section 6: a round must cost O(new tokens), never O(prefix). Every layer keeps one
-buffer ``[num_slots, kv_heads, capacity, head_dim]``; a forward over all slots writes row ``b``'s
-new keys at ``lengths[b] ..`` and hands attention a view of the buffer (no copy), while an
-additive 4-D mask and explicit position ids keep each row to its own prefix. Rolling back
+*pool* buffer ``[num_slots, kv_heads, capacity, head_dim]``; a forward over all slots writes row
+``b``'s new keys at ``lengths[b] ..`` and hands attention a view of the buffer (no copy), while
+an additive 4-D mask and explicit position ids keep each row to its own prefix. Rolling back
 rejected positions is setting a length; a token tree's accepted path is moved onto consecutive
 positions (a copy of at most a few entries). Freeing a slot moves the last slot into the hole,
 so the live slots are always ``0 .. num_slots - 1``.
+
+KV memory per slot (packed forwards, :meth:`SlotKVCache.pack`): the pool holds every slot at one
+capacity, so a single long prompt would make every slot reserve its length, and each doubling
+would copy every slot's KV. The pool's capacity therefore doubles only while *most* of its slots
+need more than it holds; a slot that outgrows it on its own moves to a buffer of its own
+(``[1, kv_heads, own capacity, head_dim]``, doubled as that slot grows, copying only that slot),
+attended in its own SDPA call (:class:`AttentionGroup` ``own``). When the pool grows past such a
+slot's need, the slot moves back. So the pool's capacity stays within 2x what at least half its
+slots need, each slot of its own within 2x its own need, and a long prompt's growth never copies
+the other slots. The padded forwards (:meth:`SlotKVCache.prepare`: the reference path and the
+batched draft models) keep every slot in the pool.
 
 Buffers are created under ``torch.inference_mode`` (the engine's forward), so every method that
 moves entries runs in inference mode too. The object implements the two methods transformers' attention layers call on a cache
@@ -21,8 +32,25 @@ from dataclasses import dataclass
 import torch
 
 
+def _doubled(capacity: int, need: int) -> int:
+    while capacity < need:
+        capacity *= 2
+    return capacity
+
+
+@dataclass
+class _OwnBuffer:
+    """A slot's KV outside the pool: per layer ``[1, kv_heads, capacity, head_dim]`` (None until
+    a forward creates the layer's)."""
+
+    capacity: int
+    keys: list
+    values: list
+
+
 class SlotKVCache:
-    """Per-session target KV in shared per-layer buffers, grown by doubling."""
+    """Per-session target KV in shared per-layer buffers, grown by doubling; a slot far longer
+    than the others in a buffer of its own (see the module docstring)."""
 
     def __init__(self, num_layers: int, initial_capacity: int = 256) -> None:
         self.num_layers = num_layers
@@ -34,11 +62,27 @@ class SlotKVCache:
         self._write_pos: torch.Tensor | None = None  # [window_slots, q_len] positions of this forward
         self._rows = slice(0, 0)
         self._kv_len = 0
+        self._own: dict[int, _OwnBuffer] = {}  # slot -> its buffers, for slots outside the pool
+        self._pool_tokens: torch.Tensor | None = None  # packed tokens written to the pool (None: all of them)
+        self._own_writes: list[tuple[int, slice, int]] = []  # (slot, packed tokens, first position) outside the pool
 
     @property
     def capacity(self) -> int:
-        """Positions every slot's buffers hold (the longest slot's need, doubled as it grows)."""
+        """Positions the pool holds per slot (doubled while most of its slots need more)."""
         return self._capacity
+
+    @property
+    def own_slots(self) -> dict[int, int]:
+        """Slots with buffers of their own -> the positions those hold."""
+        return {slot: own.capacity for slot, own in self._own.items()}
+
+    @property
+    def reserved_positions(self) -> int:
+        """KV positions allocated per layer (pool rows x capacity + every own buffer): the memory
+        the cache holds, in units of one position's keys and values."""
+        pool = next((buf for buf in self.keys if buf is not None), None)
+        rows = pool.shape[0] * pool.shape[2] if pool is not None else 0
+        return rows + sum(own.capacity for own in self._own.values() if any(b is not None for b in own.keys))
 
     @property
     def num_slots(self) -> int:
@@ -53,10 +97,14 @@ class SlotKVCache:
         """Drop ``slot``; returns the index of the slot moved into its place (or None)."""
         last = self.num_slots - 1
         moved = None
+        self._own.pop(slot, None)
         if slot != last:
-            for buf in (*self.keys, *self.values):
-                if buf is not None and buf.shape[0] > last:
-                    buf[slot, :, : self.lengths[last]] = buf[last, :, : self.lengths[last]]
+            if last in self._own:  # its own buffers just change hands
+                self._own[slot] = self._own.pop(last)
+            else:
+                for buf in (*self.keys, *self.values):
+                    if buf is not None and buf.shape[0] > last:
+                        buf[slot, :, : self.lengths[last]] = buf[last, :, : self.lengths[last]]
             self.lengths[slot] = self.lengths[last]
             moved = last
         self.lengths.pop()
@@ -68,7 +116,7 @@ class SlotKVCache:
         so a steady load never reallocates; rows are bounded by the session limit and kept): one
         long prompt must not hold its KV-sized buffers after its session has left."""
         need = self._initial_capacity
-        while need < max(self.lengths, default=0):
+        while need < max((n for s, n in enumerate(self.lengths) if s not in self._own), default=0):
             need *= 2
         rows = self.num_slots
         if self._capacity < 4 * need and (rows or self._capacity == self._initial_capacity):
@@ -84,8 +132,11 @@ class SlotKVCache:
         positions per slot at its committed length plus ``offset`` (scratch entries beyond the
         committed length, e.g. the draft's beam-search tree); returns the key length attention
         will see."""
+        if self._own:
+            raise RuntimeError("a padded forward cannot take slots with buffers of their own (those come from pack())")
         lengths = self.lengths[rows]
         self._rows = rows
+        self._pool_tokens, self._own_writes = None, []
         self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + offset + torch.arange(q_len)
         self._write_rows = torch.arange(rows.start, rows.stop).unsqueeze(1).expand_as(self._write_pos)
         self._kv_len = max(lengths) + offset + q_len
@@ -101,78 +152,180 @@ class SlotKVCache:
         runs per :class:`AttentionGroup`, gathering its rows' queries into a padded layout and
         scattering the outputs back.
 
-        ``solo``: rows attended on their own (a prompt chunk: hundreds of tokens that would pad
-        every short verification row to their length); the others share one group. Solo rows come
-        first in the packed order, so the others' tokens are the last ``PackedRows.keep`` (the
-        only ones whose logits anyone reads)."""
-        lengths, sizes = self.lengths[rows], [len(t) for t in tokens]
+        ``solo``: rows attended on their own whose logits nobody reads (a prompt chunk: hundreds of
+        tokens that would pad every short verification row to their length). A row whose slot has
+        a buffer of its own (see the module docstring; decided here, from what this forward writes)
+        is attended on its own too, with logits. The others share one group. The packed order is
+        solo rows, own-buffer rows, then the shared group, so the rows with logits are the last
+        ``PackedRows.keep`` tokens."""
+        sizes = [len(t) for t in tokens]
+        self._place({rows.start + r: self.lengths[rows.start + r] + n for r, n in enumerate(sizes) if n})
+        lengths = self.lengths[rows]
         alone = sorted(set(solo))
-        shared = [r for r in range(len(tokens)) if r not in alone]
-        order = alone + shared
+        own = [r for r in range(len(tokens)) if sizes[r] and r not in alone and rows.start + r in self._own]
+        shared = [r for r in range(len(tokens)) if r not in alone and r not in own]
+        order = alone + own + shared
         starts, total = [0] * len(tokens), 0
         for r in order:
             starts[r], total = total, total + sizes[r]
-        q_len = max((sizes[r] for r in shared), default=0)
-        keep = sum(sizes[r] for r in shared)
+        keep = sum(sizes[r] for r in own + shared)
+        in_pool = [r for r in order if sizes[r] and rows.start + r not in self._own]
         self._rows = rows
-        self._write_rows = torch.tensor([rows.start + r for r in order for _ in range(sizes[r])], dtype=torch.long).unsqueeze(0)
-        self._write_pos = torch.tensor([lengths[r] + i for r in order for i in range(sizes[r])], dtype=torch.long).unsqueeze(0)
+        self._write_rows = torch.tensor([rows.start + r for r in in_pool for _ in range(sizes[r])], dtype=torch.long).unsqueeze(0)
+        self._write_pos = torch.tensor([lengths[r] + i for r in in_pool for i in range(sizes[r])], dtype=torch.long).unsqueeze(0)
+        self._own_writes = [(rows.start + r, slice(starts[r], starts[r] + sizes[r]), lengths[r])
+                            for r in order if sizes[r] and rows.start + r in self._own]
+        self._pool_tokens = None if not self._own_writes else torch.tensor(
+            [starts[r] + i for r in in_pool for i in range(sizes[r])], dtype=torch.long)
         ids = torch.tensor([tok for r in order for tok in tokens[r]], dtype=torch.long).unsqueeze(0).to(device)
-        positions = self._write_pos.clone()  # chains; tree rows get their depths below
+        positions = torch.tensor([lengths[r] + i for r in order for i in range(sizes[r])], dtype=torch.long).unsqueeze(0)
         groups = []
-        for r in alone:
+        for r in alone + own:  # chains and trees alike: the row's own mask and depths
             n, length = sizes[r], lengths[r]
             mask, pos = build_attention([length], [parents[r]], n, length + n, dtype, device)
             span = slice(starts[r], starts[r] + n)
             positions[0, span] = pos[0].cpu()
-            groups.append(AttentionGroup(slice(r, r + 1), n, length + n, mask, span, None, None, span))
+            slot = rows.start + r
+            groups.append(AttentionGroup(slice(r, r + 1), n, length + n, mask, span, None, None, span,
+                                         slot if slot in self._own else None))
+        q_len = max((sizes[r] for r in shared), default=0)
         if q_len:
-            # Keys up to the longest row with tokens here: a solo or idle row's pads attend to what is
-            # there (their outputs are dropped), so a long prompt's slot does not widen everyone's attention.
-            kv_len = max(lengths[r] + q_len for r in shared if sizes[r])
-            mask, pos = build_attention(lengths, [None if r in alone else parents[r] for r in range(len(tokens))],
+            # Keys up to the longest row's last new token: a real query never sees past it, and a pad
+            # (a short, solo, own or idle row's) attends to what is there (its output is dropped), so a
+            # long prompt's slot does not widen everyone's attention.
+            kv_len = max(lengths[r] + sizes[r] for r in shared if sizes[r])
+            mask, pos = build_attention(lengths, [None if r not in shared else parents[r] for r in range(len(tokens))],
                                         q_len, kv_len, dtype, device)
-            real = torch.arange(q_len) < torch.tensor([0 if r in alone else sizes[r] for r in range(len(tokens))]).unsqueeze(1)
-            span = slice(total - keep, total)
+            real = torch.arange(q_len) < torch.tensor([sizes[r] if r in shared else 0 for r in range(len(tokens))]).unsqueeze(1)
+            count = sum(sizes[r] for r in shared)
+            span = slice(total - count, total)
             if bool(real.all()):  # every row is q_len long: the packed order is the padded one
                 positions[0, span] = pos.reshape(-1).cpu()
                 groups.append(AttentionGroup(slice(0, len(tokens)), q_len, kv_len, mask, span, None, None, span))
             else:
                 scatter = real.view(-1).nonzero().view(-1)  # padded index of each real token, in row order
                 gather = torch.zeros(len(tokens) * q_len, dtype=torch.long)
-                gather[scatter] = torch.arange(total - keep, total)  # packed index of each padded query (pads: token 0)
+                gather[scatter] = torch.arange(total - count, total)  # packed index of each padded query (pads: token 0)
                 positions[0, span] = pos.reshape(-1).cpu()[scatter]
                 groups.append(AttentionGroup(slice(0, len(tokens)), q_len, kv_len, mask, None, gather.to(device),
                                              scatter.to(device), span))
-        self._kv_len = max(g.kv_len for g in groups)
-        while self._kv_len > self._capacity:
-            self._capacity *= 2
-        return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, q_len, keep)
+        self._kv_len = max((g.kv_len for g in groups if g.own is None), default=0)  # the pool view attention reads
+        logit_rows = max((sizes[r] for r in own + shared), default=0)
+        return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, logit_rows, keep, self)
+
+    # --------------------------------------------------------------- where each slot's KV lives
+
+    def _place(self, needs: dict[int, int]) -> None:
+        """Before a packed forward: size the pool and the own buffers for ``needs`` (slot ->
+        positions it will hold after this forward). The pool doubles while most of its slots need
+        more than it holds (a single slot: always); a slot that still does not fit gets a buffer of
+        its own; own buffers double as their slot needs; the pool takes back slots it now fits."""
+        def need(slot: int) -> int:
+            return max(self.lengths[slot], needs.get(slot, 0))
+
+        pooled = [s for s in range(self.num_slots) if s not in self._own]
+        capacity = self._capacity
+        while 2 * sum(need(s) > capacity for s in pooled) > len(pooled):
+            capacity *= 2
+        if capacity != self._capacity:
+            self._capacity = capacity
+            self._resize_pool(self.num_slots)
+            for slot in [s for s in self._own if need(s) <= capacity]:
+                self._rehome(slot)
+        for slot in pooled:
+            if need(slot) > capacity:
+                self._own[slot] = _OwnBuffer(_doubled(capacity, need(slot)), [None] * self.num_layers, [None] * self.num_layers)
+                self._fill_own(slot, self.keys, self.values, pool=True)
+        for slot, own in self._own.items():
+            if need(slot) > own.capacity:
+                own.capacity = _doubled(own.capacity, need(slot))
+                self._fill_own(slot, own.keys, own.values, pool=False)
+
+    @torch.inference_mode()
+    def _fill_own(self, slot: int, keys: list, values: list, pool: bool) -> None:
+        """(Re)allocate ``slot``'s own buffers at its capacity, copying its committed entries from
+        ``keys``/``values`` (the pool's rows, or its previous own buffers)."""
+        own, length = self._own[slot], self.lengths[slot]
+        for source, target in ((keys, own.keys), (values, own.values)):
+            for layer, buf in enumerate(source):
+                if buf is None:
+                    continue
+                grown = buf.new_zeros((1, buf.shape[1], own.capacity, buf.shape[3]))
+                if length:  # a new slot (nothing committed yet) may have no pool row so far
+                    grown[0, :, :length] = buf[slot, :, :length] if pool else buf[0, :, :length]
+                target[layer] = grown
+
+    @torch.inference_mode()
+    def _rehome(self, slot: int) -> None:
+        """Move ``slot``'s committed entries from its own buffers back into the pool."""
+        own, length = self._own.pop(slot), self.lengths[slot]
+        for source, pool in ((own.keys, self.keys), (own.values, self.values)):
+            for layer, buf in enumerate(source):
+                if buf is not None and pool[layer] is not None:
+                    pool[layer][slot, :, :length] = buf[0, :, :length]
+
+    @torch.inference_mode()
+    def _resize_pool(self, slots: int) -> None:
+        """Grow every existing pool buffer to ``slots`` rows (at least) and the pool's capacity now."""
+        for which in (self.keys, self.values):
+            for layer, buf in enumerate(which):
+                if buf is not None:
+                    which[layer] = self._grown(buf, slots)
+
+    def _grown(self, buf: torch.Tensor, slots: int) -> torch.Tensor:
+        have = buf.shape[0]
+        rows = have if slots <= have else max(slots, 2 * have)
+        grown = buf.new_zeros((rows, buf.shape[1], self._capacity, buf.shape[3]))
+        grown[:have, :, : buf.shape[2]] = buf  # scratch entries too (the draft models' beam trees read them)
+        return grown
+
+    def committed_kv(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slot``'s committed keys and values ``[kv_heads, length, head_dim]``, wherever they live."""
+        own, length = self._own.get(slot), self.lengths[slot]
+        if own is not None:
+            return own.keys[layer][0, :, :length], own.values[layer][0, :, :length]
+        return self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length]
+
+    def own_view(self, layer: int, slot: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slot``'s own keys and values ``[1, kv_heads, kv_len, head_dim]`` (what attention reads
+        for a group whose ``own`` is that slot)."""
+        own = self._own[slot]
+        return own.keys[layer][:, :, :kv_len], own.values[layer][:, :, :kv_len]
 
     def _buffer(self, layer: int, like: torch.Tensor, which: list, slots: int) -> torch.Tensor:
         buf = which[layer]
-        _, heads, _, dim = like.shape
-        if buf is None or buf.shape[0] < slots or buf.shape[2] < self._capacity:
-            have = buf.shape[0] if buf is not None else 0
-            rows = have if slots <= have else max(slots, 2 * have)
-            grown = like.new_zeros((rows, heads, self._capacity, dim))
-            if buf is not None:
-                grown[: buf.shape[0], :, : buf.shape[2]] = buf
-            which[layer] = buf = grown
+        if buf is None:
+            _, heads, _, dim = like.shape
+            which[layer] = buf = like.new_zeros((slots, heads, self._capacity, dim))
+        elif buf.shape[0] < slots or buf.shape[2] < self._capacity:
+            which[layer] = buf = self._grown(buf, slots)
         return buf
 
+    def _own_buffer(self, layer: int, slot: int, like: torch.Tensor, which: str) -> torch.Tensor:
+        own = self._own[slot]
+        bufs = getattr(own, which)
+        if bufs[layer] is None:  # the slot's first forward since the cache was made
+            bufs[layer] = like.new_zeros((1, like.shape[1], own.capacity, like.shape[3]))
+        return bufs[layer]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write ``[num_slots, heads, q_len, dim]`` new keys/values; return views of all keys/values
-        ``[num_slots, heads, kv_len, dim]`` for attention."""
+        """Write ``[num_slots, heads, q_len, dim]`` new keys/values (packed: ``[1, heads, T, dim]``);
+        return views of the pool's keys/values ``[num_slots, heads, kv_len, dim]`` for attention
+        (own buffers are read through :meth:`own_view`)."""
         if self._write_pos is None:
             raise RuntimeError("SlotKVCache.prepare() must run before a forward")
         start, stop = self._rows.start, self._rows.stop
         if self._write_pos.device != key_states.device:  # once per forward, not per layer
             self._write_pos, self._write_rows = self._write_pos.to(key_states.device), self._write_rows.to(key_states.device)
+            if self._pool_tokens is not None:
+                self._pool_tokens = self._pool_tokens.to(key_states.device)
         out = []
-        for states, which in ((key_states, self.keys), (value_states, self.values)):
+        for states, which, name in ((key_states, self.keys, "keys"), (value_states, self.values, "values")):
             buf = self._buffer(layer_idx, states, which, stop)
-            buf[self._write_rows, :, self._write_pos] = states.transpose(1, 2)
+            pooled = states if self._pool_tokens is None else states.index_select(2, self._pool_tokens)
+            buf[self._write_rows, :, self._write_pos] = pooled.transpose(1, 2)
+            for slot, span, first in self._own_writes:
+                self._own_buffer(layer_idx, slot, states, name)[0, :, first : first + span.stop - span.start] = states[0, :, span]
             out.append(buf[start:stop, :, : self._kv_len])
         return out[0], out[1]
 
@@ -187,9 +340,11 @@ class SlotKVCache:
         if moves:
             dst = torch.tensor([base + d for d, _ in moves])
             src = torch.tensor([base + s for _, s in moves])
-            for buf in (*self.keys, *self.values):
+            own = self._own.get(slot)
+            bufs, row = ((*own.keys, *own.values), 0) if own is not None else ((*self.keys, *self.values), slot)
+            for buf in bufs:
                 if buf is not None:
-                    buf[slot, :, dst.to(buf.device)] = buf[slot, :, src.to(buf.device)]
+                    buf[row, :, dst.to(buf.device)] = buf[row, :, src.to(buf.device)]
         self.lengths[slot] = base + len(kept)
 
     def truncate(self, slot: int, length: int) -> None:
@@ -211,6 +366,7 @@ class AttentionGroup:
     gather: torch.Tensor | None  # [rows * q_len]: the packed token of each padded query (pads: token 0)
     scatter: torch.Tensor | None  # the padded query of each real token (None: no pads)
     dest: slice  # the packed tokens the group's real queries answer for, in row order
+    own: int | None = None  # the slot whose own buffers hold the keys (None: the pool's rows)
 
 
 @dataclass(frozen=True)
@@ -222,18 +378,19 @@ class PackedRows:
     groups: tuple[AttentionGroup, ...]
     starts: list[int]  # row r's tokens are input_ids[0, starts[r] : starts[r] + sizes[r]]
     sizes: list[int]
-    q_len: int  # the longest non-solo row
-    keep: int  # the non-solo rows' tokens: the last ``keep`` of the forward, the ones with logits
+    q_len: int  # the longest row with logits
+    keep: int  # the tokens with logits (every row but the solo ones): the last ``keep`` of the forward
+    cache: "SlotKVCache | None" = None  # where a group with ``own`` reads its keys (SlotKVCache.own_view)
 
     @property
     def mask(self) -> torch.Tensor:
-        """The non-solo rows' mask (what a caller passes as ``attention_mask``; attention reads the groups)."""
+        """The shared group's mask (what a caller passes as ``attention_mask``; attention reads the groups)."""
         return self.groups[-1].mask
 
     def padded(self, packed: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``[1, T', ...]`` per-token values (e.g. logits) of the last ``T'`` tokens (all of them,
-        or the ``keep`` non-solo ones) -> ``[len(rows), q_len, ...]`` for the non-solo window rows
-        ``rows``; pad positions repeat the row's last token."""
+        or the ``keep`` ones with logits) -> ``[len(rows), q_len, ...]`` for the window rows
+        ``rows`` (not solo ones); pad positions repeat the row's last token."""
         offset = self.input_ids.shape[1] - packed.shape[1]
         first = torch.tensor([self.starts[r] - offset for r in rows]).unsqueeze(1)
         last = torch.tensor([self.starts[r] + self.sizes[r] - 1 - offset for r in rows]).unsqueeze(1)
@@ -319,6 +476,7 @@ def build_attention(
         anc = ancestor_matrix(tree, q_len).to(device)  # [q_len, q_len]
         length = lengths[row]
         allowed[row] = key[0] < length
-        allowed[row, :, length : length + q_len] |= anc
+        width = min(q_len, kv_len - length)  # keys may stop at the row's last real token (packed groups)
+        allowed[row, :, length : length + width] |= anc[:, :width]
         positions[row] = length + anc.sum(dim=1) - 1  # depth = number of ancestors
     return additive_mask(allowed, dtype, device), positions

@@ -106,9 +106,15 @@ def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
         for mode, cache in caches.items():
             for slot, t in enumerate(tokens):
                 cache.commit(slot, cache.lengths[slot], list(range(len(t))))
-        for layer in range(2):
-            for slot, length in enumerate(caches["packed"].lengths):
-                assert torch.allclose(caches["packed"].keys[layer][slot, :, :length], caches["padded"].keys[layer][slot, :, :length], atol=1e-9)
+        _assert_same_kv(caches["packed"], caches["padded"])
+
+
+def _assert_same_kv(got: SlotKVCache, want: SlotKVCache) -> None:
+    assert got.lengths == want.lengths
+    for layer in range(got.num_layers):
+        for slot in range(got.num_slots):
+            for mine, theirs in zip(got.committed_kv(layer, slot), want.committed_kv(layer, slot)):
+                assert torch.allclose(mine, theirs, atol=1e-9)
 
 
 def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged():
@@ -143,8 +149,54 @@ def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged():
         for cache in caches.values():
             for slot, t in enumerate(tokens):
                 cache.commit(slot, cache.lengths[slot], list(range(len(t))))
-        for layer in range(2):
-            for slot, length in enumerate(caches["packed"].lengths):
-                for which in ("keys", "values"):
-                    got, want = getattr(caches["packed"], which)[layer], getattr(caches["padded"], which)[layer]
-                    assert torch.allclose(got[slot, :, :length], want[slot, :, :length], atol=1e-9)
+        _assert_same_kv(caches["packed"], caches["padded"])
+
+
+def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own():
+    """Per-slot KV sizing: a slot that alone outgrows the pool moves to buffers of its own (grown
+    with it, copying only it) while the pool keeps its capacity; the pool doubles once most of its
+    slots need more, and takes back an own slot it now fits. Through chains, a tree on an own slot
+    with its accepted path moved, a chunk, and freeing an own slot, the packed cache's logits and
+    KV equal the padded reference's (which holds every slot at the longest one's capacity), and it
+    reserves less."""
+    from goodspeed.lm.attention import use_gqa_attention
+    from modelkit import tiny_llama
+
+    model = tiny_llama(3)
+    use_gqa_attention(model)
+    caches = {mode: SlotKVCache(num_layers=2, initial_capacity=8) for mode in ("padded", "packed")}
+    packed = caches["packed"]
+    for cache in caches.values():
+        for _ in range(4):
+            cache.add_slot()
+
+    def step(tokens, parents=None, kept=None):
+        parents = parents or [None] * len(tokens)
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed") for mode, cache in caches.items()}
+        for r, row in enumerate(r for r, t in enumerate(tokens) if t):
+            n = len(tokens[row])
+            assert torch.allclose(out["packed"][r, :n], out["padded"][r, :n], atol=1e-9, rtol=0)
+        for cache in caches.values():
+            for slot, t in enumerate(tokens):
+                cache.commit(slot, cache.lengths[slot], (kept or {}).get(slot, list(range(len(t)))))
+        _assert_same_kv(packed, caches["padded"])
+
+    step([list(range(1, 31)), [2, 3], [4], [5, 6, 7]])  # slot 0: 30 tokens, the others 1-3
+    assert packed.capacity == 8 and packed.own_slots == {0: 32}
+    # A tree on the own slot (tokens 0, 2, 4 accepted: moved onto consecutive positions) and chains.
+    step([[8, 9, 10, 11, 12], [13], [14, 15], []], [[-1, 0, 0, 1, 2], None, None, None], kept={0: [0, 2, 4]})
+    assert packed.lengths == [33, 3, 3, 3] and packed.own_slots == {0: 64}  # grown with its slot alone
+    step([[16], list(range(17, 27)), [27], [28]])  # slot 1 outgrows the pool alone: buffers of its own
+    assert packed.capacity == 8 and packed.own_slots == {0: 64, 1: 16}
+    step([[29], [30], [31] * 6, [32] * 6])  # slots 2 and 3 (the pool's majority) need 10: it doubles
+    assert packed.capacity == 16 and packed.own_slots == {0: 64}  # ... and takes slot 1 (14) back
+    assert packed.reserved_positions < caches["padded"].reserved_positions
+    for cache in caches.values():
+        cache.free_slot(0)  # the own slot leaves: slot 3 moves into its place
+    _assert_same_kv(packed, caches["padded"])
+    assert packed.own_slots == {}
+    step([[33, 34], [35], [36, 37, 38]])
+    step([list(range(40)), [1], [2]])
+    assert packed.own_slots == {0: 64}
+    with pytest.raises(RuntimeError, match="own"):  # padded forwards keep every slot in the pool
+        packed.prepare(1, slice(0, 3))

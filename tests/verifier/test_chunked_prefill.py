@@ -44,6 +44,34 @@ def test_greedy_output_is_the_targets_whatever_the_chunk(models, chunk, packed):
     assert engine.cache.num_slots == 0
 
 
+def test_a_long_prompt_among_short_ones_gets_kv_of_its_own_and_outputs_stay_the_targets(models):
+    """Per-slot KV sizing through the engine: a 300-token prompt, prefilled in chunks next to two
+    short drafters' rounds, outgrows the slot cache's pool alone, so its slot moves to buffers of
+    its own (the pool stays at 256); every output is still the target's greedy decoding."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=9, max_draft_len=4, seed=2, prefill_chunk=64))
+    long_prompt = [(7 * i) % 47 + 1 for i in range(300)]
+    drafters = [
+        InProcessDrafter("a", DraftRunner(draft), PROMPTS[:2], max_new_tokens=30),
+        InProcessDrafter("b", DraftRunner(draft), PROMPTS[2:4], max_new_tokens=30),
+        InProcessDrafter("long", DraftRunner(draft), [long_prompt], max_new_tokens=20, join_round=2),
+    ]
+    seen, run_round = [], engine.run_round
+
+    def watched(*args, **kwargs):
+        result = run_round(*args, **kwargs)
+        seen.append((dict(engine.cache.own_slots), engine.cache.capacity))
+        return result
+
+    engine.run_round = watched
+    run_inprocess(engine, drafters)
+    for d in drafters:
+        for prompt, out in zip(d.prompts, d.outputs):
+            assert out == greedy_reference(target, prompt, d.max_new_tokens), (d.name, len(prompt))
+    assert any(own for own, _ in seen), "the long prompt's slot never left the pool"
+    assert {capacity for _, capacity in seen} == {256}
+
+
 def _engine(models, chunk=4):
     target, _ = models
     return VerificationEngine(target, EngineConfig(budget=6, max_draft_len=3, seed=0, prefill_chunk=chunk))
