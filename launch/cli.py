@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from goodspeed.launch.spec import VerifierSpec
+from goodspeed.launch.spec import DTYPES, VerifierSpec, add_setting_flags
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
 
@@ -320,7 +320,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--seed", type=int, default=None,
                         help="root seed: every random stream of this process derives from it and its role and name "
                              "(default: fresh OS entropy, logged so the run can be replayed)")
@@ -349,55 +349,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> 
 
 def _add_serving_parsers(sub) -> None:
     ver = sub.add_parser("verifier", help="run the verification daemon (gRPC)")
-    ver.add_argument("--target", required=True, help="hub id, directory or demo:<name>")
-    ver.add_argument("--host", default="127.0.0.1")
-    ver.add_argument("--port", type=int, default=50051)
-    ver.add_argument("--budget", type=int, default=16, help="C: drafted tokens per round, all drafters together")
-    ver.add_argument("--policy", default="goodspeed", choices=sorted(POLICIES))
-    ver.add_argument("--eta", type=float, default=None,
-                     help="acceptance smoothing (eq. 3; default: the policy's, 0.1 for goodspeed, 0.2 for goodspeed-paper)")
-    ver.add_argument("--beta", type=float, default=0.5, help="goodput smoothing (eq. 4)")
-    ver.add_argument("--rounds", choices=ROUND_MODES, default="sync",
-                     help="sync: the paper's lockstep round; async: verify whatever drafts arrived whenever the engine is free")
-    ver.add_argument("--round-deadline-ms", type=float, default=250.0, help="close a round this long after its first draft")
-    ver.add_argument("--max-missed-rounds", type=int, default=3, help="drop a drafter after this many consecutive misses")
-    ver.add_argument("--idle-timeout-s", type=float, default=60.0, help="drop a session with a request in progress that sends nothing this long")
-    ver.add_argument("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM: let work in progress finish this long, then stop")
-    ver.add_argument("--max-message-bytes", type=int, default=32 * 1024 * 1024, help="largest gRPC message either way "
-                     "(a dense draft distribution is S x V floats)")
-    ver.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens per request "
-                     "(default: the target's max_position_embeddings)")
-    ver.add_argument("--max-drafters", type=int, default=64)
-    ver.add_argument("--max-draft-len", type=int, default=16, help="cap on any one drafter's S_i")
-    ver.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step, packed next to "
-                     "verification, so a long prompt delays others' rounds by one chunk at most (0: whole prompts at StartRequest)")
-    ver.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
-    ver.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default: loopback only)")
-    ver.add_argument("--http-port", type=int, default=None, help="serve the OpenAI-compatible API of local serving here "
-                                                                  "(/v1/chat/completions, /v1/completions, /v1/models, /metrics)")
-    ver.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API (default: loopback only)")
-    ver.add_argument("--auth-tokens", default=None, help="token file (`goodspeed tokens add`): every RPC but health needs a listed bearer token")
-    ver.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (with --tls-key)")
-    ver.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    ver.add_argument("--tls-client-ca", default=None, help="PEM CA: mutual TLS, clients must present a certificate it signed "
-                                                            "(its common name is the caller's identity without --auth-tokens)")
-    ver.add_argument("--insecure", action="store_true", help="accept plaintext on a non-loopback --host (refused otherwise)")
-    loc = ver.add_argument_group("local serving (Generate RPC)")
-    loc.add_argument("--local-draft", default=None, help="serve Generate requests, drafting with this model (hub id, directory or demo:<name>)")
-    loc.add_argument("--local-policy", default="chain",
-                     help="how local requests speculate: none, chain, tetris, adaserve, turbospec or nightjar "
-                          "(goodspeed.verifier.local.LOCAL_POLICY_CLASSES; checked before any model loads)")
-    loc.add_argument("--local-k", type=int, default=4, help="chain: tokens drafted per request; tetris: base length")
-    loc.add_argument("--local-extra", type=int, default=2, help="tetris: extra tokens drafted per request")
-    loc.add_argument("--local-capacity", type=int, default=None, help="tetris: draft tokens verified per iteration (default k x requests)")
-    loc.add_argument("--local-budget", type=int, default=32, help="adaserve: B, tree nodes per iteration, roots included")
-    loc.add_argument("--local-max-depth", type=int, default=6, help="adaserve: D_max")
-    loc.add_argument("--local-max-width", type=int, default=3, help="adaserve: W_max")
-    loc.add_argument("--local-max-k", type=int, default=6, help="turbospec / nightjar: largest k")
-    loc.add_argument("--latency-profile", default=None, help="turbospec: the JSON `goodspeed profile` wrote")
-    loc.add_argument("--max-local-requests", type=int, default=32, help="local requests decoded together; later ones wait")
-    loc.add_argument("--max-local-waiting", type=int, default=256, help="local requests queued behind those; more are refused (RESOURCE_EXHAUSTED)")
-    _add_model_args(ver)
+    add_setting_flags(ver)  # one flag per VerifierSpec setting (device, dtype and seed too): declared there, once
     ver.set_defaults(func=_verifier)
     dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
     dr.add_argument("--verifier", required=True, help="HOST:PORT")

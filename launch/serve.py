@@ -1,4 +1,10 @@
-"""``goodspeed verifier``: load the target, start the daemon, drain on SIGTERM/SIGINT."""
+"""``goodspeed verifier``: load the target, start the daemon, drain on SIGTERM/SIGINT.
+
+The engine, server and local-serving configs are composed from a :class:`VerifierSpec`: each
+setting lands where its declaration says (:meth:`VerifierSpec.routed`); this module handles only
+the settings that become something else (the models to load, the smoothing config from the
+policy, ``eta`` and ``beta``, the metrics endpoint, the latency profile, ``prefill_chunk = 0``
+meaning whole prompts, the daemon's default port)."""
 
 from __future__ import annotations
 
@@ -22,11 +28,8 @@ from goodspeed.verifier.tls import server_credentials
 def engine_config(opts: VerifierSpec) -> EngineConfig:
     """The engine's settings of a spec; bad ones fail here, before any model loads."""
     try:
-        return EngineConfig(
-            budget=opts.budget, policy=opts.policy, smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
-            max_drafters=opts.max_drafters, max_draft_len=opts.max_draft_len, max_seq_len=opts.max_seq_len, seed=opts.seed,
-            prefill_chunk=opts.prefill_chunk or None,
-        )
+        return EngineConfig(**opts.routed("engine"), smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
+                            prefill_chunk=opts.prefill_chunk or None)
     except ValueError as exc:
         raise SpecError(f"verifier: {exc}") from None
 
@@ -49,11 +52,7 @@ def local_config(opts: VerifierSpec) -> LocalConfig:
         except ValueError as exc:
             raise SpecError(f"{path}: {exc}") from None
     try:
-        return LocalConfig(
-            policy=opts.local_policy, k=opts.local_k, extra=opts.local_extra, capacity=opts.local_capacity, budget=opts.local_budget,
-            max_depth=opts.local_max_depth, max_width=opts.local_max_width, max_k=opts.local_max_k, latency=latency,
-            max_requests=opts.max_local_requests, max_waiting=opts.max_local_waiting, seed=opts.seed,
-        )
+        return LocalConfig(**opts.routed("local"), latency=latency)
     except ValueError as exc:
         raise SpecError(f"local serving: {exc}") from None
 
@@ -74,12 +73,7 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
     """The daemon's settings of a spec; bad ones (plaintext on a reachable host, half a TLS pair,
     an unreadable token file) fail here, before any model loads."""
     try:
-        config = ServerConfig(
-            host=opts.host, port=50051 if opts.port is None else opts.port, rounds=opts.rounds, round_deadline_ms=opts.round_deadline_ms,
-            max_missed_rounds=opts.max_missed_rounds, idle_timeout_s=opts.idle_timeout_s, drain_timeout_s=opts.drain_timeout_s,
-            max_message_bytes=opts.max_message_bytes, target_name=target_name,
-            auth_tokens=opts.auth_tokens, tls_cert=opts.tls_cert, tls_key=opts.tls_key, tls_client_ca=opts.tls_client_ca,
-            insecure=opts.insecure, http_port=opts.http_port, http_host=opts.http_host)
+        config = ServerConfig(**opts.routed("server"), port=50051 if opts.port is None else opts.port, target_name=target_name)
         server_credentials(config)  # the PEM files are readable
     except ValueError as exc:
         raise SpecError(str(exc)) from None

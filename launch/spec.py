@@ -32,6 +32,8 @@ from pathlib import Path
 
 from goodspeed.launch.links import LinkSpec
 from goodspeed.lm.seeding import resolve_root_seed
+from goodspeed.scheduler.policy import POLICIES
+from goodspeed.verifier.records import ROUND_MODES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,6 +58,7 @@ class SpecError(ValueError):
 
 
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")  # what --dtype accepts
 
 
 @dataclass(frozen=True)
@@ -81,84 +84,167 @@ def placement_of(spec: "VerifierSpec | DrafterSpec") -> Placement:
     return Placement(spec.num_cpus, spec.num_gpus, tuple(sorted((spec.resources or {}).items())), spec.node)
 
 
+def setting(default, help: str = "", to: str | tuple[str, ...] | None = None, cli_default=..., **flag):
+    """One ``goodspeed verifier`` setting, declared once: its spec key and flag (the field's name),
+    its default, its flag's ``help``, and where it lands: ``to`` names the library config fields
+    the daemon sets from it (``"engine.budget"``: ``EngineConfig.budget``; ``"server.*"``:
+    ``ServerConfig``; ``"local.*"``: ``LocalConfig``), or None for the few that
+    :mod:`goodspeed.launch.serve` turns into something else (the model to load, the smoothing
+    config, the metrics endpoint). ``cli_default``: the flag's default where it differs from the
+    spec's; ``flag``: extra ``argparse`` keywords (``choices``, ``required``). The flag, its help,
+    the launcher's argv and the configs the daemon runs on all follow from this one line
+    (``tests/launch/test_settings_sync.py``)."""
+    routes = () if to is None else (to,) if isinstance(to, str) else tuple(to)
+    if cli_default is not ...:
+        flag["default"] = cli_default
+    return field(default=default, metadata={"help": help, "to": routes, "flag": flag})
+
+
 @dataclass(frozen=True)
 class VerifierSpec:
-    """The verifier daemon's settings (``goodspeed verifier`` flags, a spec's ``[verifier]``)."""
+    """The verifier daemon's settings (``goodspeed verifier`` flags, a spec's ``[verifier]``); each
+    declared once, with :func:`setting`."""
 
-    target: str = "demo:target"
-    host: str = "127.0.0.1"
+    target: str = setting("demo:target", "hub id, directory or demo:<name>", required=True)
+    host: str = setting("127.0.0.1", "address the gRPC service listens on", to="server.host")
     # `goodspeed verifier` listens on 50051 by default; `goodspeed launch` on a free port unless a spec
     # sets one (e.g. a port a firewall opens on a Ray cluster), reading the bound port from the log.
-    port: int | None = None
-    budget: int = 16
-    policy: str = "goodspeed"
-    eta: float | None = None  # default: the policy's (scheduler.policy.default_eta)
-    beta: float = 0.5
-    rounds: str = "sync"  # sync: the paper's lockstep round; async: every drafter at its own cadence (verifier.round_loop)
-    round_deadline_ms: float = 250.0
-    max_missed_rounds: int = 3
-    idle_timeout_s: float = 60.0
-    drain_timeout_s: float = 30.0  # on SIGTERM: let rounds and local requests in progress finish this long
-    max_message_bytes: int = 32 * 1024 * 1024  # largest gRPC message either way (a dense q is S x V floats)
-    max_seq_len: int | None = None  # prompt + generated tokens per request (default: the target's max_position_embeddings)
-    max_drafters: int = 64
-    max_draft_len: int = 16
-    prefill_chunk: int = 512  # prompt tokens prefilled per step, next to verification (chunked prefill); 0: whole prompts
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int | None = None  # root seed (default: the spec's top-level seed)
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"  # the metrics endpoint stays on loopback unless told otherwise
-    http_port: int | None = None  # the OpenAI-compatible API of local serving (needs local_draft)
-    http_host: str = "127.0.0.1"
-    auth_tokens: str | None = None  # token file (goodspeed tokens add); `goodspeed launch` makes one per run if unset
-    tls_cert: str | None = None  # PEM certificate + key: serve TLS (`goodspeed launch` makes a CA per run if unset)
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # PEM: mutual TLS (clients need a certificate signed by it)
-    insecure: bool = False  # accept plaintext on a non-loopback host (refused otherwise)
+    port: int | None = setting(None, "gRPC port (`goodspeed launch`: a free one unless set)", cli_default=50051)
+    budget: int = setting(16, "C: drafted tokens per round, all drafters together", to="engine.budget")
+    policy: str = setting("goodspeed", "the draft-length policy", to="engine.policy", choices=sorted(POLICIES))
+    eta: float | None = setting(None, "acceptance smoothing (eq. 3; default: the policy's, 0.1 for goodspeed, "
+                                      "0.2 for goodspeed-paper)")
+    beta: float = setting(0.5, "goodput smoothing (eq. 4)")
+    rounds: str = setting("sync", "sync: the paper's lockstep round; async: verify whatever drafts arrived whenever the "
+                                  "engine is free (verifier.round_loop)", to="server.rounds", choices=ROUND_MODES)
+    round_deadline_ms: float = setting(250.0, "close a round this long after its first draft", to="server.round_deadline_ms")
+    max_missed_rounds: int = setting(3, "drop a drafter after this many consecutive misses", to="server.max_missed_rounds")
+    idle_timeout_s: float = setting(60.0, "drop a session with a request in progress that sends nothing this long",
+                                    to="server.idle_timeout_s")
+    stream_open_timeout_s: float = setting(10.0, "drop a session that opens no verdict stream this long after joining",
+                                           to="server.stream_open_timeout_s")
+    drain_timeout_s: float = setting(30.0, "on SIGTERM: let rounds and local requests in progress finish this long, then stop",
+                                     to="server.drain_timeout_s")
+    max_message_bytes: int = setting(32 * 1024 * 1024, "largest gRPC message either way (a dense draft distribution "
+                                                       "is S x V floats)", to="server.max_message_bytes")
+    max_seq_len: int | None = setting(None, "prompt + generated tokens per request (default: the target's "
+                                            "max_position_embeddings)", to="engine.max_seq_len")
+    max_drafters: int = setting(64, "edge drafters served at once", to="engine.max_drafters")
+    max_draft_len: int = setting(16, "cap on any one drafter's S_i", to="engine.max_draft_len")
+    prefill_chunk: int = setting(512, "prompt tokens prefilled per step, packed next to verification, so a long prompt "
+                                      "delays others' rounds by one chunk at most (0: whole prompts at StartRequest)")
+    device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
+    dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)
+    seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and name "
+                                     "(default: fresh OS entropy, logged so the run can be replayed; in a spec: the "
+                                     "spec's top-level seed)", to=("engine.seed", "local.seed"))
+    metrics_port: int | None = setting(None, "serve Prometheus metrics here")
+    metrics_host: str = setting("127.0.0.1", "address of the metrics endpoint (default: loopback only)")
+    http_port: int | None = setting(None, "serve the OpenAI-compatible API of local serving here (/v1/chat/completions, "
+                                          "/v1/completions, /v1/models, /metrics; needs --local-draft)", to="server.http_port")
+    http_host: str = setting("127.0.0.1", "address of the HTTP API (default: loopback only)", to="server.http_host")
+    auth_tokens: str | None = setting(None, "token file (`goodspeed tokens add`): every RPC but health needs a listed bearer "
+                                            "token (`goodspeed launch` makes one per run if unset)", to="server.auth_tokens")
+    tls_cert: str | None = setting(None, "PEM certificate: serve TLS (with --tls-key; `goodspeed launch` makes a CA per run "
+                                         "if unset)", to="server.tls_cert")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert", to="server.tls_key")
+    tls_client_ca: str | None = setting(None, "PEM CA: mutual TLS, clients must present a certificate it signed (its common "
+                                              "name is the caller's identity without --auth-tokens)", to="server.tls_client_ca")
+    insecure: bool = setting(False, "accept plaintext on a non-loopback --host (refused otherwise)", to="server.insecure")
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux), e.g. to keep drafters off the verifier's cores
     # Local serving (Generate RPC): the verifier's own draft model and how it speculates.
-    local_draft: str | None = None
-    local_policy: str = "chain"  # none, chain, tetris, adaserve, turbospec, nightjar
-    local_k: int = 4  # chain length (chain), base length (tetris)
-    local_extra: int = 2  # tetris: extra tokens drafted per request
-    local_capacity: int | None = None  # tetris: tokens verified per iteration (default k * requests)
-    local_budget: int = 32  # adaserve: B, tree nodes per iteration (roots included)
-    local_max_depth: int = 6  # adaserve: D_max
-    local_max_width: int = 3  # adaserve: W_max
-    local_max_k: int = 6  # turbospec / nightjar: largest k
-    latency_profile: str | None = None  # turbospec: the file `goodspeed profile` wrote
-    max_local_requests: int = 32  # local requests decoded together
-    max_local_waiting: int = 256  # local requests queued behind them; more get RESOURCE_EXHAUSTED
+    local_draft: str | None = setting(None, "serve Generate requests, drafting with this model (hub id, directory or demo:<name>)")
+    local_policy: str = setting("chain", "how local requests speculate: none, chain, tetris, adaserve, turbospec or nightjar "
+                                         "(goodspeed.verifier.local.LOCAL_POLICY_CLASSES; checked before any model loads)",
+                                to="local.policy")
+    local_k: int = setting(4, "chain: tokens drafted per request; tetris: base length", to="local.k")
+    local_extra: int = setting(2, "tetris: extra tokens drafted per request", to="local.extra")
+    local_capacity: int | None = setting(None, "tetris: draft tokens verified per iteration (default k x requests)",
+                                         to="local.capacity")
+    local_budget: int = setting(32, "adaserve: B, tree nodes per iteration, roots included", to="local.budget")
+    local_max_depth: int = setting(6, "adaserve: D_max", to="local.max_depth")
+    local_max_width: int = setting(3, "adaserve: W_max", to="local.max_width")
+    local_max_k: int = setting(6, "turbospec / nightjar: largest k", to="local.max_k")
+    latency_profile: str | None = setting(None, "turbospec: the JSON `goodspeed profile` wrote")
+    max_local_requests: int = setting(32, "local requests decoded together; later ones wait", to="local.max_requests")
+    max_local_waiting: int = setting(256, "local requests queued behind those; more are refused (RESOURCE_EXHAUSTED)",
+                                     to="local.max_waiting")
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict[str, float] | None = None
     node: str | None = None
 
-    LOCAL_FLAGS = ("local_draft", "local_policy", "local_k", "local_extra", "local_capacity", "local_budget",
-                   "local_max_depth", "local_max_width", "local_max_k", "latency_profile", "max_local_requests",
-                   "max_local_waiting")
     PLACEMENT = ("cpus", "num_cpus", "num_gpus", "resources", "node")  # where the launcher runs it: not the daemon's
 
     @classmethod
     def daemon_settings(cls) -> list[str]:
-        """The fields that are ``goodspeed verifier`` flags, one for one (same names and defaults:
-        ``tests/launch/test_settings_sync.py``). A new daemon setting is a field here, its flag in
-        ``launch/cli.py`` and its use in ``launch/serve.py``; the launcher's argv and the CLI's spec
-        follow from this list."""
+        """The fields that are ``goodspeed verifier`` flags, one for one (same names and defaults,
+        but for the CLI-only ones :func:`setting` names). The launcher's argv, the CLI's flags and
+        the configs :mod:`goodspeed.launch.serve` builds follow from this list."""
         return [f.name for f in fields(cls) if f.name not in cls.PLACEMENT]
 
-    def daemon_flags(self) -> list[str]:
-        """The ``goodspeed verifier`` argv for these settings: unset (None) ones are left out, a true
-        switch is its bare flag, and the local-serving settings only go when local serving is on."""
-        out = []
-        for name in self.daemon_settings():
-            value = getattr(self, name)
-            if value is None or value is False or (self.local_draft is None and name in self.LOCAL_FLAGS):
-                continue
-            out += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+    @classmethod
+    def local_settings(cls) -> list[str]:
+        """The local-serving settings: ``local_draft`` and those landing in ``LocalConfig``."""
+        return ["local_draft"] + [f.name for f in fields(cls) if f.metadata.get("to", ())[:1] and
+                                  all(t.startswith("local.") for t in f.metadata["to"])] + ["latency_profile"]
+
+    def routed(self, config: str) -> dict:
+        """The settings that land in ``config`` (``engine``, ``server`` or ``local``), as that
+        config's keyword arguments."""
+        out = {}
+        for f in fields(self):
+            for route in f.metadata.get("to", ()):
+                where, name = route.split(".")
+                if where == config:
+                    out[name] = getattr(self, f.name)
         return out
+
+    def daemon_flags(self) -> list[str]:
+        """The ``goodspeed verifier`` argv for these settings: unset (None) ones are left out, a
+        switch is its bare flag (``--x``, or ``--no-x`` for one on by default) when it differs from
+        its default, and the local-serving settings only go when local serving is on."""
+        out = []
+        local = set(self.local_settings())
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in self.daemon_settings():
+            value, flag = getattr(self, name), name.replace("_", "-")
+            if value is None or (self.local_draft is None and name in local):
+                continue
+            if isinstance(value, bool):
+                out += [] if value == defaults[name] else ["--" + flag if value else "--no-" + flag]
+                continue
+            out += ["--" + flag, str(value)]
+        return out
+
+
+def add_setting_flags(parser, spec_class=None) -> None:
+    """``parser``'s flags for every daemon setting of ``VerifierSpec`` (the local-serving ones in
+    their own group), typed, defaulted and documented from the fields."""
+    import argparse
+    import typing
+
+    spec_class = spec_class or VerifierSpec
+    hints = typing.get_type_hints(spec_class)
+    local = parser.add_argument_group("local serving (Generate RPC)")
+    local_names = set(spec_class.local_settings())
+    for f in fields(spec_class):
+        if f.name not in spec_class.daemon_settings():
+            continue
+        if "flag" not in f.metadata:
+            raise TypeError(f"{spec_class.__name__}.{f.name}: declare daemon settings with setting(...), not a bare default")
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        kind = args[0] if args else kind
+        options = {"default": f.default, "help": f.metadata.get("help") or None, **f.metadata["flag"]}
+        if options.get("required"):
+            options.pop("default")
+        if kind is bool:  # --x for a switch off by default; --x / --no-x for one on by default
+            options.update(action=argparse.BooleanOptionalAction if f.default else "store_true")
+        elif kind is not str:
+            options.update(type=kind)
+        (local if f.name in local_names else parser).add_argument("--" + f.name.replace("_", "-"), **options)
 
 
 def flag_args(spec, *names: str) -> list[str]:

@@ -32,6 +32,7 @@ def test_the_launchers_argv_carries_every_setting():
     CLI's own parser, comes back whole."""
     changed = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy="fixed", eta=0.3, beta=0.25,
                    rounds="async", round_deadline_ms=123.0, max_missed_rounds=7, idle_timeout_s=9.0, drain_timeout_s=4.0,
+                   stream_open_timeout_s=3.0,
                    max_message_bytes=4096, max_seq_len=300, max_drafters=5, max_draft_len=9, prefill_chunk=0,
                    device="cuda", dtype="bfloat16", seed=42, metrics_port=9100, metrics_host="0.0.0.0", http_port=8001,
                    http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
@@ -48,22 +49,58 @@ def test_the_launchers_argv_carries_every_setting():
     assert VerifierSpec(**{name: parsed[name] for name in VerifierSpec.daemon_settings()}) == VerifierSpec(**changed)
 
 
-def test_library_defaults_agree_with_the_spec():
-    """The settings the spec shares with the engine, server and local-serving configs default alike."""
-    spec = VerifierSpec()
-    engine, server, local = EngineConfig(), ServerConfig(), LocalConfig()
-    pairs = {
-        "budget": engine.budget, "policy": engine.policy, "max_drafters": engine.max_drafters,
-        "max_draft_len": engine.max_draft_len, "beta": engine.smoothing.beta,
-        "rounds": server.rounds, "round_deadline_ms": server.round_deadline_ms, "max_missed_rounds": server.max_missed_rounds,
-        "idle_timeout_s": server.idle_timeout_s, "host": server.host, "http_host": server.http_host,
-        "drain_timeout_s": server.drain_timeout_s, "max_message_bytes": server.max_message_bytes,
-        "max_seq_len": engine.max_seq_len,
-        "local_policy": local.policy, "local_k": local.k, "local_extra": local.extra, "local_capacity": local.capacity,
-        "local_budget": local.budget, "local_max_depth": local.max_depth, "local_max_width": local.max_width,
-        "local_max_k": local.max_k, "max_local_requests": local.max_requests, "max_local_waiting": local.max_waiting,
-    }
-    assert {name: getattr(spec, name) for name in pairs} == pairs
+CONFIGS = {"engine": EngineConfig, "server": ServerConfig, "local": LocalConfig}
+# The settings launch/serve.py turns into something other than one config field, and why.
+SERVE_HANDLES = {
+    "target": "the model to load", "device": "where the models load", "dtype": "how the models load",
+    "local_draft": "the local draft model to load", "latency_profile": "a file read into LocalConfig.latency",
+    "eta": "EngineConfig.smoothing, with the policy", "beta": "EngineConfig.smoothing, with the policy",
+    "prefill_chunk": "EngineConfig.prefill_chunk, 0 meaning None", "port": "ServerConfig.port, None meaning 50051",
+    "metrics_port": "the Prometheus endpoint", "metrics_host": "the Prometheus endpoint",
+}
+
+
+def test_every_setting_lands_in_a_config_field_that_exists_and_defaults_alike():
+    """Each setting's route names a field of EngineConfig / ServerConfig / LocalConfig with the
+    same default; a setting with no route is one serve.py handles itself (listed above, so a new
+    setting without a route fails here)."""
+    unrouted = set()
+    for f in dataclasses.fields(VerifierSpec):
+        if f.name in PLACEMENT:
+            continue
+        routes = f.metadata["to"]
+        if not routes:
+            unrouted.add(f.name)
+        for route in routes:
+            where, name = route.split(".")
+            config = {c.name: c for c in dataclasses.fields(CONFIGS[where])}
+            assert name in config, f"{f.name} -> {route}: no such field"
+            assert config[name].default == f.default, f"{f.name} defaults to {f.default!r}, {route} to {config[name].default!r}"
+    assert unrouted == set(SERVE_HANDLES)
+
+
+def test_a_setting_declared_once_is_a_flag_a_launcher_argument_and_a_config_field():
+    """What the README's architecture section promises: one ``setting(...)`` line is the whole
+    change. A spec class with one more (routed to a ServerConfig field no spec sets) gets the flag,
+    carries it through the launcher's argv, and the daemon's config receives it."""
+    import argparse
+
+    from goodspeed.launch import serve
+    from goodspeed.launch.spec import add_setting_flags, setting
+
+    @dataclasses.dataclass(frozen=True)
+    class Extended(VerifierSpec):
+        warmup: bool = setting(True, "run one forward before serving", to="server.warmup")
+
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser, Extended)
+    spec = Extended(warmup=False, round_deadline_ms=80.0, port=6000)
+    assert "--no-warmup" in spec.daemon_flags()  # a switch on by default is turned off by --no-x
+    parsed = vars(parser.parse_args(spec.daemon_flags()))
+    assert Extended(**{name: parsed[name] for name in Extended.daemon_settings()}) == spec
+    config = serve.server_config(spec)
+    assert (config.warmup, config.round_deadline_ms) == (False, 80.0)
+    assert ServerConfig().warmup is True and serve.server_config(VerifierSpec()).warmup is True
 
 
 def test_the_daemon_runs_on_the_settings_it_was_given(monkeypatch):
