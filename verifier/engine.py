@@ -129,6 +129,11 @@ class VerificationEngine:
         del self._sessions[session_id]
 
     @property
+    def context_tokens(self) -> int:
+        """Committed KV entries over every slot: the context the next forward's attention reads."""
+        return sum(self.cache.lengths)
+
+    @property
     def session_ids(self) -> list[str]:
         return list(self._sessions)
 

@@ -196,6 +196,7 @@ class LocalRequest:
     finished_at: float | None = None
     drafted: int = 0  # draft tokens sent for verification
     accepted: int = 0
+    acceptance: float | None = None  # smoothed acceptance (eq. 3), as its last verdict carried it
     committed: list[int] = field(init=False)  # prompt + generated, kept in step (not rebuilt per use)
     generator: torch.Generator | None = field(init=False)  # a seeded request's draft stream
 
@@ -397,14 +398,14 @@ class LocalServing:
                 dense = plan.q.numpy()
             self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents, dense))
             drafted += len(plan.token_ids)
-        context = sum(self.engine.cache.lengths)
+        context = self.engine.context_tokens
         result = self.engine.run_round(periods=periods)
         self.clock.charge("target", context, result.verified_tokens + result.prefill_tokens)
         now = self.clock.now()
         for req in self._active.values():
             if req.session_id in result.started:
                 req.decode_start = now
-        seen = [self.engine.estimator.get(r.session_id).acceptance for r in reqs if r.drafted or plans[r.request_id].token_ids]
+        seen = [result.verdicts[r.session_id].acceptance for r in reqs if r.drafted or plans[r.request_id].token_ids]
         if seen:
             self.pooled_acceptance = float(np.mean(seen))
         accepted = emitted = 0
@@ -416,6 +417,7 @@ class LocalServing:
             req.commit(verdict.token_ids, now)
             req.drafted += verdict.num_drafted
             req.accepted += verdict.num_accepted
+            req.acceptance = verdict.acceptance
             accepted += verdict.num_accepted
             emitted += len(verdict.token_ids)
             if req.on_event is not None:
@@ -456,7 +458,7 @@ class LocalServing:
 
     def _acceptance(self, req: LocalRequest) -> float:
         """The request's smoothed acceptance (eq. 3) once it has drafted, else the pooled one."""
-        return self.engine.estimator.get(req.session_id).acceptance if req.drafted else self.pooled_acceptance
+        return req.acceptance if req.drafted else self.pooled_acceptance
 
     def _tetris(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
         cfg = self.config
