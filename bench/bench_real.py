@@ -38,6 +38,7 @@ from goodspeed.drafter.prompts import load_prompts
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.launch.spec import PROMPT_SETS
+from goodspeed.lm.attention import with_cache
 from goodspeed.lm.loading import ensure_models, load_causal_lm
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -66,14 +67,14 @@ def cost_curve(target_spec: str, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 
         for threads in (1, 2):
             torch.set_num_threads(threads)
             cache = DynamicCache()
-            m(input_ids=torch.randint(0, m.config.vocab_size, (1, context)), past_key_values=cache, use_cache=True)
+            m(input_ids=torch.randint(0, m.config.vocab_size, (1, context)), **with_cache(m, cache), use_cache=True)
             row = {}
             for n in sizes:
                 x = torch.randint(0, m.config.vocab_size, (1, n))
                 times = []
                 for _ in range(repeats + 1):
                     t = time.perf_counter()
-                    m(input_ids=x, past_key_values=cache, use_cache=True)
+                    m(input_ids=x, **with_cache(m, cache), use_cache=True)
                     times.append(time.perf_counter() - t)
                     cache.crop(-n)
                 row[n] = statistics.median(times[1:])

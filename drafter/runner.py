@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from goodspeed.lm.attention import with_cache
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
 
@@ -83,7 +84,7 @@ class DraftRunner:
     def _logits_after(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=ids, **with_cache(self.model, self.cache), use_cache=True)
         return out.logits[0, -1]
 
     def draft(self, num_tokens: int, sampling: SamplingParams, generator: torch.Generator) -> DraftOutput:

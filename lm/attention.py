@@ -22,6 +22,8 @@ mask as in the padded forward; only the padding's wasted compute in the rest of 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -76,6 +78,20 @@ def gqa_sdpa_attention(
         enable_gqa=groups > 1,
     )
     return out.transpose(1, 2).contiguous(), None  # [B, q_len, heads, head_dim]
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` since transformers 5.24,
+    ``past_key_values`` before (5.24 still takes the old name with a FutureWarning, and drops it in
+    5.40). Read from the forward's signature once per model."""
+    name = getattr(model, "_goodspeed_cache_kwarg", None)
+    if name is None:
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        try:
+            model._goodspeed_cache_kwarg = name
+        except AttributeError:  # pragma: no cover - a model that refuses attributes: look it up each time
+            pass
+    return {name: cache}
 
 
 def use_gqa_attention(model: torch.nn.Module) -> None:

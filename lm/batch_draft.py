@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
-from goodspeed.lm.attention import use_gqa_attention
+from goodspeed.lm.attention import use_gqa_attention, with_cache
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
 
@@ -131,7 +131,7 @@ class BatchDraftModel:
             mask, positions = self._beam_attention(lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc)
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions,
-                             past_key_values=self.cache, use_cache=True)
+                             **with_cache(self.model, self.cache), use_cache=True)
         self.forwards += 1
         if self.on_forward is not None:
             self.on_forward(sum(lengths) + offset * width, width * q_len)

@@ -22,7 +22,8 @@ batched draft models) keep every slot in the pool.
 
 Buffers are created under ``torch.inference_mode`` (the engine's forward), so every method that
 moves entries runs in inference mode too. The object implements the two methods transformers' attention layers call on a cache
-(``update`` and ``get_seq_length``), so any causal LM that accepts ``past_key_values`` works.
+(``update`` and ``get_seq_length``), so any causal LM that takes a cache works (``cache=``, or
+``past_key_values=`` before transformers 5.24: :func:`goodspeed.lm.attention.with_cache`).
 """
 
 from __future__ import annotations

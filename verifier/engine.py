@@ -39,7 +39,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
-from goodspeed.lm.attention import PACKED, use_gqa_attention
+from goodspeed.lm.attention import PACKED, use_gqa_attention, with_cache
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
@@ -406,7 +406,7 @@ class VerificationEngine:
             extra = {"logits_to_keep": max(layout.keep, 1)} if self._keeps_logits else {}
             with torch.inference_mode():
                 out = self.model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
-                                 past_key_values=self.cache, use_cache=True, **{PACKED: layout}, **extra)
+                                 **with_cache(self.model, self.cache), use_cache=True, **{PACKED: layout}, **extra)
             return layout.padded(out.logits, rows) if rows else None
         q_len = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), q_len, dtype=torch.long)
@@ -416,7 +416,7 @@ class VerificationEngine:
         mask, positions = build_attention(self.cache.lengths[window], parents, q_len, kv_len, self.dtype, self.device)
         with torch.inference_mode():
             out = self.model(
-                input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True
+                input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions, **with_cache(self.model, self.cache), use_cache=True
             )
         return out.logits[rows] if rows else None
 

@@ -2,7 +2,9 @@
 
 import torch
 
-from goodspeed.lm.attention import use_gqa_attention
+from transformers import DynamicCache
+
+from goodspeed.lm.attention import use_gqa_attention, with_cache
 from modelkit import tiny_llama
 
 
@@ -13,10 +15,11 @@ def test_gqa_attention_matches_default_sdpa_with_and_without_cache():
     with torch.inference_mode():
         assert torch.allclose(reference(input_ids=ids).logits, ours(input_ids=ids).logits, atol=1e-10)
         # Incremental decoding with a cache and several new tokens at once (offset causal mask).
-        r_out = reference(input_ids=ids[:, :4], use_cache=True)
-        o_out = ours(input_ids=ids[:, :4], use_cache=True)
-        r2 = reference(input_ids=ids[:, 4:], past_key_values=r_out.past_key_values).logits
-        o2 = ours(input_ids=ids[:, 4:], past_key_values=o_out.past_key_values).logits
+        r_cache, o_cache = DynamicCache(config=reference.config), DynamicCache(config=ours.config)
+        reference(input_ids=ids[:, :4], use_cache=True, **with_cache(reference, r_cache))
+        ours(input_ids=ids[:, :4], use_cache=True, **with_cache(ours, o_cache))
+        r2 = reference(input_ids=ids[:, 4:], **with_cache(reference, r_cache)).logits
+        o2 = ours(input_ids=ids[:, 4:], **with_cache(ours, o_cache)).logits
         assert torch.allclose(r2, o2, atol=1e-10)
         # Left padding through a 2-D mask.
         mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])

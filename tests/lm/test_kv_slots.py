@@ -60,7 +60,7 @@ def test_memory_is_given_back_when_long_sessions_leave():
 def _step(model, cache, tokens, parents, packed, solo=()):
     """One forward over every slot of ``cache``; logits ``[rows, q_len, V]`` (packed: gathered back
     to the padded layout; pad positions are not compared)."""
-    from goodspeed.lm.attention import PACKED
+    from goodspeed.lm.attention import PACKED, with_cache
     from goodspeed.lm.kv_slots import build_attention
 
     window = slice(0, len(tokens))
@@ -68,14 +68,14 @@ def _step(model, cache, tokens, parents, packed, solo=()):
         if packed:
             layout = cache.pack(tokens, parents, window, torch.float64, solo=solo)
             out = model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
-                        past_key_values=cache, use_cache=True, **{PACKED: layout})
+                        **with_cache(model, cache), use_cache=True, **{PACKED: layout})
             assert out.logits.shape[1] == sum(map(len, tokens))  # the model saw no padding
             return layout.padded(out.logits, [r for r, t in enumerate(tokens) if t and r not in solo])
         q_len = max(map(len, tokens))
         ids = torch.tensor([t + [0] * (q_len - len(t)) for t in tokens])
         kv_len = cache.prepare(q_len, window)
         mask, positions = build_attention(cache.lengths[window], parents, q_len, kv_len, torch.float64)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(model, cache), use_cache=True).logits
         return logits[[r for r, t in enumerate(tokens) if t and r not in solo]]
 
 

@@ -1,6 +1,8 @@
 """Chunked prefill (``EngineConfig.prefill_chunk``): prompts are prefilled inside the steps, at
 most one chunk per step, packed next to the verification rows; outputs stay the target's own."""
 
+import functools
+
 import pytest
 import torch
 
@@ -121,6 +123,7 @@ def test_prompt_chunks_compute_no_logits(models, monkeypatch):
     seen = []
     forward = target.forward
 
+    @functools.wraps(forward)  # the engine reads the forward's signature (logits_to_keep, the cache's keyword)
     def spy(*args, **kwargs):
         out = forward(*args, **kwargs)
         seen.append((kwargs["input_ids"].shape[1], out.logits.shape[1]))
