@@ -26,10 +26,12 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "goodspeed_sdpa"
+# What this transformers' causal LMs call their cache argument (renamed in 5.24).
+_TRANSFORMERS_CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 PACKED = "goodspeed_packed"  # the forward keyword carrying a PackedRows layout
 
 
@@ -83,10 +85,12 @@ def gqa_sdpa_attention(
 def with_cache(model: torch.nn.Module, cache) -> dict:
     """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` since transformers 5.24,
     ``past_key_values`` before (5.24 still takes the old name with a FutureWarning, and drops it in
-    5.40). Read from the forward's signature once per model."""
+    5.40). Read from the forward's signature once per model; a forward that names neither (a
+    wrapper taking ``**kwargs``) gets the installed transformers' name."""
     name = getattr(model, "_goodspeed_cache_kwarg", None)
     if name is None:
-        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        params = inspect.signature(model.forward).parameters
+        name = next((n for n in ("cache", "past_key_values") if n in params), _TRANSFORMERS_CACHE_KWARG)
         try:
             model._goodspeed_cache_kwarg = name
         except AttributeError:  # pragma: no cover - a model that refuses attributes: look it up each time
