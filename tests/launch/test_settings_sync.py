@@ -77,6 +77,7 @@ def test_every_setting_lands_in_a_config_field_that_exists_and_defaults_alike():
             assert name in config, f"{f.name} -> {route}: no such field"
             assert config[name].default == f.default, f"{f.name} defaults to {f.default!r}, {route} to {config[name].default!r}"
     assert unrouted == set(SERVE_HANDLES)
+    assert VerifierSpec().beta == EngineConfig().smoothing.beta  # the one unrouted default a config also holds
 
 
 def test_a_setting_declared_once_is_a_flag_a_launcher_argument_and_a_config_field():
