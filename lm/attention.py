@@ -90,11 +90,8 @@ def with_cache(model: torch.nn.Module, cache) -> dict:
     name = getattr(model, "_goodspeed_cache_kwarg", None)
     if name is None:
         params = inspect.signature(model.forward).parameters
-        name = next((n for n in ("cache", "past_key_values") if n in params), _TRANSFORMERS_CACHE_KWARG)
-        try:
-            model._goodspeed_cache_kwarg = name
-        except AttributeError:  # pragma: no cover - a model that refuses attributes: look it up each time
-            pass
+        name = model._goodspeed_cache_kwarg = next((n for n in ("cache", "past_key_values") if n in params),
+                                                   _TRANSFORMERS_CACHE_KWARG)
     return {name: cache}
 
 
