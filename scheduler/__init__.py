@@ -28,7 +28,7 @@ from goodspeed.scheduler.goodspeed import (
 )
 from goodspeed.scheduler.nightjar import NightjarBandit
 from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, default_eta, make_policy, POLICIES, smoothing_of
-from goodspeed.scheduler.allotments import DraftAllotments
+from goodspeed.scheduler.allotments import DraftAllotments, OwnerSizedAllotments
 from goodspeed.scheduler.tetris import presample_scores, select_by_scores, select_tokens, verification_success_rate
 from goodspeed.scheduler.turbospec import LatencyModel, ProposalChoice, choose_proposal_length, fit_latency_model
 
@@ -40,6 +40,7 @@ __all__ = [
     "GoodputEstimator",
     "LatencyModel",
     "NightjarBandit",
+    "OwnerSizedAllotments",
     "POLICIES",
     "ProposalChoice",
     "SmoothingConfig",

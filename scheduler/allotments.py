@@ -17,11 +17,16 @@ same code:
 * drafters that did not take part in a round (a newcomer, a drafter that missed the deadline)
   keep their allotment, and the policy shares only what they leave of ``C``;
 * sessions of one edge device share a utility term (:meth:`device_goodput`);
-* managed sessions (the verifier's own local serving) are outside ``C`` and the policy: their
-  caller sets their size (:meth:`set`);
+* at most ``max_sessions`` sessions (the verifier's ``max_drafters``) join (:attr:`full`);
 * each session's period (seconds between its verdicts) is fitted online (:meth:`observe_period`,
   :class:`~goodspeed.scheduler.timing.PeriodEstimator`) for policies that allocate on tokens per
   second (``goodspeed-time``).
+
+Each source of drafts on a verifier holds one book: the edge drafters share the engine's
+(budget ``C`` and the draft-length policy), and local serving keeps an
+:class:`OwnerSizedAllotments` whose sizes it chooses itself with its own paper's rule (TETRIS,
+AdaServe, TurboSpec, Nightjar). The engine verifies every source's drafts in one forward and asks
+each session's book what it may draft; it has no notion of which source is which.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from goodspeed.scheduler.timing import PeriodEstimator
 @dataclass
 class _Entry:
     device: Hashable
-    managed: bool
     active: bool = False  # has a request in progress
     allotted: int = 0
 
@@ -48,10 +52,12 @@ class DraftAllotments:
     """Per-session allotments, the smoothing state and the policy of one verifier."""
 
     def __init__(self, budget: int, policy: str | DraftLengthPolicy = "goodspeed", smoothing: SmoothingConfig | None = None,
-                 max_draft_len: int = 16, rng: np.random.Generator | None = None) -> None:
+                 max_draft_len: int = 16, rng: np.random.Generator | None = None, max_sessions: int | None = None) -> None:
         if budget < 0 or max_draft_len < 0:
             raise ValueError("budget and max_draft_len must be >= 0")
-        self.budget, self.max_draft_len = int(budget), int(max_draft_len)
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1 (or None: no limit)")
+        self.budget, self.max_draft_len, self.max_sessions = int(budget), int(max_draft_len), max_sessions
         self.estimator = GoodputEstimator(smoothing)
         self.periods = PeriodEstimator()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -60,11 +66,23 @@ class DraftAllotments:
 
     # ---------------------------------------------------------------------------- membership
 
-    def join(self, session_id: Hashable, device: Hashable | None = None, managed: bool = False) -> None:
+    @property
+    def full(self) -> bool:
+        """``max_sessions`` sessions have joined: the next one is refused."""
+        return self.max_sessions is not None and len(self._entries) >= self.max_sessions
+
+    @property
+    def max_allotment(self) -> int | None:
+        """Largest draft a session of this book may be given (:meth:`set`); None: no limit."""
+        return self.budget
+
+    def join(self, session_id: Hashable, device: Hashable | None = None) -> None:
         if session_id in self._entries:
             raise ValueError(f"session {session_id!r} already joined")
+        if self.full:
+            raise ValueError(f"already holding {self.max_sessions} sessions (max_sessions)")
         self.estimator.join(session_id)
-        self._entries[session_id] = _Entry(session_id if device is None else device, managed)
+        self._entries[session_id] = _Entry(session_id if device is None else device)
 
     def leave(self, session_id: Hashable) -> None:
         self.estimator.leave(session_id)
@@ -76,18 +94,16 @@ class DraftAllotments:
         comes from the target."""
         return max(0, min(self.max_draft_len, remaining - 1))
 
-    def edge_active(self) -> list[Hashable]:
-        return [sid for sid, e in self._entries.items() if e.active and not e.managed]
+    def active(self) -> list[Hashable]:
+        """Sessions with a request in progress."""
+        return [sid for sid, e in self._entries.items() if e.active]
 
     def start(self, session_id: Hashable, remaining: int) -> int:
         """A request begins; returns its first allotment: an equal share of ``C``, but only what
-        the other active drafters leave free this round (0 for a managed session)."""
+        the other active drafters leave free this round."""
         entry = self._entries[session_id]
         entry.active = True
-        if entry.managed:
-            entry.allotted = 0
-            return 0
-        active = self.edge_active()
+        active = self.active()
         free = self.budget - sum(self._entries[s].allotted for s in active if s != session_id)
         entry.allotted = max(0, min(self.budget // len(active), free, self.cap(remaining)))
         return entry.allotted
@@ -105,7 +121,11 @@ class DraftAllotments:
         return self._entries[session_id].allotted
 
     def set(self, session_id: Hashable, num_tokens: int) -> None:
-        """Override the next round's draft length (callers that choose sizes themselves)."""
+        """Override the next round's draft length (callers that choose sizes themselves), within
+        ``[0, max_allotment]``."""
+        limit = self.max_allotment
+        if num_tokens < 0 or (limit is not None and num_tokens > limit):
+            raise ValueError(f"allotment {num_tokens} outside [0, {limit}]")
         self._entries[session_id].allotted = int(num_tokens)
 
     # -------------------------------------------------------------------------------- rounds
@@ -128,7 +148,7 @@ class DraftAllotments:
                      for name, default in (("base", 1.0), ("per_token", 0.0), ("mean", 1.0)))
 
     def schedule(self, participants: Sequence[Hashable], caps: Sequence[int], round_index: int) -> np.ndarray:
-        """Next round's ``S_i`` for the edge sessions verified this round whose request goes on.
+        """Next round's ``S_i`` for the sessions verified this round whose request goes on.
 
         ``caps[i]`` is participant ``i``'s cap (:meth:`cap` of its remaining tokens). Active
         drafters that did not take part keep their allotment, which is taken off ``C`` first.
@@ -136,7 +156,7 @@ class DraftAllotments:
         if not participants:
             return np.zeros(0, dtype=np.int64)
         taking_part = set(participants)
-        budget = max(0, self.budget - sum(self._entries[s].allotted for s in self.edge_active() if s not in taking_part))
+        budget = max(0, self.budget - sum(self._entries[s].allotted for s in self.active() if s not in taking_part))
         acceptance, goodput = self.estimator.arrays(participants)
         goodput = self.device_goodput(participants, goodput)
         measured, stale = self.estimator.evidence(participants)
@@ -163,8 +183,31 @@ class DraftAllotments:
         if len(set(devices)) == len(participants) and all(d == s for d, s in zip(devices, participants)):
             return goodput
         wanted, totals = set(devices), {}
-        for sid in self.edge_active():
+        for sid in self.active():
             device = self._entries[sid].device
             if device in wanted:
                 totals[device] = totals.get(device, 0.0) + self.estimator.get(sid).goodput
         return np.array([totals[d] for d in devices], dtype=np.float64)
+
+
+class OwnerSizedAllotments(DraftAllotments):
+    """A book whose owner sizes every draft itself (local serving, with TETRIS, AdaServe,
+    TurboSpec or Nightjar choosing what to verify): no budget ``C`` and no draft-length policy, so
+    a session starts at 0 and keeps what :meth:`set` last gave it; acceptance and goodput are
+    smoothed (eqs. 3-4) as for any session, and reported in its verdicts."""
+
+    def __init__(self, smoothing: SmoothingConfig | None = None) -> None:
+        super().__init__(0, "fixed", smoothing)  # the policy is never asked
+
+    @property
+    def max_allotment(self) -> None:
+        return None
+
+    def start(self, session_id: Hashable, remaining: int) -> int:
+        entry = self._entries[session_id]
+        entry.active, entry.allotted = True, 0
+        return 0
+
+    def schedule(self, participants: Sequence[Hashable], caps: Sequence[int], round_index: int) -> np.ndarray:
+        """Sizes stay the owner's: the allotments as they are."""
+        return np.array([self._entries[s].allotted for s in participants], dtype=np.int64)

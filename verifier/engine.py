@@ -70,7 +70,8 @@ class VerificationEngine:
         self.row_verifier = RowVerifier(self.vocab_size, self.device, self._work_dtype, self.generator)
         # Smoothing (eqs. 3-4), the policy and the budget: the same code the simulator runs.
         self.allotments = DraftAllotments(self.config.budget, self.config.policy, self.config.smoothing,
-                                          self.config.max_draft_len, numpy_rng(self.root_seed, "verifier", "policy"))
+                                          self.config.max_draft_len, numpy_rng(self.root_seed, "verifier", "policy"),
+                                          max_sessions=self.config.max_drafters)
         self.round_index = 0
         self._sessions: dict[str, Session] = {}
         self._prefilling: list[str] = []  # sessions whose prompt is not all in KV yet, first come first served
@@ -80,24 +81,27 @@ class VerificationEngine:
 
     # ----------------------------------------------------------------- sessions and requests
 
-    def join(self, name: str, tokenizer_fingerprint: str | None = None, managed: bool = False, device: str | None = None) -> str:
+    def join(self, name: str, tokenizer_fingerprint: str | None = None, device: str | None = None,
+             source: DraftAllotments | None = None) -> str:
         """Register a drafter; returns its session id.
 
         Sessions given the same ``device`` are one edge device serving several requests at once:
         GoodSpeed's utility has one term per device (see :meth:`_schedule`). ``None``: the session
         is its own device, as in the paper.
 
-        A ``managed`` session is drafted for by the caller (local serving), which sets its draft
-        size every round with :meth:`set_allotment`: it is left out of the budget ``C``, the
-        draft-length policy and the ``max_drafters`` limit, all of which are the edge drafters'.
+        ``source``: the book that sizes the session's drafts (:mod:`goodspeed.scheduler.allotments`).
+        By default the engine's own, :attr:`allotments`: the budget ``C``, the draft-length policy
+        and the ``max_drafters`` limit the edge drafters share. Local serving passes its own
+        :class:`~goodspeed.scheduler.OwnerSizedAllotments` and sizes its drafts itself; the
+        engine verifies every source's drafts alike, in one forward.
 
         ``tokenizer_fingerprint`` is what a remote drafter sent: when the target has a fingerprint
         it must equal it, and an empty one is refused (it would skip the check). ``None`` is for
         in-process callers that built the draft themselves (tests, local serving, benchmarks).
         """
-        edge = sum(not s.managed for s in self._sessions.values())
-        if not managed and edge >= self.config.max_drafters:
-            raise errors.TooManyDraftersError(f"already serving {self.config.max_drafters} drafters")
+        source = self.allotments if source is None else source
+        if source.full:
+            raise errors.TooManyDraftersError(f"already serving {source.max_sessions} drafters")
         if tokenizer_fingerprint is not None and self.fingerprint and not tokenizer_fingerprint:
             raise errors.TokenizerMismatchError(
                 f"drafter {name!r} sent no tokenizer fingerprint; the target's is {self.fingerprint[:12]}: "
@@ -111,13 +115,13 @@ class VerificationEngine:
         # 128 random bits: no client can guess another's session, and ids never repeat across
         # restarts (a drafter retrying its old id cannot land in a newcomer's session).
         session_id = f"{name}#{secrets.token_hex(16)}"
-        self._sessions[session_id] = Session(session_id, name, managed=managed)
-        self.allotments.join(session_id, device or session_id, managed)
+        source.join(session_id, device or session_id)
+        self._sessions[session_id] = Session(session_id, name, source)
         return session_id
 
     @property
     def estimator(self):
-        """Per-session smoothed acceptance and goodput (eqs. 3-4)."""
+        """The edge drafters' smoothed acceptance and goodput (eqs. 3-4)."""
         return self.allotments.estimator
 
     def leave(self, session_id: str) -> None:
@@ -125,7 +129,7 @@ class VerificationEngine:
         session = self._session(session_id)
         if session.request is not None:
             self._end_request(session)
-        self.allotments.leave(session_id)
+        session.source.leave(session_id)
         del self._sessions[session_id]
 
     @property
@@ -167,7 +171,7 @@ class VerificationEngine:
         if len(prompt) > 1:
             self._forward_rows([], [(slot, prompt[:-1])])
             self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
-        return self.allotments.start(session_id, session.request.remaining)
+        return session.source.start(session_id, session.request.remaining)
 
     @property
     def has_prefill(self) -> bool:
@@ -214,7 +218,11 @@ class VerificationEngine:
 
     def _start(self, session_ids: list[str]) -> dict[str, int]:
         """Prefilled sessions join drafting: their first draft lengths."""
-        return {sid: self.allotments.start(sid, self._sessions[sid].request.remaining) for sid in session_ids}
+        started = {}
+        for sid in session_ids:
+            session = self._sessions[sid]
+            started[sid] = session.source.start(sid, session.request.remaining)
+        return started
 
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
         """Raise the error a request with this prompt and length would get (nothing changes)."""
@@ -235,18 +243,19 @@ class VerificationEngine:
         if session.session_id in self._prefilling:
             self._prefilling.remove(session.session_id)
         self.slots.remove(session.session_id)
-        self.allotments.end(session.session_id)
+        session.source.end(session.session_id)
         session.request, session.pending = None, None
 
     def set_allotment(self, session_id: str, num_tokens: int) -> None:
         """Override the session's draft length for its next round: for callers that choose lengths
-        themselves (local serving with TETRIS or AdaServe) instead of the engine's policy. A
-        managed session may be allotted any size; an edge session at most the budget ``C``."""
+        themselves (tests, benchmarks) instead of the policy: at most what the session's book
+        allows (the budget ``C`` for the engine's own)."""
         session = self._session(session_id)
         self._check_drafting(session)
-        if num_tokens < 0 or (not session.managed and num_tokens > self.config.budget):
-            raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {self.config.budget}]")
-        self.allotments.set(session_id, num_tokens)
+        limit = session.source.max_allotment
+        if num_tokens < 0 or (limit is not None and num_tokens > limit):
+            raise errors.DraftTooLongError(f"allotment {num_tokens} outside [0, budget {limit}]")
+        session.source.set(session_id, num_tokens)
 
     def finish_request(self, session_id: str) -> list[int]:
         """End the session's request early: free its KV slot, drop a queued draft; returns the
@@ -266,7 +275,7 @@ class VerificationEngine:
         return list(session.request.committed)
 
     def allotment(self, session_id: str) -> int:
-        return self.allotments.allotted(self._session(session_id).session_id)
+        return self._session(session_id).source.allotted(session_id)
 
     def next_round(self, session_id: str) -> int:
         """The round index the session's next draft must carry."""
@@ -303,7 +312,7 @@ class VerificationEngine:
             if list(session.pending.token_ids) == list(draft.token_ids):
                 return None
             raise errors.MalformedDraftError(f"a different draft for round {draft.round_index} is already queued")
-        validate_draft(draft, self.vocab_size, self.allotments.allotted(session_id), needs_probs=not session.request.sampling.greedy)
+        validate_draft(draft, self.vocab_size, session.source.allotted(session_id), needs_probs=not session.request.sampling.greedy)
         depth = draft_depth(draft)
         if depth > session.request.remaining - 1:
             raise errors.DraftTooLongError(
@@ -343,8 +352,8 @@ class VerificationEngine:
         outcomes = [self._apply(row, out) for row, out in zip(rows, checked)]
         t3 = time.perf_counter()
         for row in rows:  # before scheduling: the time-aware policy reads it
-            if periods and row.input.key in periods and not row.session.managed:
-                self.allotments.observe_period(row.input.key, row.draft.num_tokens, periods[row.input.key] + (t3 - t0))
+            if periods and row.input.key in periods:
+                row.session.source.observe_period(row.input.key, row.draft.num_tokens, periods[row.input.key] + (t3 - t0))
         verdicts = self._schedule(outcomes)
         started = self._start(prefilled)  # after scheduling: a new request gets what the others leave of C
         t4 = time.perf_counter()
@@ -361,7 +370,7 @@ class VerificationEngine:
             batch_tokens=sum(len(r.tokens) for r in rows) + prefill_tokens if self.config.packed
             else window * max([q_len] + [len(c) for _, c in chunks]),
             verified_tokens=sum(len(r.tokens) for r in rows),
-            draft_lengths={sid: self.allotments.allotted(sid) for sid in self.allotments.edge_active()},
+            draft_lengths={sid: self.allotments.allotted(sid) for sid in self.allotments.active()},
             prefill_tokens=prefill_tokens,
             started=started,
         )
@@ -434,17 +443,22 @@ class VerificationEngine:
             cut, reason = request.remaining, "length"
         request.commit(emitted[:cut])
         accepted = len(outcome.kept) - 1
-        self.allotments.observe(session.session_id, outcome.ratios, accepted)
+        session.source.observe(session.session_id, outcome.ratios, accepted)
         return row, emitted[:cut], accepted, reason
 
     def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
-        """Eq. (5) (or the configured baseline) for next round, then the verdicts."""
+        """Next round's draft lengths, from each source's book (eq. (5) or the configured baseline
+        for the engine's own), then the verdicts."""
         finished = {row.session.session_id for row, _, _, reason in outcomes if reason}
         for sid in finished:
-            self.allotments.end(sid)  # its allotment returns to the pool before the others share it
-        participants = [row.session for row, *_ in outcomes if row.session.session_id not in finished and not row.session.managed]
-        self.allotments.schedule([s.session_id for s in participants],
-                                 [self.allotments.cap(s.request.remaining) for s in participants], self.round_index)
+            self._sessions[sid].source.end(sid)  # its allotment returns to the pool before the others share it
+        by_source: dict[int, tuple[DraftAllotments, list[Session]]] = {}
+        for row, *_ in outcomes:
+            if row.session.session_id not in finished:
+                by_source.setdefault(id(row.session.source), (row.session.source, []))[1].append(row.session)
+        for source, participants in by_source.values():
+            source.schedule([s.session_id for s in participants], [source.cap(s.request.remaining) for s in participants],
+                            self.round_index)
         verdicts = {}
         for row, emitted, accepted, reason in outcomes:
             verdicts[row.session.session_id] = self._verdict(row, emitted, accepted, reason)
@@ -453,7 +467,7 @@ class VerificationEngine:
     def _verdict(self, row: Row, emitted: list[int], accepted: int, reason: str | None) -> Verdict:
         session = row.session
         committed = session.request.committed
-        est = self.estimator.get(session.session_id)
+        est = session.source.estimator.get(session.session_id)
         verdict = Verdict(
             session_id=session.session_id,
             round_index=row.draft.round_index,
@@ -462,7 +476,7 @@ class VerificationEngine:
             token_ids=emitted,
             committed_length=len(committed),
             prefix_hash=session.request.hasher.hexdigest(),
-            next_draft_length=0 if reason else self.allotments.allotted(session.session_id),
+            next_draft_length=0 if reason else session.source.allotted(session.session_id),
             finished=reason is not None,
             finish_reason=reason,
             acceptance=est.acceptance,

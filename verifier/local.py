@@ -2,11 +2,14 @@
 
 Each iteration (one call of :meth:`LocalServing.step`):
 
-1. admit waiting requests up to ``max_requests`` (prefill the target; a managed engine session
-   and a draft KV slot each);
+1. admit waiting requests up to ``max_requests`` (an engine session and a draft KV slot each;
+   the target prefills the prompt);
 2. the local policy decides what to draft and what to verify for every request in the batch;
-3. the drafts go into the engine as managed sessions and are verified in the same single target
-   forward as any edge drafts queued for this round (chains or trees, lossless);
+3. the drafts go into the engine and are verified in the same single target forward as any edge
+   drafts queued for this round (chains or trees, lossless). Local serving is a source of drafts
+   like the edge drafters: its sessions are sized by its own book
+   (:class:`~goodspeed.scheduler.OwnerSizedAllotments`, outside the edge budget ``C`` and the
+   edge policy), which it fills each step with the sizes its policy chose;
 4. accepted tokens are streamed to each request's callback with their times; finished requests
    leave the batch.
 
@@ -56,6 +59,7 @@ from goodspeed.scheduler import (
     CandidateTree,
     LatencyModel,
     NightjarBandit,
+    OwnerSizedAllotments,
     choose_proposal_length,
     presample_scores,
     select_by_scores,
@@ -277,6 +281,7 @@ class LocalServing:
         self.generator = torch_generator(root, "verifier", "local-draft")
         self.rng = numpy_rng(root, "verifier", "local-policy")
         self.policy = LOCAL_POLICY_CLASSES[config.policy](self)
+        self.allotments = OwnerSizedAllotments(engine.config.smoothing)  # this source's sizes, set every step
         self._waiting: deque[LocalRequest] = deque()
         self._active: dict[str, LocalRequest] = {}
         self.finished: list[LocalRequest] = []
@@ -350,7 +355,7 @@ class LocalServing:
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.config.max_requests:
             req = self._waiting.popleft()
-            req.session_id = self.engine.join(f"local:{req.request_id}", managed=True)
+            req.session_id = self.engine.join(f"local:{req.request_id}", source=self.allotments)
             try:
                 length = self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens,
                                                    req.eos_token_ids, seed=req.seed)
@@ -392,7 +397,7 @@ class LocalServing:
         drafted = 0
         for req in reqs:
             plan = plans[req.request_id]
-            self.engine.set_allotment(req.session_id, len(plan.token_ids))
+            self.allotments.set(req.session_id, len(plan.token_ids))
             dense = None
             if plan.q is not None and plan.token_ids and not req.sampling.greedy:
                 dense = plan.q.numpy()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import resolve_root_seed
-from goodspeed.scheduler import SmoothingConfig, make_policy, smoothing_of
+from goodspeed.scheduler import DraftAllotments, SmoothingConfig, make_policy, smoothing_of
 from goodspeed.verifier.types import Draft, Verdict
 from goodspeed.verifier.verify_rows import RowInput
 
@@ -69,7 +69,7 @@ class Request:
 class Session:
     session_id: str
     name: str
-    managed: bool = False  # drafted for by local serving, outside the budget and the policy
+    source: DraftAllotments  # the book that sizes its drafts (the engine's, or local serving's)
     request: Request | None = None
     round_index: int = 0  # the round the session submits next
     pending: Draft | None = None

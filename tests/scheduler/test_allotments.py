@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from goodspeed.scheduler import DraftAllotments
+from goodspeed.scheduler import DraftAllotments, OwnerSizedAllotments
 
 
 def book(budget=12, policy="goodspeed", max_draft_len=16):
@@ -48,18 +48,32 @@ def test_ending_a_request_frees_its_allotment():
     b.join("b")
     b.start("a", 100)
     b.end("a")
-    assert b.allotted("a") == 0 and b.edge_active() == []
+    assert b.allotted("a") == 0 and b.active() == []
     assert b.start("b", 100) == 10
 
 
-def test_managed_sessions_stay_outside_the_budget():
-    b = book(10)
-    b.join("local", managed=True)
-    b.join("edge")
-    assert b.start("local", 100) == 0
-    b.set("local", 7)  # the caller sizes it
-    assert b.edge_active() == []
-    assert b.start("edge", 100) == 10
+def test_an_owner_sized_book_has_no_budget_and_keeps_its_owners_sizes():
+    b = OwnerSizedAllotments()
+    b.join("local")
+    assert b.start("local", 100) == 0 and b.max_allotment is None and not b.full
+    b.set("local", 40)  # any size: the owner's rule (TETRIS, AdaServe, ...) chose it
+    b.observe("local", [1.0, 0.5], 2)
+    assert list(b.schedule(["local"], [b.cap(100)], 0)) == [40] and b.allotted("local") == 40
+    assert b.estimator.get("local").acceptance > 0
+
+
+def test_a_book_holds_at_most_max_sessions_and_sizes_within_its_budget():
+    b = DraftAllotments(10, max_sessions=2)
+    b.join("a")
+    b.join("b")
+    assert b.full
+    with pytest.raises(ValueError, match="max_sessions"):
+        b.join("c")
+    b.start("a", 100)
+    with pytest.raises(ValueError, match=r"outside \[0, 10\]"):
+        b.set("a", 11)
+    b.leave("b")
+    assert not b.full
 
 
 def test_sessions_of_one_device_share_a_utility_term():

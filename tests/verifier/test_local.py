@@ -4,10 +4,12 @@ chains miss, and TurboSpec / Nightjar switch speculation off where it cannot pay
 
 import pytest
 
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier import local as local_module
+from goodspeed.verifier.types import Draft
 from goodspeed.verifier.local import LOCAL_POLICIES, LatencyProfile, LocalConfig, LocalPolicy, LocalServing, SimulatedClock
 from modelkit import greedy_reference, perturbed, tiny_llama
 
@@ -95,7 +97,7 @@ def test_eos_cancel_and_streaming_callbacks(models):
     assert events[-1].finished and events[-1].finish_reason == "eos" and events[-1].request_id == rid
     reasons = {r.request_id: r.finish_reason for r in serving.finished}
     assert reasons[other] == "cancelled"
-    assert serving.engine.session_ids == []  # every managed session left; no KV held
+    assert serving.engine.session_ids == []  # every local session left; no KV held
 
 
 def test_bad_requests_fail_at_submit(models):
@@ -249,3 +251,31 @@ def test_a_local_policy_is_one_registered_class(models, monkeypatch):
     drain(serving)
     assert serving.finished[0].generated == greedy_reference(target, PROMPTS[0], 12)
     assert EveryOtherStep.seen[:4] == [0, 2, 0, 2]
+
+
+def test_local_serving_is_a_draft_source_of_its_own(models):
+    """Local sessions are sized by local serving's own book: the edge drafters keep the whole
+    budget C and the max_drafters limit, and local drafts may exceed C; both are verified in one
+    forward, each verdict carrying its own book's acceptance."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(seed=3, budget=4, max_drafters=1, max_draft_len=4))
+    serving = LocalServing(engine, draft, LocalConfig(policy="chain", k=6), SimulatedClock(TARGET_COST, DRAFT_COST))
+    for prompt in PROMPTS[:3]:
+        serving.submit(prompt, max_new_tokens=20)
+    serving.step()  # three local sessions joined and drafted 6 each
+    assert serving.totals["drafted"] == 18
+    edge = engine.join("edge")  # the only edge drafter max_drafters allows, local sessions beside
+    with pytest.raises(errors.TooManyDraftersError):
+        engine.join("edge-2")
+    assert engine.start_request(edge, PROMPTS[3], SamplingParams(), 20) == 4  # the whole C: local holds none of it
+    reference = greedy_reference(target, PROMPTS[3], 20)
+    engine.submit(edge, Draft(0, reference[:4]))
+    report = serving.step()
+    verdict = report.round.verdicts[edge]
+    assert verdict.num_accepted == 4 and verdict.token_ids == reference[:5]
+    assert verdict.next_draft_length <= 4 and report.round.draft_lengths == {edge: verdict.next_draft_length}
+    assert report.drafted == 18  # local drafts of 6 each, beyond C, in the same forward
+    assert verdict.acceptance == engine.estimator.get(edge).acceptance
+    for req in serving._active.values():
+        assert serving.allotments.allotted(req.session_id) == 6
+        assert req.acceptance == serving.allotments.estimator.get(req.session_id).acceptance
