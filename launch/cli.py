@@ -86,12 +86,35 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary["lossless"] else 1
 
 
+def _add_verifier_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spec", metavar="FILE", default=None,
+                        help="take the settings from FILE's [verifier] table (a launch spec, or the file `goodspeed launch` "
+                             "writes for its verifier); flags given as well override it")
+    add_setting_flags(parser)  # one flag per VerifierSpec setting (device, dtype and seed too): declared there, once
+
+
+def verifier_settings(argv: list[str]) -> VerifierSpec:
+    """The settings ``goodspeed verifier ARGV`` serves on: the defaults, then ``--spec``'s file,
+    then the flags given."""
+    from goodspeed.launch.spec import load_verifier_settings
+
+    parser = argparse.ArgumentParser(prog="goodspeed verifier")
+    _add_verifier_flags(parser)
+    args = parser.parse_args(argv)
+    if args.spec is not None:
+        parser.set_defaults(**load_verifier_settings(args.spec))
+        args = parser.parse_args(argv)
+    if args.target is None:
+        parser.error("the target model is required: --target MODEL, or a --spec whose [verifier] table names it")
+    return VerifierSpec(**{name: getattr(args, name) for name in VerifierSpec.daemon_settings()})
+
+
 def _verifier(args: argparse.Namespace) -> int:
     import asyncio
 
     from goodspeed.launch.serve import serve
 
-    return asyncio.run(serve(VerifierSpec(**{name: getattr(args, name) for name in VerifierSpec.daemon_settings()})))
+    return asyncio.run(serve(verifier_settings(args.argv)))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -349,7 +372,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> 
 
 def _add_serving_parsers(sub) -> None:
     ver = sub.add_parser("verifier", help="run the verification daemon (gRPC)")
-    add_setting_flags(ver)  # one flag per VerifierSpec setting (device, dtype and seed too): declared there, once
+    _add_verifier_flags(ver)
     ver.set_defaults(func=_verifier)
     dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
     dr.add_argument("--verifier", required=True, help="HOST:PORT")
@@ -501,7 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     from goodspeed.lm.loading import ModelLoadError
     from goodspeed.verifier.auth import TokenFileError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # after the subcommand (goodspeed takes no options before it)
     try:
         return args.func(args)
     except (SpecError, ModelLoadError, LinkError, LaunchError, CredentialsError, TokenFileError, CertError,

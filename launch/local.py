@@ -87,10 +87,19 @@ class ClusterView:
                     view.last_s = record.ts
 
 
-def verifier_command(v: VerifierSpec) -> list[str]:
-    """The verifier process's argv: every daemon setting of the spec (a spec without a port gets
-    a free one, read back from the log)."""
-    return CLI + ["verifier"] + replace(v, port=v.port or 0).daemon_flags()
+def daemon_spec(v: VerifierSpec) -> VerifierSpec:
+    """What the launched verifier serves on: the spec's settings, on a free port unless the spec
+    names one (the launcher reads the bound port back from the log)."""
+    return replace(v, port=v.port or 0)
+
+
+def verifier_command(v: VerifierSpec, workdir: Path) -> list[str]:
+    """The verifier process's argv: ``goodspeed verifier --spec FILE``, FILE the spec's settings
+    (:meth:`VerifierSpec.to_toml`) written into ``workdir`` as ``verifier.toml``, so the process
+    reads every setting from the one declaration, not from an argv rebuilt flag by flag."""
+    path = Path(workdir) / "verifier.toml"
+    path.write_text(daemon_spec(v).to_toml(), encoding="utf-8")
+    return CLI + ["verifier", "--spec", str(path)]
 
 
 def _seed_args(seed: int | None) -> list[str]:
@@ -186,7 +195,7 @@ class LocalCluster:
 
     def start_verifier(self) -> str:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.verifier = subprocess.Popen(verifier_command(self.spec.verifier), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        self.verifier = subprocess.Popen(verifier_command(self.spec.verifier, self.out_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                          text=True, **_pinned(self.spec.verifier.cpus))
         threading.Thread(target=_follow, args=(self.verifier.stderr, self.out_dir / "verifier.log", self.view), daemon=True).start()
         return f"127.0.0.1:{self.wait_serving()}"
@@ -332,7 +341,8 @@ def print_summary(summary: dict, log=print) -> None:
 
 def local_plan(spec: LaunchSpec) -> list[str]:
     """``--dry-run`` for the local backend: every process runs here; its command line."""
-    lines = ["every process runs on this machine:", "  verifier: " + " ".join(verifier_command(spec.verifier))]
+    lines = ["every process runs on this machine:", "  verifier: " + " ".join(CLI + ["verifier", "--spec", "OUT/verifier.toml"]),
+             *("    " + line for line in daemon_spec(spec.verifier).to_toml().splitlines())]
     for d in spec.expanded_drafters():
         dial = "VERIFIER_ADDRESS" if d.link is None else "VERIFIER_ADDRESS via its emulated link"
         lines.append(f"  {d.name}: " + " ".join(drafter_command(d, dial, d.prompt_path(), Path(f"OUT/{d.name}.jsonl"))))

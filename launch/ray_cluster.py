@@ -201,7 +201,7 @@ class ProcessHost:
         # Loopback (the spec default) is unreachable from other nodes: bind the node's Ray IP instead.
         host = self.ip if spec.host in ("127.0.0.1", "localhost", "::1") else spec.host
         spec = self._with_files(replace(spec, host=host), files or {})
-        self._start(verifier_command(spec), spec.cpus, spec.num_cpus)
+        self._start(verifier_command(spec, self.workdir), spec.cpus, spec.num_cpus)
 
     def start_drafter(self, spec: DrafterSpec, address: str, prompts: str, files: dict[str, str] | None = None) -> None:
         path = self.workdir / f"{spec.name}.prompts.jsonl"

@@ -26,6 +26,7 @@ Unknown keys are errors (a typo must not silently fall back to a default).
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -105,7 +106,7 @@ class VerifierSpec:
     """The verifier daemon's settings (``goodspeed verifier`` flags, a spec's ``[verifier]``); each
     declared once, with :func:`setting`."""
 
-    target: str = setting("demo:target", "hub id, directory or demo:<name>", required=True)
+    target: str = setting("demo:target", "hub id, directory or demo:<name> (required, here or in --spec's file)", cli_default=None)
     host: str = setting("127.0.0.1", "address the gRPC service listens on", to="server.host")
     # `goodspeed verifier` listens on 50051 by default; `goodspeed launch` on a free port unless a spec
     # sets one (e.g. a port a firewall opens on a Ray cluster), reading the bound port from the log.
@@ -201,22 +202,56 @@ class VerifierSpec:
                     out[name] = getattr(self, f.name)
         return out
 
-    def daemon_flags(self) -> list[str]:
-        """The ``goodspeed verifier`` argv for these settings: unset (None) ones are left out, a
-        switch is its bare flag (``--x``, or ``--no-x`` for one on by default) when it differs from
-        its default, and the local-serving settings only go when local serving is on."""
-        out = []
-        local = set(self.local_settings())
-        defaults = {f.name: f.default for f in fields(self)}
+    def to_toml(self) -> str:
+        """These daemon settings as a spec file's ``[verifier]`` table (unset ones left out): what
+        ``goodspeed launch`` hands the verifier process (``goodspeed verifier --spec FILE``), read
+        back by :func:`load_verifier_settings` to the same spec."""
+        lines = ["[verifier]"]
         for name in self.daemon_settings():
-            value, flag = getattr(self, name), name.replace("_", "-")
-            if value is None or (self.local_draft is None and name in local):
-                continue
-            if isinstance(value, bool):
-                out += [] if value == defaults[name] else ["--" + flag if value else "--no-" + flag]
-                continue
-            out += ["--" + flag, str(value)]
-        return out
+            value = getattr(self, name)
+            if value is not None:
+                lines.append(f"{name} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON's string escapes are TOML's basic-string escapes
+    if isinstance(value, float):
+        return repr(value)  # TOML floats, inf and nan included
+    if isinstance(value, int):
+        return str(value)
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def load_verifier_settings(path: str | Path, spec_class: type | None = None) -> dict:
+    """The verifier settings a spec file names (``goodspeed verifier --spec FILE``): its
+    ``[verifier]`` table, validated as :class:`VerifierSpec` keys, with the spec's top-level
+    ``seed`` where the table sets none. A launch spec works (its ``[[drafters]]`` are not read),
+    and so does the file ``goodspeed launch`` writes for its verifier. Only the keys the file
+    gives are returned: settings it leaves out keep their defaults (or the flags given).
+    ``spec_class``: a :class:`VerifierSpec` subclass declaring more settings."""
+    spec_class, path = spec_class or VerifierSpec, Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SpecError(f"{path}: {exc}") from None
+    unknown = set(data) - {"verifier", "drafters", "seed"}
+    if unknown:
+        raise SpecError(f"{path}: unknown tables or keys {sorted(unknown)}")
+    if "verifier" not in data:
+        raise SpecError(f"{path}: no [verifier] table")
+    table = dict(data["verifier"])
+    if data.get("seed") is not None and table.get("seed") is None:
+        table["seed"] = data["seed"]
+    spec = build_table(spec_class, table, f"{path} [verifier]")
+    placement = sorted(set(table) & set(spec_class.PLACEMENT))
+    if placement:  # where a launcher runs the daemon: the daemon itself cannot honour them
+        raise SpecError(f"{path} [verifier]: {placement} place the process (goodspeed launch reads them), "
+                        "not settings of the daemon")
+    return {name: getattr(spec, name) for name in table}
 
 
 def add_setting_flags(parser, spec_class=None) -> None:
@@ -240,8 +275,8 @@ def add_setting_flags(parser, spec_class=None) -> None:
         options = {"default": f.default, "help": f.metadata.get("help") or None, **f.metadata["flag"]}
         if options.get("required"):
             options.pop("default")
-        if kind is bool:  # --x for a switch off by default; --x / --no-x for one on by default
-            options.update(action=argparse.BooleanOptionalAction if f.default else "store_true")
+        if kind is bool:  # --x / --no-x: either way, over the default or over --spec's file
+            options.update(action=argparse.BooleanOptionalAction)
         elif kind is not str:
             options.update(type=kind)
         (local if f.name in local_names else parser).add_argument("--" + f.name.replace("_", "-"), **options)
@@ -365,10 +400,31 @@ def build_table(cls, table: dict, where: str):
         if not isinstance(cpus, list) or not cpus or not all(isinstance(c, int) and c >= 0 for c in cpus):
             raise SpecError(f"{where}: cpus must be a non-empty list of CPU indices")
         table = {**table, "cpus": tuple(cpus)}
+    table = _typed(cls, table, where)
     try:
         return cls(**table)
     except TypeError as exc:
         raise SpecError(f"{where}: {exc}") from None
+
+
+def _typed(cls, table: dict, where: str) -> dict:
+    """``table`` with each scalar setting checked against its field's type (an int where a float
+    is declared becomes that float); a value of another type raises :class:`SpecError`."""
+    import typing
+
+    hints, out = typing.get_type_hints(cls), dict(table)
+    for key, value in table.items():
+        kinds = [k for k in (typing.get_args(hints[key]) or (hints[key],)) if k is not type(None)]
+        if len(kinds) != 1 or kinds[0] not in (bool, int, float, str):
+            continue  # tables and lists are checked above
+        kind = kinds[0]
+        if value is None and len(typing.get_args(hints[key])) > 1:
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = float(value)
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise SpecError(f"{where}: {key} must be {'a ' + kind.__name__ if kind is not int else 'an int'}, got {value!r}")
+    return out
 
 
 def load_spec(path: str | Path | None = None, data: dict | None = None) -> LaunchSpec:

@@ -31,3 +31,20 @@ def fake_experiment():
         return path
 
     return write
+
+
+@pytest.fixture
+def launched(tmp_path):
+    """The settings a verifier started by the launcher serves on: ``verifier_command`` writes its
+    spec file, and the daemon's own argument handling (``cli.verifier_settings``) reads it back."""
+    from goodspeed.launch.cli import verifier_settings
+    from goodspeed.launch.local import CLI, verifier_command
+
+    def read(spec, workdir=None):
+        workdir = workdir or tmp_path / "verifier-spec"
+        workdir.mkdir(parents=True, exist_ok=True)
+        argv = verifier_command(spec, workdir)[len(CLI):]
+        assert argv == ["verifier", "--spec", str(workdir / "verifier.toml")]
+        return verifier_settings(argv[1:])
+
+    return read

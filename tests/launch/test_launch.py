@@ -54,13 +54,14 @@ def test_live_table_rows_and_the_ray_backends_node_column():
 def test_local_dry_run_prints_the_processes_and_address_needs_ray(capsys, tmp_path):
     assert main(["launch", "--dry-run", "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("every process runs on this machine:") and "verifier --target demo:target" in out
+    assert out.startswith("every process runs on this machine:") and "verifier --spec OUT/verifier.toml" in out
+    assert 'target = "demo:target"' in out  # the file it would be handed
     assert out.count("drafter --verifier VERIFIER_ADDRESS") == 4 and not (tmp_path / "run").exists()
     assert main(["launch", "--address", "10.0.0.1:6379"]) == 2
     assert "--address is for --backend ray" in capsys.readouterr().err
 
 
-def test_a_launch_makes_its_own_credentials(tmp_path):
+def test_a_launch_makes_its_own_credentials(tmp_path, launched):
     """Secure by default: a CA, server and client certificates (mutual TLS) and one token per
     [[drafters]] entry, hashes only in the verifier's file, each token in a 0600 file named on
     that drafter's command line."""
@@ -68,7 +69,7 @@ def test_a_launch_makes_its_own_credentials(tmp_path):
     from dataclasses import replace
     from pathlib import Path
 
-    from goodspeed.launch.local import drafter_command, verifier_command, with_run_credentials
+    from goodspeed.launch.local import drafter_command, with_run_credentials
     from goodspeed.launch.spec import load_spec
     from goodspeed.verifier.auth import TokenAuth
 
@@ -76,10 +77,10 @@ def test_a_launch_makes_its_own_credentials(tmp_path):
     tokens_file = tmp_path / "auth" / "tokens.json"
     assert secured.verifier.auth_tokens == str(tokens_file)
     assert stat.S_IMODE((tmp_path / "auth").stat().st_mode) == 0o700
-    cmd = verifier_command(secured.verifier)
-    assert cmd[cmd.index("--auth-tokens") + 1] == str(tokens_file)
-    assert "--eta" not in cmd  # unset: the verifier uses the policy's own smoothing
-    assert verifier_command(replace(secured.verifier, eta=0.3)).count("--eta") == 1
+    served = launched(secured.verifier)
+    assert served.auth_tokens == str(tokens_file)
+    assert served.eta is None  # unset: the verifier uses the policy's own smoothing
+    assert launched(replace(secured.verifier, eta=0.3)).eta == 0.3
     auth = TokenAuth.from_file(tokens_file)
     for d in secured.drafters:
         assert d.token_file == str(tmp_path / "auth" / f"{d.name}.token")

@@ -26,7 +26,7 @@ def model_dirs(tmp_path_factory):
 
 def start(spec: VerifierSpec, log_path):
     log = open(log_path, "w")
-    proc = subprocess.Popen(verifier_command(spec), stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen(verifier_command(spec, log_path.parent), stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         for line in open(log_path):
@@ -56,6 +56,6 @@ def test_text_prompt_through_the_daemon(model_dirs, tmp_path, capsys):
 
 def test_turbospec_without_a_profile_is_refused(model_dirs, tmp_path):
     spec = VerifierSpec(target=str(model_dirs["target"]), local_draft=str(model_dirs["draft"]), local_policy="turbospec")
-    result = subprocess.run(verifier_command(spec), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(verifier_command(spec, tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "goodspeed profile" in result.stderr and "Traceback" not in result.stderr

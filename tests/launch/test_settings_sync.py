@@ -1,19 +1,20 @@
 """One setting, one meaning: the verifier's settings as a spec's ``[verifier]`` keys
-(``VerifierSpec``), as ``goodspeed verifier`` flags, as the argv the launcher builds, and as the
-library configs the daemon runs on must name and default the same things. A setting added in one
+(``VerifierSpec``), as ``goodspeed verifier`` flags, in the spec file the launcher hands its
+verifier, and as the library configs the daemon runs on must name and default the same things. A setting added in one
 place and forgotten in another fails here (issue 15, part 5)."""
 
 import dataclasses
 
-from goodspeed.launch.cli import build_parser
-from goodspeed.launch.local import CLI, verifier_command
+import pytest
+
+from goodspeed.launch.cli import build_parser, verifier_settings
 from goodspeed.launch.spec import VerifierSpec
 from goodspeed.verifier.local import LocalConfig
 from goodspeed.verifier.server import ServerConfig
 from goodspeed.verifier.sessions import EngineConfig
 
 PLACEMENT = set(VerifierSpec.PLACEMENT)  # where the launcher runs the daemon, not the daemon's
-CLI_DEFAULTS = {"port": 50051, "target": None}  # the daemon listens on 50051; --target is required of a user
+CLI_DEFAULTS = {"port": 50051, "target": None}  # the daemon listens on 50051; a target is required of a user
 
 
 def verifier_parser():
@@ -21,32 +22,55 @@ def verifier_parser():
 
 
 def test_every_spec_setting_is_a_flag_with_the_same_default_and_no_flag_is_spec_less():
-    flags = {a.dest: a.default for a in verifier_parser()._actions if a.dest != "help"}
+    flags = {a.dest: a.default for a in verifier_parser()._actions if a.dest not in ("help", "spec")}
     spec = {f.name: f.default for f in dataclasses.fields(VerifierSpec) if f.name not in PLACEMENT}
     assert set(flags) == set(spec) == set(VerifierSpec.daemon_settings())
     assert {name: flags[name] for name in spec if flags[name] != spec[name]} == CLI_DEFAULTS
 
 
-def test_the_launchers_argv_carries_every_setting():
-    """A spec with every daemon setting away from its default, through ``verifier_command`` and the
-    CLI's own parser, comes back whole."""
-    changed = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy="fixed", eta=0.3, beta=0.25,
-                   rounds="async", round_deadline_ms=123.0, max_missed_rounds=7, idle_timeout_s=9.0, drain_timeout_s=4.0,
-                   stream_open_timeout_s=3.0,
-                   max_message_bytes=4096, max_seq_len=300, max_drafters=5, max_draft_len=9, prefill_chunk=0,
-                   device="cuda", dtype="bfloat16", seed=42, metrics_port=9100, metrics_host="0.0.0.0", http_port=8001,
-                   http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
-                   local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
-                   local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
-                   max_local_requests=8, max_local_waiting=9)
+CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy="fixed", eta=0.3, beta=0.25,
+               rounds="async", round_deadline_ms=123.0, max_missed_rounds=7, idle_timeout_s=9.0, drain_timeout_s=4.0,
+               stream_open_timeout_s=3.0,
+               max_message_bytes=4096, max_seq_len=300, max_drafters=5, max_draft_len=9, prefill_chunk=0,
+               device="cuda", dtype="bfloat16", seed=42, metrics_port=9100, metrics_host="0.0.0.0", http_port=8001,
+               http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
+               local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
+               local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
+               max_local_requests=8, max_local_waiting=9)
+
+
+def test_the_launchers_spec_file_carries_every_setting(launched):
+    """A spec with every daemon setting away from its default, through the file ``verifier_command``
+    writes and the daemon's own argument handling, comes back whole."""
     defaults = VerifierSpec()
-    assert set(changed) == {f.name for f in dataclasses.fields(VerifierSpec)} - PLACEMENT
-    assert all(getattr(defaults, name) != value for name, value in changed.items())
-    argv = verifier_command(VerifierSpec(**changed))[len(CLI):]
-    parsed = vars(verifier_parser().parse_args(argv[1:]))
-    assert {name: parsed[name] for name in changed} == changed
-    # ... and the CLI builds the same spec back from its flags (what `goodspeed verifier` serves).
-    assert VerifierSpec(**{name: parsed[name] for name in VerifierSpec.daemon_settings()}) == VerifierSpec(**changed)
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(VerifierSpec)} - PLACEMENT
+    assert all(getattr(defaults, name) != value for name, value in CHANGED.items())
+    assert launched(VerifierSpec(**CHANGED)) == VerifierSpec(**CHANGED)
+    assert launched(VerifierSpec(target="demo:other")) == VerifierSpec(target="demo:other", port=0)  # a free port
+
+
+def test_flags_override_the_spec_file_and_a_target_is_required(tmp_path):
+    path = tmp_path / "v.toml"
+    path.write_text(VerifierSpec(**CHANGED).to_toml())
+    served = verifier_settings(["--budget", "3", "--spec", str(path), "--no-insecure", "--rounds", "sync"])
+    assert served == VerifierSpec(**{**CHANGED, "budget": 3, "insecure": False, "rounds": "sync"})
+    assert verifier_settings(["--target", "demo:target", "--budget", "5"]) == VerifierSpec(budget=5, port=50051)
+    path.write_text('seed = 7\n[verifier]\nbudget = 4\n[[drafters]]\nname = "a"\n')  # a launch spec: [verifier] and its seed
+    with pytest.raises(SystemExit):
+        verifier_settings(["--spec", str(path)])  # no target anywhere
+    assert verifier_settings(["--spec", str(path), "--target", "x"]) == VerifierSpec(target="x", budget=4, seed=7, port=50051)
+
+
+@pytest.mark.parametrize("text,match", [('[verifier]\nbudgt = 3\n', "unknown keys"), ('budget = 3\n', "unknown tables"),
+                                        ('[drafters]\n', "no \\[verifier\\]"), ('[verifier]\ncpus = [0]\n', "place the process"),
+                                        ('[verifier]\nbudget = "x"\n', "budget")])
+def test_a_bad_spec_file_is_refused_by_key(tmp_path, text, match):
+    from goodspeed.launch.spec import SpecError, load_verifier_settings
+
+    path = tmp_path / "v.toml"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=match):
+        load_verifier_settings(path)
 
 
 CONFIGS = {"engine": EngineConfig, "server": ServerConfig, "local": LocalConfig}
@@ -80,14 +104,14 @@ def test_every_setting_lands_in_a_config_field_that_exists_and_defaults_alike():
     assert VerifierSpec().beta == EngineConfig().smoothing.beta  # the one unrouted default a config also holds
 
 
-def test_a_setting_declared_once_is_a_flag_a_launcher_argument_and_a_config_field():
+def test_a_setting_declared_once_is_a_flag_a_spec_file_key_and_a_config_field(tmp_path):
     """What the README's architecture section promises: one ``setting(...)`` line is the whole
     change. A spec class with one more (routed to a ServerConfig field no spec sets) gets the flag,
-    carries it through the launcher's argv, and the daemon's config receives it."""
+    carries it through the spec file the launcher writes, and the daemon's config receives it."""
     import argparse
 
     from goodspeed.launch import serve
-    from goodspeed.launch.spec import add_setting_flags, setting
+    from goodspeed.launch.spec import add_setting_flags, load_verifier_settings, setting
 
     @dataclasses.dataclass(frozen=True)
     class Extended(VerifierSpec):
@@ -96,8 +120,9 @@ def test_a_setting_declared_once_is_a_flag_a_launcher_argument_and_a_config_fiel
     parser = argparse.ArgumentParser()
     add_setting_flags(parser, Extended)
     spec = Extended(warmup=False, round_deadline_ms=80.0, port=6000)
-    assert "--no-warmup" in spec.daemon_flags()  # a switch on by default is turned off by --no-x
-    parsed = vars(parser.parse_args(spec.daemon_flags()))
+    (tmp_path / "v.toml").write_text(spec.to_toml())
+    assert Extended(**load_verifier_settings(tmp_path / "v.toml", Extended)) == spec
+    parsed = vars(parser.parse_args(["--target", "demo:target", "--no-warmup", "--round-deadline-ms", "80", "--port", "6000"]))
     assert Extended(**{name: parsed[name] for name in Extended.daemon_settings()}) == spec
     config = serve.server_config(spec)
     assert (config.warmup, config.round_deadline_ms) == (False, 80.0)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from goodspeed.launch.local import drafter_command, verifier_command
+from goodspeed.launch.local import drafter_command
 from goodspeed.launch.spec import DEFAULT_SPEC, SpecError, load_spec
 
 
@@ -20,15 +20,15 @@ def write(tmp_path, text):
     return path
 
 
-def test_count_expands_to_distinct_processes(tmp_path):
+def test_count_expands_to_distinct_processes(tmp_path, launched):
     spec = load_spec(write(tmp_path, '[verifier]\ntarget="x"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\ncount=3\n'))
     assert [d.name for d in spec.expanded_drafters()] == ["e-0", "e-1", "e-2"]
     assert [d.seed for d in spec.expanded_drafters()] == [None] * 3  # streams differ by name, not by seed
     cmd = drafter_command(spec.expanded_drafters()[0], "127.0.0.1:1", spec.drafters[0].prompt_path(), tmp_path / "o.jsonl")
     assert cmd[cmd.index("--verifier") + 1] == "127.0.0.1:1"
-    assert verifier_command(spec.verifier)[verifier_command(spec.verifier).index("--port") + 1] == "0"
+    assert launched(spec.verifier).port == 0  # a free one, read back from the log
     fixed = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nport=6100\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
-    assert verifier_command(fixed.verifier)[verifier_command(fixed.verifier).index("--port") + 1] == "6100"
+    assert launched(fixed.verifier).port == 6100
 
 
 @pytest.mark.parametrize(
@@ -62,29 +62,26 @@ def test_every_shipped_spec_loads():
         assert spec.drafters, path
 
 
-def test_one_root_seed_per_run(tmp_path):
+def test_one_root_seed_per_run(tmp_path, launched):
     """A spec's top-level seed is every process's root unless one sets its own; without one, the
     run draws a fresh root and passes it to all (so the summary can name it)."""
     text = '[verifier]\ntarget="x"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\ncount=2\n[[drafters]]\nname="f"\ndraft="d"\nprompts="code"\nseed=9\n'
     seeded = load_spec(write(tmp_path, "seed = 42\n" + text)).seeded()
     assert seeded.seed == 42 and seeded.verifier.seed == 42
     assert [d.seed for d in seeded.expanded_drafters()] == [42, 42, 9]
-    cmd = verifier_command(seeded.verifier)
-    assert cmd[cmd.index("--seed") + 1] == "42"
+    assert launched(seeded.verifier).seed == 42
     fresh = [load_spec(write(tmp_path, text)).seeded() for _ in range(2)]
     assert fresh[0].seed != fresh[1].seed and fresh[0].verifier.seed == fresh[0].seed
-    assert "--seed" not in verifier_command(load_spec(write(tmp_path, text)).verifier)  # unresolved: the process draws its own
+    assert launched(load_spec(write(tmp_path, text)).verifier).seed is None  # unresolved: the process draws its own
     with pytest.raises(SpecError, match="seed"):
         load_spec(write(tmp_path, "seed = -1\n" + text))
 
 
-def test_the_metrics_endpoint_stays_on_loopback_unless_told(tmp_path):
+def test_the_metrics_endpoint_stays_on_loopback_unless_told(tmp_path, launched):
     spec = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nhost="0.0.0.0"\nmetrics_port=9400\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
-    cmd = verifier_command(spec.verifier)
-    assert cmd[cmd.index("--metrics-host") + 1] == "127.0.0.1"
+    assert launched(spec.verifier).metrics_host == "127.0.0.1"
     opened = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nmetrics_port=9400\nmetrics_host="0.0.0.0"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
-    cmd = verifier_command(opened.verifier)
-    assert cmd[cmd.index("--metrics-host") + 1] == "0.0.0.0"
+    assert launched(opened.verifier).metrics_host == "0.0.0.0"
 
 
 def test_shipped_specs_are_named_by_stem(tmp_path, monkeypatch):
