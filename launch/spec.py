@@ -234,13 +234,7 @@ def load_verifier_settings(path: str | Path, spec_class: type | None = None) -> 
     gives are returned: settings it leaves out keep their defaults (or the flags given).
     ``spec_class``: a :class:`VerifierSpec` subclass declaring more settings."""
     spec_class, path = spec_class or VerifierSpec, Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SpecError(f"{path}: {exc}") from None
-    unknown = set(data) - {"verifier", "drafters", "seed"}
-    if unknown:
-        raise SpecError(f"{path}: unknown tables or keys {sorted(unknown)}")
+    data = _spec_tables(path)
     if "verifier" not in data:
         raise SpecError(f"{path}: no [verifier] table")
     table = dict(data["verifier"])
@@ -427,9 +421,8 @@ def _typed(cls, table: dict, where: str) -> dict:
     return out
 
 
-def load_spec(path: str | Path | None = None, data: dict | None = None) -> LaunchSpec:
-    """Parse a spec file (or, with ``data``, its already-parsed tables; ``path`` names it in errors)."""
-    path = Path(path) if path else DEFAULT_SPEC
+def _spec_tables(path: Path, data: dict | None = None) -> dict:
+    """A spec file's top-level tables (``data``: already parsed), its keys and root seed checked."""
     if data is None:
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -441,6 +434,14 @@ def load_spec(path: str | Path | None = None, data: dict | None = None) -> Launc
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise SpecError(f"{path}: seed must be an integer >= 0 (the run's root seed), got {seed!r}")
+    return data
+
+
+def load_spec(path: str | Path | None = None, data: dict | None = None) -> LaunchSpec:
+    """Parse a spec file (or, with ``data``, its already-parsed tables; ``path`` names it in errors)."""
+    path = Path(path) if path else DEFAULT_SPEC
+    data = _spec_tables(path, data)
+    seed = data.get("seed")
     verifier = build_table(VerifierSpec, data.get("verifier", {}), f"{path} [verifier]")
     drafters = tuple(build_table(DrafterSpec, d, f"{path} [[drafters]] #{i}") for i, d in enumerate(data.get("drafters", [])))
     spec = LaunchSpec(verifier, drafters, seed)
