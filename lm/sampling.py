@@ -72,9 +72,19 @@ def process_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingP
         scaled = _truncate(scaled, params, shape)
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, work.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, argmax_last(work).unsqueeze(-1), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``, the lowest index on ties (torch's rule and numpy's alike). A CPU
+    tensor goes through numpy: torch's CPU argmax over a batch of short rows measured ~13x slower
+    on this machine (8 x 5 x 2,048 float32 logits, a greedy round's verification: 106 us against
+    8 us). Other devices, and dtypes numpy lacks (bfloat16), use torch's."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.float16):
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _truncate(scaled: torch.Tensor, params: list[SamplingParams], shape: tuple[int, ...]) -> torch.Tensor:

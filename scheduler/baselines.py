@@ -8,22 +8,25 @@ exceed C."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 
-def _caps(num_clients: int, budget: int, max_lengths) -> np.ndarray:
+def _caps(num_clients: int, budget: int, max_lengths) -> list[int]:
+    """Each client's cap, ``min(max_length, C)``, as Python ints: a round has a handful of
+    clients, where numpy's per-call overhead would dominate."""
     if num_clients < 0:
         raise ValueError("num_clients must be >= 0")
     if isinstance(budget, bool) or int(budget) != budget or budget < 0:
         raise ValueError(f"budget must be an integer >= 0, got {budget!r}")
     if max_lengths is None:
-        return np.full(num_clients, int(budget), dtype=np.int64)
-    caps = np.asarray(max_lengths).reshape(-1)
-    if caps.size != num_clients or np.any(caps < 0) or np.any(caps != np.floor(caps)):
+        return [int(budget)] * num_clients
+    caps = np.asarray(max_lengths).reshape(-1).tolist()
+    if len(caps) != num_clients or any(c < 0 or c != math.floor(c) for c in caps):
         raise ValueError("max_lengths must hold one integer >= 0 per client")
-    return np.minimum(caps.astype(np.int64), int(budget))
+    return [min(int(c), int(budget)) for c in caps]
 
 
 def fixed_draft_lengths(
@@ -42,23 +45,24 @@ def fixed_draft_lengths(
     [2, 3, 2]
     """
     caps = _caps(num_clients, budget, max_lengths)
-    lengths = np.zeros(num_clients, dtype=np.int64)
-    order = (np.arange(num_clients) + offset) % max(num_clients, 1)
+    lengths = [0] * num_clients
+    order = [(i + int(offset)) % max(num_clients, 1) for i in range(num_clients)]
     left = int(budget)
-    open_ = caps > 0
-    while left > 0 and open_.any():
+    while left > 0:
         # Split what is left equally among clients still under their cap; the capped drop out.
-        idx = order[open_[order]]
-        share, extra = divmod(left, idx.size)
-        grant = np.full(idx.size, share, dtype=np.int64)
-        grant[:extra] += 1
-        grant = np.minimum(grant, caps[idx] - lengths[idx])
-        lengths[idx] += grant
-        left -= int(grant.sum())
-        open_ = lengths < caps
-        if grant.sum() == 0:
+        under = [i for i in order if lengths[i] < caps[i]]
+        if not under:
             break
-    return lengths
+        share, extra = divmod(left, len(under))
+        granted = 0
+        for rank, i in enumerate(under):
+            grant = min(share + (rank < extra), caps[i] - lengths[i])
+            lengths[i] += grant
+            granted += grant
+        left -= granted
+        if granted == 0:
+            break
+    return np.array(lengths, dtype=np.int64)
 
 
 def random_draft_lengths(
@@ -73,7 +77,7 @@ def random_draft_lengths(
     """
     caps = _caps(num_clients, budget, max_lengths)
     if num_clients == 0:
-        return caps
+        return np.zeros(0, dtype=np.int64)
     shares = rng.dirichlet(np.ones(num_clients + 1))
     split = rng.multinomial(int(budget), shares)[:num_clients]
     return np.minimum(split.astype(np.int64), caps)

@@ -22,11 +22,12 @@ All randomness is passed in as uniforms in ``[0, 1)``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from goodspeed.lm.sampling import sample_from
+from goodspeed.lm.sampling import argmax_last, sample_from
 
 
 @dataclass(frozen=True)
@@ -122,21 +123,35 @@ def verify_chains_q(
     return ChainVerdicts(num_accepted, sample_from(dist, sample_uniforms), ratio.clamp(max=1.0))
 
 
-def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafted: torch.Tensor) -> ChainVerdicts:
+@dataclass(frozen=True)
+class GreedyVerdict:
+    """One greedy chain's outcome: ``num_accepted`` ``m``, the correction-or-bonus token
+    ``argmax p_{m+1}``, and ``min(1, p/q)`` at every drafted position (1 where the drafted token is
+    the argmax, else 0)."""
+
+    num_accepted: int
+    next_token: int
+    ratios: list[float]
+
+
+def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: Sequence[Sequence[int]]) -> list[GreedyVerdict]:
     """Greedy rows without probabilities: accept while ``s_j = argmax p_j``, then ``argmax p_{m+1}``.
 
     Identical to :func:`verify_chains` on one-hot ``p`` and ``q`` (``process_logits`` at
-    temperature 0 is the one-hot of this same argmax), without building either.
+    temperature 0 is the one-hot of this same argmax, lowest id on ties), without building either.
+    One argmax over the batch and one copy of its ``[B, S_max + 1]`` ids to the host; the rest is
+    a few Python comparisons per row (on CPU each tensor op on these tiny shapes cost more than
+    the whole comparison; on a GPU each would be a kernel launch).
 
-    target_logits [B, S_max + 1, V]; draft_tokens [B, S_max]; num_drafted [B]
+    target_logits [B, >= S_b + 1, V]; ``draft_tokens[b]``: row b's ``S_b`` drafted tokens.
     """
-    batch, s_max = draft_tokens.shape
-    best = target_logits.argmax(dim=-1)  # [B, S_max + 1]
-    valid = _valid(draft_tokens, num_drafted)
-    match = (draft_tokens == best[:, :s_max]) & valid
-    num_accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
-    next_token = best[torch.arange(batch, device=best.device), num_accepted]
-    return ChainVerdicts(num_accepted, next_token, match.to(torch.float64))
+    best = argmax_last(target_logits).tolist()
+    out = []
+    for drafted, top in zip(draft_tokens, best):
+        ratios = [1.0 if token == top[j] else 0.0 for j, token in enumerate(drafted)]
+        m = next((j for j, hit in enumerate(ratios) if not hit), len(ratios))
+        out.append(GreedyVerdict(m, top[m], ratios))
+    return out
 
 
 @dataclass(frozen=True)

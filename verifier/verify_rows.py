@@ -49,7 +49,9 @@ class RowVerifier:
         sampled = [i for i, r in enumerate(rows) if r.draft.parents is None and not r.sampling.greedy]
         for group, fn in ((greedy, self._greedy), (sampled, self._sampled)):
             if group:
-                for i, res in zip(group, fn([rows[i] for i in group], logits[group], given)):
+                # Every row in one group (the common case): the logits as they are, not a gathered copy.
+                group_logits = logits if len(group) == len(rows) else logits[group]
+                for i, res in zip(group, fn([rows[i] for i in group], group_logits, given)):
                     out[i] = res
         for i, row in enumerate(rows):
             if row.draft.parents is not None:
@@ -71,9 +73,10 @@ class RowVerifier:
         ]
 
     def _greedy(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
-        drafted, num, s_max = self._drafted(rows)
-        res = verify_greedy_chains(logits[:, : s_max + 1], drafted, num)
-        return self._outcomes(rows, res.num_accepted.tolist(), res.next_token.tolist(), res.acceptance_ratios.tolist())
+        s_max = max(r.draft.num_tokens for r in rows)
+        verdicts = verify_greedy_chains(logits[:, : s_max + 1], [r.tokens[1:] for r in rows])
+        return [RowOutcome(list(range(v.num_accepted + 1)), row.tokens[1 : v.num_accepted + 1] + [v.next_token], v.ratios)
+                for row, v in zip(rows, verdicts)]
 
     def _sampled(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
         drafted, num, s_max = self._drafted(rows)

@@ -82,3 +82,13 @@ def test_the_smallest_temperature_still_gives_a_distribution():
     logits = torch.tensor([30.0, -30.0, 0.0, 29.9])
     probs = process_logits(logits, SamplingParams(temperature=1e-5))
     assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_argmax_last_is_torchs_argmax_lowest_id_on_ties(dtype):
+    from goodspeed.lm.sampling import argmax_last
+
+    logits = torch.randint(0, 3, (4, 5, 7), generator=torch.Generator().manual_seed(0)).to(dtype)  # ties everywhere
+    got = argmax_last(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert torch.equal(argmax_last(logits[:, 1:3]), logits[:, 1:3].argmax(dim=-1))  # a strided view

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
-from goodspeed.verifier.rejection import verify_chains, verify_tree
+from goodspeed.verifier.rejection import verify_chains, verify_greedy_chains, verify_tree
 
 V = 6
 
@@ -162,6 +162,31 @@ def test_greedy_is_argmax_matching():
     res = verify_chains(p.double(), q, draft, torch.tensor([2]), torch.zeros(1, 2, dtype=torch.float64), torch.full((1,), 0.99, dtype=torch.float64))
     assert res.num_accepted.tolist() == [1] and res.next_token.tolist() == [0]
     assert res.acceptance_ratios.tolist() == [[1.0, 0.0]]
+
+
+def test_greedy_chains_equal_the_chain_rule_on_one_hot_distributions():
+    """verify_greedy_chains (the engine's greedy path: argmax, then Python comparisons) gives what
+    verify_chains gives on the one-hot p of the same logits and one-hot q of the drafts: ragged
+    rows, empty drafts, ties (lowest id wins) and mismatches past the first rejection included."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        batch, s_max, vocab = 4, 5, 6
+        logits = torch.randint(0, 3, (batch, s_max + 1, vocab), generator=gen).float()  # many ties
+        lengths = torch.randint(0, s_max + 1, (batch,), generator=gen)
+        best = process_logits(logits, SamplingParams()).argmax(-1)
+        drafts = []
+        for b in range(batch):  # mostly the argmax, sometimes not
+            row = [int(best[b, j]) if torch.rand(1, generator=gen) < 0.7 else int(torch.randint(0, vocab, (1,), generator=gen))
+                   for j in range(int(lengths[b]))]
+            drafts.append(row)
+        fast = verify_greedy_chains(logits, drafts)
+        padded = torch.tensor([d + [0] * (s_max - len(d)) for d in drafts])
+        p = process_logits(logits, SamplingParams()).double()
+        q = torch.nn.functional.one_hot(padded, vocab).double()
+        ref = verify_chains(p, q, padded, lengths, torch.zeros(batch, s_max, dtype=torch.float64), torch.full((batch,), 0.5, dtype=torch.float64))
+        for b, v in enumerate(fast):
+            assert (v.num_accepted, v.next_token) == (int(ref.num_accepted[b]), int(ref.next_token[b]))
+            assert v.ratios == ref.acceptance_ratios[b, : len(drafts[b])].tolist()
 
 
 def test_ragged_rows_and_empty_drafts():
