@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from goodspeed.launch.spec import DTYPES, VerifierSpec, add_setting_flags
+from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec, add_setting_flags
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
 
@@ -224,20 +224,57 @@ def _ensure_models(models: list[str]) -> None:
     ensure_models(models)
 
 
+def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
+    dr.add_argument("--spec", metavar="FILE", default=None,
+                    help="take the settings from FILE's [[drafters]] entry (the one named --name; a launch spec, or the "
+                         "file `goodspeed launch` writes for each drafter); flags given as well override it")
+    dr.add_argument("--verifier", required=True, help="HOST:PORT")
+    dr.add_argument("--draft", default=None, help="hub id, directory or demo:<name> (required, here or in --spec's file)")
+    dr.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
+    dr.add_argument("--serve", default=None, metavar="HOST:PORT", help="serve the OpenAI API here instead "
+                    "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a --spec file's prompts are not read)")
+    dr.add_argument("--max-concurrency", type=int, default=4, help="--serve: requests generating at once (one verifier session each)")
+    dr.add_argument("--max-waiting", type=int, default=64, help="--serve: requests queued behind those; more get 429")
+    dr.add_argument("--api-key-file", default=None, help="--serve: clients must send this key as a bearer token "
+                    "(required off loopback)")
+    _add_sampling_args(dr, max_new_tokens=64)
+    dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
+    dr.add_argument("--name", default=None, help="this node's name, its identity without a token or certificate (default: "
+                                                 "drafter); with --spec, the entry to read (default: the file's only one)")
+    _add_client_credentials(dr)
+    dr.add_argument("--connect-timeout-s", type=float, default=60.0)
+    dr.add_argument("--quiet", action="store_true", help="no progress bar")
+    dr.add_argument("--proactive", action=argparse.BooleanOptionalAction, default=True,
+                    help="draft the next round while a draft is being verified (default: on)")
+    _add_model_args(dr)
+
+
+def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
+    """The settings ``goodspeed drafter ARGV`` runs on: the defaults, then ``--spec``'s entry, then
+    the flags given; and the parsed arguments (where to dial, where to write, --serve's)."""
+    from goodspeed.launch.spec import load_drafter_settings
+
+    parser = argparse.ArgumentParser(prog="goodspeed drafter")
+    _add_drafter_flags(parser)
+    args = parser.parse_args(argv)
+    if args.spec is not None:
+        table = load_drafter_settings(args.spec, args.name)
+        if args.serve is not None:
+            table.pop("prompts", None)  # --serve answers requests instead of a prompt file
+        parser.set_defaults(**table)
+        args = parser.parse_args(argv)
+    args.name = args.name or "drafter"
+    if args.draft is None:
+        parser.error("the draft model is required: --draft MODEL, or a --spec whose [[drafters]] entry names it")
+    if (args.prompts is None) == (args.serve is None):
+        parser.error("give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both")
+    return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args
+
+
 def _drafter(args: argparse.Namespace) -> int:
     from goodspeed.launch.draft_node import run_drafter
-    from goodspeed.launch.spec import DrafterSpec
 
-    spec = DrafterSpec(
-        name=args.name, draft=args.draft, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, device=args.device, dtype=args.dtype, seed=args.seed,
-        token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_server_name=args.tls_server_name, proactive=args.proactive,
-    )
-    if (args.prompts is None) == (args.serve is None):
-        print("goodspeed drafter: give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both",
-              file=sys.stderr)
-        return 2
+    spec, args = drafter_settings(args.argv)
     if args.serve is not None:
         from goodspeed.launch.draft_node import serve_node
 
@@ -375,24 +412,7 @@ def _add_serving_parsers(sub) -> None:
     _add_verifier_flags(ver)
     ver.set_defaults(func=_verifier)
     dr = sub.add_parser("drafter", help="run an edge draft node against a verifier")
-    dr.add_argument("--verifier", required=True, help="HOST:PORT")
-    dr.add_argument("--draft", required=True, help="hub id, directory or demo:<name>")
-    dr.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
-    dr.add_argument("--serve", default=None, metavar="HOST:PORT", help="serve the OpenAI API here instead "
-                    "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
-    dr.add_argument("--max-concurrency", type=int, default=4, help="--serve: requests generating at once (one verifier session each)")
-    dr.add_argument("--max-waiting", type=int, default=64, help="--serve: requests queued behind those; more get 429")
-    dr.add_argument("--api-key-file", default=None, help="--serve: clients must send this key as a bearer token "
-                    "(required off loopback)")
-    _add_sampling_args(dr, max_new_tokens=64)
-    dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
-    dr.add_argument("--name", default="drafter")
-    _add_client_credentials(dr)
-    dr.add_argument("--connect-timeout-s", type=float, default=60.0)
-    dr.add_argument("--quiet", action="store_true", help="no progress bar")
-    dr.add_argument("--no-proactive", dest="proactive", action="store_false",
-                    help="do not draft the next round while a draft is being verified (proactive drafting is on by default)")
-    _add_model_args(dr)
+    _add_drafter_flags(dr)
     dr.set_defaults(func=_drafter)
     gen = sub.add_parser("generate", help="send one request to a verifier's local serving and stream the answer")
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text (the verifier tokenizes it)")

@@ -4,8 +4,9 @@ The verifier binds port 0 and reports the port in its ``serving`` log event; dra
 it is serving. The verifier's JSON round log (its stderr, copied to ``OUT/verifier.log``) feeds a
 live table per drafter (alpha_hat, X, S_i, tokens/s). When every drafter has exited, or on Ctrl-C,
 the drafters are stopped, the verifier gets SIGTERM (it drains), and a summary is printed and
-written to ``OUT/summary.json``. Each drafter writes its results to ``OUT/<name>.jsonl`` and its
-log to ``OUT/<name>.log``.
+written to ``OUT/summary.json``. Each process reads its settings from a spec file the launcher
+writes (``OUT/verifier.toml``, ``OUT/<name>.toml``); each drafter writes its results to
+``OUT/<name>.jsonl`` and its log to ``OUT/<name>.log``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from goodspeed.launch.certs import init_certs
 from goodspeed.launch.links import EdgeNetwork, check_support
-from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec, flag_args
+from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
 from goodspeed.verifier.auth import add_token, write_private
 from goodspeed.verifier.records import RecordError, RoundRecord
 
@@ -102,15 +103,23 @@ def verifier_command(v: VerifierSpec, workdir: Path) -> list[str]:
     return CLI + ["verifier", "--spec", str(path)]
 
 
-def _seed_args(seed: int | None) -> list[str]:
-    return [] if seed is None else ["--seed", str(seed)]
+def node_spec(d: DrafterSpec, prompts: Path) -> DrafterSpec:
+    """What a launched drafter runs on: its spec's node settings, on the prompt file the launcher
+    prepared (``max_prompts`` applied)."""
+    return replace(d, prompts=str(prompts), max_prompts=None)
 
 
-def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path) -> list[str]:
-    return CLI + ["drafter", "--verifier", address, "--draft", d.draft, "--prompts", str(prompts), "--out", str(out),
-                  "--name", d.name, "--max-new-tokens", str(d.max_new_tokens), "--temperature", str(d.temperature),
-                  "--top-k", str(d.top_k), "--top-p", str(d.top_p), "--device", d.device, "--dtype", d.dtype,
-                  "--quiet"] + ([] if d.proactive else ["--no-proactive"]) + _seed_args(d.seed) + flag_args(d, "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+def drafter_argv(spec_file: Path | str, address: str, out: Path | str) -> list[str]:
+    return CLI + ["drafter", "--spec", str(spec_file), "--verifier", address, "--out", str(out), "--quiet"]
+
+
+def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path, workdir: Path) -> list[str]:
+    """A drafter process's argv: ``goodspeed drafter --spec FILE``, FILE its node settings
+    (:meth:`DrafterSpec.to_toml`) written into ``workdir`` as ``<name>.toml``; only what the
+    launcher learns at run time (the verifier's address) and where results go are flags."""
+    path = Path(workdir) / f"{d.name}.toml"
+    path.write_text(node_spec(d, prompts).to_toml(), encoding="utf-8")
+    return drafter_argv(path, address, out)
 
 
 def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_parent: bool = False) -> dict:
@@ -217,7 +226,7 @@ class LocalCluster:
             self.network = EdgeNetwork(linked, upstream=(host, int(port))).__enter__()
         for d in drafters:
             dial = self.network[d.name].verifier_address if d.name in linked else address
-            cmd = drafter_command(d, dial, _prompt_file(d, self.out_dir), self.out_dir / f"{d.name}.jsonl")
+            cmd = drafter_command(d, dial, _prompt_file(d, self.out_dir), self.out_dir / f"{d.name}.jsonl", self.out_dir)
             if d.name in linked:
                 cmd = self.network[d.name].wrap(cmd)
             with open(self.out_dir / f"{d.name}.log", "w") as err:
@@ -345,7 +354,9 @@ def local_plan(spec: LaunchSpec) -> list[str]:
              *("    " + line for line in daemon_spec(spec.verifier).to_toml().splitlines())]
     for d in spec.expanded_drafters():
         dial = "VERIFIER_ADDRESS" if d.link is None else "VERIFIER_ADDRESS via its emulated link"
-        lines.append(f"  {d.name}: " + " ".join(drafter_command(d, dial, d.prompt_path(), Path(f"OUT/{d.name}.jsonl"))))
+        prompts = d.prompt_path() if d.max_prompts is None else Path(f"OUT/{d.name}.prompts.jsonl")
+        lines += [f"  {d.name}: " + " ".join(drafter_argv(f"OUT/{d.name}.toml", dial, f"OUT/{d.name}.jsonl")),
+                  *("    " + line for line in node_spec(d, prompts).to_toml().splitlines())]
     return lines
 
 

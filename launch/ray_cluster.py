@@ -207,7 +207,7 @@ class ProcessHost:
         path = self.workdir / f"{spec.name}.prompts.jsonl"
         path.write_text(prompts, encoding="utf-8")
         spec = self._with_files(spec, files or {})
-        self._start(drafter_command(spec, address, path, self.out_path), spec.cpus, spec.num_cpus)
+        self._start(drafter_command(spec, address, path, self.out_path, self.workdir), spec.cpus, spec.num_cpus)
 
     def _start(self, cmd: list[str], cpus: tuple[int, ...] | None, num_cpus: float) -> None:
         with open(self.log_path, "a", encoding="utf-8") as log:

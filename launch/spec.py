@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from goodspeed.launch.links import LinkSpec
@@ -206,12 +206,17 @@ class VerifierSpec:
         """These daemon settings as a spec file's ``[verifier]`` table (unset ones left out): what
         ``goodspeed launch`` hands the verifier process (``goodspeed verifier --spec FILE``), read
         back by :func:`load_verifier_settings` to the same spec."""
-        lines = ["[verifier]"]
-        for name in self.daemon_settings():
-            value = getattr(self, name)
-            if value is not None:
-                lines.append(f"{name} = {_toml_value(value)}")
-        return "\n".join(lines) + "\n"
+        return _toml_table("[verifier]", self, self.daemon_settings())
+
+
+def _toml_table(header: str, spec, names: list[str]) -> str:
+    """``spec``'s settings ``names`` under ``header`` as TOML (unset ones left out)."""
+    lines = [header]
+    for name in names:
+        value = getattr(spec, name)
+        if value is not None:
+            lines.append(f"{name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
 
 
 def _toml_value(value) -> str:
@@ -248,6 +253,40 @@ def load_verifier_settings(path: str | Path, spec_class: type | None = None) -> 
     return {name: getattr(spec, name) for name in table}
 
 
+def load_drafter_settings(path: str | Path, name: str | None = None) -> dict:
+    """The draft node settings a spec file names (``goodspeed drafter --spec FILE [--name NAME]``):
+    its ``[[drafters]]`` entry called ``name`` (the only entry when ``name`` is None), validated as
+    :class:`DrafterSpec` keys, with the spec's top-level ``seed`` where the entry sets none. A
+    launch spec works (its ``[verifier]`` is not read), and so does the file ``goodspeed launch``
+    writes for each drafter. The entry means what it means to ``goodspeed launch``: keys it leaves
+    out take :class:`DrafterSpec`'s defaults (not the flags' own). The keys that place or copy the process (``count``, ``cpus``,
+    ``link``, ...) are refused: the launcher reads them, a draft node cannot honour them."""
+    path = Path(path)
+    data = _spec_tables(path)
+    entries = data.get("drafters")
+    if not isinstance(entries, list) or not entries:
+        raise SpecError(f"{path}: no [[drafters]] entry")
+    names = [entry.get("name") for entry in entries]
+    if name is None and len(entries) > 1:
+        raise SpecError(f"{path}: {len(entries)} [[drafters]] entries ({names}): pick one with --name")
+    matches = [entry for entry in entries if name is None or entry.get("name") == name]
+    if len(matches) != 1:
+        raise SpecError(f"{path}: {len(matches)} [[drafters]] entries are named {name!r} (names: {names})")
+    table = dict(matches[0])
+    if data.get("seed") is not None and table.get("seed") is None:
+        table["seed"] = data["seed"]
+    where = f"{path} [[drafters]] {table.get('name')!r}"
+    known = DrafterSpec.node_settings()
+    launcher = sorted(set(table) & set(DrafterSpec.LAUNCHER))
+    if launcher:
+        raise SpecError(f"{where}: {launcher} tell goodspeed launch how to start the process, not settings of the draft node")
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise SpecError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+    defaults = {f.name: f.default for f in fields(DrafterSpec) if f.name in known and f.default is not MISSING}
+    return {**defaults, **_typed(DrafterSpec, table, where)}  # name, draft and prompts may come from flags
+
+
 def add_setting_flags(parser, spec_class=None) -> None:
     """``parser``'s flags for every daemon setting of ``VerifierSpec`` (the local-serving ones in
     their own group), typed, defaulted and documented from the fields."""
@@ -274,16 +313,6 @@ def add_setting_flags(parser, spec_class=None) -> None:
         elif kind is not str:
             options.update(type=kind)
         (local if f.name in local_names else parser).add_argument("--" + f.name.replace("_", "-"), **options)
-
-
-def flag_args(spec, *names: str) -> list[str]:
-    """``--name value`` for each of the spec's settings ``names`` that is set (not None)."""
-    out = []
-    for name in names:
-        value = getattr(spec, name)
-        if value is not None:
-            out += ["--" + name.replace("_", "-"), str(value)]
-    return out
 
 
 @dataclass(frozen=True)
@@ -319,6 +348,22 @@ class DrafterSpec:
     num_gpus: float = 0.0
     resources: dict[str, float] | None = None
     node: str | None = None
+
+    # How the launcher starts the process (copies, a trimmed prompt file, where it runs, its link):
+    # not settings of the draft node itself.
+    LAUNCHER = ("count", "max_prompts", "cpus", "link", "num_cpus", "num_gpus", "resources", "node")
+
+    @classmethod
+    def node_settings(cls) -> list[str]:
+        """The fields that are ``goodspeed drafter`` flags, one for one (same names; the defaults
+        the flags differ in are listed in ``tests/launch/test_settings_sync.py``)."""
+        return [f.name for f in fields(cls) if f.name not in cls.LAUNCHER]
+
+    def to_toml(self) -> str:
+        """This node's settings as a spec file's one ``[[drafters]]`` entry: what ``goodspeed
+        launch`` hands each drafter process (``goodspeed drafter --spec FILE``), read back by
+        :func:`load_drafter_settings` to the same settings."""
+        return _toml_table("[[drafters]]", self, self.node_settings())
 
     def prompt_path(self) -> Path:
         return prompt_set_path(self.prompts, f"drafter {self.name!r}")

@@ -48,3 +48,21 @@ def launched(tmp_path):
         return verifier_settings(argv[1:])
 
     return read
+
+
+@pytest.fixture
+def launched_drafter(tmp_path):
+    """The settings a drafter started by the launcher runs on, and its parsed arguments:
+    ``drafter_command`` writes its spec file, and the node's own argument handling
+    (``cli.drafter_settings``) reads it back."""
+    from goodspeed.launch.cli import drafter_settings
+    from goodspeed.launch.local import CLI, drafter_command
+
+    def read(spec, prompts=None, address="127.0.0.1:1"):
+        workdir = tmp_path / "drafter-spec"
+        workdir.mkdir(parents=True, exist_ok=True)
+        argv = drafter_command(spec, address, prompts or spec.prompt_path(), workdir / "o.jsonl", workdir)[len(CLI):]
+        assert argv[:3] == ["drafter", "--spec", str(workdir / f"{spec.name}.toml")]
+        return drafter_settings(argv[1:])
+
+    return read

@@ -56,12 +56,13 @@ def test_local_dry_run_prints_the_processes_and_address_needs_ray(capsys, tmp_pa
     out = capsys.readouterr().out
     assert out.startswith("every process runs on this machine:") and "verifier --spec OUT/verifier.toml" in out
     assert 'target = "demo:target"' in out  # the file it would be handed
-    assert out.count("drafter --verifier VERIFIER_ADDRESS") == 4 and not (tmp_path / "run").exists()
+    assert out.count("drafter --spec OUT/") == out.count("--verifier VERIFIER_ADDRESS") == 4 and not (tmp_path / "run").exists()
+    assert out.count("[[drafters]]") == 4  # each the file it would be handed
     assert main(["launch", "--address", "10.0.0.1:6379"]) == 2
     assert "--address is for --backend ray" in capsys.readouterr().err
 
 
-def test_a_launch_makes_its_own_credentials(tmp_path, launched):
+def test_a_launch_makes_its_own_credentials(tmp_path, launched, launched_drafter):
     """Secure by default: a CA, server and client certificates (mutual TLS) and one token per
     [[drafters]] entry, hashes only in the verifier's file, each token in a 0600 file named on
     that drafter's command line."""
@@ -69,7 +70,7 @@ def test_a_launch_makes_its_own_credentials(tmp_path, launched):
     from dataclasses import replace
     from pathlib import Path
 
-    from goodspeed.launch.local import drafter_command, with_run_credentials
+    from goodspeed.launch.local import with_run_credentials
     from goodspeed.launch.spec import load_spec
     from goodspeed.verifier.auth import TokenAuth
 
@@ -89,8 +90,7 @@ def test_a_launch_makes_its_own_credentials(tmp_path, launched):
         assert token not in tokens_file.read_text()
         assert auth.identify((("authorization", f"Bearer {token}"),)).name == d.name
     for d in secured.expanded_drafters():  # count = n copies share their entry's token
-        cmd = drafter_command(d, "127.0.0.1:1", d.prompt_path(), tmp_path / "o.jsonl")
-        assert cmd[cmd.index("--token-file") + 1] == d.token_file
+        assert launched_drafter(d)[0].token_file == d.token_file
     assert with_run_credentials(secured, tmp_path / "other") == secured  # a spec that names its own keeps them
     plain = load_spec()
     plain = with_run_credentials(replace(plain, verifier=replace(plain.verifier, insecure=True)), tmp_path / "plain")

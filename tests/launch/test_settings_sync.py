@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from goodspeed.launch.cli import build_parser, verifier_settings
-from goodspeed.launch.spec import VerifierSpec
+from goodspeed.launch.cli import build_parser, drafter_settings, verifier_settings
+from goodspeed.launch.spec import DrafterSpec, SpecError, VerifierSpec
 from goodspeed.verifier.local import LocalConfig
 from goodspeed.verifier.server import ServerConfig
 from goodspeed.verifier.sessions import EngineConfig
@@ -17,8 +17,12 @@ PLACEMENT = set(VerifierSpec.PLACEMENT)  # where the launcher runs the daemon, n
 CLI_DEFAULTS = {"port": 50051, "target": None}  # the daemon listens on 50051; a target is required of a user
 
 
+def subcommand_parser(name):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
 def verifier_parser():
-    return build_parser()._subparsers._group_actions[0].choices["verifier"]
+    return subcommand_parser("verifier")
 
 
 def test_every_spec_setting_is_a_flag_with_the_same_default_and_no_flag_is_spec_less():
@@ -161,3 +165,74 @@ def test_bad_settings_fail_as_spec_errors_before_any_model_loads(monkeypatch):
                          (dict(local_draft="demo:draft-tiny", local_policy="turbospec"), "latency profile")):
         with pytest.raises(SpecError, match=message):
             asyncio.run(serve.serve(VerifierSpec(**bad)))
+
+
+# The draft node's flags that default otherwise than a spec's [[drafters]] keys, and why: a spec
+# entry must name itself, its model and its prompts; a node started by hand drafts proactively
+# (launched drafters share the launching machine's cores, so a spec turns it on per drafter).
+DRAFTER_CLI_DEFAULTS = {"name": None, "draft": None, "prompts": None, "max_new_tokens": 64, "proactive": True}
+DRAFTER_RUNTIME = {"spec", "verifier", "serve", "max_concurrency", "max_waiting", "api_key_file", "out", "connect_timeout_s", "quiet"}
+DRAFTER_CHANGED = dict(name="edge", draft="demo:other", prompts="/p.jsonl", max_new_tokens=7, temperature=0.7, top_k=5,
+                       top_p=0.9, device="cuda:1", dtype="bfloat16", seed=42, token_file="/t", tls_ca="/ca", tls_cert="/c",
+                       tls_key="/k", tls_server_name="host", proactive=True)
+
+
+def test_every_drafter_setting_is_a_flag_and_every_other_flag_is_the_nodes_run_time():
+    flags = {a.dest: a.default for a in subcommand_parser("drafter")._actions if a.dest != "help"}
+    spec = {f.name: f.default for f in dataclasses.fields(DrafterSpec) if f.name in DrafterSpec.node_settings()}
+    assert set(flags) - DRAFTER_RUNTIME == set(spec)
+    assert {name: flags[name] for name in spec if flags[name] != spec[name]} == DRAFTER_CLI_DEFAULTS
+
+
+def test_the_launchers_drafter_file_carries_every_node_setting(launched_drafter, tmp_path):
+    """Every node setting away from its default, through the file ``drafter_command`` writes and
+    the node's own argument handling, comes back whole; what places or copies the process does
+    not travel, and the prompt file is the one the launcher prepared."""
+    from dataclasses import replace
+
+    from goodspeed.launch.links import LinkSpec
+
+    defaults = DrafterSpec(name="x", draft="y", prompts="z")
+    assert set(DRAFTER_CHANGED) == set(DrafterSpec.node_settings())
+    assert all(getattr(defaults, name) != value for name, value in DRAFTER_CHANGED.items() if name != "proactive")
+    node, args = launched_drafter(DrafterSpec(**DRAFTER_CHANGED), prompts="/p.jsonl", address="10.0.0.1:7")
+    assert node == DrafterSpec(**DRAFTER_CHANGED) and (args.verifier, args.quiet) == ("10.0.0.1:7", True)
+    placed = replace(DrafterSpec(**DRAFTER_CHANGED), proactive=False, count=1, max_prompts=3, cpus=(0,), link=LinkSpec(rtt_ms=40),
+                     num_cpus=2.0, resources={"l4": 1.0}, node="n")
+    node, _ = launched_drafter(placed, prompts=tmp_path / "trimmed.jsonl")
+    assert node == replace(DrafterSpec(**DRAFTER_CHANGED), proactive=False, prompts=str(tmp_path / "trimmed.jsonl"))
+
+
+def test_drafter_flags_override_the_spec_file_and_a_launch_spec_entry_is_picked_by_name(tmp_path):
+    path = tmp_path / "d.toml"
+    path.write_text(DrafterSpec(**DRAFTER_CHANGED).to_toml())
+    node, _ = drafter_settings(["--spec", str(path), "--verifier", "h:1", "--top-k", "2", "--no-proactive"])
+    assert node == DrafterSpec(**{**DRAFTER_CHANGED, "top_k": 2, "proactive": False})
+    node, args = drafter_settings(["--spec", str(path), "--verifier", "h:1", "--serve", "127.0.0.1:0"])
+    assert node.prompts is None and args.serve == "127.0.0.1:0"  # --serve answers requests: the file's prompts are not read
+    path.write_text('seed = 7\n[verifier]\ncpus = [0]\n[[drafters]]\nname = "a"\ndraft = "da"\nprompts = "code"\n'
+                    '[[drafters]]\nname = "b"\ndraft = "db"\nprompts = "docstrings"\ntemperature = 0.5\n')
+    node, _ = drafter_settings(["--spec", str(path), "--name", "b", "--verifier", "h:1"])
+    assert node == DrafterSpec(name="b", draft="db", prompts="docstrings", temperature=0.5, seed=7)  # as launched from it
+    assert drafter_settings(["--verifier", "h:1", "--draft", "d", "--prompts", "code"])[0] == \
+        DrafterSpec(name="drafter", draft="d", prompts="code", max_new_tokens=64, proactive=True)
+    for argv in (["--spec", str(path), "--verifier", "h:1"],  # two entries: which?
+                 ["--spec", str(path), "--name", "c", "--verifier", "h:1"],  # none named c
+                 ["--verifier", "h:1", "--prompts", "code"],  # no draft model
+                 ["--verifier", "h:1", "--draft", "d"]):  # neither prompts nor --serve
+        with pytest.raises((SystemExit, SpecError)):
+            drafter_settings(argv)
+
+
+@pytest.mark.parametrize("text,match", [('[[drafters]]\nname = "a"\nmodel = "x"\n', "unknown keys"),
+                                        ('[verifier]\ntarget = "x"\n', "no \\[\\[drafters\\]\\]"),
+                                        ('[[drafters]]\nname = "a"\ncpus = [0]\n', "goodspeed launch"),
+                                        ('[[drafters]]\nname = "a"\ncount = 2\n', "goodspeed launch"),
+                                        ('[[drafters]]\nname = "a"\ntop_k = 0.5\n', "top_k")])
+def test_a_bad_drafter_file_is_refused_by_key(tmp_path, text, match):
+    from goodspeed.launch.spec import load_drafter_settings
+
+    path = tmp_path / "d.toml"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=match):
+        load_drafter_settings(path)

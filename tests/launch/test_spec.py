@@ -2,7 +2,6 @@ from pathlib import Path
 
 import pytest
 
-from goodspeed.launch.local import drafter_command
 from goodspeed.launch.spec import DEFAULT_SPEC, SpecError, load_spec
 
 
@@ -20,12 +19,12 @@ def write(tmp_path, text):
     return path
 
 
-def test_count_expands_to_distinct_processes(tmp_path, launched):
+def test_count_expands_to_distinct_processes(tmp_path, launched, launched_drafter):
     spec = load_spec(write(tmp_path, '[verifier]\ntarget="x"\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\ncount=3\n'))
     assert [d.name for d in spec.expanded_drafters()] == ["e-0", "e-1", "e-2"]
     assert [d.seed for d in spec.expanded_drafters()] == [None] * 3  # streams differ by name, not by seed
-    cmd = drafter_command(spec.expanded_drafters()[0], "127.0.0.1:1", spec.drafters[0].prompt_path(), tmp_path / "o.jsonl")
-    assert cmd[cmd.index("--verifier") + 1] == "127.0.0.1:1"
+    node, args = launched_drafter(spec.expanded_drafters()[0])
+    assert (node.name, args.verifier) == ("e-0", "127.0.0.1:1")
     assert launched(spec.verifier).port == 0  # a free one, read back from the log
     fixed = load_spec(write(tmp_path, '[verifier]\ntarget="x"\nport=6100\n[[drafters]]\nname="e"\ndraft="d"\nprompts="code"\n'))
     assert launched(fixed.verifier).port == 6100
