@@ -22,7 +22,9 @@ greedy result without the ``O(C log N)`` loop: it bisects on a log-gain threshol
 unit gains form an arithmetic sequence in log space, so counting units above a threshold is one
 vectorised expression) and hands the few units at the threshold out in the greedy's tie order.
 With at most ``SORT_UNITS`` candidate units (tens of drafters) it sorts them all instead: one
-vectorised sort is cheaper than the search's iterations there (measured in ``bench/bench_scheduler``).
+vectorised sort is cheaper than the search's iterations there (measured in ``bench/bench_scheduler``);
+with at most ``HEAP_UNITS`` units to hand out (a round's budget for a few drafters) it runs the
+greedy itself on Python floats, cheaper still than any array work at that size.
 
 Utilities are the alpha-fair family ``U(x) = x^(1-f) / (1-f)`` (``U = log x`` at ``f = 1``), so
 ``w_i = X_i^(-f)``: ``f = 1`` ("log") is proportional fairness as in the paper, ``f = 0``
@@ -31,6 +33,7 @@ Utilities are the alpha-fair family ``U(x) = x^(1-f) / (1-f)`` (``U = log x`` at
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -71,9 +74,11 @@ def _validated_inputs(acceptance, goodput, budget, max_lengths):
     x = np.asarray(goodput, dtype=np.float64).reshape(-1)
     if a.shape != x.shape:
         raise ValueError(f"acceptance has {a.size} entries but goodput has {x.size}")
-    if not np.all(np.isfinite(a)) or np.any((a < 0) | (a > 1)):
+    lo, hi = _extremes(a)
+    if not (lo >= 0.0 and hi <= 1.0):  # a NaN fails every comparison
         raise ValueError("acceptance rates must lie in [0, 1]")
-    if not np.all(np.isfinite(x)) or np.any(x <= 0):
+    lo, hi = _extremes(x)
+    if not (lo > 0.0 and hi < math.inf):
         raise ValueError("smoothed goodput must be finite and > 0")
     if isinstance(budget, bool) or int(budget) != budget or budget < 0:
         raise ValueError(f"budget must be an integer >= 0, got {budget!r}")
@@ -81,10 +86,24 @@ def _validated_inputs(acceptance, goodput, budget, max_lengths):
         caps = np.full(a.shape, int(budget), dtype=np.int64)
     else:
         caps = np.asarray(max_lengths).reshape(-1)
-        if caps.shape != a.shape or np.any(caps < 0) or np.any(caps != np.floor(caps)):
+        if caps.shape != a.shape or not _extremes(caps)[0] >= 0 or (caps.dtype.kind not in "iub" and np.any(caps != np.floor(caps))):
             raise ValueError("max_lengths must hold one integer >= 0 per client")
         caps = np.minimum(caps.astype(np.int64), int(budget))
     return a, x, int(budget), caps
+
+
+def _extremes(v: np.ndarray) -> tuple[float, float]:
+    """``(min, max)`` of ``v``, NaN if it holds one, ``(1, 1)`` if empty (inside every bound
+    checked here). A round allocates for a handful of drafters, where a NumPy reduction's call
+    overhead (~3 us each here) outweighs the work: small arrays go through Python's own."""
+    if v.size == 0:
+        return 1.0, 1.0
+    if v.size > 64:
+        return float(v.min()), float(v.max())
+    values = v.tolist()
+    if any(value != value for value in values):
+        return math.nan, math.nan
+    return min(values), max(values)
 
 
 def _unit_log_gains(a: np.ndarray, x: np.ndarray, f: float) -> tuple[np.ndarray, np.ndarray]:
@@ -122,6 +141,7 @@ class _UnitCounter:
 
 
 SORT_UNITS = 2048  # up to this many candidate units, one sort beats the threshold search's iterations
+HEAP_UNITS = 64  # up to this many units to hand out, the greedy itself on Python floats beats any array work
 
 
 def allocate_draft_lengths(
@@ -151,6 +171,8 @@ def allocate_draft_lengths(
         return np.zeros(a.shape, dtype=np.int64)
     if int(caps.sum()) <= c:
         return caps.copy()
+    if c <= HEAP_UNITS:  # a round's budget for a few drafters: one heap pop per unit
+        return _greedy_heap(log_w.tolist(), log_a.tolist(), caps.tolist(), c)
     if int(caps.sum()) <= SORT_UNITS:  # few units (tens of drafters): sort them all, the greedy's order
         return _fill_at_threshold(log_w, log_a, caps, np.zeros(caps.size, dtype=np.int64), c)
     live = caps > 0
@@ -186,6 +208,26 @@ def allocate_draft_lengths(
                 side = 1
     taken_hi = taken_hi.astype(np.int64)
     return _fill_at_threshold(log_w, log_a, caps, taken_hi, c - int(taken_hi.sum()))
+
+
+def _greedy_heap(log_w: list[float], log_a: list[float], caps: list[int], c: int) -> np.ndarray:
+    """The greedy itself: ``c`` units, one at a time, each to the largest log gain ``lw + (s + 1)
+    * la`` (the same float expression as the vectorised paths), equal gains to the lower client
+    index. A client's gains never grow with ``s``, so a heap of each client's next unit yields
+    the units in exactly the order :func:`_fill_at_threshold` sorts them."""
+    taken = [0] * len(caps)
+    heap = [(-(lw + la), i) for i, (lw, la, cap) in enumerate(zip(log_w, log_a, caps)) if cap > 0]
+    heapq.heapify(heap)
+    for _ in range(c):
+        if not heap:
+            break
+        _, i = heap[0]
+        s = taken[i] = taken[i] + 1
+        if s < caps[i]:
+            heapq.heapreplace(heap, (-(log_w[i] + (s + 1) * log_a[i]), i))
+        else:
+            heapq.heappop(heap)
+    return np.array(taken, dtype=np.int64)
 
 
 def _fill_at_threshold(log_w, log_a, caps, taken, remaining: int) -> np.ndarray:

@@ -128,8 +128,8 @@ class GoodSpeedPolicy(GoodSpeedPaperPolicy):
     def floor(self, inputs: AllocationInputs) -> np.ndarray:
         """``S >= 1`` for drafters unmeasured for more than ``patience`` rounds (stalest first)."""
         floor = np.zeros(len(inputs.drafter_ids), dtype=np.int64)
-        if inputs.stale is None:
-            return floor
+        if inputs.stale is None or max(inputs.stale.tolist(), default=0) <= self.patience:
+            return floor  # nobody stale (most rounds): no array work
         caps = np.full(floor.shape, inputs.budget, dtype=np.int64) if inputs.max_lengths is None else np.asarray(inputs.max_lengths)
         stale = np.flatnonzero((inputs.stale > self.patience) & (caps > 0))
         floor[stale[np.argsort(-inputs.stale[stale], kind="stable")][: inputs.budget]] = 1

@@ -44,12 +44,22 @@ def test_expected_goodput_closed_form_and_limits():
     assert np.allclose(expected_goodput(np.array([0.3, 0.999999]), 3), [1 + 0.3 + 0.09 + 0.027, 4.0], atol=1e-5)
 
 
-@pytest.mark.parametrize("sort_units", [0, 10**9])
-@pytest.mark.parametrize("utility", ["log", "throughput", 2.0])
-def test_allocation_equals_exhaustive_search(monkeypatch, utility, sort_units):
+# allocate_draft_lengths' three exact paths: (HEAP_UNITS, SORT_UNITS) forcing each one.
+PATHS = {"heap": (10**9, 0), "sort": (-1, 10**9), "threshold": (-1, 0)}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def path(request, monkeypatch):
     from goodspeed.scheduler import goodspeed
 
+    heap_units, sort_units = PATHS[request.param]
+    monkeypatch.setattr(goodspeed, "HEAP_UNITS", heap_units)
     monkeypatch.setattr(goodspeed, "SORT_UNITS", sort_units)
+    return request.param
+
+
+@pytest.mark.parametrize("utility", ["log", "throughput", 2.0])
+def test_allocation_equals_exhaustive_search(path, utility):
     rng = np.random.default_rng(12345)
     for _ in range(500):
         n = int(rng.integers(1, 5))
@@ -63,11 +73,7 @@ def test_allocation_equals_exhaustive_search(monkeypatch, utility, sort_units):
         assert got == pytest.approx(exhaustive_best(a, x, budget, caps, utility), abs=1e-9, rel=1e-12)
 
 
-@pytest.mark.parametrize("sort_units", [0, 10**9])  # the threshold search, and sorting every unit
-def test_vectorised_allocation_equals_heap_greedy_exactly(monkeypatch, sort_units):
-    from goodspeed.scheduler import goodspeed
-
-    monkeypatch.setattr(goodspeed, "SORT_UNITS", sort_units)
+def test_every_path_equals_the_textbook_greedy_exactly(path):
     rng = np.random.default_rng(7)
     for _ in range(200):
         n = int(rng.integers(1, 200))
@@ -79,12 +85,12 @@ def test_vectorised_allocation_equals_heap_greedy_exactly(monkeypatch, sort_unit
         np.testing.assert_array_equal(allocate_draft_lengths(a, x, budget, caps), greedy_heap(a, x, budget, caps, 1.0))
 
 
-def test_ties_go_to_lower_index_deterministically():
+def test_ties_go_to_lower_index_deterministically(path):
     s = allocate_draft_lengths([0.5, 0.5, 0.5], [1.0, 1.0, 1.0], 4)
     assert s.tolist() == [2, 1, 1]
 
 
-def test_budget_below_number_of_clients():
+def test_budget_below_number_of_clients(path):
     # gains: 0.6 then 0.36 for client 0, 0.1 for client 1, 0.5 for client 2
     s = allocate_draft_lengths([0.6, 0.1, 0.5], [1.0, 1.0, 1.0], 2)
     assert s.tolist() == [1, 0, 1]
@@ -96,7 +102,7 @@ def test_zero_budget_and_no_clients(budget):
     assert allocate_draft_lengths([], [], 10).tolist() == []
 
 
-def test_acceptance_one_is_linear_and_zero_gets_nothing():
+def test_acceptance_one_is_linear_and_zero_gets_nothing(path):
     # a = 1 gains w per unit forever; a = 0 never gains: it drafts nothing and budget stays unused.
     assert allocate_draft_lengths([1.0, 0.0], [1.0, 1.0], 5).tolist() == [5, 0]
     assert allocate_draft_lengths([0.0, 0.0], [1.0, 1.0], 5).tolist() == [0, 0]
