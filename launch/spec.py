@@ -259,8 +259,9 @@ def load_drafter_settings(path: str | Path, name: str | None = None) -> dict:
     :class:`DrafterSpec` keys, with the spec's top-level ``seed`` where the entry sets none. A
     launch spec works (its ``[verifier]`` is not read), and so does the file ``goodspeed launch``
     writes for each drafter. The entry means what it means to ``goodspeed launch``: keys it leaves
-    out take :class:`DrafterSpec`'s defaults (not the flags' own). The keys that place or copy the process (``count``, ``cpus``,
-    ``link``, ...) are refused: the launcher reads them, a draft node cannot honour them."""
+    out take :class:`DrafterSpec`'s defaults (not the flags' own). The keys that place or copy
+    the process (``count``, ``cpus``, ``link``, ...) are refused: the launcher reads them, a
+    draft node cannot honour them."""
     path = Path(path)
     data = _spec_tables(path)
     entries = data.get("drafters")

@@ -194,7 +194,7 @@ def test_the_launchers_drafter_file_carries_every_node_setting(launched_drafter,
 
     defaults = DrafterSpec(name="x", draft="y", prompts="z")
     assert set(DRAFTER_CHANGED) == set(DrafterSpec.node_settings())
-    assert all(getattr(defaults, name) != value for name, value in DRAFTER_CHANGED.items() if name != "proactive")
+    assert all(getattr(defaults, name) != value for name, value in DRAFTER_CHANGED.items())
     node, args = launched_drafter(DrafterSpec(**DRAFTER_CHANGED), prompts="/p.jsonl", address="10.0.0.1:7")
     assert node == DrafterSpec(**DRAFTER_CHANGED) and (args.verifier, args.quiet) == ("10.0.0.1:7", True)
     placed = replace(DrafterSpec(**DRAFTER_CHANGED), proactive=False, count=1, max_prompts=3, cpus=(0,), link=LinkSpec(rtt_ms=40),
@@ -216,11 +216,13 @@ def test_drafter_flags_override_the_spec_file_and_a_launch_spec_entry_is_picked_
     assert node == DrafterSpec(name="b", draft="db", prompts="docstrings", temperature=0.5, seed=7)  # as launched from it
     assert drafter_settings(["--verifier", "h:1", "--draft", "d", "--prompts", "code"])[0] == \
         DrafterSpec(name="drafter", draft="d", prompts="code", max_new_tokens=64, proactive=True)
-    for argv in (["--spec", str(path), "--verifier", "h:1"],  # two entries: which?
-                 ["--spec", str(path), "--name", "c", "--verifier", "h:1"],  # none named c
-                 ["--verifier", "h:1", "--prompts", "code"],  # no draft model
+    with pytest.raises(SpecError, match="pick one with --name"):  # two entries: which?
+        drafter_settings(["--spec", str(path), "--verifier", "h:1"])
+    with pytest.raises(SpecError, match="0 \\[\\[drafters\\]\\] entries are named 'c'"):
+        drafter_settings(["--spec", str(path), "--name", "c", "--verifier", "h:1"])
+    for argv in (["--verifier", "h:1", "--prompts", "code"],  # no draft model
                  ["--verifier", "h:1", "--draft", "d"]):  # neither prompts nor --serve
-        with pytest.raises((SystemExit, SpecError)):
+        with pytest.raises(SystemExit):
             drafter_settings(argv)
 
 
