@@ -113,6 +113,7 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
                 "drafter_receive_s": d.receive_s,  # this drafter's: round open -> its draft arrived
                 "drafter_cycle_s": d.cycle_s,  # its previous verdict sent -> this draft arrived
                 "mode": record.mode,
+                "closed": record.closed,  # why the step closed (goodspeed.verifier.round_loop)
             })
     return rows
 

@@ -16,9 +16,11 @@ index, the phase seconds (``receive_s``, ``verify_s`` of which ``forward_s``, ``
 in the forward (``batch``), the budget ``C``, the round ``mode`` (``sync`` or ``async``, see
 :mod:`goodspeed.verifier.round_loop`: in async mode a record is one verification step), the wall
 clock ``ts``, the prompt tokens of chunked prefill packed into the step's forward
-(``prefill_tokens``, part of ``verify_s``) and, with local serving, a :class:`LocalRound`.
+(``prefill_tokens``, part of ``verify_s``), why the step closed (``closed``, one of
+:data:`CLOSE_REASONS`; see :mod:`goodspeed.verifier.round_loop`) and, with local serving, a
+:class:`LocalRound`.
 
-Schema 2 added ``cycle_s`` and ``mode``; schema 3 ``prefill_tokens``.
+Schema 2 added ``cycle_s`` and ``mode``; schema 3 ``prefill_tokens``; schema 4 ``closed``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import json
 import time
 from dataclasses import dataclass
 
-SCHEMA = 3
+SCHEMA = 4
 ROUND_MODES = ("sync", "async")  # the round loop's modes (goodspeed.verifier.round_loop)
+CLOSE_REASONS = ("all", "window", "none-due", "local")  # why a step closed (goodspeed.verifier.round_loop)
 
 
 class RecordError(ValueError):
@@ -87,6 +90,7 @@ class RoundRecord:
     local: LocalRound | None = None
     mode: str = "sync"
     prefill_tokens: int = 0
+    closed: str = "all"
     ts: float = dataclasses.field(default_factory=time.time)
 
     def to_event(self) -> dict:
@@ -112,4 +116,7 @@ class RoundRecord:
         data["drafters"] = tuple(_strict(DrafterRound, d, f"{where}, drafter row") for d in drafters)
         if data.get("local") is not None:
             data["local"] = _strict(LocalRound, data["local"], f"{where}, local")
+        for key, allowed in (("mode", ROUND_MODES), ("closed", CLOSE_REASONS)):
+            if key in data and data[key] not in allowed:
+                raise RecordError(f"{where}: {key} {data[key]!r} is not one of {allowed}")
         return _strict(cls, data, where)

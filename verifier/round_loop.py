@@ -19,7 +19,14 @@ Two modes (``ServerConfig.rounds``):
   ski-rental argument: the window is 2-competitive with the best wait in hindsight), and drafts
   that arrive while a step runs join the next one, so under load batches form by themselves. A
   drafter behind a slow link is therefore never waited for beyond the window: each drafter
-  advances at its own cadence. Missed rounds mean nothing here (nobody waits for anyone);
+  advances at its own cadence. Nor is the window sat out for nothing: each drafter's next draft
+  is due at its last verdict plus its smoothed cycle (link and drafting, as measured here) less
+  two smoothed absolute deviations, and when no drafter's draft is due within what is left of
+  the window the step closes at once — with links of different lengths, the fast drafters would
+  otherwise wait a window every step for drafts that are still on the wire. The deviations keep
+  the prediction on the early side: a draft that comes before its predicted time after an early
+  close waits a whole step, so drafters whose cycles vary (drafting on a loaded core) are waited
+  for as before. Missed rounds mean nothing here (nobody waits for anyone);
   a drafter that sends nothing for ``idle_timeout_s`` with a request in progress is dropped.
 
 In both modes the budget ``C`` bounds every step: a drafter's allotment stays outstanding until
@@ -32,6 +39,11 @@ waits here (:meth:`RoundLoop.started`) until a step completes its prefill. Every
 step carries at most one chunk; while no step is ready (no draft queued, or a sync round still
 waiting for drafts) the loop runs prefill-only steps. A round that waited behind a prefill-only
 step carries no chunk itself, so one long prompt delays any round by at most one chunk.
+
+Every record says why its step closed (``closed``, :data:`~goodspeed.verifier.records.CLOSE_REASONS`):
+``all`` (every drafter submitted), ``window`` (the window, in sync mode the round deadline, ran
+out), ``none-due`` (async: no other draft due within the window) or ``local`` (local serving's
+work was waiting).
 
 Each drafter's *period* — the seconds between two of its verdicts, the round time it sees: link,
 drafting and verification — is measured here and given to the engine with the step that ends it
@@ -53,6 +65,8 @@ from goodspeed.verifier.serde import verdict_to_pb
 
 MAX_FAILED_ROUNDS = 3  # consecutive failed rounds after which the round loop gives up (NOT_SERVING)
 STEP_SMOOTHING = 0.2  # weight of the newest step in the async coalescing window's moving average
+CYCLE_SMOOTHING = 0.2  # weight of a drafter's newest cycle in its moving averages (when its next draft is due)
+DUE_DEVIATIONS = 2.0  # a drafter's next draft is due this many smoothed absolute deviations before its mean cycle
 
 
 @dataclass
@@ -69,10 +83,30 @@ class Drafter:
     receive_s: float | None = None  # this round: round open -> its draft arrived
     cycle_s: float | None = None  # its previous verdict sent -> this draft arrived (link + drafting)
     verdict_at: float | None = None  # perf_counter when its last verdict was sent (None: first of its request)
+    cycle_mean_s: float | None = None  # smoothed cycle_s
+    cycle_dev_s: float = 0.0  # smoothed |cycle_s - cycle_mean_s|: its next draft is due at verdict_at + due_after_s
     last_seen: float = field(default_factory=time.monotonic)
     joined_at: float = field(default_factory=time.monotonic)
     streaming: bool = False  # its verdict stream is open
     timer: RequestTimer | None = None  # its request in progress, for the request metrics
+
+    def observe_cycle(self, cycle_s: float) -> None:
+        """Smooth one measured cycle into the mean and the mean absolute deviation."""
+        self.cycle_s = cycle_s
+        if self.cycle_mean_s is None:
+            self.cycle_mean_s = cycle_s
+            return
+        self.cycle_dev_s += CYCLE_SMOOTHING * (abs(cycle_s - self.cycle_mean_s) - self.cycle_dev_s)
+        self.cycle_mean_s += CYCLE_SMOOTHING * (cycle_s - self.cycle_mean_s)
+
+    @property
+    def due_after_s(self) -> float | None:
+        """Seconds after its last verdict by which its next draft may arrive (None: no estimate
+        yet): the smoothed cycle less ``DUE_DEVIATIONS`` smoothed deviations, so a drafter whose
+        cycles vary is due early and waited for, one behind a steady slow link is not."""
+        if self.cycle_mean_s is None:
+            return None
+        return max(0.0, self.cycle_mean_s - DUE_DEVIATIONS * self.cycle_dev_s)
 
 
 class RoundLoop:
@@ -99,7 +133,10 @@ class RoundLoop:
         before the engine call, which may wait behind a step), for the next step."""
         drafter = self.drafters[session_id]
         drafter.receive_s = max(0.0, arrived - self._round_opened)
-        drafter.cycle_s = None if drafter.verdict_at is None else arrived - drafter.verdict_at
+        if drafter.verdict_at is None:
+            drafter.cycle_s = None
+        else:
+            drafter.observe_cycle(arrived - drafter.verdict_at)
         self._queued.add(session_id)
         self._wakeup.set()
 
@@ -153,6 +190,33 @@ class RoundLoop:
     def _everyone_submitted(self) -> bool:
         return all(d.session_id in self._queued for d in self.drafters.values() if d.in_request)
 
+    def _draft_due(self, within_s: float) -> bool:
+        """Async: may another drafter's draft arrive within ``within_s``? Each drafter with a
+        request in progress and no draft queued is due at its last verdict plus
+        :attr:`Drafter.due_after_s`; one with no cycle yet (a request's first draft) or already
+        due may come any moment."""
+        horizon = time.perf_counter() + within_s
+        for d in self.drafters.values():
+            if not d.in_request or d.session_id in self._queued:
+                continue
+            due_after = d.due_after_s
+            if d.verdict_at is None or due_after is None or d.verdict_at + due_after <= horizon:
+                return True
+        return False
+
+    def _close_reason(self, left_s: float) -> str | None:
+        """Why the step waiting for drafts closes now (one of :data:`~goodspeed.verifier.records.CLOSE_REASONS`), or None
+        while it waits on, ``left_s`` seconds of its window left."""
+        if self._everyone_submitted():
+            return "all"
+        if self._local_work():
+            return "local"
+        if left_s <= 0:
+            return "window"
+        if self.config.rounds == "async" and not self._draft_due(left_s):
+            return "none-due"
+        return None
+
     def _local_work(self) -> bool:
         return self.local is not None and self.local.has_work
 
@@ -165,7 +229,7 @@ class RoundLoop:
                 await self._sweep_idle()  # missed-round counting cannot act when no edge rounds run
                 last_sweep = loop.time()
             if self._local_work():
-                await self._close(local=True)
+                await self._close(local=True, closed="local")
                 continue
             if self._starting and not self._queued:  # nothing to verify: the engine prefills
                 await self._prefill()
@@ -174,15 +238,15 @@ class RoundLoop:
                 continue
             deadline = loop.time() + self.window_s
             chunked = False  # a prefill-only step ran while this round waited: the round carries no chunk
-            while not self._everyone_submitted() and not self._local_work() and (left := deadline - loop.time()) > 0:
+            while (closed := self._close_reason(deadline - loop.time())) is None:
                 if self._starting:
                     await self._prefill()
                     chunked = True
-                    continue
-                if not await self._woken(left):
+                elif not await self._woken(deadline - loop.time()):
+                    closed = "window"
                     break
             if self._queued:
-                await self._close(prefill=not chunked)
+                await self._close(prefill=not chunked, closed=closed)
 
     async def _woken(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a wake-up (and consume it); False if none came."""
@@ -214,7 +278,7 @@ class RoundLoop:
             return
         self.log.event("prefill", tokens=step.tokens, seconds=round(step.seconds, 6), started=len(step.started))
 
-    async def _close(self, local: bool = False, prefill: bool = True) -> None:
+    async def _close(self, closed: str, local: bool = False, prefill: bool = True) -> None:
         receive_s = time.perf_counter() - self._round_opened
         report = None
         try:
@@ -248,7 +312,7 @@ class RoundLoop:
         self._round_opened = time.perf_counter()
         if not local and self.config.rounds == "sync":
             await self._count_missed(result.verdicts)
-        self._record(result, receive_s, send_s, report)
+        self._record(result, receive_s, send_s, closed, report)
         if self._queued:
             self._wakeup.set()  # drafts that arrived during verification open the next step
 
@@ -284,7 +348,7 @@ class RoundLoop:
                 if drafter.missed > self.config.max_missed_rounds:
                     await self.drop(drafter.session_id, f"missed {drafter.missed} rounds")
 
-    def _record(self, result, receive_s: float, send_s: float, local=None) -> None:
+    def _record(self, result, receive_s: float, send_s: float, closed: str, local=None) -> None:
         t = result.timings
         phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s,
                   "scheduling": t.scheduling_s, "send": send_s}
@@ -303,4 +367,5 @@ class RoundLoop:
                                      emitted=local.emitted, k=local.k, waiting=self.local.num_waiting)
         self.log.write(RoundRecord(round=result.round_index, receive_s=receive_s, verify_s=t.total_s, forward_s=t.forward_s,
                                    send_s=send_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows,
-                                   local=local_round, mode=self.config.rounds, prefill_tokens=result.prefill_tokens).to_event())
+                                   local=local_round, mode=self.config.rounds, prefill_tokens=result.prefill_tokens,
+                                   closed=closed).to_event())

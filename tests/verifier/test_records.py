@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from goodspeed.verifier.records import SCHEMA, DrafterRound, LocalRound, RecordError, RoundRecord
+from goodspeed.verifier.records import CLOSE_REASONS, SCHEMA, DrafterRound, LocalRound, RecordError, RoundRecord
 
 
 def a_record(local=None):
@@ -44,3 +44,11 @@ def test_other_schemas_and_other_events_are_refused():
         RoundRecord.from_event({"event": "drop"})
     with pytest.raises(RecordError, match="list"):
         RoundRecord.from_event(event | {"drafters": None})
+
+
+@pytest.mark.parametrize("key, value", [("mode", "lockstep"), ("closed", "timeout")])
+def test_a_mode_or_close_reason_this_reader_does_not_know_is_refused(key, value):
+    event = json.loads(a_record().to_json())
+    assert RoundRecord.from_event(event | {key: ("async" if key == "mode" else "none-due")}).closed in CLOSE_REASONS
+    with pytest.raises(RecordError, match=f"{key} '{value}' is not one of"):
+        RoundRecord.from_event(event | {key: value})

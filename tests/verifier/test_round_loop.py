@@ -1,6 +1,8 @@
 """The round loop's two modes over real gRPC: in async mode no drafter waits for a slow link."""
 
+import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -11,7 +13,8 @@ from goodspeed.launch.links import DelayProxy, LinkSpec
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.records import RoundRecord
+from goodspeed.verifier.records import CLOSE_REASONS, RoundRecord
+from goodspeed.verifier.round_loop import Drafter, RoundLoop
 from goodspeed.verifier.server import ServerConfig
 from grpckit import ServerThread
 from modelkit import greedy_reference, perturbed, tiny_llama
@@ -49,6 +52,11 @@ def race(models, rounds):
             slow = threading.Thread(target=generate, args=(f"127.0.0.1:{port}", "slow", draft, [SLOW_PROMPT], 90, outputs, joined))
             slow.start()
             assert joined.wait(60)
+            measured = threading.Event()  # the slow drafter's cycle was measured once: its next draft can be due
+            for _ in range(3000):  # bounded: its second draft comes one 150 ms round trip after its first
+                if any(d["name"] == "slow" and d["cycle_s"] is not None for e in server.events("round") for d in e["drafters"]):
+                    break
+                measured.wait(0.01)
             generate(server.address, "fast", draft, FAST_PROMPTS, 30, outputs)
             slow.join(120)
         finally:
@@ -72,6 +80,10 @@ def test_async_rounds_let_the_fast_drafter_run_ahead_of_a_slow_link(models):
     slow_cycles = [d.cycle_s for r in records for d in r.drafters if d.name == "slow" and d.cycle_s is not None]
     fast_cycles = [d.cycle_s for r in records for d in r.drafters if d.name == "fast" and d.cycle_s is not None]
     assert slow_cycles and min(slow_cycles) >= 0.15 and fast_cycles and min(fast_cycles) < min(slow_cycles)
+    # Once the slow drafter's cycle is known, the fast one's steps stop sitting out windows for a
+    # draft still on the wire: some close because no draft is due.
+    closed = [r.closed for r in records]
+    assert set(closed) <= set(CLOSE_REASONS) and "none-due" in closed, closed
 
 
 def test_sync_rounds_pace_everyone_by_the_slowest_link(models):
@@ -79,6 +91,7 @@ def test_sync_rounds_pace_everyone_by_the_slowest_link(models):
     fast, slow, records = race(models, "sync")
     assert fast <= 1.5 * slow, (fast, slow)
     assert {r.mode for r in records} == {"sync"}
+    assert {r.closed for r in records} <= {"all", "window"}  # sync waits for everyone, or its deadline
 
 
 def test_async_never_waits_for_a_frozen_drafter(models):
@@ -111,6 +124,50 @@ def test_async_never_waits_for_a_frozen_drafter(models):
     # Not one of the live drafter's steps waited out the 5 s deadline: each closed within its window.
     rounds = [RoundRecord.from_event(e) for e in events[:live_done] if e["event"] == "round"]
     assert rounds and max(r.receive_s for r in rounds) < 5.0
+
+
+def test_a_draft_is_due_at_its_drafters_last_verdict_plus_its_smoothed_cycle():
+    """The async loop closes a step early only when no waiting drafter's draft is due within the
+    window: a drafter with no measured cycle, or one already late, may come any moment."""
+    def drafter(name, verdict_at=None, cycle=None, in_request=True, deviation=0.0):
+        d = Drafter(name, name, asyncio.Queue(), identity=None, in_request=in_request, verdict_at=verdict_at)
+        d.cycle_mean_s, d.cycle_dev_s = cycle, deviation
+        return d
+
+    def loop_with(*drafters, queued=()):
+        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, {d.session_id: d for d in drafters},
+                         None, None, None, None)
+        loop._queued.update(queued)
+        return loop
+
+    now = time.perf_counter()
+    far = drafter("far", verdict_at=now, cycle=10.0)  # due in ~10 s
+    assert not loop_with(far)._draft_due(1.0)
+    assert loop_with(far)._draft_due(20.0)
+    assert loop_with(far, drafter("new"))._draft_due(1.0)  # a request's first draft: no cycle yet
+    assert loop_with(far, drafter("late", verdict_at=now - 5.0, cycle=1.0))._draft_due(0.001)  # overdue
+    assert loop_with(far, drafter("soon", verdict_at=now, cycle=0.5))._draft_due(1.0)
+    # Cycles that vary make a drafter due early: 10 s on average, but +-4.6 s.
+    assert loop_with(drafter("erratic", verdict_at=now, cycle=10.0, deviation=4.6))._draft_due(1.0)
+    assert not loop_with(drafter("steady", verdict_at=now, cycle=10.0, deviation=4.4))._draft_due(1.0)
+    # Drafters with a draft already queued, or no request in progress, are not waited for.
+    assert not loop_with(far, drafter("queued", verdict_at=now, cycle=0.1), queued={"queued"})._draft_due(1.0)
+    assert not loop_with(far, drafter("idle", in_request=False))._draft_due(1.0)
+
+
+def test_a_drafters_cycle_is_smoothed_from_the_drafts_it_sends():
+    d = Drafter("d", "d", asyncio.Queue(), identity=None)
+    loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, {"d": d}, None, None, None, None)
+    loop.queued("d", time.perf_counter())
+    assert d.cycle_s is None and d.due_after_s is None  # a request's first draft has no cycle
+    d.verdict_at = 100.0
+    loop.queued("d", 100.5)
+    assert d.cycle_mean_s == pytest.approx(0.5) and d.due_after_s == pytest.approx(0.5)
+    d.verdict_at = 200.0
+    loop.queued("d", 201.5)
+    mean, dev = 0.8 * 0.5 + 0.2 * 1.5, 0.2 * 1.0
+    assert d.cycle_s == pytest.approx(1.5) and (d.cycle_mean_s, d.cycle_dev_s) == pytest.approx((mean, dev))
+    assert d.due_after_s == pytest.approx(mean - 2 * dev)
 
 
 def test_unknown_round_mode_is_refused():
