@@ -1,11 +1,15 @@
 """Benchmarks of the verification engine on the embedded demo models.
 
     python -m bench.bench_engine [--rounds 40] [--max-new-tokens 64] [--padded] [--json]
+    python -m bench.bench_engine --rounds-only [--target real:smollm2-135m]
 
-Needs the demo models (`goodspeed models build-demo`). Figures:
+Needs the demo models (`goodspeed models build-demo`), or with ``--rounds-only --target MODEL``
+only that model. Figures:
 
 * round time with 8 drafters x 4 drafted tokens at prefix 1024 vs prefix 64 (median over rounds,
-  the two prefixes' rounds alternating in blocks of 5);
+  the two prefixes' rounds alternating in blocks of 5), with the verification rows' CPU attention
+  the engine uses (``lm.attention.small_query_attention``) and, in alternate blocks of the same
+  run, with SDPA for them (``*_sdpa``);
 * one batched round of 8 drafters vs 8 rounds of one drafter each;
 * share of round time outside the target forward at N = 8;
 * verifier throughput: generated tokens per second of verifier time (prefill + rounds) for 8
@@ -29,6 +33,7 @@ import torch
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm import attention
 from goodspeed.lm.corpus import load_corpus, prompt_snippets
 from goodspeed.lm.demo import list_models
 from goodspeed.lm.loading import load_causal_lm
@@ -62,32 +67,41 @@ def engine_with_prefix(target, prefix_len: int, rng, rounds: int) -> Verificatio
 
 
 BLOCK = 5  # rounds per block: the two prefixes' rounds alternate in blocks
+ATTENTION = {"": attention.MATMUL_MAX_Q, "_sdpa": 0}  # figure suffix -> the CPU attention's matmul cut-off
 
 
 def round_figures(target, rounds: int) -> dict:
     """The prefix figures come from two engines whose rounds alternate in blocks of ``BLOCK``
     (which prefix goes first alternates too), so a drift of this machine's speed during the run
     lands on both alike; measured one after the other, the ratio moved from 1.12 to 1.61 between
-    runs an hour apart (docs/BENCHMARKS.md)."""
+    runs an hour apart (docs/BENCHMARKS.md). The two CPU attentions of verification rows alternate
+    the same way, so their figures compare within the run."""
     rng = np.random.default_rng(0)
-    engines = {prefix: engine_with_prefix(target, prefix, rng, 2 * rounds) for prefix in (64, 1024)}
-    results: dict[int, list] = {prefix: [] for prefix in engines}
+    engines = {prefix: engine_with_prefix(target, prefix, rng, 3 * rounds) for prefix in (64, 1024)}
+    results: dict[tuple, list] = {(prefix, mode): [] for prefix in engines for mode in ATTENTION}
     for engine in engines.values():
         timed_rounds(engine, engine.session_ids, 3, rng)  # warm-up
-    for block in range(-(-rounds // BLOCK)):
-        for prefix in (64, 1024) if block % 2 == 0 else (1024, 64):
-            results[prefix] += timed_rounds(engines[prefix], engines[prefix].session_ids, BLOCK, rng)
-    med = {prefix: statistics.median(r.timings.total_s for r in runs) for prefix, runs in results.items()}
-    share = statistics.median(1 - r.timings.forward_s / r.timings.total_s for r in results[64])
+    try:
+        for block in range(-(-rounds // BLOCK)):
+            for mode in list(ATTENTION)[:: 1 if block % 2 == 0 else -1]:
+                attention.MATMUL_MAX_Q = ATTENTION[mode]
+                for prefix in (64, 1024) if block % 4 < 2 else (1024, 64):
+                    results[prefix, mode] += timed_rounds(engines[prefix], engines[prefix].session_ids, BLOCK, rng)
+    finally:
+        attention.MATMUL_MAX_Q = ATTENTION[""]
+    med = {key: statistics.median(r.timings.total_s for r in runs) for key, runs in results.items()}
+    share = statistics.median(1 - r.timings.forward_s / r.timings.total_s for r in results[64, ""])
     engine = engines[64]
     separate = [statistics.median(r.timings.total_s for r in timed_rounds(engine, [sid], rounds // 4 + 1, rng)) for sid in engine.session_ids]
+    prefix_figures = {}
+    for mode in ATTENTION:
+        prefix_figures |= {f"round_s_prefix64{mode}": med[64, mode], f"round_s_prefix1024{mode}": med[1024, mode],
+                           f"prefix_ratio{mode}": med[1024, mode] / med[64, mode]}
     return {
-        "round_s_prefix64": med[64],
-        "round_s_prefix1024": med[1024],
-        "prefix_ratio": med[1024] / med[64],
-        "batched_round_s": med[64],
+        **prefix_figures,
+        "batched_round_s": med[64, ""],
         "separate_rounds_s": sum(separate),
-        "batched_over_separate": med[64] / sum(separate),
+        "batched_over_separate": med[64, ""] / sum(separate),
         "non_forward_share": share,
     }
 
@@ -172,20 +186,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--padded", action="store_true", help="run the engine's padded reference path instead of packed forwards")
+    parser.add_argument("--rounds-only", action="store_true", help="only the round figures (no throughput runs)")
+    parser.add_argument("--target", default="demo:target",
+                        help="the target of the round figures (another than the demo target needs --rounds-only: "
+                             "the throughput runs use the demo drafts)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.target != "demo:target" and not args.rounds_only:
+        parser.error("--target other than demo:target needs --rounds-only (the throughput runs use the demo drafts)")
     global PACKED
     PACKED = not args.padded
     torch.manual_seed(0)
-    target = load_causal_lm("demo:target")
-    report = {"rounds": round_figures(target.model, args.rounds), "throughput": throughput_figures(args.max_new_tokens, args.repeats)}
+    target = load_causal_lm(args.target)
+    report = {"target": args.target, "rounds": round_figures(target.model, args.rounds)}
+    if not args.rounds_only:
+        report["throughput"] = throughput_figures(args.max_new_tokens, args.repeats)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     r = report["rounds"]
-    print(f"round time, N={N} x S={S}: prefix 64 {r['round_s_prefix64'] * 1e3:.2f} ms, prefix 1024 {r['round_s_prefix1024'] * 1e3:.2f} ms, ratio {r['prefix_ratio']:.2f} (goal <= 1.3)")
+    print(f"{args.target}: round time, N={N} x S={S}: prefix 64 {r['round_s_prefix64'] * 1e3:.2f} ms, prefix 1024 {r['round_s_prefix1024'] * 1e3:.2f} ms, ratio {r['prefix_ratio']:.2f} (goal <= 1.3)")
+    print(f"  the same with SDPA for verification rows: prefix 64 {r['round_s_prefix64_sdpa'] * 1e3:.2f} ms, "
+          f"prefix 1024 {r['round_s_prefix1024_sdpa'] * 1e3:.2f} ms, ratio {r['prefix_ratio_sdpa']:.2f}")
     print(f"one batched round {r['batched_round_s'] * 1e3:.2f} ms vs 8 separate {r['separate_rounds_s'] * 1e3:.2f} ms: {r['batched_over_separate']:.2f} (goal <= 0.3)")
     print(f"share of round time outside the forward at N={N}: {r['non_forward_share']:.1%} (goal <= 10%)")
+    if args.rounds_only:
+        return 0
     print(f"{'drafter':<18} {'tok/s of verifier':>18} {'speedup':>8} {'acceptance':>10} {'rounds':>7} {'outside fwd':>11} {'sched us':>8}")
     for name, row in report["throughput"].items():
         print(f"{name:<18} {row['tok_per_verifier_s']:>18.1f} {row['speedup']:>8.2f} {row['acceptance']:>10.3f} {row['rounds']:>7} "

@@ -1,10 +1,12 @@
 """The engine's attention function must not change what the model computes, in any calling mode."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from transformers import DynamicCache
 
-from goodspeed.lm.attention import use_gqa_attention, with_cache
+from goodspeed.lm.attention import small_query_attention, use_gqa_attention, with_cache
 from modelkit import tiny_llama
 
 
@@ -24,3 +26,25 @@ def test_gqa_attention_matches_default_sdpa_with_and_without_cache():
         # Left padding through a 2-D mask.
         mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
         assert torch.allclose(reference(input_ids=ids, attention_mask=mask).logits[:, -1], ours(input_ids=ids, attention_mask=mask).logits[:, -1], atol=1e-10)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (4, 4)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_small_query_attention_equals_sdpa_on_cache_views_under_any_mask(heads, kv_heads, dtype, atol):
+    """The CPU path of verification rows: the same outputs as SDPA with grouped-query heads, on keys
+    that are a view of a longer cache (as the slot pool hands them) and a mask that hides whole
+    stretches of keys per query (trees, padding) — float rounding apart."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    rows, q_len, kv_len, dim, capacity = 3, 5, 37, 8, 64
+    key = torch.randn(rows, kv_heads, capacity, dim, generator=gen, dtype=dtype)[:, :, :kv_len]
+    value = torch.randn(rows, kv_heads, capacity, dim, generator=gen, dtype=dtype)[:, :, :kv_len]
+    query = torch.randn(heads, rows, q_len, dim, generator=gen, dtype=dtype).transpose(0, 1)  # non-contiguous
+    allowed = torch.rand(rows, q_len, kv_len, generator=gen) < 0.6
+    allowed[..., 0] = True
+    allowed[1, :, 20:] = False  # a shorter row: its tail is padding
+    mask = torch.zeros(rows, q_len, kv_len, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    for scale in (None, 0.3):
+        ours = small_query_attention(query, key, value, mask, scale)
+        sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=heads > kv_heads)
+        assert ours.shape == sdpa.shape == (rows, heads, q_len, dim)
+        assert torch.allclose(ours, sdpa, atol=atol, rtol=0)
