@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--padded", action="store_true", help="run the engine's padded reference path instead of packed forwards")
     parser.add_argument("--rounds-only", action="store_true", help="only the round figures (no throughput runs)")
     parser.add_argument("--target", default="demo:target",
-                        help="the target of the round figures (another than the demo target needs --rounds-only: "
+                        help="the target of the round figures (any other than the demo target needs --rounds-only: "
                              "the throughput runs use the demo drafts)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
