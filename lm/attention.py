@@ -25,7 +25,8 @@ the query dimension, so each key and value head is read once for all the query h
 Measured on this project's 2-core CPU with 2 threads (2026-11-25, fp32): 0.46-0.85x SDPA's time
 for 8 rows of 2-32 queries over 69-4,000 keys, on the demo target's heads (4 / 2 x 32) and
 SmolLM2's (9 / 3 x 64). SDPA stays faster for one query per row (1.3-2x; its decoding kernel)
-and for prompt chunks (up to 3.2x at 512 queries), which keep it, as does every other device. Same maths, same
+and for prompt chunks (up to 3.2x at 512 queries), which keep it, as do every other device and
+half-precision models (whose scores and softmax SDPA's kernel keeps in fp32). Same maths, same
 mask; the two differ by float rounding only (``tests/lm/test_attention.py``).
 """
 
@@ -43,6 +44,8 @@ NAME = "goodspeed_sdpa"
 _TRANSFORMERS_CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 PACKED = "goodspeed_packed"  # the forward keyword carrying a PackedRows layout
 MATMUL_MAX_Q = 32  # on CPU, groups of 2..MATMUL_MAX_Q queries per row attend by small_query_attention
+# ... in these dtypes only: in bf16 / fp16 its scores and softmax would round where SDPA's kernel keeps fp32
+_MATMUL_DTYPES = (torch.float32, torch.float64)
 
 
 def small_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -60,6 +63,13 @@ def small_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     scores.view(rows, kv_heads, groups, q_len, kv_len).add_(mask.unsqueeze(2))
     out = torch.matmul(torch.softmax(scores, dim=-1), value)
     return out.view(rows, kv_heads, groups, q_len, dim).reshape(rows, heads, q_len, dim)
+
+
+def takes_small_query_attention(query: torch.Tensor, q_len: int, dropout: float = 0.0) -> bool:
+    """Whether a packed group of ``q_len`` queries per row attends by :func:`small_query_attention`
+    (CPU, fp32 / fp64, 2..``MATMUL_MAX_Q`` queries, no dropout) rather than SDPA."""
+    return (query.device.type == "cpu" and query.dtype in _MATMUL_DTYPES and 2 <= q_len <= MATMUL_MAX_Q
+            and not dropout)
 
 
 def gqa_sdpa_attention(
@@ -85,7 +95,7 @@ def gqa_sdpa_attention(
             else:  # a slot with KV buffers of its own
                 keys, values = packed.cache.own_view(module.layer_idx, group.own, group.kv_len)
             queries = flat.reshape(heads, rows, group.q_len, dim).transpose(0, 1)
-            if query.device.type == "cpu" and 2 <= group.q_len <= MATMUL_MAX_Q and not dropout:
+            if takes_small_query_attention(query, group.q_len, dropout):
                 part = small_query_attention(queries, keys, values, group.mask, scaling)
             else:
                 part = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask,

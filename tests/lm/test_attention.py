@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from transformers import DynamicCache
 
-from goodspeed.lm.attention import small_query_attention, use_gqa_attention, with_cache
+from goodspeed.lm.attention import (MATMUL_MAX_Q, small_query_attention, takes_small_query_attention, use_gqa_attention,
+                                    with_cache)
 from modelkit import tiny_llama
 
 
@@ -48,3 +49,17 @@ def test_small_query_attention_equals_sdpa_on_cache_views_under_any_mask(heads, 
         sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=heads > kv_heads)
         assert ours.shape == sdpa.shape == (rows, heads, q_len, dim)
         assert torch.allclose(ours, sdpa, atol=atol, rtol=0)
+
+
+def test_small_query_attention_is_taken_only_where_it_was_measured_faster_and_exact():
+    """CPU, fp32 / fp64, verification rows of 2..MATMUL_MAX_Q queries: the matmul form. One query
+    per row, prompt chunks, half precision (whose softmax SDPA keeps in fp32) and dropout: SDPA."""
+    q32 = torch.zeros(1, 4, 8, 8)
+    q64, bf16 = q32.double(), q32.bfloat16()
+    assert takes_small_query_attention(q32, 2) and takes_small_query_attention(q32, 5)
+    assert takes_small_query_attention(q64, MATMUL_MAX_Q)
+    assert not takes_small_query_attention(q32, 1)
+    assert not takes_small_query_attention(q32, MATMUL_MAX_Q + 1)
+    assert not takes_small_query_attention(bf16, 5)
+    assert not takes_small_query_attention(q32.half(), 5)
+    assert not takes_small_query_attention(q32, 5, dropout=0.1)
