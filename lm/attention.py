@@ -22,11 +22,12 @@ mask as in the padded forward; only the padding's wasted compute in the rest of 
 On CPU, a group of verification rows (2 to ``MATMUL_MAX_Q`` queries per row) attends through
 :func:`small_query_attention` instead of SDPA: two matmuls with the grouped-query heads folded into
 the query dimension, so each key and value head is read once for all the query heads it serves.
-Measured on this project's 2-core CPU with 2 threads (2026-11-25, fp32): 0.46-0.85x SDPA's time
-for 8 rows of 2-32 queries over 69-4,000 keys, on the demo target's heads (4 / 2 x 32) and
-SmolLM2's (9 / 3 x 64). SDPA stays faster for one query per row (1.3-2x; its decoding kernel)
-and for prompt chunks (up to 3.2x at 512 queries), which keep it, as do every other device and
-half-precision models (whose scores and softmax SDPA's kernel keeps in fp32). Same maths, same
+Measured by ``bench/bench_attention.py`` on this project's 2-core CPU with 2 threads (2026-11-25,
+fp32): 0.49-0.98x SDPA's time for rows of 2-32 queries over 69-4,000 keys, on the demo target's
+heads (4 / 2 x 32) and SmolLM2's (9 / 3 x 64). SDPA stays faster for one query per row (up to
+2.1x; its decoding kernel) and for prompt chunks (up to 2.6x at 512 queries), which keep it, as
+do every other device and half-precision models (whose scores and softmax SDPA's kernel keeps in
+fp32). Same maths, same
 mask; the two differ by float rounding only (``tests/lm/test_attention.py``).
 """
 

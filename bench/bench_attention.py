@@ -1,0 +1,108 @@
+"""The attention of verification rows on CPU: the matmul form (``lm.attention.small_query_attention``)
+against SDPA, per layer call.
+
+    python -m bench.bench_attention [--threads 2] [--repeats 100] [--json]
+
+Two tables, fp32, medians over ``--repeats`` calls, the two kernels' calls alternating:
+
+* ``warm``: one layer's shapes on the same keys every call (they stay in the CPU's caches), for
+  the demo target's heads (4 / 2 x 32) and SmolLM2's (9 / 3 x 64), rows x queries x keys from one
+  query per row through verification rows to prompt chunks: where ``MATMUL_MAX_Q`` comes from;
+* ``cold``: 8 rows x 5 queries over 1,029 keys with every call on the next of 4 layers' own keys
+  and values (as a forward reads them, 17 MB for the demo target's heads): what the
+  engine sees at prefix 1024, and the memory traffic that bounds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from goodspeed.lm.attention import small_query_attention
+
+HEADS = {"demo": (4, 2, 32), "smollm2": (9, 3, 64)}  # query heads, key heads, head dim
+WARM = [(8, 1, 69), (8, 2, 300), (8, 5, 69), (8, 5, 1029), (8, 8, 1029), (8, 16, 300), (8, 32, 300),
+        (4, 5, 4000), (1, 128, 1200), (1, 512, 2048)]  # rows, queries per row, keys
+
+
+def _inputs(rows: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: int, gen: torch.Generator):
+    capacity = 1 << (kv_len - 1).bit_length()  # keys are a view of a longer pool, as the slot cache hands them
+    key = torch.randn(rows, kv_heads, capacity, dim, generator=gen)[:, :, :kv_len]
+    value = torch.randn(rows, kv_heads, capacity, dim, generator=gen)[:, :, :kv_len]
+    query = torch.randn(heads, rows, q_len, dim, generator=gen).transpose(0, 1)
+    allowed = torch.rand(rows, q_len, kv_len, generator=gen) < 0.9
+    allowed[..., 0] = True
+    mask = torch.zeros(rows, q_len, kv_len).masked_fill_(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
+    return query, key, value, mask
+
+
+def _time_pair(calls: dict, repeats: int) -> dict:
+    """Median microseconds per call of each kernel, their calls alternating."""
+    for fn in calls.values():
+        for _ in range(5):
+            fn()
+    times: dict[str, list] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def _kernels(layers: list):
+    """Both kernels over ``layers`` (one input tuple each), each call on the next layer's inputs."""
+    state = {"matmul": 0, "sdpa": 0}
+
+    def call(name):
+        def run():
+            query, key, value, mask = layers[state[name] % len(layers)]
+            state[name] += 1
+            if name == "matmul":
+                return small_query_attention(query, key, value, mask)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=query.shape[1] > key.shape[1])
+        return run
+    return {"matmul": call("matmul"), "sdpa": call("sdpa")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="verification rows' CPU attention: matmul form vs SDPA")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    report: dict = {"threads": args.threads, "warm": [], "cold": []}
+    for model, (heads, kv_heads, dim) in HEADS.items():
+        for rows, q_len, kv_len in WARM:
+            us = _time_pair(_kernels([_inputs(rows, q_len, kv_len, heads, kv_heads, dim, gen)]), args.repeats)
+            report["warm"].append({"heads": model, "rows": rows, "q_len": q_len, "kv_len": kv_len, **us})
+        layers = [_inputs(8, 5, 1029, heads, kv_heads, dim, gen) for _ in range(4)]
+        us = _time_pair(_kernels(layers), args.repeats)
+        kv_bytes = 2 * 8 * kv_heads * 1029 * dim * 4  # one layer's keys and values
+        report["cold"].append({"heads": model, "rows": 8, "q_len": 5, "kv_len": 1029, "layers": 4, "kv_mb_per_layer": kv_bytes / 1e6,
+                               **us, "matmul_gb_per_s": kv_bytes / (us["matmul"] * 1e-6) / 1e9,
+                               "sdpa_gb_per_s": kv_bytes / (us["sdpa"] * 1e-6) / 1e9})
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"warm (same keys each call), {args.threads} threads, us per call:")
+    for r in report["warm"]:
+        print(f"  {r['heads']:<8} {r['rows']:>2} rows x {r['q_len']:>3} queries x {r['kv_len']:>4} keys: "
+              f"matmul {r['matmul']:8.0f}  sdpa {r['sdpa']:8.0f}  matmul/sdpa {r['matmul'] / r['sdpa']:.2f}")
+    print("cold (each call on the next of 4 layers' keys and values), us per call:")
+    for r in report["cold"]:
+        print(f"  {r['heads']:<8} 8 x 5 x 1029, {r['kv_mb_per_layer']:.1f} MB of KV per layer: matmul {r['matmul']:.0f} "
+              f"({r['matmul_gb_per_s']:.1f} GB/s)  sdpa {r['sdpa']:.0f} ({r['sdpa_gb_per_s']:.1f} GB/s)  "
+              f"matmul/sdpa {r['matmul'] / r['sdpa']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
