@@ -12,7 +12,8 @@ Needs the demo models (`goodspeed models build-demo`). Steps:
    are the serving loop's, not gRPC's) and check every output equals the target's greedy decoding
    (the ``none`` policy's output);
 4. report throughput, mean and p99 TPOT, SLO attainment per class, goodput of the SLO-meeting
-   requests, and VSR (accepted / drafted).
+   requests, VSR (accepted / drafted), and where an iteration's time goes: drafting (the
+   policy's draft forwards and selection) and the target round (forward and verification).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ POLICIES = [
     ("chain k=4", {"policy": "chain", "k": 4}),
     ("tetris k=2+2", {"policy": "tetris", "k": 2, "extra": 2}),
     ("adaserve B=32", {"policy": "adaserve", "budget": 32}),
+    ("adaserve B=32 D=1", {"policy": "adaserve", "budget": 32, "max_depth": 1}),
     ("turbospec", {"policy": "turbospec"}),
     ("nightjar", {"policy": "nightjar"}),
 ]
@@ -93,7 +95,9 @@ def main() -> int:
             reference = outputs
         lossless = outputs == reference
         summary = summarize(records)
-        summary.update(lossless=lossless, steps=serving.totals["steps"])
+        t = serving.totals
+        summary.update(lossless=lossless, steps=t["steps"], drafting_ms_per_step=1000 * t["drafting_s"] / max(t["steps"], 1),
+                       round_ms_per_step=1000 * t["round_s"] / max(t["steps"], 1))
         results[name] = summary
         print(f"{name}: {summary['throughput_tok_s']:.0f} tok/s, TPOT {summary['tpot_mean_ms']:.2f} ms, "
               f"SLO {summary['slo_attainment']:.2f}, lossless {lossless}", file=sys.stderr)
@@ -107,14 +111,15 @@ def main() -> int:
 
 
 def table(out: dict) -> str:
-    lines = ["| policy | throughput tok/s | TPOT mean ms | TPOT p99 ms | SLO strict | SLO moderate | SLO relaxed | goodput (SLO-met) tok/s | VSR | iterations |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | throughput tok/s | TPOT mean ms | TPOT p99 ms | SLO strict | SLO moderate | SLO relaxed | goodput (SLO-met) tok/s | VSR | iterations "
+             "| ms per iteration: drafting / target round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in out["results"].items():
         pc = r["per_class"]
         cls = [f"{pc[c]['attainment']:.2f}" if c in pc else "-" for c in ("strict", "moderate", "relaxed")]
         vsr = f"{r['vsr']:.2f}" if r["vsr"] is not None else "-"
         lines.append(f"| {name} | {r['throughput_tok_s']:.0f} | {r['tpot_mean_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {' | '.join(cls)} | "
-                     f"{r['goodput_tok_s']:.0f} | {vsr} | {r['steps']} |")
+                     f"{r['goodput_tok_s']:.0f} | {vsr} | {r['steps']} | {r['drafting_ms_per_step']:.2f} / {r['round_ms_per_step']:.2f} |")
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -438,16 +439,21 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.devic
     return mask.unsqueeze(1).to(device)
 
 
-def ancestor_matrix(parents: list[int], size: int) -> torch.Tensor:
-    """``[size, size]`` bool: ``anc[j, i]`` when new token ``i`` is ``j`` or one of its ancestors.
+def ancestor_matrices(trees: list[list[int]], size: int) -> np.ndarray:
+    """``[len(trees), size, size]`` bool: ``anc[t, j, i]`` when tree ``t``'s new token ``i`` is
+    ``j`` or one of its ancestors.
 
-    ``parents[j]`` indexes the row's new tokens (-1: the committed prefix); rows past
-    ``len(parents)`` (padding) see only themselves.
+    ``trees[t][j]`` indexes the row's new tokens (-1: the committed prefix); rows past
+    ``len(trees[t])`` (padding) see only themselves. Built in numpy: per-node updates on arrays this
+    small cost a microsecond there and several as torch ops.
     """
-    anc = torch.eye(size, dtype=torch.bool)
-    for j, parent in enumerate(parents):
-        if parent >= 0:
-            anc[j] |= anc[parent]
+    anc = np.zeros((len(trees), size, size), dtype=bool)
+    diag = np.arange(size)
+    anc[:, diag, diag] = True
+    for t, parents in enumerate(trees):
+        for j, parent in enumerate(parents):
+            if parent >= 0:
+                anc[t, j] |= anc[t, parent]
     return anc
 
 
@@ -471,13 +477,15 @@ def build_attention(
     query = torch.arange(q_len, device=device).view(1, -1, 1)
     allowed = key <= base + query  # chains: causal with a per-row offset, built on the device
     positions = base.view(-1, 1) + torch.arange(q_len, device=device)
-    for row, tree in enumerate(parents):
-        if tree is None:
-            continue
-        anc = ancestor_matrix(tree, q_len).to(device)  # [q_len, q_len]
-        length = lengths[row]
-        allowed[row] = key[0] < length
-        width = min(q_len, kv_len - length)  # keys may stop at the row's last real token (packed groups)
-        allowed[row, :, length : length + width] |= anc[:, :width]
-        positions[row] = length + anc.sum(dim=1) - 1  # depth = number of ancestors
+    trees = [row for row, tree in enumerate(parents) if tree is not None]
+    if trees:  # built on the host (a few small array ops per tree), then one copy per tensor
+        anc = ancestor_matrices([parents[row] for row in trees], q_len)  # [trees, q_len, q_len]
+        starts = np.array([lengths[row] for row in trees])
+        seen = np.broadcast_to(np.arange(kv_len) < starts[:, None, None], (len(trees), q_len, kv_len)).copy()
+        for t, length in enumerate(starts.tolist()):
+            width = min(q_len, kv_len - length)  # keys may stop at the row's last real token (packed groups)
+            seen[t, :, length : length + width] |= anc[t, :, :width]
+        index = torch.tensor(trees, device=device)
+        allowed[index] = torch.from_numpy(seen).to(device)
+        positions[index] = torch.from_numpy(starts[:, None] + anc.sum(axis=2) - 1).to(device)  # depth = number of ancestors
     return additive_mask(allowed, dtype, device), positions

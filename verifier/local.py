@@ -94,9 +94,8 @@ class RealClock:
 class SimulatedClock:
     """Time that advances only by the modeled cost of each forward: ``model.predict_s(context
     tokens, batched tokens)`` per forward (a :class:`LatencyModel`, TurboSpec eq. 3, or any object
-    with that method, e.g. a roofline). A target forward is charged for the tokens verified, as in
-    a packed (variable-length) batch; this engine pads its rows to the longest, which the
-    benchmarks' real clock measures."""
+    with that method, e.g. a roofline). A target forward is charged for the tokens it verifies and
+    prefills, as the engine's packed (variable-length) forward runs them."""
 
     def __init__(self, target: LatencyModel, draft: LatencyModel, start: float = 0.0) -> None:
         self.models = {"target": target, "draft": draft}
@@ -291,7 +290,9 @@ class LocalServing:
         # Acceptance across local requests: a new request's estimate until it has drafted.
         self.pooled_acceptance = config.initial_acceptance
         self.draft_forward_s = 0.0  # smoothed time of one draft forward (Nightjar's switching cost)
-        self.totals = {"steps": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        # drafting_s / round_s: clock seconds spent planning (drafting, selection) and in the
+        # engine's round (target forward and verification), summed over drafting steps
+        self.totals = {"steps": 0, "drafted": 0, "accepted": 0, "emitted": 0, "drafting_s": 0.0, "round_s": 0.0}
 
     # ------------------------------------------------------------------ requests
 
@@ -393,6 +394,7 @@ class LocalServing:
             return None
         # A request whose prompt is still being prefilled (chunked prefill) drafts from the step after.
         reqs = [r for r in self._active.values() if not self.engine.prefilling(r.session_id)]
+        planning = self.clock.now()
         plans, k = self.policy.plan(reqs) if reqs else ({}, None)
         drafted = 0
         for req in reqs:
@@ -404,6 +406,7 @@ class LocalServing:
             self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents, dense))
             drafted += len(plan.token_ids)
         context = self.engine.context_tokens
+        planned = self.clock.now()
         result = self.engine.run_round(periods=periods)
         self.clock.charge("target", context, result.verified_tokens + result.prefill_tokens)
         now = self.clock.now()
@@ -435,7 +438,8 @@ class LocalServing:
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
         self.policy.observe(len(reqs), k, emitted, duration)
-        for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted)):
+        for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted),
+                           ("drafting_s", planned - planning), ("round_s", now - planned)):
             self.totals[key] += value
         return StepReport(result, len(reqs), drafted, accepted, emitted, duration, k)
 

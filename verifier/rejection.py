@@ -154,6 +154,44 @@ def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: Sequence[Seq
     return out
 
 
+def verify_greedy_trees(target_logits: torch.Tensor, draft_tokens: Sequence[Sequence[int]],
+                        draft_parents: Sequence[Sequence[int]]) -> list[TreeVerdict]:
+    """Greedy trees without probabilities: from the root, follow the first child (in node order)
+    whose token is the argmax of its parent's ``p``; stop where none is, and emit that argmax.
+
+    Identical to :func:`verify_tree` on one-hot ``p`` (``process_logits`` at temperature 0, lowest
+    id on ties), for deterministic candidates and sampled ones alike: a child other than the argmax
+    has ratio ``0 / q = 0``, the argmax child ``min(1, 1 / q) = 1``, and a rejection leaves the
+    one-hot ``p`` as it was, so no uniform can change the walk. One argmax over the batch, as
+    :func:`verify_greedy_chains`; ratios are those :func:`verify_tree` records (0 for each child
+    tested before the match, 1 for the match).
+
+    target_logits [B, >= N_b + 1, V]; row b: ``N_b`` node tokens and their parents (-1: the root).
+    """
+    best = argmax_last(target_logits).tolist()
+    out = []
+    for tokens, parents, top in zip(draft_tokens, draft_parents, best):
+        children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+        for node, parent in enumerate(parents):
+            children[parent + 1].append(node)
+        node, accepted, ratios = -1, [], []
+        while True:
+            want = top[node + 1]
+            match = None
+            for child in children[node + 1]:
+                hit = int(tokens[child]) == want
+                ratios.append(1.0 if hit else 0.0)
+                if hit:
+                    match = child
+                    break
+            if match is None:
+                out.append(TreeVerdict(accepted, want, ratios))
+                break
+            accepted.append(match)
+            node = match
+    return out
+
+
 @dataclass(frozen=True)
 class TreeVerdict:
     """The accepted path (node indices from the root down), the correction-or-bonus token, and

@@ -6,7 +6,8 @@ Rows are grouped so the common cases cost a few batched tensor operations per ro
 * greedy chains: argmax comparison on the raw logits (:func:`verify_greedy_chains`);
 * sampled chains: logits processing and the batched rejection sampler (:func:`verify_chains_q`),
   with one draw of uniforms for the whole group and the draft's ``q`` kept sparse (:class:`DraftQ`);
-* trees: the recursive multi-candidate walk (:func:`verify_tree`), one row at a time.
+* greedy trees: one argmax, then a walk down the children on the host (:func:`verify_greedy_trees`);
+* sampled trees: the recursive multi-candidate walk (:func:`verify_tree`), one row at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from goodspeed.verifier.drafts import DraftQ, dense_q
-from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_tree
+from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
 from goodspeed.verifier.types import Draft
 
 
@@ -47,14 +48,15 @@ class RowVerifier:
         out: list[RowOutcome | None] = [None] * len(rows)
         greedy = [i for i, r in enumerate(rows) if r.draft.parents is None and r.sampling.greedy]
         sampled = [i for i, r in enumerate(rows) if r.draft.parents is None and not r.sampling.greedy]
-        for group, fn in ((greedy, self._greedy), (sampled, self._sampled)):
+        greedy_trees = [i for i, r in enumerate(rows) if r.draft.parents is not None and r.sampling.greedy]
+        for group, fn in ((greedy, self._greedy), (sampled, self._sampled), (greedy_trees, self._greedy_trees)):
             if group:
                 # Every row in one group (the common case): the logits as they are, not a gathered copy.
                 group_logits = logits if len(group) == len(rows) else logits[group]
                 for i, res in zip(group, fn([rows[i] for i in group], group_logits, given)):
                     out[i] = res
         for i, row in enumerate(rows):
-            if row.draft.parents is not None:
+            if row.draft.parents is not None and not row.sampling.greedy:
                 out[i] = self._tree(row, logits[i], given)
         return out
 
@@ -77,6 +79,15 @@ class RowVerifier:
         verdicts = verify_greedy_chains(logits[:, : s_max + 1], [r.tokens[1:] for r in rows])
         return [RowOutcome(list(range(v.num_accepted + 1)), row.tokens[1 : v.num_accepted + 1] + [v.next_token], v.ratios)
                 for row, v in zip(rows, verdicts)]
+
+    def _greedy_trees(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
+        n_max = max(r.draft.num_tokens for r in rows)
+        verdicts = verify_greedy_trees(logits[:, : n_max + 1], [r.tokens[1:] for r in rows], [r.draft.parents for r in rows])
+        outcomes = []
+        for row, v in zip(rows, verdicts):
+            kept = [0] + [node + 1 for node in v.accepted_nodes]
+            outcomes.append(RowOutcome(kept, [row.tokens[k] for k in kept[1:]] + [v.next_token], v.tested_ratios))
+        return outcomes
 
     def _sampled(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
         drafted, num, s_max = self._drafted(rows)

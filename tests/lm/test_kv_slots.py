@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
 
 def test_slot_table_follows_the_cache_when_a_slot_is_freed():
@@ -200,3 +200,36 @@ def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own():
     assert packed.own_slots == {0: 64}
     with pytest.raises(RuntimeError, match="own"):  # padded forwards keep every slot in the pool
         packed.prepare(1, slice(0, 3))
+
+
+def test_tree_masks_and_positions_follow_each_node_s_ancestors():
+    """build_attention against a per-node reference: a tree node sees the committed prefix, itself
+    and its ancestors, at position length + depth - 1; chain rows are causal; keys may stop short
+    of a row's padding (a packed group's kv_len)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        rows, q_len = 4, 6
+        lengths = torch.randint(0, 5, (rows,), generator=gen).tolist()
+        parents = []
+        for _ in range(rows):
+            if torch.rand(1, generator=gen) < 0.3:
+                parents.append(None)
+                continue
+            n = int(torch.randint(1, q_len + 1, (1,), generator=gen))
+            parents.append([int(torch.randint(-1, j, (1,), generator=gen)) for j in range(n)])
+        kv_len = max(lengths) + q_len - int(torch.randint(0, 2, (1,), generator=gen))
+        mask, positions = build_attention(lengths, parents, q_len, kv_len, torch.float32)
+        allowed = mask[:, 0] == 0
+        for r, (length, tree) in enumerate(zip(lengths, parents)):
+            for j in range(q_len):
+                if tree is None or j >= len(tree):  # causal (padding of a tree row sees only itself)
+                    seen = set(range(length + j + 1)) if tree is None else set(range(length)) | {length + j}
+                    depth = j + 1 if tree is None else 1
+                else:
+                    chain, node = [j], tree[j]
+                    while node >= 0:
+                        chain.append(node)
+                        node = tree[node]
+                    seen, depth = set(range(length)) | {length + a for a in chain}, len(chain)
+                assert set(allowed[r, j].nonzero().view(-1).tolist()) == {k for k in seen if k < kv_len}
+                assert int(positions[r, j]) == length + depth - 1

@@ -253,6 +253,39 @@ def test_a_local_policy_is_one_registered_class(models, monkeypatch):
     assert EveryOtherStep.seen[:4] == [0, 2, 0, 2]
 
 
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_iteration_time_is_split_into_drafting_and_the_target_round(models, policy):
+    """totals["drafting_s"] is the clock time of the policy's draft forwards and selection, and
+    totals["round_s"] that of the engine's rounds: under the simulated clock, every draft forward's
+    modeled cost and every round's (prompt prefills at admission excluded)."""
+    charged = {"draft": 0.0, "target": 0.0}
+    admitting = []
+
+    class Counting(SimulatedClock):
+        def charge(self, which, context_tokens, batched_tokens):
+            before = self.t
+            super().charge(which, context_tokens, batched_tokens)
+            if not admitting:
+                charged[which] += self.t - before
+
+    target, draft = models
+    serving = serve(target, draft, policy, clock=Counting(TARGET_COST, DRAFT_COST), k=3)
+    admit = serving._admit
+
+    def counted_admit():
+        admitting.append(True)
+        try:
+            admit()
+        finally:
+            admitting.pop()
+
+    serving._admit = counted_admit
+    serving.submit(PROMPTS[1], max_new_tokens=12)
+    drain(serving)
+    assert serving.totals["drafting_s"] == pytest.approx(charged["draft"]) and charged["draft"] > 0
+    assert serving.totals["round_s"] == pytest.approx(charged["target"]) and charged["target"] > 0
+
+
 def test_local_serving_is_a_draft_source_of_its_own(models):
     """Local sessions are sized by local serving's own book: the edge drafters keep the whole
     budget C and the max_drafters limit, and local drafts may exceed C; both are verified in one

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
-from goodspeed.verifier.rejection import verify_chains, verify_greedy_chains, verify_tree
+from goodspeed.verifier.rejection import verify_chains, verify_greedy_chains, verify_greedy_trees, verify_tree
 
 V = 6
 
@@ -187,6 +187,39 @@ def test_greedy_chains_equal_the_chain_rule_on_one_hot_distributions():
         for b, v in enumerate(fast):
             assert (v.num_accepted, v.next_token) == (int(ref.num_accepted[b]), int(ref.next_token[b]))
             assert v.ratios == ref.acceptance_ratios[b, : len(drafts[b])].tolist()
+
+
+@pytest.mark.parametrize("sampled_children", [False, True])
+def test_greedy_trees_equal_the_tree_rule_on_one_hot_distributions(sampled_children):
+    """verify_greedy_trees (the engine's greedy tree path: argmax, then a walk on the host) gives
+    what verify_tree gives on the one-hot p of the same logits: accepted path, correction-or-bonus
+    token and tested ratios, for random trees with ties in the logits (lowest id wins), sibling
+    duplicates, empty trees and, with sampled children, any q and any uniforms."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = 5
+    for _ in range(300):
+        batch, n_max = 3, 7
+        logits = torch.randint(0, 3, (batch, n_max + 1, vocab), generator=gen).float()  # many ties
+        best = process_logits(logits, SamplingParams()).argmax(-1)
+        tokens, parents = [], []
+        for b in range(batch):
+            n = int(torch.randint(0, n_max + 1, (1,), generator=gen))
+            par = [int(torch.randint(-1, k, (1,), generator=gen)) for k in range(n)]
+            # a node's token: its parent's argmax more often than chance, else any token
+            tok = [int(best[b, p + 1]) if torch.rand(1, generator=gen) < 0.5 else int(torch.randint(0, vocab, (1,), generator=gen))
+                   for p in par]
+            tokens.append(tok)
+            parents.append(par)
+        fast = verify_greedy_trees(logits, tokens, parents)
+        p = process_logits(logits, SamplingParams()).double()
+        for b, v in enumerate(fast):
+            n = len(tokens[b])
+            q = None
+            if sampled_children and n:
+                q = torch.softmax(torch.randn(n, vocab, generator=gen, dtype=torch.float64), -1)
+            u = torch.rand(n + 1, generator=gen, dtype=torch.float64)
+            ref = verify_tree(p[b, : n + 1], torch.tensor(tokens[b], dtype=torch.long), parents[b], u, q)
+            assert (v.accepted_nodes, v.next_token, v.tested_ratios) == (ref.accepted_nodes, ref.next_token, ref.tested_ratios)
 
 
 def test_ragged_rows_and_empty_drafts():
