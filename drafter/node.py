@@ -118,6 +118,17 @@ class _Session:
 
 
 @dataclass
+class RequestStats:
+    """What one request's rounds did, for callers that report per request (``open(stats=...)``):
+    the file-mode drafter's JSONL records."""
+
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    repairs: int = 0
+
+
+@dataclass
 class _Request:
     gen: GenerationRequest
     committed: list[int]
@@ -131,6 +142,7 @@ class _Request:
     length: int = 0  # S for the next round
     round_index: int = 0
     repairs: int = 0
+    stats: RequestStats = field(default_factory=RequestStats)
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
@@ -307,16 +319,18 @@ class EdgeNode:
 
     # ------------------------------------------------------------------ requests
 
-    async def open(self, request: GenerationRequest, identity: object = None):
+    async def open(self, request: GenerationRequest, identity: object = None, stats: RequestStats | None = None):
         """Admit the request: a session, a draft KV slot and ``StartRequest`` (refusals raise
-        :class:`ApiError` here, before any response is sent); then its rounds run in a task."""
+        :class:`ApiError` here, before any response is sent); then its rounds run in a task.
+        ``stats``: filled in as the request's verdicts arrive."""
         if not self.ready():
             raise ApiError(503, "the node's verifier is not serving (unreachable or draining); retry later")
         if request.tpot_slo_ms is not None:
             raise ApiError(400, "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
         generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                      else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
-        req = _Request(request, list(request.prompt_ids), generator, self.requests.track(len(request.prompt_ids)))
+        req = _Request(request, list(request.prompt_ids), generator, self.requests.track(len(request.prompt_ids)),
+                       stats=stats if stats is not None else RequestStats())
         try:
             await self._call(self.drafter.add, req.key)
             await self._start(req)
@@ -371,6 +385,7 @@ class EdgeNode:
                     verdict = await self._round(req)
                 except _SessionLost:
                     req.repairs += 1
+                    req.stats.repairs = req.repairs
                     if req.repairs > MAX_REPAIRS:
                         raise ApiError(502, f"the verifier dropped this request's session {req.repairs} times") from None
                     session, req.session, req.in_progress = req.session, None, False
@@ -379,6 +394,9 @@ class EdgeNode:
                     continue
                 req.commit(list(verdict.token_ids))
                 req.timer.tokens(len(verdict.token_ids))
+                req.stats.rounds += 1
+                req.stats.drafted_tokens += verdict.num_drafted
+                req.stats.accepted_tokens += verdict.num_accepted
                 if len(req.committed) != verdict.committed_length or req.hasher.hexdigest() != verdict.prefix_hash:
                     raise ApiError(502, "a verdict does not match this node's text (committed length or prefix hash)")
                 req.in_progress = not verdict.finished

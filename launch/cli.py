@@ -245,7 +245,10 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--connect-timeout-s", type=float, default=60.0)
     dr.add_argument("--quiet", action="store_true", help="no progress bar")
     dr.add_argument("--proactive", action=argparse.BooleanOptionalAction, default=True,
-                    help="draft the next round while a draft is being verified (default: on)")
+                    help="draft the next round while a draft is being verified (default: on; one request at a time)")
+    dr.add_argument("--concurrency", type=int, default=1,
+                    help="--prompts: requests generating at once, drafted together (one verifier session each; "
+                         "more than 1 needs --no-proactive)")
     _add_model_args(dr)
 
 
@@ -261,6 +264,7 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         table = load_drafter_settings(args.spec, args.name)
         if args.serve is not None:
             table.pop("prompts", None)  # --serve answers requests instead of a prompt file
+            table.pop("concurrency", None)  # ... as many at once as --max-concurrency says
         parser.set_defaults(**table)
         args = parser.parse_args(argv)
     args.name = args.name or "drafter"
@@ -268,6 +272,10 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         parser.error("the draft model is required: --draft MODEL, or a --spec whose [[drafters]] entry names it")
     if (args.prompts is None) == (args.serve is None):
         parser.error("give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both")
+    if args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
+    if args.serve is not None and args.concurrency != 1:
+        parser.error("--concurrency is for --prompts; --serve takes --max-concurrency")
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args
 
 
@@ -338,6 +346,14 @@ def _experiment(args: argparse.Namespace) -> int:
         if unknown := [v for v in args.proactive.split(",") if v not in values]:
             raise SpecError(f"--proactive: unknown {unknown}; give on, off or on,off")
         settings = replace(settings, proactive=tuple(values[v] for v in args.proactive.split(",")))
+    if args.concurrency:
+        try:
+            levels = tuple(int(v) for v in args.concurrency.split(","))
+        except ValueError:
+            raise SpecError(f"--concurrency: {args.concurrency!r} is not a comma-separated list of integers") from None
+        if min(levels) < 1:
+            raise SpecError("--concurrency: each level is requests per drafter, >= 1")
+        settings = replace(settings, concurrency=levels)
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
     return 1 if result["failed"] else 0
@@ -465,6 +481,9 @@ def _add_serving_parsers(sub) -> None:
     ex.add_argument("--modes", default=None, help="comma-separated round modes to run each policy in (sync, async; default: the spec's)")
     ex.add_argument("--proactive", default=None, help="on, off or on,off: run with and/or without the drafters' proactive drafting "
                                                       "(default: the spec's [experiment] proactive, else each drafter's own)")
+    ex.add_argument("--concurrency", default=None, help="comma-separated requests each drafter generates at once, e.g. 1,4,8: "
+                                                        "a run per level (default: the spec's [experiment] concurrency, else each "
+                                                        "drafter's own); above 1 needs proactive drafting off")
     ex.add_argument("--force", action="store_true", help="rerun policies that already have data")
     ex.add_argument("--seed", type=int, default=None,
                     help="prompt order: 0 keeps each drafter's file order, others shuffle it (default: the spec's [experiment] seed, 0)")

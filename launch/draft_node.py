@@ -22,9 +22,22 @@ from goodspeed.lm.sampling import SamplingParams
 
 
 def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, connect_timeout_s: float = 60.0, progress: bool = True) -> int:
-    """Generate ``spec``'s prompts through the verifier at ``verifier`` (HOST:PORT)."""
+    """Generate ``spec``'s prompts through the verifier at ``verifier`` (HOST:PORT): one at a time,
+    or ``spec.concurrency`` at once through the node's batched drafting."""
+    if spec.concurrency > 1 and spec.proactive:
+        raise SystemExit(f"goodspeed drafter {spec.name}: proactive drafting runs one request at a time; with "
+                         "--concurrency > 1 give --no-proactive (the node drafts its requests together instead)")
     draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
     prompts = load_prompts(spec.prompt_path(), draft.tokenizer)[: spec.max_prompts]
+    if spec.concurrency > 1:
+        out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
+        try:
+            asyncio.run(generate_concurrently(spec, verifier, draft.model, draft.tokenizer, draft.fingerprint, prompts, out,
+                                              connect_timeout_s, progress))
+        finally:
+            if out is not sys.stdout:
+                out.close()
+        return 0
     eos = draft.tokenizer.eos_token_id
     config = DrafterConfig(
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=draft.fingerprint,
@@ -58,6 +71,55 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
         if out is not sys.stdout:
             out.close()
     return 0
+
+
+async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, tokenizer, fingerprint: str, prompts, out,
+                                connect_timeout_s: float = 60.0, progress: bool = True) -> None:
+    """Generate ``prompts`` through an :class:`~goodspeed.drafter.node.EdgeNode`, ``spec.concurrency``
+    requests at a time (in file order; a request starts when one ends), one JSONL record per
+    finished request, in the order they finish. A request the node fails raises: a file-mode
+    drafter stops, as the one-at-a-time client does."""
+    from goodspeed.api.protocol import GenerationRequest
+    from goodspeed.drafter.node import EdgeNode, NodeConfig, RequestStats
+
+    eos = tokenizer.eos_token_id
+    sampling = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
+    config = NodeConfig(
+        verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=spec.concurrency,
+        max_waiting=0, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
+        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name))
+    node = EdgeNode(config, draft_model, tokenizer)
+    await node.start()
+    if spec.seed is None:
+        print(f"drafter {spec.name}: root seed {node.root_seed}", file=sys.stderr)
+    queue = list(enumerate(prompts))[::-1]
+    bar = tqdm(total=len(prompts), desc=spec.name, unit="req", disable=not progress, file=sys.stderr)
+
+    async def worker() -> None:
+        while queue:
+            index, prompt = queue.pop()
+            stats, started, tokens, reason = RequestStats(), time.perf_counter(), [], None
+            # Cycled prompt files repeat ids; the node keys its draft KV by request id.
+            request = GenerationRequest(f"{index}/{prompt.id}", list(prompt.prompt_ids), spec.max_new_tokens, sampling,
+                                        (eos,) if eos is not None else ())
+            async for delta in await node.open(request, stats=stats):
+                if delta.error is not None:
+                    raise RuntimeError(f"drafter {spec.name}: request {prompt.id}: {delta.error.message}")
+                tokens.extend(delta.token_ids)
+                reason = delta.finish_reason
+            record = {"id": prompt.id, "prompt_ids": prompt.prompt_ids, "token_ids": tokens, "text": tokenizer.decode(tokens),
+                      "finish_reason": reason, "rounds": stats.rounds, "drafted_tokens": stats.drafted_tokens,
+                      "accepted_tokens": stats.accepted_tokens, "wall_s": round(time.perf_counter() - started, 6),
+                      "repairs": stats.repairs}
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            bar.update(1)
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+    finally:
+        bar.close()
+        await node.stop()
 
 
 def _api_key_check(path: str | None, host: str):

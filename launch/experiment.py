@@ -8,12 +8,16 @@ table::
     policies = ["goodspeed", "fixed", "random"]
     modes = ["sync"]      # the verifier's round modes to run each policy in ("sync", "async")
     proactive = [true, false]  # optional: run each with and without proactive drafting (default: as each drafter says)
+    concurrency = [1, 4]  # optional: requests each drafter generates at once (default: as each drafter says)
     rounds = 600          # stop each run after this many verified rounds (verification steps in async mode)
     seed = 0              # 0: every drafter cycles its prompts in file order; else a shuffled order per drafter
 
-Each policy runs once per mode (and per ``proactive`` setting, when given); a sync run is named
-after its policy, an async one ``POLICY@async``, and a given proactive setting adds
-``+proactive`` or ``+no-proactive`` (its directory and its rows in the report).
+Each policy runs once per mode (and per ``proactive`` and ``concurrency`` setting, when given); a
+sync run is named after its policy, an async one ``POLICY@async``, a given proactive setting adds
+``+proactive`` or ``+no-proactive`` and a given concurrency ``+cN`` (its directory and its rows in
+the report). Concurrency above 1 runs every drafter as an edge device generating that many of its
+prompts at once (:func:`goodspeed.launch.draft_node.generate_concurrently`), one verifier session
+per request, all under the drafter's name, so the report's rows stay per device.
 
 For each policy the cluster of ``goodspeed launch`` runs (verifier + drafter processes, each
 drafter cycling through its prompt set so it never runs dry) until ``rounds`` rounds have run
@@ -51,6 +55,7 @@ class ExperimentSettings:
     policies: tuple[str, ...] = ("goodspeed", "fixed", "random")
     modes: tuple[str, ...] = ("sync",)
     proactive: tuple[bool, ...] | None = None  # None: each drafter's own setting
+    concurrency: tuple[int, ...] | None = None  # None: each drafter's own setting
     rounds: int = 600
     seed: int = 0  # prompt order: 0 keeps the files' order, any other value shuffles each drafter's cycle
 
@@ -62,7 +67,7 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SpecError(f"{path}: {exc}") from None
     table = dict(raw.pop("experiment", {}))
-    for key in ("policies", "modes", "proactive"):
+    for key in ("policies", "modes", "proactive", "concurrency"):
         if key in table:
             table[key] = tuple(table[key])
     settings = build_table(ExperimentSettings, table, f"{path} [experiment]")
@@ -70,6 +75,8 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
         raise SpecError(f"{path} [experiment]: rounds >= 2, at least one policy and one mode are required")
     if unknown := [m for m in settings.modes if m not in ROUND_MODES]:
         raise SpecError(f"{path} [experiment]: unknown modes {unknown}; known: {', '.join(ROUND_MODES)}")
+    if settings.concurrency is not None and (not settings.concurrency or min(settings.concurrency) < 1):
+        raise SpecError(f"{path} [experiment]: concurrency lists requests per drafter, each >= 1")
     spec = load_spec(path, data=raw)
     return settings, spec
 
@@ -118,23 +125,36 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
     return rows
 
 
-def run_name(policy: str, mode: str, proactive: bool | None = None) -> str:
-    return policy + ("" if mode == "sync" else f"@{mode}") + {None: "", True: "+proactive", False: "+no-proactive"}[proactive]
+def run_name(policy: str, mode: str, proactive: bool | None = None, concurrency: int | None = None) -> str:
+    return (policy + ("" if mode == "sync" else f"@{mode}") + {None: "", True: "+proactive", False: "+no-proactive"}[proactive]
+            + ("" if concurrency is None else f"+c{concurrency}"))
 
 
-def runs_of(settings: ExperimentSettings) -> list[tuple[str, str, bool | None]]:
-    """``(policy, mode, proactive)`` of every run, in order."""
-    return [(p, m, a) for m in settings.modes for a in (settings.proactive or (None,)) for p in settings.policies]
+def runs_of(settings: ExperimentSettings) -> list[tuple[str, str, bool | None, int | None]]:
+    """``(policy, mode, proactive, concurrency)`` of every run, in order."""
+    return [(p, m, a, c) for m in settings.modes for c in (settings.concurrency or (None,)) for a in (settings.proactive or (None,))
+            for p in settings.policies]
+
+
+def drafters_for_run(spec: LaunchSpec, name: str, proactive: bool | None, concurrency: int | None) -> LaunchSpec:
+    """``spec`` with the run's proactive and concurrency settings given to every drafter."""
+    if proactive is not None:
+        spec = replace(spec, drafters=tuple(replace(d, proactive=proactive) for d in spec.drafters))
+    if concurrency is not None:
+        spec = replace(spec, drafters=tuple(replace(d, concurrency=concurrency) for d in spec.drafters))
+    if clash := [d.name for d in spec.drafters if d.concurrency > 1 and d.proactive]:
+        raise SpecError(f"run {name}: drafters {clash} draft proactively, one request at a time; concurrency > 1 needs "
+                        "proactive drafting off (--proactive off)")
+    return spec
 
 
 def run_policy(settings: ExperimentSettings, spec: LaunchSpec, policy: str, out_dir: Path, mode: str = "sync",
-               proactive: bool | None = None) -> list[dict]:
-    name = run_name(policy, mode, proactive)
+               proactive: bool | None = None, concurrency: int | None = None) -> list[dict]:
+    name = run_name(policy, mode, proactive, concurrency)
     run_dir = out_dir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "status.json").unlink(missing_ok=True)
-    if proactive is not None:
-        spec = replace(spec, drafters=tuple(replace(d, proactive=proactive) for d in spec.drafters))
+    spec = drafters_for_run(spec, name, proactive, concurrency)
     cycled = _cycled(replace(spec, verifier=replace(spec.verifier, policy=policy, rounds=mode)), run_dir, settings.seed)
     launch_local(cycled, run_dir, log=lambda *a: None, live=False, max_rounds=settings.rounds)
     eta = smoothing_of(policy, spec.verifier.eta).eta
@@ -227,10 +247,12 @@ def run_experiment(settings: ExperimentSettings, spec: LaunchSpec, out_dir: Path
     runs = runs_of(settings)
     todo = [run for run in runs
             if (only is None or run[0] in only) and (force or only or load_rows(out_dir, run_name(*run)) is None)]
+    for run in todo:  # a setting that cannot run is refused before any run starts
+        drafters_for_run(spec, run_name(*run), *run[2:])
     failed = []
     for run in tqdm(todo, desc=f"experiment {settings.name}", unit="run", file=sys.stderr):
         try:
-            run_policy(settings, spec, run[0], out_dir, run[1], run[2])
+            run_policy(settings, spec, run[0], out_dir, *run[1:])
         except Exception as exc:  # one run failing must not lose the others' data
             failed.append(run_name(*run))
             log(f"run {run_name(*run)} failed: {exc}; rerun it alone with --policies {run[0]}")

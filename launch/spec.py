@@ -6,7 +6,7 @@
     [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
     name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
     draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
-    prompts = "code"                  # device, dtype, seed, cpus, link
+    prompts = "code"                  # device, dtype, seed, cpus, link, proactive, concurrency
 
 ``link = { rtt_ms = 40, jitter_ms = 5, mbit = 20, loss = 0.01 }`` runs that drafter in its own
 network namespace behind an emulated edge link (:mod:`goodspeed.launch.links`; needs root).
@@ -344,6 +344,11 @@ class DrafterSpec:
     # another's drafting (docs/EXPERIMENTS.md measured it); `goodspeed drafter` on its own device
     # has it on unless --no-proactive.
     proactive: bool = False
+    # Prompts generated at once, as an edge device serving several users: more than 1 runs them
+    # through the node's batched drafting (goodspeed.drafter.node), one verifier session per
+    # request in flight, all under this drafter's name (one device: one utility term). While one
+    # request's draft is on the link, the device drafts another's.
+    concurrency: int = 1
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -504,8 +509,11 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
     if "verifier" in names:
         raise SpecError(f"{path}: 'verifier' is the verifier's name (its log is verifier.log); name the drafter otherwise")
     for d in spec.drafters:
-        if d.count < 1 or d.max_new_tokens < 1:
-            raise SpecError(f"drafter {d.name!r}: count and max_new_tokens must be >= 1")
+        if d.count < 1 or d.max_new_tokens < 1 or d.concurrency < 1:
+            raise SpecError(f"drafter {d.name!r}: count, max_new_tokens and concurrency must be >= 1")
+        if d.concurrency > 1 and d.proactive:
+            raise SpecError(f"drafter {d.name!r}: proactive drafting is per request, one at a time; with concurrency > 1 "
+                            "the node drafts its requests together instead: set proactive = false")
         d.prompt_path()
     if spec.verifier.budget < 0:
         raise SpecError("[verifier] budget must be >= 0")

@@ -102,6 +102,31 @@ def test_one_spec_runs_each_policy_in_each_round_mode_with_and_without_proactive
             assert all(runs[0][k] == other[k] for k in common), drafter
 
 
+def test_concurrency_runs_each_drafter_as_a_device_with_several_requests_at_once(model_dirs, tmp_path):
+    from goodspeed.launch.spec import SpecError
+
+    settings = ExperimentSettings(name="devices", policies=("goodspeed",), modes=("async",), concurrency=(2,), rounds=12)
+    result = run_experiment(settings, spec_for(model_dirs, tmp_path), tmp_path / "out", log=lambda *a: None)
+    assert result["failed"] == []
+    run = tmp_path / "out" / "goodspeed@async+c2"
+    rows = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
+    assert {r["drafter"] for r in rows} == {"good", "noisy", "unrelated"}  # rows stay per device
+    per_step = {}
+    for r in rows:
+        per_step[(r["round"], r["drafter"])] = per_step.get((r["round"], r["drafter"]), 0) + 1
+    assert max(per_step.values()) == 2  # a device's two requests verified in one step
+    joins = [json.loads(line) for line in (run / "verifier.log").read_text().splitlines()
+             if line.startswith("{") and json.loads(line).get("event") == "join"]
+    assert sorted(j["name"] for j in joins) == sorted(["good", "noisy", "unrelated"] * 2)
+    records = [json.loads(line) for line in (run / "good.jsonl").read_text().splitlines() if line.strip()]
+    assert records and all(r["rounds"] >= 1 for r in records)
+    # proactive drafting is per request: refused with concurrency, before anything runs
+    with pytest.raises(SpecError, match="proactive"):
+        run_experiment(ExperimentSettings(name="x", policies=("goodspeed",), proactive=(True,), concurrency=(2,), rounds=12),
+                       spec_for(model_dirs, tmp_path), tmp_path / "refused", log=lambda *a: None)
+    assert not (tmp_path / "refused" / "goodspeed+proactive+c2").exists()
+
+
 def test_a_seed_shuffles_each_drafters_prompt_cycle(tmp_path):
     from goodspeed.launch.experiment import PROMPT_CYCLES, _cycled
 

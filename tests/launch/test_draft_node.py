@@ -1,0 +1,60 @@
+"""A file-mode drafter with concurrency > 1 (goodspeed.launch.draft_node.generate_concurrently):
+its prompts go through one edge node, several at a time, as one device; every output equals the
+target's greedy decoding, in sync and async rounds."""
+
+import asyncio
+import io
+import json
+
+import pytest
+
+from goodspeed.drafter.prompts import Prompt
+from goodspeed.launch.draft_node import generate_concurrently, run_drafter
+from goodspeed.launch.spec import DrafterSpec
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from grpckit import ServerThread
+from modelkit import chat_pair, greedy_reference
+
+
+@pytest.fixture(scope="module")
+def models():
+    return chat_pair()
+
+
+def expected(models, ids, n):
+    """The target's greedy continuation, ended at its first EOS as the verifier ends it."""
+    out = greedy_reference(models[0], ids, n)
+    eos = models[2].eos_token_id
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+@pytest.mark.parametrize("rounds", ["sync", "async"])
+def test_prompts_generated_several_at_a_time_equal_the_targets_greedy_decoding(models, rounds):
+    target, draft, tokenizer = models
+    texts = ["import os", "class A:", "def f(x):", "return None", "while True:", "import os"]  # a repeated prompt id too
+    prompts = [Prompt("p" if i == 5 else f"p{i}", tokenizer(t, add_special_tokens=False)["input_ids"]) for i, t in enumerate(texts)]
+    spec = DrafterSpec(name="phone", draft="unused", prompts="code", max_new_tokens=12, concurrency=3, seed=1)
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
+    out = io.StringIO()
+    with ServerThread(engine, round_deadline_ms=500, target_name="tiny", rounds=rounds) as server:
+        asyncio.run(generate_concurrently(spec, server.address, draft, tokenizer, "", prompts, out, progress=False))
+        joins = server.events("join")
+        round_rows = [d for e in server.events("round") for d in e["drafters"]]
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(p.id for p in prompts)
+    for r in records:
+        assert r["token_ids"] == expected(models, r["prompt_ids"], 12)
+        assert r["rounds"] >= 1 and r["accepted_tokens"] <= r["drafted_tokens"] and r["repairs"] == 0
+    assert len(joins) == 3  # one session per request in flight, reused by the six requests
+    assert {d["name"] for d in round_rows} == {"phone"}  # one device name in the round log
+    # several of the device's requests were verified in one step
+    steps = {}
+    for e in server.events("round"):
+        steps[e["round"]] = sum(d["name"] == "phone" for d in e["drafters"])
+    assert max(steps.values()) >= 2
+
+
+def test_concurrency_needs_proactive_drafting_off(models):
+    spec = DrafterSpec(name="phone", draft="unused", prompts="code", concurrency=2, proactive=True)
+    with pytest.raises(SystemExit, match="--no-proactive"):
+        run_drafter(spec, "127.0.0.1:1")
