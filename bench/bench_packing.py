@@ -9,8 +9,9 @@ process against one engine (:mod:`goodspeed.launch.inprocess`) for ``--rounds`` 
 packed (``EngineConfig.packed``: the model sees only the real tokens) and padded (every row padded
 to the round's longest: the reference). Figure: the verifier's seconds per round (assembly,
 forward, verification, scheduling — what the round log calls ``verify_s``) and each phase,
-medians over ``--repeats`` interleaved runs of each run's mean; also the mean longest row and the
-mean real tokens per round. First, an attention micro-benchmark (:func:`attention_cost`):
+medians over ``--repeats`` interleaved runs of each run's mean (ABBA order), and GoodSpeed / Fixed-S
+paired within each repeat, next to Fixed-S packed / padded (the same work: the noise floor); also
+the mean longest row and the mean real tokens per round. First, an attention micro-benchmark (:func:`attention_cost`):
 what attention still costs in the padded layout packed forwards keep.
 Packed and padded runs of one policy see the same drafts, so their outputs are asserted equal.
 
@@ -63,8 +64,9 @@ def bench_spec(name: str, rounds: int, repeats: int) -> dict:
     _, spec = load_experiment(spec_path(name))
     models = {m: load_causal_lm(m) for m in {spec.verifier.target, *(d.draft for d in spec.drafters)}}
     runs: dict[tuple[str, bool], list[dict]] = {(p, k): [] for p in POLICIES for k in (True, False)}
-    for _ in range(repeats):
-        for key in runs:
+    for repeat in range(repeats):
+        # ABBA order: a drift in the machine's speed over a repeat pair hits both policies alike.
+        for key in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
             runs[key].append(one_run(spec, models, *key, rounds))
     out = {"budget": spec.verifier.budget, "drafters": len(spec.drafters), "rounds": rounds}
     for policy in POLICIES:
@@ -79,8 +81,17 @@ def bench_spec(name: str, rounds: int, repeats: int) -> dict:
                 "tokens_per_round": rs[0]["tokens"],
             }
     for mode in ("packed", "padded"):
+        packed = mode == "packed"
         out[f"goodspeed_over_fixed/{mode}"] = (out[f"goodspeed/{mode}"]["verify_ms_per_round"]
                                                / out[f"fixed/{mode}"]["verify_ms_per_round"])
+        # Paired within each repeat (the two ran minutes apart, not an hour): the spread the
+        # machine's drift leaves on the ratio itself.
+        out[f"goodspeed_over_fixed_per_repeat/{mode}"] = [
+            statistics.mean(g["verify_s"]) / statistics.mean(f["verify_s"])
+            for g, f in zip(runs[("goodspeed", packed)], runs[("fixed", packed)])]
+    # Fixed-S packed and padded do the same work (equal rows): their ratio is the noise floor.
+    out["fixed_packed_over_padded_per_repeat"] = [
+        statistics.mean(a["verify_s"]) / statistics.mean(b["verify_s"]) for a, b in zip(runs[("fixed", True)], runs[("fixed", False)])]
     return out
 
 
@@ -141,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{x['longest_row']:>11.2f} {x['tokens_per_round']:>7.2f}")
         print(f"{name}: goodspeed / fixed verification time: packed {r['goodspeed_over_fixed/packed']:.3f}, "
               f"padded {r['goodspeed_over_fixed/padded']:.3f} (goal <= 1)")
+        for key in ("goodspeed_over_fixed_per_repeat/packed", "goodspeed_over_fixed_per_repeat/padded",
+                    "fixed_packed_over_padded_per_repeat"):
+            print(f"  {key} (each repeat): " + " ".join(f"{x:.3f}" for x in r[key]))
     return 0
 
 

@@ -164,15 +164,16 @@ def allocate_draft_lengths(
     >>> allocate_draft_lengths([0.9, 0.5], [2.0, 1.0], 3).tolist()
     [2, 1]
     """
+    f = fairness_exponent(utility)
     a, x, c, caps = _validated_inputs(acceptance, goodput, budget, max_lengths)
-    log_w, log_a = _unit_log_gains(a, x, fairness_exponent(utility))
-    caps = np.where(np.isneginf(log_a), 0, caps)
     if a.size == 0 or c == 0:
         return np.zeros(a.shape, dtype=np.int64)
+    if c <= HEAP_UNITS:  # a round's budget for a few drafters: one heap pop per unit
+        return _greedy_heap(*_unit_log_gain_lists(a, x, f), caps.tolist(), c)
+    log_w, log_a = _unit_log_gains(a, x, f)
+    caps = np.where(np.isneginf(log_a), 0, caps)
     if int(caps.sum()) <= c:
         return caps.copy()
-    if c <= HEAP_UNITS:  # a round's budget for a few drafters: one heap pop per unit
-        return _greedy_heap(log_w.tolist(), log_a.tolist(), caps.tolist(), c)
     if int(caps.sum()) <= SORT_UNITS:  # few units (tens of drafters): sort them all, the greedy's order
         return _fill_at_threshold(log_w, log_a, caps, np.zeros(caps.size, dtype=np.int64), c)
     live = caps > 0
@@ -210,11 +211,24 @@ def allocate_draft_lengths(
     return _fill_at_threshold(log_w, log_a, caps, taken_hi, c - int(taken_hi.sum()))
 
 
+def _unit_log_gain_lists(a: np.ndarray, x: np.ndarray, f: float) -> tuple[list[float], list[float]]:
+    """:func:`_unit_log_gains` on Python floats, for a round's handful of clients: after a target
+    forward every NumPy call runs cold, and the array form cost several times its warm figure
+    there (bench_packing's scheduling phase, docs/BENCHMARKS.md). ``math.log`` and ``np.log`` may
+    differ in the last bit, so an exact tie can break differently here than on the array paths;
+    each path is exact up to float rounding, and one input always takes the same path."""
+    log_a = [math.log(ai) if ai > 0.0 else -math.inf for ai in a.tolist()]
+    return [-f * math.log(xi) for xi in x.tolist()], log_a
+
+
 def _greedy_heap(log_w: list[float], log_a: list[float], caps: list[int], c: int) -> np.ndarray:
     """The greedy itself: ``c`` units, one at a time, each to the largest log gain ``lw + (s + 1)
     * la`` (the same float expression as the vectorised paths), equal gains to the lower client
     index. A client's gains never grow with ``s``, so a heap of each client's next unit yields
     the units in exactly the order :func:`_fill_at_threshold` sorts them."""
+    caps = [0 if la == -math.inf else cap for la, cap in zip(log_a, caps)]  # a = 0: nothing to gain
+    if sum(caps) <= c:
+        return np.array(caps, dtype=np.int64)
     taken = [0] * len(caps)
     heap = [(-(lw + la), i) for i, (lw, la, cap) in enumerate(zip(log_w, log_a, caps)) if cap > 0]
     heapq.heapify(heap)

@@ -110,13 +110,13 @@ class GoodSpeedPolicy(GoodSpeedPaperPolicy):
         self.patience = patience
 
     def allocate(self, inputs: AllocationInputs) -> np.ndarray:
-        if inputs.stale is None:
+        if not self._anyone_stale(inputs):  # most rounds: the paper's rule, no array work here
             return super().allocate(inputs)
-        a, x = inputs.acceptance, inputs.goodput
-        caps = np.full(a.shape, inputs.budget, dtype=np.int64) if inputs.max_lengths is None else np.asarray(inputs.max_lengths, dtype=np.int64)
         floor = self.floor(inputs)
         if not floor.any():
             return super().allocate(inputs)
+        a, x = inputs.acceptance, inputs.goodput
+        caps = np.full(a.shape, inputs.budget, dtype=np.int64) if inputs.max_lengths is None else np.asarray(inputs.max_lengths, dtype=np.int64)
         rest_caps = caps - floor
         scaled = x.copy()
         live = floor.astype(bool) & (a > 0)
@@ -125,11 +125,14 @@ class GoodSpeedPolicy(GoodSpeedPaperPolicy):
         rest = allocate_draft_lengths(a, scaled, inputs.budget - int(floor.sum()), rest_caps, self.utility)
         return rest + floor
 
+    def _anyone_stale(self, inputs: AllocationInputs) -> bool:
+        return inputs.stale is not None and max(inputs.stale.tolist(), default=0) > self.patience
+
     def floor(self, inputs: AllocationInputs) -> np.ndarray:
         """``S >= 1`` for drafters unmeasured for more than ``patience`` rounds (stalest first)."""
         floor = np.zeros(len(inputs.drafter_ids), dtype=np.int64)
-        if inputs.stale is None or max(inputs.stale.tolist(), default=0) <= self.patience:
-            return floor  # nobody stale (most rounds): no array work
+        if not self._anyone_stale(inputs):
+            return floor
         caps = np.full(floor.shape, inputs.budget, dtype=np.int64) if inputs.max_lengths is None else np.asarray(inputs.max_lengths)
         stale = np.flatnonzero((inputs.stale > self.patience) & (caps > 0))
         floor[stale[np.argsort(-inputs.stale[stale], kind="stable")][: inputs.budget]] = 1
