@@ -34,11 +34,17 @@ alone does not change anyone's share. What changes it is the *price of a drafted
 a drafter whose tokens take long to draft (large ``b_i`` relative to ``a_i``) loses more rate per
 extra token than eq. 5 assumes, and the budget moves to drafters whose tokens are cheap.
 
-**Solving it.** Each term ``f_i(S) = w_i xhat_i(S) / (a_i + b_i S)`` is separable but, unlike
-eq. 5's, not always concave in ``S``. When every ``f_i`` is concave (marginal gains
-non-increasing: the common case), granting units to the largest marginal gains is exactly optimal;
-otherwise a dynamic programme over the budget (``O(N * C * cap)``) is. Both are tested against
-exhaustive search (``tests/scheduler/test_timing.py``).
+**Solving it.** Each term ``f_i(S) = w_i g(S) / h(S)``, ``g = xhat_i`` and ``h = a_i + b_i S``, is
+separable but, unlike eq. 5's, not concave in ``S``: past its peak it falls like ``1/S``, a convex
+tail. It is concave wherever it rises, though. With ``h'' = 0``,
+``f'' = (w g'' - 2 b_i f') / h``, and ``g'' <= 0`` (``xhat`` is concave), so ``f' >= 0`` gives
+``f'' <= 0``; the same identity shows ``f'`` changes sign at most once, from + to -. Hence a unit
+that pays (gain ``f(S+1) - f(S) > 0``) lies where ``f`` rises and gains no more than the unit
+before it (``f(S+2) - f(S+1) <= f'(S+1) <= f(S+1) - f(S)``), and no unit past the peak pays. Units
+are therefore granted to the largest positive marginal gains, which is exactly optimal. When
+rounding leaves two paying units of a term out of order, a dynamic programme over the budget
+(``O(N * C)`` array steps over each term's lengths) solves the computed values exactly instead.
+Both are tested against exhaustive search (``tests/scheduler/test_timing.py``).
 
 **Estimating the period online** (:class:`PeriodEstimator`): exponentially weighted least squares
 of observed periods on draft lengths, smoothed like eqs. (3)-(4) (weight ``gamma`` on the newest
@@ -156,10 +162,20 @@ def allocate_time_aware(acceptance, goodput, base, per_token, mean, budget: int,
     gains = np.diff(values, axis=1)  # gains[i, s]: unit s + 1
     s_idx = np.arange(gains.shape[1])
     usable = (s_idx[None, :] < caps[:, None])
-    concave = np.all(np.where(usable[:, 1:] & usable[:, :-1], gains[:, 1:] <= gains[:, :-1] + 1e-15, True)) if gains.shape[1] > 1 else True
-    if concave:
+    if _paying_units_in_order(gains, usable):
         return _greedy(gains, usable, lo, budget)
     return _dynamic(values, lo, caps, budget)
+
+
+def _paying_units_in_order(gains: np.ndarray, usable: np.ndarray) -> bool:
+    """Every unit that pays gains no more than the unit before it: the greedy is exact (module
+    docstring). True in exact arithmetic; rounding can break it, and then the caller runs the
+    dynamic programme."""
+    if gains.shape[1] < 2:
+        return True
+    later = gains[:, 1:]
+    checked = usable[:, 1:] & usable[:, :-1] & (later > 0)
+    return bool(np.all(~checked | (later <= gains[:, :-1] + 1e-15)))
 
 
 def _greedy(gains: np.ndarray, usable: np.ndarray, lo: np.ndarray, budget: int) -> np.ndarray:
@@ -172,19 +188,20 @@ def _greedy(gains: np.ndarray, usable: np.ndarray, lo: np.ndarray, budget: int) 
 
 
 def _dynamic(values: np.ndarray, lo: np.ndarray, caps: np.ndarray, budget: int) -> np.ndarray:
-    """Any terms: ``best[c]`` = the best objective of the drafters so far using ``c`` units."""
+    """Any terms: ``best[c]`` = the best objective of the drafters so far using ``c`` units, one
+    array step per drafter over all its lengths at once; equal objectives keep the shorter draft."""
     n = values.shape[0]
+    units = np.arange(budget + 1)
     best = np.full(budget + 1, -np.inf)
     best[0] = 0.0
     choice = np.zeros((n, budget + 1), dtype=np.int64)
     for i in range(n):
-        new = np.full(budget + 1, -np.inf)
-        for s in range(int(lo[i]), int(caps[i]) + 1):
-            cand = np.full(budget + 1, -np.inf)
-            cand[s:] = best[: budget + 1 - s] + values[i, s]
-            better = cand > new
-            new[better], choice[i, better] = cand[better], s
-        best = new
+        lengths = np.arange(int(lo[i]), int(caps[i]) + 1)
+        before = units[None, :] - lengths[:, None]  # [lengths, budget + 1]: units left for the others
+        cand = np.where(before >= 0, best[np.maximum(before, 0)] + values[i, lengths][:, None], -np.inf)
+        pick = np.argmax(cand, axis=0)  # the first maximum: the shortest draft among equals
+        best = cand[pick, units]
+        choice[i] = lengths[pick]
     c = int(np.argmax(best))
     out = np.zeros(n, dtype=np.int64)
     for i in range(n - 1, -1, -1):

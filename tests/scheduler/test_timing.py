@@ -7,7 +7,7 @@ import pytest
 
 from goodspeed.scheduler.goodspeed import allocate_draft_lengths, allocation_objective
 from goodspeed.scheduler.policy import AllocationInputs, make_policy
-from goodspeed.scheduler.timing import PeriodEstimator, allocate_time_aware, time_aware_objective
+from goodspeed.scheduler.timing import PeriodEstimator, _dynamic, _values, allocate_time_aware, time_aware_objective
 
 
 def brute_force(a, x, base, per_token, mean, budget, caps, lo=None):
@@ -49,14 +49,53 @@ def test_matches_exhaustive_search(seed):
     assert time_aware_objective(a, x, base, per_token, mean, got) == pytest.approx(best, rel=1e-12, abs=1e-12)
 
 
-def test_non_concave_terms_take_the_dynamic_programme():
-    # a = 1 and a long base: f(S) = (S+1)/(a0 + b S) is convex when b > a0, so marginal gains grow.
+def test_terms_with_growing_marginal_gains_are_allotted_exactly():
+    # a = 1 and b > a0: f(S) = (S+1)/(a0 + b S) falls and is convex, so its marginal gains grow
+    # (towards 0 from below) and no unit of it pays.
     a, x = np.array([1.0, 0.6, 0.95]), np.array([2.0, 1.5, 3.0])
     base, per_token = np.array([0.01, 0.05, 0.02]), np.array([0.03, 0.001, 0.04])
     mean = base + 2 * per_token
     for budget in range(0, 10):
         got = allocate_time_aware(a, x, base, per_token, mean, budget, [4, 4, 4])
         best, _ = brute_force(a, x, base, per_token, mean, budget, [4, 4, 4])
+        assert time_aware_objective(a, x, base, per_token, mean, got) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_dynamic_programme_alone_matches_exhaustive_search(seed):
+    """The fallback for gains that rounding leaves out of order, called directly: the greedy
+    takes every case the other tests draw."""
+    rng = np.random.default_rng(500 + seed)
+    n = int(rng.integers(1, 5))
+    a, x, base, per_token, mean, caps = random_case(rng, n)
+    budget = int(rng.integers(0, 12))
+    lo = np.array([int(v) for v in (rng.random(n) < 0.3) & (caps > 0)], dtype=np.int64)
+    if lo.sum() > budget:
+        lo[:] = 0
+    got = _dynamic(_values(a, x, base, per_token, mean, caps), lo, caps, budget)
+    assert got.sum() <= budget and np.all(got <= caps) and np.all(got >= lo)
+    best, _ = brute_force(a, x, base, per_token, mean, budget, list(caps), list(lo))
+    assert time_aware_objective(a, x, base, per_token, mean, got) == pytest.approx(best, rel=1e-12, abs=1e-12)
+
+
+def test_terms_past_their_peak_take_the_greedy(monkeypatch):
+    """Drafts whose rate peaks inside the cap and then falls (a convex tail: gains grow towards 0
+    from below) are not concave, yet the greedy over paying units is exact (module docstring)."""
+    from goodspeed.scheduler import timing
+
+    a, x = np.array([0.7, 0.85, 0.5, 0.9]), np.array([2.0, 3.0, 1.5, 2.5])
+    base, per_token = np.array([0.02, 0.08, 0.01, 0.05]), np.array([0.004, 0.003, 0.004, 0.002])
+    mean, caps = base + 4 * per_token, np.array([12, 12, 12, 12])
+    gains = np.diff(_values(a, x, base, per_token, mean, caps), axis=1)
+    assert np.any(np.diff(gains, axis=1) > 0)  # not concave: the strict test would not take the greedy
+
+    def refuse(*args):
+        raise AssertionError("the dynamic programme ran")
+
+    monkeypatch.setattr(timing, "_dynamic", refuse)
+    for budget in (4, 10, 20):
+        got = allocate_time_aware(a, x, base, per_token, mean, budget, caps)
+        best, _ = brute_force(a, x, base, per_token, mean, budget, list(caps))
         assert time_aware_objective(a, x, base, per_token, mean, got) == pytest.approx(best, rel=1e-12)
 
 
