@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -105,8 +106,12 @@ def test_one_spec_runs_each_policy_in_each_round_mode_with_and_without_proactive
 def test_concurrency_runs_each_drafter_as_a_device_with_several_requests_at_once(model_dirs, tmp_path):
     from goodspeed.launch.spec import SpecError
 
-    settings = ExperimentSettings(name="devices", policies=("goodspeed",), modes=("async",), concurrency=(2,), rounds=12)
-    result = run_experiment(settings, spec_for(model_dirs, tmp_path), tmp_path / "out", log=lambda *a: None)
+    settings = ExperimentSettings(name="devices", policies=("goodspeed",), modes=("async",), concurrency=(2,), rounds=24)
+    # Short requests, so each device finishes some within the run (a record is written per
+    # finished request): at least one token per step a session takes part in, three at most.
+    spec = spec_for(model_dirs, tmp_path)
+    spec = replace(spec, drafters=tuple(replace(d, max_new_tokens=3) for d in spec.drafters))
+    result = run_experiment(settings, spec, tmp_path / "out", log=lambda *a: None)
     assert result["failed"] == []
     run = tmp_path / "out" / "goodspeed@async+c2"
     rows = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
