@@ -43,7 +43,7 @@ that pays (gain ``f(S+1) - f(S) > 0``) lies where ``f`` rises and gains no more 
 before it (``f(S+2) - f(S+1) <= f'(S+1) <= f(S+1) - f(S)``), and no unit past the peak pays. Units
 are therefore granted to the largest positive marginal gains, which is exactly optimal. When
 rounding leaves two paying units of a term out of order, a dynamic programme over the budget
-(``O(N * C)`` array steps over each term's lengths) solves the computed values exactly instead.
+(one ``cap x C`` array step per drafter) solves the computed values exactly instead.
 Both are tested against exhaustive search (``tests/scheduler/test_timing.py``).
 
 **Estimating the period online** (:class:`PeriodEstimator`): exponentially weighted least squares
