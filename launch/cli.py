@@ -389,7 +389,9 @@ def _compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     summary = compare_runs([Path(d) for d in args.runs], out)
     for policy, t in summary["policies"].items():
-        print(f"{policy}: U {t['utility_mean']:.3f} ± {t['utility_sd']:.3f} over {len(t['utility'])} runs")
+        rate = (f", U(tok/s) {t['utility_per_s_mean']:.3f} ± {t['utility_per_s_sd']:.3f}" if "utility_per_s" in t
+                else ", U(tok/s) not in every run's report")
+        print(f"{policy}: U {t['utility_mean']:.3f} ± {t['utility_sd']:.3f}{rate} over {len(t['utility'])} runs")
     print(f"report: {out / 'COMPARISON.md'}")
     return 0
 

@@ -3,7 +3,9 @@
 Each run directory is what ``goodspeed experiment --out DIR`` wrote (``report.json`` and
 ``<policy>/rounds.jsonl``). Per policy the comparison gives every run's final utility
 ``U(x̄(T))`` (GoodSpeed, seeds 003_e4f9b92fd7e1d2ba, Fig. 4) with the mean and sample standard
-deviation, Jain's index, the longest run of rounds any drafter was allotted ``S = 0``, and the
+deviation, the same for ``U`` on each drafter's tokens per second (the time-aware utility; a report
+written before it was recorded says so instead), Jain's index, the longest run of rounds any
+drafter was allotted ``S = 0``, and the
 rounds until U stays within 1% of its final value, measured twice:
 
 * on the realised goodput ``x_i(t)``, as the experiment report does. With a few drafters this is
@@ -56,6 +58,7 @@ def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> dict:
         for policy, m in report.items():
             t = table[policy]
             t["utility"].append(m["utility"])
+            t["utility_per_s"].append(m.get("utility_per_s"))  # None: a report from before it was recorded
             t["jain_index"].append(m["jain_index"])
             t["total_tokens_per_s"].append(m["total_tokens_per_s"])
             t["rounds_to_settle"].append(m["rounds_to_settle"])
@@ -63,9 +66,12 @@ def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> dict:
             t["longest_zero_draft_run"].append(max(m["longest_zero_draft_run"].values(), default=0))
     summary = {"runs": [str(d) for d in run_dirs], "policies": {}}
     for policy, t in table.items():
-        u = t["utility"]
-        summary["policies"][policy] = dict(t) | {"utility_mean": statistics.fmean(u),
-                                                  "utility_sd": statistics.stdev(u) if len(u) > 1 else 0.0}
+        entry = dict(t) | _mean_sd("utility", t["utility"])
+        if None in t["utility_per_s"]:
+            del entry["utility_per_s"]  # not in every run's report: shown as such, never averaged over fewer runs
+        else:
+            entry |= _mean_sd("utility_per_s", t["utility_per_s"])
+        summary["policies"][policy] = entry
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2))
@@ -74,15 +80,25 @@ def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> dict:
     return summary
 
 
+def _mean_sd(key: str, values: list[float]) -> dict:
+    return {f"{key}_mean": statistics.fmean(values), f"{key}_sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
 def render_markdown(summary: dict) -> str:
     def joined(values, fmt="{}"):
         return ", ".join(fmt.format(v) for v in values)
 
+    def per_second(t):
+        if "utility_per_s" not in t:
+            return "not in every run's report | -"
+        return f"{joined(t['utility_per_s'], '{:.3f}')} | {t['utility_per_s_mean']:.3f} ± {t['utility_per_s_sd']:.3f}"
+
     lines = ["# Runs compared", "", "Runs: " + ", ".join(f"`{r}`" for r in summary["runs"]), "",
-             "| policy | U(x̄) per run | mean ± sd | rounds to settle (1%) | on E[x\\|S] | Jain (mean) | tok/s (mean) "
-             "| longest S = 0 run |", "|---|---|---|---|---|---|---|---|"]
+             "| policy | U(x̄) per run | mean ± sd | U(tok/s) per run | mean ± sd | rounds to settle (1%) | on E[x\\|S] "
+             "| Jain (mean) | tok/s (mean) | longest S = 0 run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for policy, t in summary["policies"].items():
         lines.append(f"| {policy} | {joined(t['utility'], '{:.3f}')} | {t['utility_mean']:.3f} ± {t['utility_sd']:.3f} "
+                     f"| {per_second(t)} "
                      f"| {joined(t['rounds_to_settle'])} | {joined(t['rounds_to_settle_expected'])} "
                      f"| {statistics.fmean(t['jain_index']):.3f} | {statistics.fmean(t['total_tokens_per_s']):.0f} "
                      f"| {joined(t['longest_zero_draft_run'])} |")
