@@ -141,8 +141,7 @@ class _Request:
     in_progress: bool = False  # the verifier holds the request (StartRequest done, not finished)
     length: int = 0  # S for the next round
     round_index: int = 0
-    repairs: int = 0
-    stats: RequestStats = field(default_factory=RequestStats)
+    stats: RequestStats = field(default_factory=RequestStats)  # rounds, tokens and repairs so far
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
@@ -384,10 +383,9 @@ class EdgeNode:
                 try:
                     verdict = await self._round(req)
                 except _SessionLost:
-                    req.repairs += 1
-                    req.stats.repairs = req.repairs
-                    if req.repairs > MAX_REPAIRS:
-                        raise ApiError(502, f"the verifier dropped this request's session {req.repairs} times") from None
+                    req.stats.repairs += 1
+                    if req.stats.repairs > MAX_REPAIRS:
+                        raise ApiError(502, f"the verifier dropped this request's session {req.stats.repairs} times") from None
                     session, req.session, req.in_progress = req.session, None, False
                     await self._discard(session)
                     await self._start(req)

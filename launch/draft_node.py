@@ -29,15 +29,22 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
                          "--concurrency > 1 give --no-proactive (the node drafts its requests together instead)")
     draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
     prompts = load_prompts(spec.prompt_path(), draft.tokenizer)[: spec.max_prompts]
-    if spec.concurrency > 1:
-        out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
-        try:
+    out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
+    try:
+        if spec.concurrency > 1:
             asyncio.run(generate_concurrently(spec, verifier, draft.model, draft.tokenizer, draft.fingerprint, prompts, out,
                                               connect_timeout_s, progress))
-        finally:
-            if out is not sys.stdout:
-                out.close()
-        return 0
+        else:
+            _generate_one_at_a_time(spec, verifier, draft, prompts, out, connect_timeout_s, progress)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, out, connect_timeout_s: float, progress: bool) -> None:
+    """The prompts through a :class:`DrafterClient`, one request after another (proactive
+    drafting included), one JSONL record per request."""
     eos = draft.tokenizer.eos_token_id
     config = DrafterConfig(
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=draft.fingerprint,
@@ -49,7 +56,6 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
     client = DrafterClient(config, DraftRunner(draft.model))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
         print(f"drafter {spec.name}: root seed {client.root_seed}", file=sys.stderr)
-    out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
     try:
         client.wait_until_serving()
         client.join()
@@ -68,9 +74,18 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
             out.flush()
     finally:
         client.close()
-        if out is not sys.stdout:
-            out.close()
-    return 0
+
+
+def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurrency: int, max_waiting: int,
+                connect_timeout_s: float):
+    """The :class:`~goodspeed.drafter.node.NodeConfig` of ``spec``'s device: one for the prompt
+    file's concurrent requests and for ``--serve``."""
+    from goodspeed.drafter.node import NodeConfig
+
+    return NodeConfig(
+        verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=max_concurrency,
+        max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
+        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name))
 
 
 async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, tokenizer, fingerprint: str, prompts, out,
@@ -80,15 +95,11 @@ async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, t
     finished request, in the order they finish. A request the node fails raises: a file-mode
     drafter stops, as the one-at-a-time client does."""
     from goodspeed.api.protocol import GenerationRequest
-    from goodspeed.drafter.node import EdgeNode, NodeConfig, RequestStats
+    from goodspeed.drafter.node import EdgeNode, RequestStats
 
     eos = tokenizer.eos_token_id
     sampling = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
-    config = NodeConfig(
-        verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=spec.concurrency,
-        max_waiting=0, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
-        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name))
-    node = EdgeNode(config, draft_model, tokenizer)
+    node = EdgeNode(node_config(spec, verifier, fingerprint, spec.concurrency, 0, connect_timeout_s), draft_model, tokenizer)
     await node.start()
     if spec.seed is None:
         print(f"drafter {spec.name}: root seed {node.root_seed}", file=sys.stderr)
@@ -154,16 +165,13 @@ def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: i
 
 async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s) -> int:
     from goodspeed.api.server import OpenAIServer
-    from goodspeed.drafter.node import EdgeNode, NodeConfig
+    from goodspeed.drafter.node import EdgeNode
 
     def log(event: str, **fields) -> None:
         print(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}), file=sys.stderr, flush=True)
 
     draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
-    config = NodeConfig(
-        verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=draft.fingerprint, max_concurrency=max_concurrency,
-        max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
-        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name))
+    config = node_config(spec, verifier, draft.fingerprint, max_concurrency, max_waiting, connect_timeout_s)
     node = EdgeNode(config, draft.model, draft.tokenizer)
     await node.start()
     server = OpenAIServer(node, node.registry, authorize=authorize)

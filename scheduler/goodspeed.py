@@ -223,8 +223,8 @@ def _unit_log_gain_lists(a: np.ndarray, x: np.ndarray, f: float) -> tuple[list[f
 
 def _greedy_heap(log_w: list[float], log_a: list[float], caps: list[int], c: int) -> np.ndarray:
     """The greedy itself: ``c`` units, one at a time, each to the largest log gain ``lw + (s + 1)
-    * la`` (the same float expression as the vectorised paths), equal gains to the lower client
-    index. A client's gains never grow with ``s``, so a heap of each client's next unit yields
+    * la`` (the vectorised paths' expression, on :func:`_unit_log_gain_lists`' logs), equal gains to
+    the lower client index. A client's gains never grow with ``s``, so a heap of each client's next unit yields
     the units in exactly the order :func:`_fill_at_threshold` sorts them."""
     caps = [0 if la == -math.inf else cap for la, cap in zip(log_a, caps)]  # a = 0: nothing to gain
     if sum(caps) <= c:
