@@ -64,6 +64,7 @@ class RequestResult:
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    transit_tokens: int = 0  # of token_ids, those the verifier decoded while a draft was in transit
     wall_s: float = 0.0
     repairs: int = 0
     # Proactive drafting: rounds that pre-drafted, of those the verdicts that matched (hits), the
@@ -120,7 +121,8 @@ class DrafterClient:
         try:
             reply = self._retry(self.stub.Join, pb.JoinRequest(
                 drafter_name=self.config.name, model_name=self.config.model_name,
-                tokenizer_fingerprint=self.config.fingerprint, protocol_version=PROTOCOL_VERSION))
+                tokenizer_fingerprint=self.config.fingerprint, protocol_version=PROTOCOL_VERSION,
+                transit=True))  # DraftRunner.apply reads verdicts with tokens decoded in transit
         except grpc.RpcError as exc:  # e.g. UNAUTHENTICATED, a tokenizer mismatch, too many drafters
             raise DrafterError(f"join refused: {exc.code().name}: {exc.details()}") from None
         self._close_stream()  # a rejoin replaces the old session's stream
@@ -246,6 +248,7 @@ class DrafterClient:
         result.rounds += 1
         result.drafted_tokens += verdict.num_drafted
         result.accepted_tokens += verdict.num_accepted
+        result.transit_tokens += verdict.num_transit
         return verdict
 
     def _predraft(self, length: int, result: RequestResult) -> None:

@@ -125,6 +125,7 @@ class RequestStats:
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    transit_tokens: int = 0  # of the request's tokens, those the verifier decoded while a draft was in transit
     repairs: int = 0
 
 
@@ -270,7 +271,7 @@ class EdgeNode:
         try:
             reply = await self.stub.Join(pb.JoinRequest(
                 drafter_name=self.config.name, model_name=self.config.model_name, tokenizer_fingerprint=self.config.fingerprint,
-                protocol_version=PROTOCOL_VERSION, device=self.config.name), timeout=self.config.verdict_timeout_s,
+                protocol_version=PROTOCOL_VERSION, device=self.config.name, transit=True), timeout=self.config.verdict_timeout_s,
                 metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise _refusal("join", exc) from None
@@ -390,11 +391,14 @@ class EdgeNode:
                     await self._discard(session)
                     await self._start(req)
                     continue
+                if verdict.num_transit:  # the text grew past a rejected draft: drop that draft's KV
+                    await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
                 req.commit(list(verdict.token_ids))
                 req.timer.tokens(len(verdict.token_ids))
                 req.stats.rounds += 1
                 req.stats.drafted_tokens += verdict.num_drafted
                 req.stats.accepted_tokens += verdict.num_accepted
+                req.stats.transit_tokens += verdict.num_transit
                 if len(req.committed) != verdict.committed_length or req.hasher.hexdigest() != verdict.prefix_hash:
                     raise ApiError(502, "a verdict does not match this node's text (committed length or prefix hash)")
                 req.in_progress = not verdict.finished

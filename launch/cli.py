@@ -354,6 +354,14 @@ def _experiment(args: argparse.Namespace) -> int:
         if min(levels) < 1:
             raise SpecError("--concurrency: each level is requests per drafter, >= 1")
         settings = replace(settings, concurrency=levels)
+    if args.transit:
+        try:
+            transit = tuple(int(v) for v in args.transit.split(","))
+        except ValueError:
+            raise SpecError(f"--transit: {args.transit!r} is not a comma-separated list of integers") from None
+        if min(transit) < 0:
+            raise SpecError("--transit: each value is the verifier's transit_tokens, >= 0")
+        settings = replace(settings, transit=transit)
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
     return 1 if result["failed"] else 0
@@ -486,6 +494,9 @@ def _add_serving_parsers(sub) -> None:
     ex.add_argument("--concurrency", default=None, help="comma-separated requests each drafter generates at once, e.g. 1,4,8: "
                                                         "a run per level (default: the spec's [experiment] concurrency, else each "
                                                         "drafter's own); above 1 needs proactive drafting off")
+    ex.add_argument("--transit", default=None, help="comma-separated transit_tokens for the verifier, e.g. 0,8: a run per value "
+                                                    "(async modes only; default: the spec's [experiment] transit, else its "
+                                                    "[verifier] transit_tokens)")
     ex.add_argument("--force", action="store_true", help="rerun policies that already have data")
     ex.add_argument("--seed", type=int, default=None,
                     help="prompt order: 0 keeps each drafter's file order, others shuffle it (default: the spec's [experiment] seed, 0)")

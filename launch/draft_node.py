@@ -65,7 +65,7 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, ou
                 "id": result.id, "prompt_ids": result.prompt_ids, "token_ids": result.token_ids,
                 "text": draft.tokenizer.decode(result.token_ids), "rounds": result.rounds,
                 "drafted_tokens": result.drafted_tokens, "accepted_tokens": result.accepted_tokens,
-                "wall_s": round(result.wall_s, 6), "repairs": result.repairs,
+                "transit_tokens": result.transit_tokens, "wall_s": round(result.wall_s, 6), "repairs": result.repairs,
                 "predrafted_rounds": result.predrafted_rounds, "proactive_hits": result.proactive_hits,
                 "predrafted_tokens": result.predrafted_tokens, "predraft_used_tokens": result.predraft_used_tokens,
                 "hidden_s": round(result.hidden_s, 6),
@@ -120,7 +120,8 @@ async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, t
                 reason = delta.finish_reason
             record = {"id": prompt.id, "prompt_ids": prompt.prompt_ids, "token_ids": tokens, "text": tokenizer.decode(tokens),
                       "finish_reason": reason, "rounds": stats.rounds, "drafted_tokens": stats.drafted_tokens,
-                      "accepted_tokens": stats.accepted_tokens, "wall_s": round(time.perf_counter() - started, 6),
+                      "accepted_tokens": stats.accepted_tokens, "transit_tokens": stats.transit_tokens,
+                      "wall_s": round(time.perf_counter() - started, 6),
                       "repairs": stats.repairs}
             out.write(json.dumps(record) + "\n")
             out.flush()

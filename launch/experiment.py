@@ -9,13 +9,14 @@ table::
     modes = ["sync"]      # the verifier's round modes to run each policy in ("sync", "async")
     proactive = [true, false]  # optional: run each with and without proactive drafting (default: as each drafter says)
     concurrency = [1, 4]  # optional: requests each drafter generates at once (default: as each drafter says)
+    transit = [0, 8]      # optional: the verifier's transit_tokens (async modes only; default: the spec's)
     rounds = 600          # stop each run after this many verified rounds (verification steps in async mode)
     seed = 0              # 0: every drafter cycles its prompts in file order; else a shuffled order per drafter
 
 Each policy runs once per mode (and per ``proactive`` and ``concurrency`` setting, when given); a
 sync run is named after its policy, an async one ``POLICY@async``, a given proactive setting adds
-``+proactive`` or ``+no-proactive`` and a given concurrency ``+cN`` (its directory and its rows in
-the report). Concurrency above 1 runs every drafter as an edge device generating that many of its
+``+proactive`` or ``+no-proactive``, a given concurrency ``+cN`` and a given transit setting ``+tN``
+(its directory and its rows in the report). Concurrency above 1 runs every drafter as an edge device generating that many of its
 prompts at once (:func:`goodspeed.launch.draft_node.generate_concurrently`), one verifier session
 per request, all under the drafter's name, so the report's rows stay per device.
 
@@ -44,6 +45,7 @@ from goodspeed.launch.report import read_rows, write_report
 from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError, build_table, load_spec, tomllib
 from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.records import ROUND_MODES, RoundRecord
+from goodspeed.verifier.server import check_transit
 
 DEFAULT_EXPERIMENT = SPECS_DIR / "experiment-default.toml"
 PROMPT_CYCLES = 200  # prompt-file repeats: enough that no drafter runs dry before `rounds`
@@ -56,6 +58,7 @@ class ExperimentSettings:
     modes: tuple[str, ...] = ("sync",)
     proactive: tuple[bool, ...] | None = None  # None: each drafter's own setting
     concurrency: tuple[int, ...] | None = None  # None: each drafter's own setting
+    transit: tuple[int, ...] | None = None  # the verifier's transit_tokens per run; None: the spec's
     rounds: int = 600
     seed: int = 0  # prompt order: 0 keeps the files' order, any other value shuffles each drafter's cycle
 
@@ -67,7 +70,7 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SpecError(f"{path}: {exc}") from None
     table = dict(raw.pop("experiment", {}))
-    for key in ("policies", "modes", "proactive", "concurrency"):
+    for key in ("policies", "modes", "proactive", "concurrency", "transit"):
         if key in table:
             table[key] = tuple(table[key])
     settings = build_table(ExperimentSettings, table, f"{path} [experiment]")
@@ -77,6 +80,8 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
         raise SpecError(f"{path} [experiment]: unknown modes {unknown}; known: {', '.join(ROUND_MODES)}")
     if settings.concurrency is not None and (not settings.concurrency or min(settings.concurrency) < 1):
         raise SpecError(f"{path} [experiment]: concurrency lists requests per drafter, each >= 1")
+    if settings.transit is not None and (not settings.transit or min(settings.transit) < 0):
+        raise SpecError(f"{path} [experiment]: transit lists the verifier's transit_tokens, each >= 0")
     spec = load_spec(path, data=raw)
     return settings, spec
 
@@ -121,23 +126,36 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
                 "drafter_cycle_s": d.cycle_s,  # its previous verdict sent -> this draft arrived
                 "mode": record.mode,
                 "closed": record.closed,  # why the step closed (goodspeed.verifier.round_loop)
+                "transit": d.transit,  # of x, tokens decoded while its draft was in transit
             })
     return rows
 
 
-def run_name(policy: str, mode: str, proactive: bool | None = None, concurrency: int | None = None) -> str:
+def run_name(policy: str, mode: str, proactive: bool | None = None, concurrency: int | None = None,
+             transit: int | None = None) -> str:
     return (policy + ("" if mode == "sync" else f"@{mode}") + {None: "", True: "+proactive", False: "+no-proactive"}[proactive]
-            + ("" if concurrency is None else f"+c{concurrency}"))
+            + ("" if concurrency is None else f"+c{concurrency}") + ("" if transit is None else f"+t{transit}"))
 
 
-def runs_of(settings: ExperimentSettings) -> list[tuple[str, str, bool | None, int | None]]:
-    """``(policy, mode, proactive, concurrency)`` of every run, in order."""
-    return [(p, m, a, c) for m in settings.modes for c in (settings.concurrency or (None,)) for a in (settings.proactive or (None,))
+def runs_of(settings: ExperimentSettings) -> list[tuple[str, str, bool | None, int | None, int | None]]:
+    """``(policy, mode, proactive, concurrency, transit)`` of every run, in order."""
+    return [(p, m, a, c, tr) for m in settings.modes for tr in (settings.transit or (None,)) for c in (settings.concurrency or (None,))
+            for a in (settings.proactive or (None,))
             for p in settings.policies]
 
 
-def drafters_for_run(spec: LaunchSpec, name: str, proactive: bool | None, concurrency: int | None) -> LaunchSpec:
-    """``spec`` with the run's proactive and concurrency settings given to every drafter."""
+def spec_for_run(spec: LaunchSpec, name: str, policy: str, mode: str, proactive: bool | None, concurrency: int | None,
+                 transit: int | None) -> LaunchSpec:
+    """``spec`` with the run's settings: the verifier's policy, round mode and transit decoding,
+    every drafter's proactive drafting and concurrency. A combination that cannot run raises
+    :class:`SpecError`."""
+    verifier = replace(spec.verifier, policy=policy, rounds=mode,
+                       transit_tokens=spec.verifier.transit_tokens if transit is None else transit)
+    try:
+        check_transit(verifier.rounds, verifier.transit_tokens)
+    except ValueError as exc:
+        raise SpecError(f"run {name}: {exc}") from None
+    spec = replace(spec, verifier=verifier)
     if proactive is not None:
         spec = replace(spec, drafters=tuple(replace(d, proactive=proactive) for d in spec.drafters))
     if concurrency is not None:
@@ -149,13 +167,12 @@ def drafters_for_run(spec: LaunchSpec, name: str, proactive: bool | None, concur
 
 
 def run_policy(settings: ExperimentSettings, spec: LaunchSpec, policy: str, out_dir: Path, mode: str = "sync",
-               proactive: bool | None = None, concurrency: int | None = None) -> list[dict]:
-    name = run_name(policy, mode, proactive, concurrency)
+               proactive: bool | None = None, concurrency: int | None = None, transit: int | None = None) -> list[dict]:
+    name = run_name(policy, mode, proactive, concurrency, transit)
     run_dir = out_dir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "status.json").unlink(missing_ok=True)
-    spec = drafters_for_run(spec, name, proactive, concurrency)
-    cycled = _cycled(replace(spec, verifier=replace(spec.verifier, policy=policy, rounds=mode)), run_dir, settings.seed)
+    cycled = _cycled(spec_for_run(spec, name, policy, mode, proactive, concurrency, transit), run_dir, settings.seed)
     launch_local(cycled, run_dir, log=lambda *a: None, live=False, max_rounds=settings.rounds)
     eta = smoothing_of(policy, spec.verifier.eta).eta
     rows = measurement_window(rows_from_log(run_dir / "verifier.log", name, eta), [d.name for d in cycled.expanded_drafters()],
@@ -248,7 +265,7 @@ def run_experiment(settings: ExperimentSettings, spec: LaunchSpec, out_dir: Path
     todo = [run for run in runs
             if (only is None or run[0] in only) and (force or only or load_rows(out_dir, run_name(*run)) is None)]
     for run in todo:  # a setting that cannot run is refused before any run starts
-        drafters_for_run(spec, run_name(*run), *run[2:])
+        spec_for_run(spec, run_name(*run), *run)
     failed = []
     for run in tqdm(todo, desc=f"experiment {settings.name}", unit="run", file=sys.stderr):
         try:

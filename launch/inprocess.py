@@ -5,6 +5,10 @@ drafts exactly its allotted ``S_i`` tokens, submits them with their draft distri
 when the sampling truncates, so the transfer is exact), the engine verifies all of them in one
 forward, and each drafter applies its verdict. With chunked prefill a drafter whose prompt is being
 prefilled waits (the steps carry its chunks) and drafts from the step after its prefill completes.
+
+Links (``delay``): a drafter's draft, drafted right after its verdict, reaches the engine
+``delay(drafter)`` steps later; meanwhile the steps go on (for the others, and for transit
+decoding of drafters that joined with ``transit``; see :mod:`goodspeed.verifier.engine`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class InProcessDrafter:
     next_prompt: int = 0
     busy: bool = False  # a request is in progress
     left: bool = False
+    transit: bool = False  # joins with transit decoding (the engine decodes while its draft is delayed)
+    held: tuple[int, Draft] | None = None  # a delayed draft: (the step it reaches the engine, the draft)
 
     @property
     def done(self) -> bool:
@@ -70,7 +76,7 @@ def _start_next(engine: VerificationEngine, d: InProcessDrafter, eos_token_ids: 
 def _update_membership(engine: VerificationEngine, drafters: Sequence[InProcessDrafter], t: int, eos_token_ids) -> None:
     for d in drafters:
         if d.session_id is None and not d.done and t >= d.join_round:
-            d.session_id = engine.join(d.name)
+            d.session_id = engine.join(d.name, transit=d.transit)
             d.generator = torch_generator(resolve_root_seed(d.seed), "drafter", d.name)
             _start_next(engine, d, eos_token_ids)
         elif d.session_id is not None and d.leave_round is not None and t >= d.leave_round:
@@ -94,8 +100,10 @@ def run_inprocess(
     eos_token_ids: Sequence[int] = (),
     max_rounds: int = 100_000,
     on_round: Callable[[RoundResult], None] | None = None,
+    delay: Callable[[InProcessDrafter], int] | None = None,
 ) -> list[RoundResult]:
-    """Run until every drafter has finished its prompts or left; returns every round's result."""
+    """Run until every drafter has finished its prompts or left; returns every round's result.
+    ``delay(drafter)``: steps its next draft spends on the way (module docstring); None: none."""
     results = []
     for t in range(max_rounds):
         _update_membership(engine, drafters, t, eos_token_ids)
@@ -104,12 +112,18 @@ def run_inprocess(
         active = [d for d in drafters if d.session_id is not None and d.busy and d.draft_length is not None]
         if not active and not engine.has_prefill:
             continue
+        submitted = []
         for d in active:
-            out = d.runner.draft(d.draft_length, d.sampling, d.generator)
-            engine.submit(d.session_id, to_engine_draft(d.round_index, out, d.sampling))
+            if d.held is None:
+                out = d.runner.draft(d.draft_length, d.sampling, d.generator)
+                d.held = (t + (delay(d) if delay is not None else 0), to_engine_draft(d.round_index, out, d.sampling))
+            if d.held[0] <= t:
+                engine.submit(d.session_id, d.held[1])
+                d.held = None
+                submitted.append(d)
         result = engine.run_round()
         results.append(result)
-        for d in active:
+        for d in submitted:
             _apply_verdict(engine, d, result, eos_token_ids)
         for d in drafters:
             if d.session_id in result.started:  # its prompt's last chunk was in this step

@@ -2,7 +2,8 @@
 
 Inputs are the rows an experiment records (one per round and drafter: ``policy``, ``round``,
 ``drafter``, ``S``, ``accepted``, ``x``, ``alpha_hat``, ``X``, ``receive_s``, ``verify_s``,
-``send_s``, ``ts``, and ``drafter_receive_s``: round open -> that drafter's draft arrived). Everything in the report is computed here and nowhere else
+``send_s``, ``ts``, ``drafter_receive_s``: round open -> that drafter's draft arrived, and
+``transit``: of ``x``, the tokens decoded while its draft was in transit). Everything in the report is computed here and nowhere else
 (GoodSpeed, seeds 003_e4f9b92fd7e1d2ba, Section IV):
 
 * Fig. 2 — estimated goodput (sum of the smoothed ``X_i``, eq. 4) vs real goodput (sum of
@@ -14,7 +15,8 @@ Inputs are the rows an experiment records (one per round and drafter: ``policy``
   per-drafter tokens/round, final U, total tokens/s, and the rounds until U stays within 1% of
   its final value; per drafter also its median receive time (what an edge link adds shows here),
   and how often and how long in a row it was allotted ``S = 0`` (starvation, which eq. 3 cannot
-  correct while it lasts);
+  correct while it lasts), and the share of its tokens decoded while its draft was in transit
+  (runs with transit decoding, ``--transit``);
 * the time-aware utility ``U_s = sum_i log r_i``, ``r_i`` drafter ``i``'s tokens per second over
   the run (what the async round mode and ``goodspeed-time`` optimise,
   :mod:`goodspeed.scheduler.timing`), each drafter's median cycle (its verdict sent -> its next
@@ -104,7 +106,15 @@ def policy_metrics(rows: list[dict]) -> dict:
         "receive_ms_median": {d: _median_receive_ms(rows, d) for d in drafters},
         "zero_draft_rounds": {d: sum(r["S"] == 0 for r in rows if r["drafter"] == d) for d in drafters},
         "longest_zero_draft_run": {d: _longest_zero_run(rows, d) for d in drafters},
+        # Share of each drafter's tokens the verifier decoded while its draft was in transit (rows
+        # from before transit decoding existed carry no "transit": none was).
+        "transit_share": {d: _share(sum(r.get("transit", 0) for r in rows if r["drafter"] == d), tokens[i])
+                          for i, d in enumerate(drafters)},
     }
+
+
+def _share(part: float, whole: float) -> float:
+    return float(part / whole) if whole else 0.0
 
 
 def longest_run(flags) -> int:
@@ -226,12 +236,15 @@ def render_markdown(name: str, metrics: dict[str, dict], figures: dict[str, str]
                      f"{m['total_tokens_per_s']:.2f} | {m['rounds_to_settle']} | {m['receive_s']:.3f} | {m['verify_s']:.3f} | "
                      f"{m['send_s']:.3f} |")
     for policy, m in metrics.items():
+        transit = any(m.get("transit_share", {}).values())  # a column only for runs with transit decoding
         lines += ["", f"## {policy}: per drafter", "", "| drafter | tokens/round | tokens/s | mean S | acceptance | receive ms (median) "
-                  "| cycle ms (median) | rounds with S = 0 | longest S = 0 run |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| cycle ms (median) | rounds with S = 0 | longest S = 0 run |" + (" decoded in transit |" if transit else ""),
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if transit else "")]
         for d in m["drafters"]:
             lines.append(f"| {d} | {m['tokens_per_round'][d]:.4f} | {m['tokens_per_s'][d]:.2f} | {m['mean_draft_length'][d]:.2f} | "
                          f"{m['acceptance'][d]:.4f} | {m['receive_ms_median'][d]:.1f} | {m['cycle_ms_median'][d]:.1f} | "
-                         f"{m['zero_draft_rounds'][d]} | {m['longest_zero_draft_run'][d]} |")
+                         f"{m['zero_draft_rounds'][d]} | {m['longest_zero_draft_run'][d]} |"
+                         + (f" {m['transit_share'][d]:.2f} |" if transit else ""))
     lines += ["", "## Figures", ""] + [f"![{k}]({v})" for k, v in figures.items()]
     return "\n".join(lines) + "\n"
 

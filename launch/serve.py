@@ -21,7 +21,7 @@ from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
-from goodspeed.verifier.server import ServerConfig, make_server
+from goodspeed.verifier.server import ServerConfig, check_transit, make_server
 from goodspeed.verifier.tls import server_credentials
 
 
@@ -75,6 +75,7 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
     try:
         config = ServerConfig(**opts.routed("server"), port=50051 if opts.port is None else opts.port, target_name=target_name)
         server_credentials(config)  # the PEM files are readable
+        check_transit(config.rounds, opts.transit_tokens)
     except ValueError as exc:
         raise SpecError(str(exc)) from None
     if opts.http_port is not None and opts.local_draft is None:

@@ -134,6 +134,9 @@ class VerifierSpec:
     max_draft_len: int = setting(16, "cap on any one drafter's S_i", to="engine.max_draft_len")
     prefill_chunk: int = setting(512, "prompt tokens prefilled per step, packed next to verification, so a long prompt "
                                       "delays others' rounds by one chunk at most (0: whole prompts at StartRequest)")
+    transit_tokens: int = setting(0, "async rounds: while a drafter's draft is in transit, decode up to this many of its "
+                                     "tokens in the steps that run anyway (verifier.engine; 0: off)",
+                                  to="engine.transit_tokens")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)
     seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and name "

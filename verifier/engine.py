@@ -22,6 +22,34 @@ one chunk, not the whole prompt. The request joins drafting (its first allotment
 when its last chunk is in; between steps the serving layer may run a prefill-only step
 (:meth:`VerificationEngine.prefill_step`).
 
+Transit decoding (``EngineConfig.transit_tokens``, asynchronous rounds only): a session that
+opted in (``join(transit=True)``) and has no draft queued — its draft is being drafted or is on
+the wire — gets a row of its own in the steps that run anyway: plain decoding, its pending token
+and no drafts, so the step adds the target's next token to its text.
+
+* Bounds: at most ``transit_tokens`` such tokens per session between two of its verdicts (the
+  work a silent drafter costs is bounded); transit rows only fill what the step's drafts leave of
+  the budget ``C``, one token each, the sessions with the fewest tokens decoded in transit first,
+  so a step's work stays bounded by ``C`` as before; a step never runs for transit rows alone.
+* When the draft arrives, it was drafted from the text as of the session's last verdict, so its
+  first ``m`` tokens stand where the ``m`` decoded ones now do. If they are equal, the rest of the
+  draft is verified as usual after them; otherwise (or if the draft is no longer than ``m``)
+  nothing of it is verified and its row decodes one more token.
+* The verdict carries every token the session's text grew by since the last one, the decoded
+  ones first (``num_transit``); ``num_accepted`` counts its leading tokens equal to the draft's
+  (the draft KV the drafter keeps). Eq. (3) sees only the positions the target verified. A
+  request that ends in transit (EOS, its length) is told with the next verdict; a resync
+  (:meth:`VerificationEngine.resync`) makes the text so far the next draft's base.
+
+Lossless: every decoded token is the target's own next token (argmax, or a sample of its
+processed distribution with the session's uniforms), and whether a step decodes depends only on
+timing and on tokens already committed, never on the token it draws. A kept tail is a proposal
+from the draft given exactly the committed text: the drafter sampled it after its first ``m``
+tokens, with randomness of its own, so given that those equal the decoded ones it is distributed
+as the ``q`` rows it travels with, independent of the verifier's draws, and the rejection test
+is exact for it. A request's seeded reproducibility (``seed``) does not survive transit decoding,
+whose rows follow the timing of the link; its distribution does.
+
 Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any state changes.
 """
 
@@ -82,7 +110,7 @@ class VerificationEngine:
     # ----------------------------------------------------------------- sessions and requests
 
     def join(self, name: str, tokenizer_fingerprint: str | None = None, device: str | None = None,
-             source: DraftAllotments | None = None) -> str:
+             source: DraftAllotments | None = None, transit: bool = False) -> str:
         """Register a drafter; returns its session id.
 
         Sessions given the same ``device`` are one edge device serving several requests at once:
@@ -94,6 +122,10 @@ class VerificationEngine:
         and the ``max_drafters`` limit the edge drafters share. Local serving passes its own
         :class:`~goodspeed.scheduler.OwnerSizedAllotments` and sizes its drafts itself; the
         engine verifies every source's drafts alike, in one forward.
+
+        ``transit``: the drafter reads verdicts that carry tokens decoded while its draft was in
+        transit (the module docstring); the engine decodes for it only with
+        ``EngineConfig.transit_tokens`` > 0.
 
         ``tokenizer_fingerprint`` is what a remote drafter sent: when the target has a fingerprint
         it must equal it, and an empty one is refused (it would skip the check). ``None`` is for
@@ -116,7 +148,7 @@ class VerificationEngine:
         # restarts (a drafter retrying its old id cannot land in a newcomer's session).
         session_id = f"{name}#{secrets.token_hex(16)}"
         source.join(session_id, device or session_id)
-        self._sessions[session_id] = Session(session_id, name, source)
+        self._sessions[session_id] = Session(session_id, name, source, transit=transit)
         return session_id
 
     @property
@@ -245,6 +277,7 @@ class VerificationEngine:
         self.slots.remove(session.session_id)
         session.source.end(session.session_id)
         session.request, session.pending = None, None
+        session.decoded, session.decoded_end = [], None
 
     def set_allotment(self, session_id: str, num_tokens: int) -> None:
         """Override the session's draft length for its next round: for callers that choose lengths
@@ -273,6 +306,15 @@ class VerificationEngine:
         if session.request is None:
             raise errors.NoActiveRequestError(f"session {session_id} has no request in progress")
         return list(session.request.committed)
+
+    def resync(self, session_id: str) -> tuple[list[int], int, int]:
+        """For a drafter that drifted: the committed tokens, the round its next draft must carry
+        and its allotment, read together. Its next draft is drafted from exactly these tokens, so
+        tokens decoded in transit so far are no longer ahead of it."""
+        committed = self.committed(session_id)
+        session = self._sessions[session_id]
+        session.decoded = []
+        return committed, session.round_index, session.source.allotted(session_id)
 
     def allotment(self, session_id: str) -> int:
         return self._session(session_id).source.allotted(session_id)
@@ -314,9 +356,10 @@ class VerificationEngine:
             raise errors.MalformedDraftError(f"a different draft for round {draft.round_index} is already queued")
         validate_draft(draft, self.vocab_size, session.source.allotted(session_id), needs_probs=not session.request.sampling.greedy)
         depth = draft_depth(draft)
-        if depth > session.request.remaining - 1:
+        remaining = session.request.remaining + len(session.decoded)  # as of its last verdict, which it drafted from
+        if depth > remaining - 1:
             raise errors.DraftTooLongError(
-                f"draft depth {depth} reaches past the request's end ({session.request.remaining} tokens left, "
+                f"draft depth {depth} reaches past the request's end ({remaining} tokens left, "
                 "the last of which the verifier adds)"
             )
         session.pending = draft
@@ -337,7 +380,7 @@ class VerificationEngine:
         :mod:`goodspeed.scheduler.timing`).
         """
         t0 = time.perf_counter()
-        rows = self._assemble()
+        rows, settled = self._assemble()
         chunks = self._chunks() if prefill else []
         t1 = time.perf_counter()
         logits = self._forward_rows(rows, chunks) if rows or chunks else None
@@ -347,12 +390,16 @@ class VerificationEngine:
         for row in rows:  # seeded requests draw their S + 1 uniforms from their own stream
             generator = row.session.request.generator
             if generator is not None and row.input.key not in given:
-                given[row.input.key] = torch.rand(row.draft.num_tokens + 1, generator=generator, dtype=torch.float64).numpy()
+                given[row.input.key] = torch.rand(row.input.draft.num_tokens + 1, generator=generator, dtype=torch.float64).numpy()
         checked = self.row_verifier.verify([r.input for r in rows], logits, given) if rows else []
-        outcomes = [self._apply(row, out) for row, out in zip(rows, checked)]
+        outcomes = [self._apply(row, out) for row, out in zip(rows, checked) if not row.transit]
+        for row, out in zip(rows, checked):
+            if row.transit:
+                self._apply_transit(row, out)
+        outcomes += [(row, [], 0, row.session.decoded_end) for row in settled]
         t3 = time.perf_counter()
         for row in rows:  # before scheduling: the time-aware policy reads it
-            if periods and row.input.key in periods:
+            if periods and row.input.key in periods and not row.transit:
                 row.session.source.observe_period(row.input.key, row.draft.num_tokens, periods[row.input.key] + (t3 - t0))
         verdicts = self._schedule(outcomes)
         started = self._start(prefilled)  # after scheduling: a new request gets what the others leave of C
@@ -373,20 +420,44 @@ class VerificationEngine:
             draft_lengths={sid: self.allotments.allotted(sid) for sid in self.allotments.active()},
             prefill_tokens=prefill_tokens,
             started=started,
+            transit_tokens=sum(r.transit for r in rows),
         )
 
-    def _assemble(self) -> list[Row]:
-        rows = []
+    def _assemble(self) -> tuple[list[Row], list[Row]]:
+        """This step's rows (queued drafts, then transit decoding) and the drafts that need no
+        forward (their request ended in transit: ``settled``)."""
+        rows, settled, waiting = [], [], []
         for slot, session_id in enumerate(self.slots.keys):
             session = self._sessions[session_id]
-            draft = session.pending
-            if draft is None:
+            submitted = session.pending
+            if submitted is None:
+                if self._decodes_in_transit(session):
+                    waiting.append((slot, session))
                 continue
+            if session.decoded_end is not None:
+                settled.append(Row(session, slot, RowInput(session_id, [], submitted, session.request.sampling), None))
+                continue
+            draft = after_decoded(submitted, session.decoded)
             pending_token = session.request.committed[-1]
             parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
             tokens = [pending_token, *map(int, draft.token_ids)]
-            rows.append(Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents))
-        return rows
+            rows.append(Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents,
+                            submitted=None if draft is submitted else submitted))
+        # Transit rows fill what the drafts leave of C, the sessions with the fewest tokens decoded
+        # in transit first (ties in slot order).
+        room = self.config.budget - sum(r.input.draft.num_tokens for r in rows if r.session.source is self.allotments)
+        chosen = sorted(waiting, key=lambda w: len(w[1].decoded))[: max(room, 0)]
+        for slot, session in sorted(chosen, key=lambda w: w[0]):
+            empty = Draft(session.round_index, [])
+            rows.append(Row(session, slot, RowInput(session.session_id, [session.request.committed[-1]], empty,
+                                                    session.request.sampling), None, transit=True))
+        return rows, settled
+
+    def _decodes_in_transit(self, session: Session) -> bool:
+        """Whether this step decodes for the session while its draft is away (module docstring)."""
+        return (session.transit and len(session.decoded) < self.config.transit_tokens and session.decoded_end is None
+                and session.request is not None and session.request.remaining >= 1
+                and session.session_id not in self._prefilling)
 
     def _forward_rows(self, rows: list[Row], chunks: list[tuple[int, list[int]]] = ()) -> torch.Tensor | None:
         """One forward over the slot window spanning the verification rows and the prompt chunks
@@ -446,6 +517,19 @@ class VerificationEngine:
         session.source.observe(session.session_id, outcome.ratios, accepted)
         return row, emitted[:cut], accepted, reason
 
+    def _apply_transit(self, row: Row, outcome: RowOutcome) -> None:
+        """Commit a transit row's token (the target's next one) to the request and its KV slot;
+        a request that ends here is told with the session's next verdict."""
+        session, request = row.session, row.session.request
+        self.cache.commit(row.slot, self.cache.lengths[row.slot], outcome.kept)
+        token = outcome.emitted[0]
+        request.commit([token])
+        session.decoded.append(token)
+        if token in request.eos_token_ids:
+            session.decoded_end = "eos"
+        elif request.remaining <= 0:
+            session.decoded_end = "length"
+
     def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
         """Next round's draft lengths, from each source's book (eq. (5) or the configured baseline
         for the engine's own), then the verdicts."""
@@ -468,11 +552,16 @@ class VerificationEngine:
         session = row.session
         committed = session.request.committed
         est = session.source.estimator.get(session.session_id)
+        decoded = session.decoded
+        if decoded:  # the text grew in transit first: the drafter keeps what equals its draft
+            emitted = decoded + emitted
+            accepted = 0 if row.draft.parents is not None else common_prefix(row.draft.token_ids, emitted)
         verdict = Verdict(
             session_id=session.session_id,
             round_index=row.draft.round_index,
             num_drafted=row.draft.num_tokens,
             num_accepted=accepted,
+            num_transit=len(decoded),
             token_ids=emitted,
             committed_length=len(committed),
             prefix_hash=session.request.hasher.hexdigest(),
@@ -485,6 +574,32 @@ class VerificationEngine:
         session.last_draft, session.last_verdict = row.draft, verdict
         session.round_index += 1
         session.pending = None
+        session.decoded, session.decoded_end = [], None
         if reason:
             self._end_request(session)
         return verdict
+
+
+def after_decoded(draft: Draft, decoded: list[int]) -> Draft:
+    """What is left to verify of ``draft`` once ``decoded`` (tokens decoded in transit since the
+    text it was drafted from) stand in its first positions: its tail, when its first
+    ``len(decoded)`` tokens equal them, with its ``q`` rows; else nothing (an empty draft). Trees
+    with anything decoded in transit verify nothing."""
+    m = len(decoded)
+    if not m:
+        return draft
+    if draft.parents is not None or draft.num_tokens <= m or [int(t) for t in draft.token_ids[:m]] != decoded:
+        return Draft(draft.round_index, [])
+    return Draft(draft.round_index, list(draft.token_ids[m:]),
+                 dense_probs=None if draft.dense_probs is None else draft.dense_probs[m:],
+                 sparse_probs=None if draft.sparse_probs is None else list(draft.sparse_probs[m:]))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading positions where ``a`` and ``b`` hold the same token."""
+    n = 0
+    for x, y in zip(a, b):
+        if int(x) != int(y):
+            break
+        n += 1
+    return n

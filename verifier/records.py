@@ -20,7 +20,9 @@ clock ``ts``, the prompt tokens of chunked prefill packed into the step's forwar
 :data:`CLOSE_REASONS`; see :mod:`goodspeed.verifier.round_loop`) and, with local serving, a
 :class:`LocalRound`.
 
-Schema 2 added ``cycle_s`` and ``mode``; schema 3 ``prefill_tokens``; schema 4 ``closed``.
+Schema 2 added ``cycle_s`` and ``mode``; schema 3 ``prefill_tokens``; schema 4 ``closed``; schema 5
+``transit`` (per drafter: tokens of ``gained`` the verifier decoded while the draft was in
+transit) and ``transit_tokens`` (the step's transit rows; see :mod:`goodspeed.verifier.engine`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import json
 import time
 from dataclasses import dataclass
 
-SCHEMA = 4
+SCHEMA = 5
 ROUND_MODES = ("sync", "async")  # the round loop's modes (goodspeed.verifier.round_loop)
 CLOSE_REASONS = ("all", "window", "none-due", "local")  # why a step closed (goodspeed.verifier.round_loop)
 
@@ -63,6 +65,7 @@ class DrafterRound:
     finished: bool
     receive_s: float | None
     cycle_s: float | None = None
+    transit: int = 0  # of ``gained``, tokens decoded while its draft was in transit (verifier.engine)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class RoundRecord:
     mode: str = "sync"
     prefill_tokens: int = 0
     closed: str = "all"
+    transit_tokens: int = 0  # tokens decoded in transit in this step (one per transit row)
     ts: float = dataclasses.field(default_factory=time.time)
 
     def to_event(self) -> dict:

@@ -358,7 +358,8 @@ class RoundLoop:
         rows = tuple(
             DrafterRound(session=v.session_id, name=(d := self.drafters[v.session_id]).name, drafted=v.num_drafted,
                          accepted=v.num_accepted, gained=len(v.token_ids), acceptance=v.acceptance, goodput=v.goodput,
-                         next_draft_length=v.next_draft_length, finished=v.finished, receive_s=d.receive_s, cycle_s=d.cycle_s)
+                         next_draft_length=v.next_draft_length, finished=v.finished, receive_s=d.receive_s, cycle_s=d.cycle_s,
+                         transit=v.num_transit)
             for v in verdicts if v.session_id in self.drafters
         )
         local_round = None
@@ -368,4 +369,4 @@ class RoundLoop:
         self.log.write(RoundRecord(round=result.round_index, receive_s=receive_s, verify_s=t.total_s, forward_s=t.forward_s,
                                    send_s=send_s, batch=len(rows), budget=self.engine.config.budget, drafters=rows,
                                    local=local_round, mode=self.config.rounds, prefill_tokens=result.prefill_tokens,
-                                   closed=closed).to_event())
+                                   closed=closed, transit_tokens=result.transit_tokens).to_event())

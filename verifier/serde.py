@@ -49,4 +49,5 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
         finish_reason=v.finish_reason or "",
         acceptance=v.acceptance,
         goodput=v.goodput,
+        num_transit=v.num_transit,
     )

@@ -111,6 +111,13 @@ class ServerConfig:
             raise ValueError(f"refusing plaintext HTTP on {self.http_host}: give --tls-cert and --tls-key (HTTPS), or --insecure")
 
 
+def check_transit(rounds: str, transit_tokens: int) -> None:
+    """Transit decoding needs asynchronous rounds (ValueError otherwise)."""
+    if transit_tokens and rounds != "async":
+        raise ValueError("transit decoding (transit_tokens > 0) needs asynchronous rounds (--rounds async): in the "
+                         "paper's lockstep round no step runs while a draft is in transit")
+
+
 def _rpc(handler):
     """Map engine errors to their status codes; the engine and other sessions are unaffected."""
 
@@ -180,7 +187,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         # One identity's sessions naming one device share a utility term; another identity
         # naming the same device does not join it.
         group = f"{identity.name}/{device}" if device else None
-        session_id = await self.call(functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group))
+        session_id = await self.call(functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group,
+                                                                  transit=request.transit))
         self._drafters[session_id] = Drafter(session_id, name, asyncio.Queue(), identity)
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=name, model=request.model_name, identity=identity.name)
@@ -268,8 +276,8 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def Resync(self, request, context):
         await self._owned(request.session_id, context)
         sid = request.session_id
-        committed = await self.call(self.engine.committed, sid)
-        return pb.ResyncReply(committed_ids=committed, round_index=await self.call(self.engine.next_round, sid), draft_length=await self.call(self.engine.allotment, sid))
+        committed, round_index, draft_length = await self.call(self.engine.resync, sid)
+        return pb.ResyncReply(committed_ids=committed, round_index=round_index, draft_length=draft_length)
 
     @_rpc
     async def Leave(self, request, context):
@@ -430,6 +438,7 @@ class VerifierServer:
 
     def __init__(self, engine: VerificationEngine, config: ServerConfig = ServerConfig(), metrics: Metrics | None = None,
                  log: JsonLog | None = None, local: LocalServing | None = None, tokenizer=None) -> None:
+        check_transit(config.rounds, engine.config.transit_tokens)
         self.engine, self.config = engine, config
         self.local, self.tokenizer = local, tokenizer
         self.metrics, self.log = metrics or Metrics(), log or JsonLog()

@@ -28,6 +28,11 @@ class EngineConfig:
     # (a prompt joins drafting when its last chunk is in); None: a prompt is prefilled whole, in
     # its own forward, when its request starts (in-process callers that drive steps themselves).
     prefill_chunk: int | None = None
+    # Transit decoding: while a session that opted in (``join(transit=True)``) has no draft
+    # queued — its draft is on the wire or being drafted — every step that runs gives it a row of
+    # its own (plain decoding: its pending token, no drafts), at most this many tokens between
+    # two of its verdicts. 0: off. See the engine's module docstring.
+    transit_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
@@ -36,6 +41,8 @@ class EngineConfig:
             raise ValueError("max_seq_len must be >= 2")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1 (or None: whole prompts)")
+        if self.transit_tokens < 0:
+            raise ValueError("transit_tokens must be >= 0 (0: no transit decoding)")
         make_policy(self.policy)  # unknown names fail here, not on the first round
         if self.smoothing is None:
             object.__setattr__(self, "smoothing", smoothing_of(self.policy))
@@ -75,6 +82,9 @@ class Session:
     pending: Draft | None = None
     last_draft: Draft | None = None
     last_verdict: Verdict | None = None
+    transit: bool = False  # it reads verdicts carrying tokens decoded while its draft was in transit
+    decoded: list[int] = field(default_factory=list)  # tokens decoded in transit since its last verdict
+    decoded_end: str | None = None  # "eos" / "length": its request ended in transit (told with the next verdict)
 
 
 @dataclass
@@ -85,10 +95,13 @@ class Row:
     slot: int
     input: RowInput
     parents: list[int] | None  # None for a chain; else parent of each new token (-1: prefix)
+    submitted: Draft | None = None  # the draft as submitted, when the row verifies only its tail (transit)
+    transit: bool = False  # plain decoding for a session whose draft has not arrived (transit decoding)
 
     @property
     def draft(self) -> Draft:
-        return self.input.draft
+        """The draft as submitted (what the verdict answers)."""
+        return self.submitted if self.submitted is not None else self.input.draft
 
     @property
     def tokens(self) -> list[int]:

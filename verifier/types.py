@@ -46,8 +46,8 @@ class Verdict:
     session_id: str
     round_index: int
     num_drafted: int
-    num_accepted: int
-    token_ids: list[int]  # tokens appended this round: the accepted drafts, then correction/bonus
+    num_accepted: int  # leading token_ids equal to the draft's (its accepted drafts)
+    token_ids: list[int]  # tokens appended this round: the accepted drafts, then correction/bonus (transit: see num_transit)
     committed_length: int  # prompt + generated tokens after this round
     prefix_hash: str  # goodspeed.lm.prefix.prefix_hash of those committed token ids
     next_draft_length: int  # S for the session's next round
@@ -55,6 +55,7 @@ class Verdict:
     finish_reason: str | None  # "length", "eos" or None
     acceptance: float  # alpha_hat after this round (eq. 3)
     goodput: float  # X after this round (eq. 4)
+    num_transit: int = 0  # leading token_ids the verifier decoded while the draft was in transit
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class RoundResult:
     draft_lengths: dict[str, int] = field(default_factory=dict)  # next S of every active session
     prefill_tokens: int = 0  # prompt tokens of chunked prefill packed into this step's forward
     started: dict[str, int] = field(default_factory=dict)  # sessions whose prefill completed -> first draft length
+    transit_tokens: int = 0  # tokens decoded in transit this step (one per transit row)
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,13 @@ def expected(models, ids, n):
     return out[: out.index(eos) + 1] if eos in out else out
 
 
-@pytest.mark.parametrize("rounds", ["sync", "async"])
-def test_prompts_generated_several_at_a_time_equal_the_targets_greedy_decoding(models, rounds):
+@pytest.mark.parametrize("rounds,transit", [("sync", 0), ("async", 0), ("async", 4)])
+def test_prompts_generated_several_at_a_time_equal_the_targets_greedy_decoding(models, rounds, transit):
     target, draft, tokenizer = models
     texts = ["import os", "class A:", "def f(x):", "return None", "while True:", "import os"]  # a repeated prompt id too
     prompts = [Prompt("p" if i == 5 else f"p{i}", tokenizer(t, add_special_tokens=False)["input_ids"]) for i, t in enumerate(texts)]
     spec = DrafterSpec(name="phone", draft="unused", prompts="code", max_new_tokens=12, concurrency=3, seed=1)
-    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5, transit_tokens=transit))
     out = io.StringIO()
     with ServerThread(engine, round_deadline_ms=500, target_name="tiny", rounds=rounds) as server:
         asyncio.run(generate_concurrently(spec, server.address, draft, tokenizer, "", prompts, out, progress=False))
@@ -52,6 +52,10 @@ def test_prompts_generated_several_at_a_time_equal_the_targets_greedy_decoding(m
     for e in server.events("round"):
         steps[e["round"]] = sum(d["name"] == "phone" for d in e["drafters"])
     assert max(steps.values()) >= 2
+    # With transit decoding, the node's requests whose drafts were away got tokens decoded for them
+    # (the node drops a rejected draft's KV before drafting on).
+    assert (sum(r["transit_tokens"] for r in records) > 0) == bool(transit)
+    assert sum(d["transit"] for d in round_rows) == sum(r["transit_tokens"] for r in records)
 
 
 def test_concurrency_needs_proactive_drafting_off(models):

@@ -132,6 +132,26 @@ def test_concurrency_runs_each_drafter_as_a_device_with_several_requests_at_once
     assert not (tmp_path / "refused" / "goodspeed+proactive+c2").exists()
 
 
+def test_transit_runs_give_the_verifier_transit_decoding_and_report_its_share(model_dirs, tmp_path):
+    from goodspeed.launch.spec import SpecError
+
+    settings = ExperimentSettings(name="transit", policies=("goodspeed",), modes=("async",), proactive=(False,),
+                                  transit=(4,), rounds=24)
+    result = run_experiment(settings, spec_for(model_dirs, tmp_path), tmp_path / "out", log=lambda *a: None)
+    assert result["failed"] == []
+    run = tmp_path / "out" / "goodspeed@async+no-proactive+t4"
+    rows = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
+    assert all(0 <= r["transit"] <= min(4, r["x"]) for r in rows) and sum(r["transit"] for r in rows) > 0
+    share = result["metrics"]["goodspeed@async+no-proactive+t4"]["transit_share"]
+    assert set(share) == {"good", "noisy", "unrelated"} and 0 < max(share.values()) < 1
+    assert "decoded in transit" in (tmp_path / "out" / "REPORT.md").read_text()
+    # transit decoding needs async rounds: refused before anything runs
+    with pytest.raises(SpecError, match="asynchronous rounds"):
+        run_experiment(ExperimentSettings(name="x", policies=("goodspeed",), modes=("sync",), transit=(4,), rounds=12),
+                       spec_for(model_dirs, tmp_path), tmp_path / "refused", log=lambda *a: None)
+    assert not (tmp_path / "refused" / "goodspeed+t4").exists()
+
+
 def test_a_seed_shuffles_each_drafters_prompt_cycle(tmp_path):
     from goodspeed.launch.experiment import PROMPT_CYCLES, _cycled
 

@@ -153,7 +153,7 @@ def test_a_chunk_packed_with_verification_rows_gives_the_same_logits_as_alone(mo
             b = engine.join("b")
             engine.start_request(b, list(range(5, 30)), SamplingParams(), 6)
         engine.submit(a, Draft(0, [9, 10, 11]))
-        rows = engine._assemble()
+        rows, _ = engine._assemble()
         chunks = engine._chunks()
         assert len(chunks) == int(with_chunk)
         outs.append(engine._forward_rows(rows, chunks))

@@ -38,11 +38,11 @@ def generate(address, name, draft, prompts, max_new, outputs, started=None):
     client.close()
 
 
-def race(models, rounds):
+def race(models, rounds, transit_tokens=0):
     """A drafter behind a 150 ms link and one on loopback, in one verifier: each one's steps while
     both are generating, and their outputs."""
     target, draft = models
-    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4))
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4, transit_tokens=transit_tokens))
     outputs = {}
     with ServerThread(engine, rounds=rounds, round_deadline_ms=1000) as server:
         proxy = DelayProxy("127.0.0.1", ("127.0.0.1", server.port), LinkSpec(rtt_ms=150))
@@ -84,6 +84,17 @@ def test_async_rounds_let_the_fast_drafter_run_ahead_of_a_slow_link(models):
     # draft still on the wire: some close because no draft is due.
     closed = [r.closed for r in records]
     assert set(closed) <= set(CLOSE_REASONS) and "none-due" in closed, closed
+
+
+def test_transit_decoding_grows_the_slow_links_text_in_the_fast_drafters_steps(models):
+    """With transit decoding, the steps the fast drafter's drafts open also decode the slow one's
+    next tokens while its draft is on the wire (outputs stay the target's: ``race`` checks)."""
+    fast, slow, records = race(models, "async", transit_tokens=4)
+    slow_rows = [d for r in records for d in r.drafters if d.name == "slow"]
+    assert all(d.transit <= 4 for r in records for d in r.drafters)
+    assert sum(d.transit for d in slow_rows) > 0 and any(d.gained > d.accepted + 1 for d in slow_rows)
+    assert sum(r.transit_tokens for r in records) >= sum(d.transit for d in slow_rows)
+    assert fast >= 3 * slow, (fast, slow)
 
 
 def test_sync_rounds_pace_everyone_by_the_slowest_link(models):
@@ -168,6 +179,20 @@ def test_a_drafters_cycle_is_smoothed_from_the_drafts_it_sends():
     mean, dev = 0.8 * 0.5 + 0.2 * 1.5, 0.2 * 1.0
     assert d.cycle_s == pytest.approx(1.5) and (d.cycle_mean_s, d.cycle_dev_s) == pytest.approx((mean, dev))
     assert d.due_after_s == pytest.approx(mean - 2 * dev)
+
+
+def test_transit_decoding_is_refused_in_sync_rounds(models):
+    from goodspeed.launch.serve import server_config
+    from goodspeed.launch.spec import SpecError, VerifierSpec
+    from goodspeed.verifier.server import make_server
+
+    engine = VerificationEngine(models[0], EngineConfig(transit_tokens=2))
+    with pytest.raises(ValueError, match="needs asynchronous rounds"):
+        make_server(engine, ServerConfig(rounds="sync"))
+    make_server(engine, ServerConfig(rounds="async"))
+    with pytest.raises(SpecError, match="needs asynchronous rounds"):
+        server_config(VerifierSpec(transit_tokens=2))  # before any model loads
+    server_config(VerifierSpec(transit_tokens=2, rounds="async"))
 
 
 def test_unknown_round_mode_is_refused():
