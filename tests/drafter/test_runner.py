@@ -18,7 +18,10 @@ def test_rollback_equals_fresh_runner(sampling):
         out = runner.draft(s, sampling, torch.Generator().manual_seed(int(rng.integers(1 << 30))))
         assert len(out.token_ids) == s and out.probs.shape == (s, 48)
         m = int(rng.integers(0, s + 1))
-        emitted = out.token_ids[:m] + [int(rng.integers(0, 48))]
+        # one correction/bonus token, or several (tokens the verifier decoded while the draft was
+        # in transit): the runner keeps the drafts equal to the verdict's leading tokens
+        emitted = out.token_ids[:m] + [int(t) for t in rng.integers(0, 48, size=int(rng.integers(1, 5)))]
+        m = next((i for i, (x, y) in enumerate(zip(out.token_ids, emitted)) if x != y), min(s, len(emitted)))
         runner.apply(emitted, m)
         fresh = DraftRunner(model)
         fresh.start(runner.committed)
