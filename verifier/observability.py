@@ -32,18 +32,24 @@ class Metrics:
         self.batch_size = Gauge(f"{PREFIX}round_batch_drafters", "Drafters verified in the last round", registry=self.registry)
         self.active = Gauge(f"{PREFIX}active_drafters", "Joined drafter sessions", registry=self.registry)
         self.rounds = Counter(f"{PREFIX}rounds", "Verified rounds", registry=self.registry)
+        self.transit_tokens = Counter(f"{PREFIX}transit_tokens", "Tokens decoded while their drafter's draft was in "
+                                      "transit (--transit-tokens)", registry=self.registry)
         self.spec = SpecDecodeMetrics(self.registry)
         self.requests = RequestMetrics(self.registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def observe_round(self, phases: dict[str, float], verdicts) -> None:
+    def observe_round(self, phases: dict[str, float], verdicts, transit_tokens: int = 0) -> None:
+        """One step: its phases, its verdicts' drafts (a verdict's ``num_accepted`` may count
+        drafted tokens that equal tokens decoded in transit, which the drafter keeps) and the
+        tokens it decoded in transit."""
         for phase, seconds in phases.items():
             self.phase_seconds.labels(phase=phase).observe(seconds)
         self.batch_size.set(len(verdicts))
         for verdict in verdicts:
             self.spec.observe(verdict.num_drafted, verdict.num_accepted)
+        self.transit_tokens.inc(transit_tokens)
         self.rounds.inc()
 
 

@@ -353,7 +353,7 @@ class RoundLoop:
         phases = {"receive": receive_s, "assembly": t.assembly_s, "forward": t.forward_s, "sampling": t.sampling_s,
                   "scheduling": t.scheduling_s, "send": send_s}
         verdicts = result.verdicts.values()
-        self.metrics.observe_round(phases, verdicts)
+        self.metrics.observe_round(phases, verdicts, result.transit_tokens)
         self.update_gauges()
         rows = tuple(
             DrafterRound(session=v.session_id, name=(d := self.drafters[v.session_id]).name, drafted=v.num_drafted,

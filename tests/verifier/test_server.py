@@ -314,12 +314,16 @@ def test_metrics_endpoint_serves_prometheus_text():
     metrics = Metrics()
     metrics.serve(port)
     verdicts = [SimpleNamespace(num_drafted=n, num_accepted=m) for n, m in ((4, 3), (8, 4), (0, 0))]
+    metrics.observe_round({"forward": 0.01, "receive": 0.2}, verdicts, transit_tokens=2)
+    metrics.observe_round({"forward": 0.01, "receive": 0.2}, [], transit_tokens=3)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "goodspeed:transit_tokens_total 5.0" in body and "goodspeed:rounds_total 2.0" in body
     metrics.observe_round({"forward": 0.01, "receive": 0.2}, verdicts)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert "goodspeed:spec_decode_num_accepted_tokens_total 7.0" in body and "goodspeed:round_batch_drafters 3.0" in body
-    assert "goodspeed:spec_decode_num_drafts_total 2.0" in body  # an empty draft is not a draft
-    assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 2.0' in body
-    assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 1.0' in body
+    assert "goodspeed:spec_decode_num_accepted_tokens_total 14.0" in body and "goodspeed:round_batch_drafters 3.0" in body
+    assert "goodspeed:spec_decode_num_drafts_total 4.0" in body  # an empty draft is not a draft
+    assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 4.0' in body
+    assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 2.0' in body
 
 
 @pytest.mark.parametrize("rounds", ["sync", "async"])
