@@ -13,10 +13,12 @@ table::
     rounds = 600          # stop each run after this many verified rounds (verification steps in async mode)
     seed = 0              # 0: every drafter cycles its prompts in file order; else a shuffled order per drafter
 
-Each policy runs once per mode (and per ``proactive`` and ``concurrency`` setting, when given); a
-sync run is named after its policy, an async one ``POLICY@async``, a given proactive setting adds
-``+proactive`` or ``+no-proactive``, a given concurrency ``+cN`` and a given transit setting ``+tN``
-(its directory and its rows in the report). Concurrency above 1 runs every drafter as an edge device generating that many of its
+Each policy runs once per mode (and per ``proactive``, ``concurrency`` and ``transit`` setting,
+when given); a sync run is named after its policy, an async one ``POLICY@async``, a given
+proactive setting adds ``+proactive`` or ``+no-proactive``, a given concurrency ``+cN`` and a
+given transit setting ``+tN`` (its directory and its rows in the report). Transit decoding
+(:mod:`goodspeed.verifier.engine`) needs async rounds: a sync run with it is refused before any
+run starts. Concurrency above 1 runs every drafter as an edge device generating that many of its
 prompts at once (:func:`goodspeed.launch.draft_node.generate_concurrently`), one verifier session
 per request, all under the drafter's name, so the report's rows stay per device.
 

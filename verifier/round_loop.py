@@ -29,6 +29,10 @@ Two modes (``ServerConfig.rounds``):
   for as before. Missed rounds mean nothing here (nobody waits for anyone);
   a drafter that sends nothing for ``idle_timeout_s`` with a request in progress is dropped.
 
+With transit decoding (``EngineConfig.transit_tokens``, async only) the steps the loop runs also
+decode the next tokens of drafters whose draft is still on the way (:mod:`goodspeed.verifier.engine`);
+the loop never runs a step for them alone.
+
 In both modes the budget ``C`` bounds every step: a drafter's allotment stays outstanding until
 its draft is verified, and the policy shares only what the others' outstanding allotments leave
 of ``C`` (:class:`goodspeed.scheduler.DraftAllotments`), so a step never verifies more than ``C``

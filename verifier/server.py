@@ -187,8 +187,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         # One identity's sessions naming one device share a utility term; another identity
         # naming the same device does not join it.
         group = f"{identity.name}/{device}" if device else None
-        session_id = await self.call(functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group,
-                                                                  transit=request.transit))
+        join = functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group, transit=request.transit)
+        session_id = await self.call(join)
         self._drafters[session_id] = Drafter(session_id, name, asyncio.Queue(), identity)
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=name, model=request.model_name, identity=identity.name)

@@ -29,9 +29,9 @@ class EngineConfig:
     # its own forward, when its request starts (in-process callers that drive steps themselves).
     prefill_chunk: int | None = None
     # Transit decoding: while a session that opted in (``join(transit=True)``) has no draft
-    # queued — its draft is on the wire or being drafted — every step that runs gives it a row of
-    # its own (plain decoding: its pending token, no drafts), at most this many tokens between
-    # two of its verdicts. 0: off. See the engine's module docstring.
+    # queued — its draft is on the wire or being drafted — the steps that run give it a row of its
+    # own (plain decoding: its pending token, no drafts) in what their drafts leave of ``budget``,
+    # at most this many tokens between two of its verdicts. 0: off. See the engine's docstring.
     transit_tokens: int = 0
 
     def __post_init__(self) -> None:
