@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/goodspeed models build-demo
 	$(BIN)/python -m bench.bench_engine
 	$(BIN)/python -m bench.bench_packing
+	$(BIN)/python -m bench.bench_transit
 	$(BIN)/python -m bench.bench_service
 	$(BIN)/python -m bench.bench_http
 	$(BIN)/python -m bench.bench_tetris_sampling
