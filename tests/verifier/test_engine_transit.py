@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.lm.sampling import SamplingParams
@@ -54,7 +55,7 @@ def test_greedy_outputs_equal_the_target_s_with_drafts_in_transit(models):
     assert engine.cache.num_slots == 0
 
 
-def test_transit_decoding_is_bounded_and_needs_the_session_to_opt_in(models):
+def test_transit_decoding_is_bounded_per_verdict_and_a_matching_draft_keeps_its_tail(models):
     target, good, _ = models
     engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4, seed=1, transit_tokens=2))
     silent = engine.join("silent", transit=True)
@@ -71,6 +72,7 @@ def test_transit_decoding_is_bounded_and_needs_the_session_to_opt_in(models):
     reference = greedy_reference(target, [1, 2, 3], 20)
     assert engine.committed(silent) == [1, 2, 3] + reference[:2]  # the target's own next tokens
     # Its draft arrives, drafted from the prompt: a draft agreeing with the decoded tokens keeps its tail.
+    engine.set_allotment(silent, 4)
     engine.submit(silent, Draft(engine.next_round(silent), reference[:4]))
     verdict = engine.run_round().verdicts[silent]
     assert verdict.num_transit == 2 and verdict.token_ids[:2] == reference[:2]
