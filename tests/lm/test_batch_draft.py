@@ -35,7 +35,8 @@ def test_chains_are_the_models_greedy_continuations_across_rounds(model):
     for key in committed:
         draft.add(key)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(3):  # draft, accept a prefix, append a correction: the KV must stay right
+    for _ in range(3):  # draft, accept a prefix, append a correction (or several tokens, as a verdict
+        # with tokens decoded in transit does): the KV must stay right
         lengths = {"a": 3, "b": 1, "c": 0}
         out = draft.draft_chains(committed, lengths, {k: GREEDY for k in committed}, gen)
         for key, n in lengths.items():
@@ -48,7 +49,8 @@ def test_chains_are_the_models_greedy_continuations_across_rounds(model):
         for key, n in lengths.items():
             accepted = min(n, 1)
             before = len(committed[key])
-            committed[key] = committed[key] + out[key].token_ids[:accepted] + [int(3 + len(committed[key]) % 5)]
+            grown = [int(3 + (before + i) % 5) for i in range(1 + before % 3)]
+            committed[key] = committed[key] + out[key].token_ids[:accepted] + grown
             draft.rollback(key, before, accepted)
     draft.remove("b")  # slots move; the others keep their KV
     out = draft.draft_chains(committed, {"a": 2, "c": 2}, {"a": GREEDY, "c": GREEDY}, gen)
