@@ -122,12 +122,29 @@ def drafter_command(d: DrafterSpec, address: str, prompts: Path, out: Path, work
     return drafter_argv(path, address, out)
 
 
-def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_parent: bool = False) -> dict:
-    """Popen arguments that pin the child to ``cpus`` with matching thread pools (Linux).
+# Run by a pinned child before it execs its command: set the CPU affinity and the parent-death
+# signal (both survive exec), then exec. Done in a fresh interpreter rather than a Popen
+# preexec_fn: a launcher that holds gRPC threads (a Ray actor does) must not run Python in a
+# forked child before its exec (gRPC skips its fork handlers then, and the child can abort).
+_PIN_AND_EXEC = """import ctypes, json, os, signal, sys
+cpus, die_with_parent = json.loads(sys.argv[1])
+if die_with_parent and sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if cpus:
+    os.sched_setaffinity(0, cpus)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _pinned(cmd: list[str], cpus: tuple[int, ...] | None, threads: int | None = None,
+            die_with_parent: bool = False) -> tuple[list[str], dict]:
+    """``(argv, Popen keywords)`` that run ``cmd`` pinned to ``cpus`` with matching thread pools
+    (Linux).
 
     ``threads`` sizes the thread pools when there is no pinning; ``die_with_parent`` has the
     kernel SIGTERM the child when the process that started it dies (Linux), so a child of a Ray
-    actor cannot outlive the actor.
+    actor cannot outlive the actor. Either runs ``cmd`` behind a short Python that sets them up
+    and execs it (same process, same pid).
     """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if cpus and not hasattr(os, "sched_setaffinity"):
@@ -136,17 +153,9 @@ def _pinned(cpus: tuple[int, ...] | None, threads: int | None = None, die_with_p
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     if not cpus and not die_with_parent:
-        return {"env": env}
-
-    def setup() -> None:
-        if die_with_parent and sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    return {"env": env, "preexec_fn": setup}
+        return list(cmd), {"env": env}
+    setup = json.dumps([list(cpus) if cpus else None, die_with_parent])
+    return [sys.executable, "-c", _PIN_AND_EXEC, setup, *cmd], {"env": env}
 
 
 def _prompt_file(d: DrafterSpec, out_dir: Path) -> Path:
@@ -204,8 +213,8 @@ class LocalCluster:
 
     def start_verifier(self) -> str:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.verifier = subprocess.Popen(verifier_command(self.spec.verifier, self.out_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         text=True, **_pinned(self.spec.verifier.cpus))
+        cmd, pinning = _pinned(verifier_command(self.spec.verifier, self.out_dir), self.spec.verifier.cpus)
+        self.verifier = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **pinning)
         threading.Thread(target=_follow, args=(self.verifier.stderr, self.out_dir / "verifier.log", self.view), daemon=True).start()
         return f"127.0.0.1:{self.wait_serving()}"
 
@@ -230,7 +239,8 @@ class LocalCluster:
             if d.name in linked:
                 cmd = self.network[d.name].wrap(cmd)
             with open(self.out_dir / f"{d.name}.log", "w") as err:
-                self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, **_pinned(d.cpus))
+                cmd, pinning = _pinned(cmd, d.cpus)
+                self.drafters[d.name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, **pinning)
 
     def rounds_with_everyone(self) -> int:
         """Rounds run since the first round by which every drafter had taken part (0 before). In

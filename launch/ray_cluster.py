@@ -211,8 +211,8 @@ class ProcessHost:
 
     def _start(self, cmd: list[str], cpus: tuple[int, ...] | None, num_cpus: float) -> None:
         with open(self.log_path, "a", encoding="utf-8") as log:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                         **_pinned(cpus, threads=max(1, int(num_cpus)), die_with_parent=True))
+            cmd, pinning = _pinned(cmd, cpus, threads=max(1, int(num_cpus)), die_with_parent=True)
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, **pinning)
 
     def read(self, log_offset: int, out_offset: int) -> tuple[bytes, bytes, int | None]:
         returncode = self.proc.poll() if self.proc is not None else None  # first: after exit the files are complete

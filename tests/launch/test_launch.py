@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -98,3 +101,18 @@ def test_a_launch_makes_its_own_credentials(tmp_path, launched, launched_drafter
     assert plain.verifier.auth_tokens and all(d.token_file for d in plain.drafters)
     assert secured.verifier.tls_client_ca == str(tmp_path / "auth" / "ca.pem")
     assert all(d.tls_server_name == "localhost" and d.tls_cert == str(tmp_path / "auth" / f"{d.name}.pem") for d in secured.drafters)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity needs Linux")
+def test_pinned_children_get_their_cpus_and_parent_death_signal_without_a_preexec_fn():
+    """The launcher pins a child (and, under Ray, asks the kernel to SIGTERM it when its parent
+    dies) by a short Python that sets both up and execs the command, never a preexec_fn."""
+    from goodspeed.launch.local import _pinned
+
+    probe = [sys.executable, "-c", "import ctypes, os; v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v)); "
+             "print(sorted(os.sched_getaffinity(0)), v.value, os.environ['OMP_NUM_THREADS'])"]  # 2: PR_GET_PDEATHSIG
+    cmd, kwargs = _pinned(probe, (0,), die_with_parent=True)
+    assert "preexec_fn" not in kwargs and cmd[-len(probe):] == probe
+    assert subprocess.run(cmd, capture_output=True, text=True, check=True, **kwargs).stdout.split() == ["[0]", "15", "1"]
+    cmd, kwargs = _pinned(probe, None, threads=3)  # nothing to set up: the command as it is
+    assert cmd == probe and subprocess.run(cmd, capture_output=True, text=True, check=True, **kwargs).stdout.split()[-2:] == ["0", "3"]

@@ -224,11 +224,15 @@ def test_ctrl_c_tears_the_cluster_down(ray_cluster, models, tmp_path):
         port = probe.getsockname()[1]
     spec = write_spec(tmp_path / "spec.toml", {"target": str(paths["target"]), "budget": 8, "resources": {"h100": 1}, "port": port},
                       [{"name": "endless", "draft": str(paths["draft"]), "prompts": str(long_prompts), "max_new_tokens": 64, "resources": {"l4": 1}}])
-    proc = subprocess.Popen([sys.executable, "-m", "goodspeed.launch.cli", "launch", str(spec), "--backend", "ray", "--address", ray_cluster,
-                             "--out", str(tmp_path / "run"), "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # Ctrl-C as a terminal delivers it, even under a runner started in the background
-                            # (a shell's `&` ignores SIGINT, and Python then leaves it ignored).
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Ctrl-C as a terminal delivers it, even under a runner started in the background: a shell's `&`
+    # ignores SIGINT and an ignored signal stays ignored across exec, so a small Python resets it and
+    # execs the launcher. Not a preexec_fn: this process holds Ray's gRPC threads, and running Python
+    # in a forked child before its exec can abort the child (seen once in CI: SIGABRT, "epoll_wait
+    # error: Bad file descriptor"); without one the child is spawned and execs at once.
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", reset, "-m", "goodspeed.launch.cli", "launch", str(spec), "--backend", "ray",
+                             "--address", ray_cluster, "--out", str(tmp_path / "run"), "--no-live"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results_file = tmp_path / "run" / "endless.jsonl"
     deadline = time.monotonic() + 180
     while not (results_file.exists() and results_file.read_text().count("\n") >= 3):  # results are flowing back
