@@ -347,24 +347,25 @@ def _experiment(args: argparse.Namespace) -> int:
             raise SpecError(f"--proactive: unknown {unknown}; give on, off or on,off")
         settings = replace(settings, proactive=tuple(values[v] for v in args.proactive.split(",")))
     if args.concurrency:
-        try:
-            levels = tuple(int(v) for v in args.concurrency.split(","))
-        except ValueError:
-            raise SpecError(f"--concurrency: {args.concurrency!r} is not a comma-separated list of integers") from None
-        if min(levels) < 1:
-            raise SpecError("--concurrency: each level is requests per drafter, >= 1")
-        settings = replace(settings, concurrency=levels)
+        settings = replace(settings, concurrency=_int_list("--concurrency", args.concurrency, 1, "requests per drafter"))
     if args.transit:
-        try:
-            transit = tuple(int(v) for v in args.transit.split(","))
-        except ValueError:
-            raise SpecError(f"--transit: {args.transit!r} is not a comma-separated list of integers") from None
-        if min(transit) < 0:
-            raise SpecError("--transit: each value is the verifier's transit_tokens, >= 0")
-        settings = replace(settings, transit=transit)
+        settings = replace(settings, transit=_int_list("--transit", args.transit, 0, "the verifier's transit_tokens"))
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
     return 1 if result["failed"] else 0
+
+
+def _int_list(flag: str, text: str, least: int, what: str) -> tuple[int, ...]:
+    """A flag's comma-separated integers, each at least ``least`` (SpecError otherwise)."""
+    from goodspeed.launch.spec import SpecError
+
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise SpecError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+    if min(values) < least:
+        raise SpecError(f"{flag}: each value is {what}, >= {least}")
+    return values
 
 
 def _simulate(args: argparse.Namespace) -> int:

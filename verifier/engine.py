@@ -392,10 +392,12 @@ class VerificationEngine:
             if generator is not None and row.input.key not in given:
                 given[row.input.key] = torch.rand(row.input.draft.num_tokens + 1, generator=generator, dtype=torch.float64).numpy()
         checked = self.row_verifier.verify([r.input for r in rows], logits, given) if rows else []
-        outcomes = [self._apply(row, out) for row, out in zip(rows, checked) if not row.transit]
+        outcomes = []
         for row, out in zip(rows, checked):
             if row.transit:
                 self._apply_transit(row, out)
+            else:
+                outcomes.append(self._apply(row, out))
         outcomes += [(row, [], 0, row.session.decoded_end) for row in settled]
         t3 = time.perf_counter()
         for row in rows:  # before scheduling: the time-aware policy reads it
@@ -443,15 +445,21 @@ class VerificationEngine:
             tokens = [pending_token, *map(int, draft.token_ids)]
             rows.append(Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents,
                             submitted=None if draft is submitted else submitted))
-        # Transit rows fill what the drafts leave of C, the sessions with the fewest tokens decoded
-        # in transit first (ties in slot order).
+        if waiting:
+            rows += self._transit_rows(rows, waiting)
+        return rows, settled
+
+    def _transit_rows(self, rows: list[Row], waiting: list[tuple[int, Session]]) -> list[Row]:
+        """Transit rows for the ``waiting`` ``(slot, session)``: they fill what ``rows``' drafts
+        leave of C, the sessions with the fewest tokens decoded in transit first (ties in slot order)."""
         room = self.config.budget - sum(r.input.draft.num_tokens for r in rows if r.session.source is self.allotments)
         chosen = sorted(waiting, key=lambda w: len(w[1].decoded))[: max(room, 0)]
+        out = []
         for slot, session in sorted(chosen, key=lambda w: w[0]):
             empty = Draft(session.round_index, [])
-            rows.append(Row(session, slot, RowInput(session.session_id, [session.request.committed[-1]], empty,
-                                                    session.request.sampling), None, transit=True))
-        return rows, settled
+            out.append(Row(session, slot, RowInput(session.session_id, [session.request.committed[-1]], empty,
+                                                   session.request.sampling), None, transit=True))
+        return out
 
     def _decodes_in_transit(self, session: Session) -> bool:
         """Whether this step decodes for the session while its draft is away (module docstring)."""
