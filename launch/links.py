@@ -127,7 +127,11 @@ class DelayProxy:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
+        try:
+            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
+        except asyncio.CancelledError:  # stop(): the connection ends with the proxy, not as an error
+            writer.close()
+            up_writer.close()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue = asyncio.Queue()

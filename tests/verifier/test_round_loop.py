@@ -92,7 +92,10 @@ def test_transit_decoding_grows_the_slow_links_text_in_the_fast_drafters_steps(m
     fast, slow, records = race(models, "async", transit_tokens=4)
     slow_rows = [d for r in records for d in r.drafters if d.name == "slow"]
     assert all(d.transit <= 4 for r in records for d in r.drafters)
-    assert sum(d.transit for d in slow_rows) > 0 and any(d.gained > d.accepted + 1 for d in slow_rows)
+    assert sum(d.transit for d in slow_rows) > 0
+    # Tokens decoded in transit reach the drafter in its verdicts, and nothing is delivered twice:
+    # its verdicts add up to its whole output.
+    assert sum(d.gained for d in slow_rows) == 90
     assert sum(r.transit_tokens for r in records) >= sum(d.transit for d in slow_rows)
     assert fast >= 3 * slow, (fast, slow)
 
