@@ -175,10 +175,10 @@ def test_launch_with_an_edge_link_is_lossless_and_reports_receive_time(tmp_path)
     near, far = summary["drafters"]["near"], summary["drafters"]["far"]
     assert far["link"]["rtt_ms"] == 60 and near["link"] is None
     # far: the round trip (60 ms) + drafting; near: drafting alone. Measured 77 vs 15 ms on an idle
-    # machine; under CPU contention near's drafting slows most (86 vs 47 ms; once 87 vs 117), so
-    # only the link's physical floor and the order are asserted, not a margin between them.
+    # machine; under CPU contention near's drafting slows most (86 vs 47 ms; 87 vs 117; in CI once
+    # 85 vs 81), so not even their order holds on a loaded machine: only the link's physical floor
+    # is asserted.
     assert far["receive_ms_median"] >= 0.8 * 60, summary["drafters"]
-    assert far["receive_ms_median"] > near["receive_ms_median"], summary["drafters"]
     assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.startswith("gs")]
 
 
