@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.bench_engine
 	$(BIN)/python -m bench.bench_packing
 	$(BIN)/python -m bench.bench_transit
+	$(BIN)/python -m bench.bench_wire --pair demo
 	$(BIN)/python -m bench.bench_service
 	$(BIN)/python -m bench.bench_http
 	$(BIN)/python -m bench.bench_tetris_sampling

@@ -51,6 +51,7 @@ from goodspeed.drafter.runner import DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
@@ -72,10 +73,12 @@ class NodeConfig:
     verdict_timeout_s: float = 120.0
     token: str | None = None
     tls: ClientTLS | None = None
+    proposal_top_k: int = PROPOSAL_TOP_K  # sampled drafts' q capped to this many tokens a position (lm.sampling.cap_support)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_waiting < 0:
             raise ValueError("max_concurrency must be >= 1 and max_waiting >= 0")
+        check_proposal_top_k(self.proposal_top_k)
 
 
 class _SessionLost(Exception):
@@ -175,7 +178,7 @@ class EdgeNode:
         self.requests = RequestMetrics(self.registry)
         self.spec = SpecDecodeMetrics(self.registry)
         self.node_metrics = DrafterMetrics(self.registry)
-        self.drafter = BatchDraftModel(draft_model)
+        self.drafter = BatchDraftModel(draft_model, config.proposal_top_k)
         self.root_seed = resolve_root_seed(config.seed)
         self.metadata = bearer_metadata(config.token)
         self.model_ids: tuple[str, ...] = ()

@@ -28,7 +28,8 @@ from transformers import DynamicCache
 
 from goodspeed.lm.attention import with_cache
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, cap_support, check_proposal_top_k, process_logits,
+                                   sample_from)
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,17 @@ class DraftOutput:
 
     def q_to_send(self, sampling: SamplingParams) -> tuple[str, object]:
         """How q travels, exactly: ``("none", None)`` for greedy (q is the point mass) or empty
-        drafts; ``("sparse", [(ids, probs), ...])`` — each row's support — when the sampling
-        truncates; else ``("dense", probs [S, V])``."""
+        drafts; ``("sparse", [(ids, probs), ...])`` — each row's support — when that is smaller
+        on the wire (an id and a prob a token against a float for every vocabulary entry: the
+        support under half of ``S x V``, as with top-k, top-p or a capped proposal); else
+        ``("dense", probs [S, V])``."""
         if sampling.greedy or not self.token_ids:
             return "none", None
-        if sampling.truncates:
+        support = self.probs > 0
+        if 2 * int(support.sum()) < self.probs.numel():
             rows = []
-            for row in self.probs:
-                ids = torch.nonzero(row > 0).squeeze(-1)
+            for row, keep in zip(self.probs, support):
+                ids = torch.nonzero(keep).squeeze(-1)
                 rows.append((ids.tolist(), row[ids].tolist()))
             return "sparse", rows
         return "dense", self.probs
@@ -54,8 +58,11 @@ class DraftOutput:
 class DraftRunner:
     """One drafter's model state for one request at a time."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, proposal_top_k: int = PROPOSAL_TOP_K) -> None:
+        """``proposal_top_k``: sampled drafts come from, and send, only the draft distribution's
+        ``k`` most likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all)."""
         self.model = model.eval()
+        self.proposal_top_k = check_proposal_top_k(proposal_top_k)
         self.device = next(model.parameters()).device
         self.start([])
 
@@ -107,7 +114,10 @@ class DraftRunner:
         while done < num_tokens and not (stop is not None and stop()):
             # q as it travels (float32): the token is sampled from exactly what the verifier gets,
             # so a drafted token never has q = 0 there (a float64 q below float32's range would).
-            q = process_logits(self._logits_after(self._feed()).double(), sampling).float()
+            q = process_logits(self._logits_after(self._feed()).double(), sampling)
+            if not sampling.greedy:
+                q = cap_support(q, self.proposal_top_k)
+            q = q.float()
             token = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
             self.ahead.append(token)
             self._ahead_q.append(q)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec, add_setting_flags
+from goodspeed.lm.sampling import PROPOSAL_TOP_K
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
 
@@ -249,6 +250,10 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--concurrency", type=int, default=1,
                     help="--prompts: requests generating at once, drafted together (one verifier session each; "
                          "more than 1 needs --no-proactive)")
+    dr.add_argument("--proposal-top-k", type=int, default=PROPOSAL_TOP_K,
+                    help="sampled drafts: draw from and send only the draft distribution's K most likely tokens a "
+                         "position, K (id, prob) pairs on the wire instead of the vocabulary's floats; lossless "
+                         "(the verifier tests against exactly that q); 0: the whole vocabulary (default: %(default)s)")
     _add_model_args(dr)
 
 
@@ -274,6 +279,8 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         parser.error("give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both")
     if args.concurrency < 1:
         parser.error("--concurrency must be >= 1")
+    if args.proposal_top_k < 0:
+        parser.error("--proposal-top-k must be >= 0 (0: the whole vocabulary)")
     if args.serve is not None and args.concurrency != 1:
         parser.error("--concurrency is for --prompts; --serve takes --max-concurrency")
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args

@@ -53,7 +53,7 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, ou
         token=read_token(spec.token_file), tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name),
         proactive=spec.proactive,
     )
-    client = DrafterClient(config, DraftRunner(draft.model))
+    client = DrafterClient(config, DraftRunner(draft.model, spec.proposal_top_k))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
         print(f"drafter {spec.name}: root seed {client.root_seed}", file=sys.stderr)
     try:
@@ -85,7 +85,7 @@ def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurre
     return NodeConfig(
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=max_concurrency,
         max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
-        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name))
+        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), proposal_top_k=spec.proposal_top_k)
 
 
 async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, tokenizer, fingerprint: str, prompts, out,

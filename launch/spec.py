@@ -6,7 +6,8 @@
     [[drafters]]                      # name, draft, prompts (a shipped set: code, docstrings,
     name = "code"                     # comments, project; or a JSONL path), max_new_tokens,
     draft = "demo:draft-distilled"    # temperature, top_k, top_p, count (copies), max_prompts,
-    prompts = "code"                  # device, dtype, seed, cpus, link, proactive, concurrency
+    prompts = "code"                  # device, dtype, seed, cpus, link, proactive, concurrency,
+                                      # proposal_top_k
 
 ``link = { rtt_ms = 40, jitter_ms = 5, mbit = 20, loss = 0.01 }`` runs that drafter in its own
 network namespace behind an emulated edge link (:mod:`goodspeed.launch.links`; needs root).
@@ -32,6 +33,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from goodspeed.launch.links import LinkSpec
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.lm.seeding import resolve_root_seed
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
@@ -352,6 +354,10 @@ class DrafterSpec:
     # request in flight, all under this drafter's name (one device: one utility term). While one
     # request's draft is on the link, the device drafts another's.
     concurrency: int = 1
+    # Sampled drafts are drawn from, and send, only their q's most likely tokens a position
+    # (goodspeed.lm.sampling.cap_support): k (id, prob) pairs on the wire instead of V floats,
+    # still lossless. 0: the whole vocabulary.
+    proposal_top_k: int = PROPOSAL_TOP_K
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -517,6 +523,10 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
         if d.concurrency > 1 and d.proactive:
             raise SpecError(f"drafter {d.name!r}: proactive drafting is per request, one at a time; with concurrency > 1 "
                             "the node drafts its requests together instead: set proactive = false")
+        try:
+            check_proposal_top_k(d.proposal_top_k)
+        except ValueError as exc:
+            raise SpecError(f"drafter {d.name!r}: {exc}") from None
         d.prompt_path()
     if spec.verifier.budget < 0:
         raise SpecError("[verifier] budget must be >= 0")

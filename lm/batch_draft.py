@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.lm.sampling import SamplingParams, cap_support, check_proposal_top_k, process_logits, sample_from
 from goodspeed.lm.attention import use_gqa_attention, with_cache
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
@@ -75,8 +75,12 @@ class BatchDraftModel:
     """Batched drafting for a set of requests. Not thread-safe (one thread owns it: the verifier's
     engine thread, or an edge node's drafting thread)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, proposal_top_k: int = 0) -> None:
+        """``proposal_top_k``: sampled chains come from only the draft distribution's ``k`` most
+        likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all, as local
+        serving, whose ``q`` never travels, uses it)."""
         self.model = model.eval()
+        self.proposal_top_k = check_proposal_top_k(proposal_top_k)
         use_gqa_attention(self.model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -188,7 +192,10 @@ class BatchDraftModel:
             for key in active:
                 if step < active[key]:
                     # float32 q, as the engine reads it: a sampled token never has q = 0 there
-                    q = process_logits(last[key].double(), sampling[key]).float()
+                    q = process_logits(last[key].double(), sampling[key])
+                    if not sampling[key].greedy:
+                        q = cap_support(q, self.proposal_top_k)
+                    q = q.float()
                     tok = int(sample_from(q, torch.rand(1, generator=streams[key], dtype=torch.float64)).item())
                     drafted[key].append(tok)
                     probs[key].append(q)

@@ -1,8 +1,10 @@
 """Logits processing and sampling shared by drafter and verifier.
 
-Lossless verification needs the draft distribution ``q`` and the target distribution ``p`` to go
-through the SAME processing (temperature, top-k, top-p) of the request (DESIGN.md section 3), so
-both sides call :func:`process_logits` and nothing else. Temperature 0 means greedy: the result is
+The draft distribution ``q`` and the target distribution ``p`` go through the SAME processing
+(temperature, top-k, top-p) of the request (DESIGN.md section 3), so both sides call
+:func:`process_logits`; that is what keeps acceptance high. Exactness needs only that each drafted
+token was sampled from the very ``q`` the verifier gets, so an edge drafter may also cap that
+``q``'s support (:func:`cap_support`) to send it small. Temperature 0 means greedy: the result is
 the one-hot distribution of the argmax (lowest token id on ties), which makes greedy decoding a
 special case of the same rejection rule. Randomness is always passed in (uniforms or a
 ``torch.Generator``).
@@ -108,6 +110,35 @@ def _truncate(scaled: torch.Tensor, params: list[SamplingParams], shape: tuple[i
         keep_sorted = keep_sorted & ((mass_before < top_p) | ~nucleus)
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, -math.inf)
+
+
+PROPOSAL_TOP_K = 256  # a drafter's default cap on the support of the q it samples from and sends (cap_support)
+
+
+def check_proposal_top_k(k: int) -> int:
+    """``k`` if it is a valid proposal cap (an integer >= 0; 0: the whole vocabulary), else ValueError."""
+    if isinstance(k, bool) or int(k) != k or k < 0:
+        raise ValueError(f"proposal_top_k must be an integer >= 0 (0: the whole vocabulary), got {k!r}")
+    return int(k)
+
+
+def cap_support(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """``probs [..., V]`` restricted to each row's ``k`` most likely tokens and renormalised; the
+    rows unchanged when ``k`` is 0 or at least ``V``.
+
+    A drafter's proposal (drafter.runner, lm.batch_draft): the accept test and the residual
+    ``max(0, p - q)`` are exact for ANY ``q`` the token was sampled from, provided the verifier gets
+    that very ``q`` (DESIGN.md section 3 needs ``s_j ~ q_j``, nothing about how ``q_j`` was made).
+    Capping the support lets a sampled draft travel sparse: ``k`` (id, prob) pairs a position
+    instead of ``V`` floats; the correctness argument of speculative sampling (Leviathan et al.,
+    verifier.rejection) never uses where the proposal came from. It costs acceptance at most the
+    mass cut off: ``sum min(p, q')`` loses at most the dropped mass of ``q``.
+    """
+    if k <= 0 or k >= probs.shape[-1]:
+        return probs
+    values, ids = torch.topk(probs, k, dim=-1)
+    capped = torch.zeros_like(probs).scatter_(-1, ids, values)
+    return capped / capped.sum(dim=-1, keepdim=True)
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -124,3 +124,25 @@ def test_predraft_stops_when_the_verdict_arrives():
     assert runner.predraft(2, 10, SamplingParams(), torch.Generator(), stop=lambda: next(calls)) == 1
     assert runner.predraft(2, 10, SamplingParams(), torch.Generator(), stop=lambda: True) == 0
     assert runner.ahead[:2] and len(runner.ahead) == 2
+
+
+def test_a_capped_proposal_is_sampled_from_and_sent_as_its_sparse_support():
+    """``proposal_top_k``: each sampled token comes from q's k likeliest tokens, and q travels as
+    exactly that support (k ids and probs a position); uncapped T = 1 travels dense, greedy not at all."""
+    model = tiny_llama(1)
+    sampling = SamplingParams(temperature=1.0)
+    runner = DraftRunner(model, proposal_top_k=4)
+    runner.start([1, 2, 3])
+    out = runner.draft(5, sampling, torch.Generator().manual_seed(3))
+    kind, rows = out.q_to_send(sampling)
+    assert kind == "sparse" and len(rows) == 5
+    for token, row, (ids, probs) in zip(out.token_ids, out.probs, rows):
+        assert len(ids) == 4 and token in ids and sum(probs) == pytest.approx(1.0, abs=1e-6)
+        assert ids == sorted(torch.topk(row, 4).indices.tolist()) and row[ids].tolist() == probs
+    whole = DraftRunner(model, proposal_top_k=0)
+    whole.start([1, 2, 3])
+    kind, dense = whole.draft(5, sampling, torch.Generator().manual_seed(3)).q_to_send(sampling)
+    assert kind == "dense" and dense.shape == (5, 48) and bool((dense > 0).all())
+    assert whole.draft(2, SamplingParams(), torch.Generator()).q_to_send(SamplingParams()) == ("none", None)
+    with pytest.raises(ValueError, match="proposal_top_k"):
+        DraftRunner(model, proposal_top_k=-1)

@@ -40,6 +40,7 @@ def test_count_expands_to_distinct_processes(tmp_path, launched, launched_drafte
         ('[verifier]\n[[drafters]]\nname="a"\nprompts="code"\n', "draft"),
         ('[verifier\n', "spec.toml"),
         ('[extra]\n', "unknown tables"),
+        ('[verifier]\n[[drafters]]\nname="a"\ndraft="d"\nprompts="code"\nproposal_top_k=-1\n', "proposal_top_k must be"),
     ],
 )
 def test_bad_specs_name_the_problem(tmp_path, text, match):

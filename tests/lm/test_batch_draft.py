@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.lm.sampling import SamplingParams, cap_support, process_logits
 from goodspeed.lm.batch_draft import BatchDraftModel, subtree
 from modelkit import tiny_llama
 
@@ -74,6 +74,19 @@ def test_sampled_chain_reports_the_processed_draft_distribution(model):
     greedy = draft.draft_chains({"x": [3, 4, 5]}, {"x": 1}, {"x": GREEDY}, torch.Generator())["x"]
     assert greedy.token_probs[0] == pytest.approx(float(next_probs(model, [3, 4, 5]).max()))  # softmax confidence, not 1
     assert greedy.expected_probs == greedy.token_probs  # nothing drawn: the same
+
+
+def test_a_capped_sampled_chain_draws_from_its_capped_q(model):
+    """The edge node's proposal cap: each position's q is the processed distribution cut to its
+    k likeliest tokens, and the drafted token is one of them."""
+    draft = BatchDraftModel(model, proposal_top_k=3)
+    draft.add("x")
+    sampling = SamplingParams(temperature=1.0)
+    out = draft.draft_chains({"x": [3, 4, 5]}, {"x": 2}, {"x": sampling}, torch.Generator().manual_seed(2))["x"]
+    q0 = cap_support(next_probs(model, [3, 4, 5], sampling), 3)
+    torch.testing.assert_close(out.probs[0], q0.float(), atol=1e-6, rtol=0)
+    assert [int((row > 0).sum()) for row in out.probs] == [3, 3]
+    assert all(float(row[t]) > 0 for row, t in zip(out.probs, out.token_ids))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3)])

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.lm.sampling import SamplingParams, cap_support, process_logits, sample_from
 
 
 def test_greedy_one_hot_lowest_index_on_ties():
@@ -92,3 +92,10 @@ def test_argmax_last_is_torchs_argmax_lowest_id_on_ties(dtype):
     got = argmax_last(logits)
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
     assert torch.equal(argmax_last(logits[:, 1:3]), logits[:, 1:3].argmax(dim=-1))  # a strided view
+
+
+def test_cap_support_keeps_each_rows_k_likeliest_tokens_renormalised():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.2, 0.15, 0.6, 0.05]], dtype=torch.float64)
+    capped = cap_support(probs, 2)
+    assert torch.allclose(capped, torch.tensor([[0, 4 / 7, 0, 3 / 7], [0.25, 0, 0.75, 0]], dtype=torch.float64))
+    assert cap_support(probs, 0) is probs and cap_support(probs, 4) is probs

@@ -14,7 +14,7 @@ import torch
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.lm.sampling import SamplingParams, cap_support, process_logits, sample_from
 from goodspeed.verifier import rejection
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
@@ -44,14 +44,16 @@ def bad_draft(target):
 
 
 def run_chains(target, draft, settings: dict[str, SamplingParams], per_setting: int, drafters_per_setting: int = 8,
-               engine_seed=None, drafter_seed=None, eos=None, max_new_tokens: int = 3):
-    """All settings' drafters in ONE engine (mixed settings in every batch); outputs per setting."""
+               engine_seed=None, drafter_seed=None, eos=None, max_new_tokens: int = 3, proposal_top_k: int | None = None):
+    """All settings' drafters in ONE engine (mixed settings in every batch); outputs per setting.
+    ``proposal_top_k``: the drafters' cap on their q's support (default: the runner's)."""
+    runner = DraftRunner if proposal_top_k is None else (lambda model: DraftRunner(model, proposal_top_k))
     engine = VerificationEngine(target, EngineConfig(budget=6 * len(settings) * drafters_per_setting, max_draft_len=3, seed=engine_seed))
     drafters = {}
     for name, sampling in settings.items():
         for i in range(drafters_per_setting):
             drafters[f"{name}/{i}"] = InProcessDrafter(
-                f"{name}/{i}", DraftRunner(draft), [PROMPT] * (per_setting // drafters_per_setting), sampling,
+                f"{name}/{i}", runner(draft), [PROMPT] * (per_setting // drafters_per_setting), sampling,
                 max_new_tokens=max_new_tokens, seed=drafter_seed)
     results = run_inprocess(engine, list(drafters.values()), eos_token_ids=() if eos is None else (eos,))
     outputs = {name: [] for name in settings}
@@ -85,6 +87,29 @@ def test_lossy_verifier_is_caught(target, bad_draft, monkeypatch):
     monkeypatch.setattr(rejection, "_residual_or_target", lambda p_at, q_at, rejected: p_at)
     sampling = SETTINGS["T1"]
     outputs, _ = run_chains(target, bad_draft, {"T1": sampling}, per_setting=1600)  # 800 fail it only by ~1.3x
+    ok, msg = fits(count_first_two(outputs["T1"], V), exact_first_two(target, PROMPT, sampling))
+    assert not ok, msg
+
+
+def test_a_capped_proposal_follows_the_target(target, bad_draft):
+    """Drafts drawn from, and sent as, only q's two likeliest tokens of six (sparse on the wire):
+    the output is still the target's, for plain and truncated sampling."""
+    settings = {name: SETTINGS[name] for name in ("T1", "topp0.8")}
+    outputs, results = run_chains(target, bad_draft, settings, per_setting=800, proposal_top_k=2)
+    for name, sampling in settings.items():
+        assert_follows(target, outputs[name], sampling)
+    verdicts = [v for r in results for v in r.verdicts.values()]
+    assert sum(v.num_accepted < v.num_drafted for v in verdicts) > 500  # rejections: the residual is exercised
+
+
+def test_a_proposal_sampled_capped_but_sent_whole_is_caught(target, bad_draft, monkeypatch):
+    """Power check: a drafter that samples from its capped q but sends the whole q biases the
+    output; the same test must fail."""
+    import goodspeed.drafter.runner as runner
+
+    monkeypatch.setattr(runner, "sample_from", lambda q, u: sample_from(cap_support(q, 2), u))
+    sampling = SETTINGS["T1"]
+    outputs, _ = run_chains(target, bad_draft, {"T1": sampling}, per_setting=400, proposal_top_k=0)  # chi2 ~600 vs 67
     ok, msg = fits(count_first_two(outputs["T1"], V), exact_first_two(target, PROMPT, sampling))
     assert not ok, msg
 
