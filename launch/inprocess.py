@@ -2,8 +2,8 @@
 
 This is the distributed protocol without the network: each round every drafter with a request
 drafts exactly its allotted ``S_i`` tokens, submits them with their draft distributions (sparse
-when the sampling truncates, so the transfer is exact), the engine verifies all of them in one
-forward, and each drafter applies its verdict. With chunked prefill a drafter whose prompt is being
+when their support is small, as over gRPC: :meth:`~goodspeed.drafter.runner.DraftOutput.q_to_send`),
+the engine verifies all of them in one forward, and each drafter applies its verdict. With chunked prefill a drafter whose prompt is being
 prefilled waits (the steps carry its chunks) and drafts from the step after its prefill completes.
 
 Links (``delay``): a drafter's draft, drafted right after its verdict, reaches the engine

@@ -46,11 +46,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def truncates(self) -> bool:
-        """Whether the processed distribution has limited support (so it travels sparse, exactly)."""
-        return self.greedy or self.top_k > 0 or self.top_p < 1.0
-
 
 def process_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingParams]) -> torch.Tensor:
     """Probabilities ``[..., V]`` (float32 or wider) from raw logits ``[..., V]``.

@@ -10,8 +10,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SparseProbs:
-    """One drafted position's draft distribution restricted to its support (exact when the
-    drafter truncates with top-k/top-p): ``token_ids [k]`` with ``probs [k]``, summing to 1."""
+    """One drafted position's draft distribution restricted to its support (top-k / top-p, or a
+    drafter's capped proposal): ``token_ids [k]`` with ``probs [k]``, summing to 1."""
 
     token_ids: Sequence[int]
     probs: Sequence[float]
