@@ -3,8 +3,8 @@
     python -m bench.bench_service [--drafters 8] [--prompts 4] [--max-new-tokens 48] [--json]
 
 * uplink bytes per drafted token: serialized DraftRequest size / S for greedy drafts (token ids
-  only), top-k 20 sampling (sparse q) and untruncated sampling (dense q), from real drafts of the
-  distilled demo draft;
+  only), top-k 20 sampling (sparse q) and untruncated sampling, its q whole (dense) and capped to
+  the drafter's default proposal_top_k (sparse), from real drafts of the distilled demo draft;
 * through the real service (``goodspeed launch`` with N drafter processes of the distilled draft,
   greedy): the verifier's non-forward share of its round work (verify + send), and server
   throughput — generated tokens per second of verifier time (prefill + rounds, from the JSON
@@ -29,13 +29,14 @@ from goodspeed.launch.local import launch_local
 from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
 from goodspeed.lm.demo import build_demo
 from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, SamplingParams
 from goodspeed.verifier.records import RoundRecord
 
-MODES = {
-    "greedy": SamplingParams(),
-    "top-k 20, T 0.8 (sparse q)": SamplingParams(temperature=0.8, top_k=20),
-    "T 1.0 (dense q)": SamplingParams(temperature=1.0),
+MODES = {  # (sampling, the drafter's proposal_top_k)
+    "greedy": (SamplingParams(), PROPOSAL_TOP_K),
+    "top-k 20, T 0.8 (sparse q)": (SamplingParams(temperature=0.8, top_k=20), PROPOSAL_TOP_K),
+    "T 1.0 (dense q: proposal_top_k 0)": (SamplingParams(temperature=1.0), 0),
+    f"T 1.0 (capped q: proposal_top_k {PROPOSAL_TOP_K})": (SamplingParams(temperature=1.0), PROPOSAL_TOP_K),
 }
 
 
@@ -43,8 +44,8 @@ def uplink_bytes(draft_len: int = 4, drafts: int = 20) -> dict:
     draft = load_causal_lm("demo:draft-distilled")
     prompt = draft.tokenizer("def main(argv):\n    parser = ")["input_ids"]
     out = {}
-    for mode, sampling in MODES.items():
-        runner = DraftRunner(draft.model)
+    for mode, (sampling, cap) in MODES.items():
+        runner = DraftRunner(draft.model, cap)
         runner.start(prompt)
         gen = torch.Generator().manual_seed(0)
         sizes = []
