@@ -7,7 +7,7 @@ import json
 import sys
 
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec, add_setting_flags
-from goodspeed.lm.sampling import PROPOSAL_TOP_K
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
 
@@ -279,8 +279,10 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         parser.error("give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both")
     if args.concurrency < 1:
         parser.error("--concurrency must be >= 1")
-    if args.proposal_top_k < 0:
-        parser.error("--proposal-top-k must be >= 0 (0: the whole vocabulary)")
+    try:
+        check_proposal_top_k(args.proposal_top_k)
+    except ValueError as exc:
+        parser.error(f"--proposal-top-k: {exc}")
     if args.serve is not None and args.concurrency != 1:
         parser.error("--concurrency is for --prompts; --serve takes --max-concurrency")
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args

@@ -3,8 +3,9 @@
 This is the distributed protocol without the network: each round every drafter with a request
 drafts exactly its allotted ``S_i`` tokens, submits them with their draft distributions (sparse
 when their support is small, as over gRPC: :meth:`~goodspeed.drafter.runner.DraftOutput.q_to_send`),
-the engine verifies all of them in one forward, and each drafter applies its verdict. With chunked prefill a drafter whose prompt is being
-prefilled waits (the steps carry its chunks) and drafts from the step after its prefill completes.
+the engine verifies all of them in one forward, and each drafter applies its verdict. With
+chunked prefill a drafter whose prompt is being prefilled waits (the steps carry its chunks) and
+drafts from the step after its prefill completes.
 
 Links (``delay``): a drafter's draft, drafted right after its verdict, reaches the engine
 ``delay(drafter)`` steps later; meanwhile the steps go on (for the others, and for transit

@@ -513,30 +513,20 @@ class VerificationEngine:
         session, request = row.session, row.session.request
         base = self.cache.lengths[row.slot]
         self.cache.commit(row.slot, base, outcome.kept)
-        emitted = outcome.emitted
-        cut, reason = len(emitted), None
-        eos_at = next((i for i, tok in enumerate(emitted) if tok in request.eos_token_ids), None)
-        if eos_at is not None:
-            cut, reason = eos_at + 1, "eos"
-        if cut > request.remaining or (cut == request.remaining and reason is None):
-            cut, reason = request.remaining, "length"
-        request.commit(emitted[:cut])
+        emitted, reason = _until_end(request, outcome.emitted)
+        request.commit(emitted)
         accepted = len(outcome.kept) - 1
         session.source.observe(session.session_id, outcome.ratios, accepted)
-        return row, emitted[:cut], accepted, reason
+        return row, emitted, accepted, reason
 
     def _apply_transit(self, row: Row, outcome: RowOutcome) -> None:
         """Commit a transit row's token (the target's next one) to the request and its KV slot;
         a request that ends here is told with the session's next verdict."""
         session, request = row.session, row.session.request
         self.cache.commit(row.slot, self.cache.lengths[row.slot], outcome.kept)
-        token = outcome.emitted[0]
-        request.commit([token])
-        session.decoded.append(token)
-        if token in request.eos_token_ids:
-            session.decoded_end = "eos"
-        elif request.remaining <= 0:
-            session.decoded_end = "length"
+        emitted, session.decoded_end = _until_end(request, outcome.emitted[:1])
+        request.commit(emitted)
+        session.decoded += emitted
 
     def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
         """Next round's draft lengths, from each source's book (eq. (5) or the configured baseline
@@ -586,6 +576,18 @@ class VerificationEngine:
         if reason:
             self._end_request(session)
         return verdict
+
+
+def _until_end(request, emitted: list[int]) -> tuple[list[int], str | None]:
+    """``emitted`` cut where the request ends, and why it ends there (``"eos"``: its first EOS,
+    kept; ``"length"``: its last token), or ``None`` if it goes on."""
+    cut, reason = len(emitted), None
+    eos_at = next((i for i, tok in enumerate(emitted) if tok in request.eos_token_ids), None)
+    if eos_at is not None:
+        cut, reason = eos_at + 1, "eos"
+    if cut > request.remaining or (cut == request.remaining and reason is None):
+        cut, reason = request.remaining, "length"
+    return emitted[:cut], reason
 
 
 def after_decoded(draft: Draft, decoded: list[int]) -> Draft:

@@ -221,7 +221,8 @@ def test_drafter_flags_override_the_spec_file_and_a_launch_spec_entry_is_picked_
     with pytest.raises(SpecError, match="0 \\[\\[drafters\\]\\] entries are named 'c'"):
         drafter_settings(["--spec", str(path), "--name", "c", "--verifier", "h:1"])
     for argv in (["--verifier", "h:1", "--prompts", "code"],  # no draft model
-                 ["--verifier", "h:1", "--draft", "d"]):  # neither prompts nor --serve
+                 ["--verifier", "h:1", "--draft", "d"],  # neither prompts nor --serve
+                 ["--verifier", "h:1", "--draft", "d", "--prompts", "code", "--proposal-top-k", "-1"]):
         with pytest.raises(SystemExit):
             drafter_settings(argv)
 
