@@ -13,21 +13,33 @@ Two modes (``ServerConfig.rounds``):
   drafter with a request in progress has submitted, or ``round_deadline_ms`` after its first
   draft. A drafter that misses more than ``max_missed_rounds`` rounds in a row is dropped.
 * ``async`` — continuous batching of drafts: whenever the engine is free and a draft is waiting,
-  a step closes after a coalescing window of at most one step's duration (the smoothed time of
-  the last verification steps; never more than ``round_deadline_ms``), or at once when every
-  drafter has submitted. Waiting longer than a step costs more than running one (the
-  ski-rental argument: the window is 2-competitive with the best wait in hindsight), and drafts
-  that arrive while a step runs join the next one, so under load batches form by themselves. A
-  drafter behind a slow link is therefore never waited for beyond the window: each drafter
-  advances at its own cadence. Nor is the window sat out for nothing: each drafter's next draft
-  is due at its last verdict plus its smoothed cycle (link and drafting, as measured here) less
-  two smoothed absolute deviations, and when no drafter's draft is due within what is left of
-  the window the step closes at once — with links of different lengths, the fast drafters would
-  otherwise wait a window every step for drafts that are still on the wire. The deviations keep
-  the prediction on the early side: a draft that comes before its predicted time after an early
-  close waits a whole step, so drafters whose cycles vary (drafting on a loaded core) are waited
-  for as before. Missed rounds mean nothing here (nobody waits for anyone);
-  a drafter that sends nothing for ``idle_timeout_s`` with a request in progress is dropped.
+  a step runs with the drafts that are there, and waits for one not yet here only while that pays
+  (below); drafts that arrive while a step runs join the next one, so under load batches form by
+  themselves, and a draft that is here is not held back for long by one still on a slow link.
+  Each drafter advances at its own cadence. Missed rounds mean nothing here (nobody waits for
+  anyone); a drafter that sends nothing for ``idle_timeout_s`` with a request in progress is
+  dropped.
+
+How long an async step waits. Drafter ``j``'s next draft is due at its last verdict plus its
+smoothed cycle (link and drafting, as measured here) less two smoothed absolute deviations: a
+drafter whose cycles vary (drafting on a loaded core) is thus expected early, and one with no
+cycle yet, or already late, may come any moment. Say the step opened at ``t`` with the queued
+drafters ``Q`` and ``j``'s draft comes at ``t + d``. Closing now delivers ``Q``'s verdicts ``d``
+earlier; ``j``'s draft then waits for the step to end and for a step of its own, about one step
+``f`` more. GoodSpeed's objective on tokens per second, ``sum_i log(tokens_i / cycle_i)``, moves by
+``-dx / cycle_i`` when drafter ``i``'s round grows by ``dx``, so with weights ``w_i = 1 / cycle_i``
+waiting pays iff ``d * sum_{i in Q} w_i < (f - d) * w_j``, that is iff
+
+    d < f * w_j / (W_Q + w_j),       W_Q = sum of the queued drafters' weights.
+
+With equal cycles that is ``f / (|Q| + 1)``: the more drafts wait, the less a late one is waited
+for; a fast drafter is waited for longer than a slow one, whose round a step barely lengthens.
+``f`` is the smoothed time of the last steps, and no step waits longer than ``f`` (the window; the
+ski-rental bound: waiting longer than a step costs more than running one) nor than
+``round_deadline_ms``. The step closes at once when no drafter is due before its own limit
+(``none-due``). Before 2026-11-25 every due draft was waited for up to ``f`` whatever waited for
+it, which idled the engine for the slowest link's drafter at every step (docs/EXPERIMENTS.md,
+*How long a step waits*).
 
 With transit decoding (``EngineConfig.transit_tokens``, async only) the steps the loop runs also
 decode the next tokens of drafters whose draft is still on the way (:mod:`goodspeed.verifier.engine`);
@@ -46,7 +58,7 @@ step carries no chunk itself, so one long prompt delays any round by at most one
 
 Every record says why its step closed (``closed``, :data:`~goodspeed.verifier.records.CLOSE_REASONS`):
 ``all`` (every drafter submitted), ``window`` (the window, in sync mode the round deadline, ran
-out), ``none-due`` (async: no other draft due within the window) or ``local`` (local serving's
+out), ``none-due`` (async: no other draft due soon enough to wait for) or ``local`` (local serving's
 work was waiting).
 
 Each drafter's *period* — the seconds between two of its verdicts, the round time it sees: link,
@@ -194,32 +206,57 @@ class RoundLoop:
     def _everyone_submitted(self) -> bool:
         return all(d.session_id in self._queued for d in self.drafters.values() if d.in_request)
 
-    def _draft_due(self, within_s: float) -> bool:
-        """Async: may another drafter's draft arrive within ``within_s``? Each drafter with a
-        request in progress and no draft queued is due at its last verdict plus
-        :attr:`Drafter.due_after_s`; one with no cycle yet (a request's first draft) or already
-        due may come any moment."""
-        horizon = time.perf_counter() + within_s
-        for d in self.drafters.values():
-            if not d.in_request or d.session_id in self._queued:
-                continue
-            due_after = d.due_after_s
-            if d.verdict_at is None or due_after is None or d.verdict_at + due_after <= horizon:
-                return True
-        return False
+    def _weights(self) -> dict[str, float]:
+        """Each drafter's weight in the log utility of tokens per second: one over its smoothed
+        cycle (a round that is ``x`` seconds longer costs ``log`` rate ``x / cycle``). A drafter
+        with no cycle yet (its request's first draft) weighs what the others do on average."""
+        known = {sid: 1.0 / d.cycle_mean_s for sid, d in self.drafters.items()
+                 if d.in_request and d.cycle_mean_s is not None and d.cycle_mean_s > 0}
+        fallback = sum(known.values()) / len(known) if known else 1.0
+        return {sid: known.get(sid, fallback) for sid, d in self.drafters.items() if d.in_request}
 
-    def _close_reason(self, left_s: float) -> str | None:
-        """Why the step waiting for drafts closes now (one of :data:`~goodspeed.verifier.records.CLOSE_REASONS`), or None
-        while it waits on, ``left_s`` seconds of its window left."""
+    def _wait_until(self, opened: float, now: float) -> float | None:
+        """Async: until when (``perf_counter``) the step that opened at ``opened`` is worth holding
+        open for a draft not yet here; None when no draft is (the module docstring derives the rule).
+
+        Drafter ``j``'s draft is due at its last verdict plus :attr:`Drafter.due_after_s`; one with no
+        cycle yet, or already late, may come any moment. Waiting for it is worth it until
+        ``opened + step * w_j / (W + w_j)``, where ``step`` is the smoothed step time, ``w_j`` its
+        weight and ``W`` the queued drafters' (:meth:`_weights`), and never past the window."""
+        weights = self._weights()
+        queued = sum(weights.get(sid, 0.0) for sid in self._queued)
+        until = None
+        for sid, w in weights.items():
+            if sid in self._queued:
+                continue
+            d = self.drafters[sid]
+            limit = opened + self.window_s * (w / (queued + w))
+            due_after = d.due_after_s
+            due = now if d.verdict_at is None or due_after is None else d.verdict_at + due_after
+            if now < limit and due <= limit:
+                until = limit if until is None else max(until, limit)
+        return until
+
+    def _close_reason(self, opened: float, now: float) -> str | None:
+        """Why the step waiting for drafts since ``opened`` closes at ``now`` (``perf_counter``; one
+        of :data:`~goodspeed.verifier.records.CLOSE_REASONS`), or None while it waits on."""
         if self._everyone_submitted():
             return "all"
         if self._local_work():
             return "local"
-        if left_s <= 0:
+        if now >= opened + self.window_s:
             return "window"
-        if self.config.rounds == "async" and not self._draft_due(left_s):
+        if self.config.rounds == "async" and self._wait_until(opened, now) is None:
             return "none-due"
         return None
+
+    def _wait_s(self, opened: float) -> float:
+        """How long the step that opened at ``opened`` waits for its next wake-up before closing."""
+        now = time.perf_counter()
+        until = opened + self.window_s
+        if self.config.rounds == "async":
+            until = self._wait_until(opened, now) or now
+        return max(0.0, until - now)
 
     def _local_work(self) -> bool:
         return self.local is not None and self.local.has_work
@@ -240,13 +277,13 @@ class RoundLoop:
                 continue
             if not await self._woken(sweep_every_s) or not self._queued:
                 continue
-            deadline = loop.time() + self.window_s
+            opened = time.perf_counter()
             chunked = False  # a prefill-only step ran while this round waited: the round carries no chunk
-            while (closed := self._close_reason(deadline - loop.time())) is None:
+            while (closed := self._close_reason(opened, time.perf_counter())) is None:
                 if self._starting:
                     await self._prefill()
                     chunked = True
-                elif not await self._woken(deadline - loop.time()):
+                elif not await self._woken(self._wait_s(opened)):
                     closed = "window"
                     break
             if self._queued:

@@ -140,33 +140,54 @@ def test_async_never_waits_for_a_frozen_drafter(models):
     assert rounds and max(r.receive_s for r in rounds) < 5.0
 
 
-def test_a_draft_is_due_at_its_drafters_last_verdict_plus_its_smoothed_cycle():
-    """The async loop closes a step early only when no waiting drafter's draft is due within the
-    window: a drafter with no measured cycle, or one already late, may come any moment."""
+def test_a_step_waits_for_a_due_draft_only_while_that_pays():
+    """Async: a step that opened with drafts queued waits for drafter j's draft, due at its last
+    verdict plus its smoothed cycle, only until ``opened + step * w_j / (W_Q + w_j)`` (weights one
+    over each cycle): a drafter with no measured cycle, or one already late, may come any moment."""
     def drafter(name, verdict_at=None, cycle=None, in_request=True, deviation=0.0):
         d = Drafter(name, name, asyncio.Queue(), identity=None, in_request=in_request, verdict_at=verdict_at)
         d.cycle_mean_s, d.cycle_dev_s = cycle, deviation
         return d
 
-    def loop_with(*drafters, queued=()):
-        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, {d.session_id: d for d in drafters},
-                         None, None, None, None)
+    def loop_with(*drafters, queued=("fast",), step_s=0.1):
+        fast = drafter("fast", verdict_at=0.0, cycle=0.02)  # queued: weight 50
+        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None,
+                         {d.session_id: d for d in (fast, *drafters)}, None, None, None, None)
         loop._queued.update(queued)
+        loop._step_s = step_s
         return loop
 
-    now = time.perf_counter()
-    far = drafter("far", verdict_at=now, cycle=10.0)  # due in ~10 s
-    assert not loop_with(far)._draft_due(1.0)
-    assert loop_with(far)._draft_due(20.0)
-    assert loop_with(far, drafter("new"))._draft_due(1.0)  # a request's first draft: no cycle yet
-    assert loop_with(far, drafter("late", verdict_at=now - 5.0, cycle=1.0))._draft_due(0.001)  # overdue
-    assert loop_with(far, drafter("soon", verdict_at=now, cycle=0.5))._draft_due(1.0)
-    # Cycles that vary make a drafter due early: 10 s on average, but +-4.6 s.
-    assert loop_with(drafter("erratic", verdict_at=now, cycle=10.0, deviation=4.6))._draft_due(1.0)
-    assert not loop_with(drafter("steady", verdict_at=now, cycle=10.0, deviation=4.4))._draft_due(1.0)
-    # Drafters with a draft already queued, or no request in progress, are not waited for.
-    assert not loop_with(far, drafter("queued", verdict_at=now, cycle=0.1), queued={"queued"})._draft_due(1.0)
-    assert not loop_with(far, drafter("idle", in_request=False))._draft_due(1.0)
+    opened = 1000.0
+    # A slow drafter (cycle 0.1 s, weight 10) next to the queued fast one (weight 50) is worth
+    # 10 / 60 of a 0.1 s step: its draft due 10 ms after the step opened is waited for, one due
+    # in 30 ms is not.
+    soon = drafter("slow", verdict_at=opened + 0.01 - 0.1, cycle=0.1)
+    assert loop_with(soon)._wait_until(opened, opened) == pytest.approx(opened + 0.1 / 6)
+    later = drafter("slow", verdict_at=opened + 0.03 - 0.1, cycle=0.1)
+    assert loop_with(later)._wait_until(opened, opened) is None
+    assert loop_with(later)._close_reason(opened, opened) == "none-due"
+    # ... where the old rule (wait up to a whole step for any draft due within it) would have waited.
+    # Equal cycles: a late draft is worth 1 / (|Q| + 1) of a step.
+    twin = drafter("twin", verdict_at=opened + 0.02 - 0.02, cycle=0.02)
+    assert loop_with(twin)._wait_until(opened, opened) == pytest.approx(opened + 0.05)
+    third = drafter("third", verdict_at=opened - 0.02, cycle=0.02)
+    assert loop_with(twin, third, queued=("fast", "third"))._wait_until(opened, opened) == pytest.approx(opened + 0.1 / 3)
+    # No cycle yet (a request's first draft), or overdue: may come any moment, waited for at the
+    # others' mean weight; past its limit, no longer.
+    new = drafter("new")
+    assert loop_with(new)._wait_until(opened, opened) == pytest.approx(opened + 0.05)
+    assert loop_with(new)._wait_until(opened, opened + 0.06) is None
+    overdue = drafter("late", verdict_at=opened - 5.0, cycle=0.1)
+    assert loop_with(overdue)._wait_until(opened, opened) == pytest.approx(opened + 0.1 / 6)
+    # Cycles that vary make a drafter due early: 0.1 s on average (30 ms in, past its limit), +-10 ms.
+    erratic = drafter("erratic", verdict_at=opened - 0.07, cycle=0.1, deviation=0.01)
+    assert loop_with(erratic)._wait_until(opened, opened) == pytest.approx(opened + 0.1 / 6)
+    steady = drafter("steady", verdict_at=opened - 0.07, cycle=0.1)
+    assert loop_with(steady)._wait_until(opened, opened) is None
+    # Drafters with no request in progress are not waited for; no step waits past its window.
+    assert loop_with(drafter("idle", in_request=False))._close_reason(opened, opened) == "all"
+    assert loop_with(soon)._close_reason(opened, opened + 0.1) == "window"
+    assert loop_with(soon)._close_reason(opened, opened) is None
 
 
 def test_a_drafters_cycle_is_smoothed_from_the_drafts_it_sends():
