@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from goodspeed.lm.attention import with_cache
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, cap_support, check_proposal_top_k, process_logits,
+from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
                                    sample_from)
 
 
@@ -112,12 +112,7 @@ class DraftRunner:
         two); returns how many."""
         done = 0
         while done < num_tokens and not (stop is not None and stop()):
-            # q as it travels (float32): the token is sampled from exactly what the verifier gets,
-            # so a drafted token never has q = 0 there (a float64 q below float32's range would).
-            q = process_logits(self._logits_after(self._feed()).double(), sampling)
-            if not sampling.greedy:
-                q = cap_support(q, self.proposal_top_k)
-            q = q.float()
+            q = draft_proposal(self._logits_after(self._feed()), sampling, self.proposal_top_k)
             token = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
             self.ahead.append(token)
             self._ahead_q.append(q)

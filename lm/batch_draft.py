@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, cap_support, check_proposal_top_k, process_logits, sample_from
+from goodspeed.lm.sampling import SamplingParams, check_proposal_top_k, draft_proposal, process_logits, sample_from
 from goodspeed.lm.attention import use_gqa_attention, with_cache
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
@@ -191,11 +191,7 @@ class BatchDraftModel:
         for step in range(max(active.values())):
             for key in active:
                 if step < active[key]:
-                    # float32 q, as the engine reads it: a sampled token never has q = 0 there
-                    q = process_logits(last[key].double(), sampling[key])
-                    if not sampling[key].greedy:
-                        q = cap_support(q, self.proposal_top_k)
-                    q = q.float()
+                    q = draft_proposal(last[key], sampling[key], self.proposal_top_k)
                     tok = int(sample_from(q, torch.rand(1, generator=streams[key], dtype=torch.float64)).item())
                     drafted[key].append(tok)
                     probs[key].append(q)

@@ -136,6 +136,18 @@ def cap_support(probs: torch.Tensor, k: int) -> torch.Tensor:
     return capped / capped.sum(dim=-1, keepdim=True)
 
 
+def draft_proposal(logits: torch.Tensor, params: SamplingParams, proposal_top_k: int) -> torch.Tensor:
+    """The float32 ``q`` a drafter samples its next token from, and that travels with it: the
+    request's processing of ``logits`` in float64, its support capped to ``proposal_top_k`` tokens
+    when sampling (:func:`cap_support`; greedy q is one-hot already). The token is drawn from this
+    very tensor, as the verifier reads it, so a drafted token never has q = 0 there (a float64 q
+    below float32's range would)."""
+    q = process_logits(logits.double(), params)
+    if not params.greedy:
+        q = cap_support(q, proposal_top_k)
+    return q.float()
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw, one token per row: ``probs [..., V]`` (need not sum to 1), ``uniforms [...]``
     in ``[0, 1)``. Deterministic given the uniforms, so tests can replay it.

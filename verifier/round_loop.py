@@ -57,9 +57,9 @@ waiting for drafts) the loop runs prefill-only steps. A round that waited behind
 step carries no chunk itself, so one long prompt delays any round by at most one chunk.
 
 Every record says why its step closed (``closed``, :data:`~goodspeed.verifier.records.CLOSE_REASONS`):
-``all`` (every drafter submitted), ``window`` (the window, in sync mode the round deadline, ran
-out), ``none-due`` (async: no other draft due soon enough to wait for) or ``local`` (local serving's
-work was waiting).
+``all`` (every drafter submitted), ``window`` (the wait ran out: in sync mode the round deadline;
+in async mode the window, or the limit of the due draft it waited for), ``none-due`` (async: no
+other draft due soon enough to wait for) or ``local`` (local serving's work was waiting).
 
 Each drafter's *period* — the seconds between two of its verdicts, the round time it sees: link,
 drafting and verification — is measured here and given to the engine with the step that ends it
