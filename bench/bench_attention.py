@@ -41,16 +41,19 @@ def _inputs(rows: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: 
     return query, key, value, mask
 
 
-def _time_pair(calls: dict, repeats: int) -> dict:
-    """Median microseconds per call of each kernel, their calls alternating."""
+def time_alternating(calls: dict, repeats: int, sync=lambda: None) -> dict:
+    """Median microseconds per call of each kernel, their calls alternating after 5 warm-up calls
+    each; ``sync`` runs before and after every timed call (a device's synchronisation)."""
     for fn in calls.values():
         for _ in range(5):
             fn()
     times: dict[str, list] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
@@ -81,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"threads": args.threads, "warm": [], "cold": []}
     for model, (heads, kv_heads, dim) in HEADS.items():
         for rows, q_len, kv_len in WARM:
-            us = _time_pair(_kernels([_inputs(rows, q_len, kv_len, heads, kv_heads, dim, gen)]), args.repeats)
+            us = time_alternating(_kernels([_inputs(rows, q_len, kv_len, heads, kv_heads, dim, gen)]), args.repeats)
             report["warm"].append({"heads": model, "rows": rows, "q_len": q_len, "kv_len": kv_len, **us})
         layers = [_inputs(8, 5, 1029, heads, kv_heads, dim, gen) for _ in range(4)]
-        us = _time_pair(_kernels(layers), args.repeats)
+        us = time_alternating(_kernels(layers), args.repeats)
         kv_bytes = 2 * 8 * kv_heads * 1029 * dim * 4  # one layer's keys and values
         report["cold"].append({"heads": model, "rows": 8, "q_len": 5, "kv_len": 1029, "layers": 4, "kv_mb_per_layer": kv_bytes / 1e6,
                                **us, "matmul_gb_per_s": kv_bytes / (us["matmul"] * 1e-6) / 1e9,

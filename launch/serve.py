@@ -93,6 +93,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
         local_config(opts)
     log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
     engine, target = build_engine(opts)
+    log.event("attention", path=engine.attention)
     smoothing = engine.config.smoothing
     log.event("scheduling", policy=opts.policy, budget=opts.budget, eta=smoothing.eta, beta=smoothing.beta)
     local = None

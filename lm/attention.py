@@ -29,12 +29,37 @@ heads (4 / 2 x 32) and SmolLM2's (9 / 3 x 64). SDPA stays faster for one query p
 do every other device and half-precision models (whose scores and softmax SDPA's kernel keeps in
 fp32). Same maths, same
 mask; the two differ by float rounding only (``tests/lm/test_attention.py``).
+
+On CUDA in fp16 / bf16, a group of chains (verification rows, a prompt chunk) attends through
+**flash-attention's varlen kernel** instead (:class:`VarlenKernel`, :func:`flash_varlen_kernel`),
+with no mask and no padded query, reading every key in place from the slot cache. vLLM's layout
+(flat tokens, cumulative query lengths, per-sequence key starts and lengths) is applied per key
+head: the pool buffer ``[slots, kv_heads, capacity, dim]`` is, flattened, one run of
+``capacity`` keys per (slot, key head), so each (key head, row) pair is one varlen *sequence*
+with one key head and the query heads it serves — its keys start at
+``(slot * kv_heads + head) * capacity`` (``cu_seq_k``) and number the row's length after this
+step (``seqused_k``); its queries are the row's new tokens for those heads (``cu_seq_q``, the
+queries regrouped head-major: a copy of the step's queries, never of keys). Causal masking is the
+kernel's bottom-right rule (query ``i`` of a sequence of ``n`` new tokens over ``k`` keys sees
+keys ``<= k - n + i``), which is exactly the chain mask. A tree row (an ancestor mask) keeps its
+group on the masked SDPA path. This needs only ``seqused_k``, which the flash op of torch 2.11
+and 2.13 takes, not a block table (which torch 2.11, on the GPU machine this was measured on,
+lacks). Where there is no such kernel, or on CPU, every group takes the masked path:
+:func:`varlen_kernel_for` says which, and the engine logs it. :data:`REFERENCE_VARLEN` computes
+the same call in plain torch, one sequence at a time: the tests run the whole packed path
+through it on CPU, and compare the CUDA kernel with it. Measured on an H200 (``bench/bench_varlen.py``,
+docs/BENCHMARKS.md *On a GPU*): a step then costs the same however the allocation spreads its
+tokens (GoodSpeed / Fixed-S 0.997-1.024 against masked SDPA's 1.021-1.081), though the call,
+with its query and output regrouping, costs 1.1-1.4x masked SDPA's.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, LlamaForCausalLM
@@ -91,6 +116,12 @@ def gqa_sdpa_attention(
         for group in packed.groups:
             rows = group.rows.stop - group.rows.start
             flat = query[0, :, group.tokens] if group.gather is None else query[0].index_select(1, group.gather)
+            if group.varlen is not None:  # chains, keys read in place, one sequence per (key head, row)
+                part = group.varlen.attend(flat, *packed.cache.flat_kv(module.layer_idx, group.own), scaling)
+                if out is None:
+                    return part.unsqueeze(0), None
+                out[group.dest] = part
+                continue
             if group.own is None:
                 keys, values = key[group.rows, :, : group.kv_len], value[group.rows, :, : group.kv_len]
             else:  # a slot with KV buffers of its own
@@ -145,3 +176,105 @@ def use_gqa_attention(model: torch.nn.Module) -> None:
         model.set_attn_implementation(NAME)
     else:  # transformers 4.x
         model.config._attn_implementation = NAME
+
+
+# ----------------------------------------------------------------- varlen attention (CUDA)
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """A varlen kernel with per-sequence key starts and lengths (flash's ``seqused_k``):
+    ``call(query [Tq, heads, dim], key / value [Tk, 1, dim], cu_seq_q [B + 1], cu_seq_k [B + 1]
+    (sequence b's keys start at cu_seq_k[b]), seqused_k [B] (and number seqused_k[b]), max_q,
+    max_k, scale) -> [Tq, heads, dim]``, causal bottom-right per sequence, every query head over
+    the one key head (int32 metadata)."""
+
+    name: str
+    call: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class VarlenRows:
+    """One packed group's chain rows for a :class:`VarlenKernel` (:meth:`SlotKVCache.pack
+    <goodspeed.lm.kv_slots.SlotKVCache.pack>`): per row with tokens, in packed order, the slot
+    whose keys it reads (0 for a buffer of its own), its committed length and new tokens. The
+    per-(key head, row) metadata is made on the first layer and reused by the others."""
+
+    kernel: VarlenKernel
+    slots: tuple[int, ...]
+    lengths: tuple[int, ...]
+    sizes: tuple[int, ...]
+    _meta: dict = field(default_factory=dict, compare=False)
+
+    def metadata(self, kv_heads: int, capacity: int, device) -> tuple:
+        """``cu_seq_q, cu_seq_k, seqused_k, max_q, max_k`` for sequences (head, row), head-major,
+        over keys flattened from ``[slots, kv_heads, capacity, dim]``: one host -> device copy."""
+        key = (kv_heads, capacity, str(device))
+        if key not in self._meta:
+            tokens, rows = sum(self.sizes), len(self.sizes)
+            ends = np.cumsum(self.sizes)
+            cu_q = [0, *(h * tokens + int(e) for h in range(kv_heads) for e in ends)]
+            starts = [(slot * kv_heads + h) * capacity for h in range(kv_heads) for slot in self.slots]
+            used = [length + n for length, n in zip(self.lengths, self.sizes)] * kv_heads
+            meta = torch.tensor([*cu_q, *starts, 0, *used], dtype=torch.int32).to(device)
+            b = kv_heads * rows
+            self._meta[key] = (meta[: b + 1], meta[b + 1 : 2 * b + 2], meta[2 * b + 2 :], max(self.sizes),
+                               max(used))
+        return self._meta[key]
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_heads: int, capacity: int,
+               scale: float | None) -> torch.Tensor:
+        """``query`` ``[heads, T, dim]`` (the group's packed tokens), ``keys`` / ``values`` the
+        flattened buffers ``[slots * kv_heads * capacity, 1, dim]`` -> ``[T, heads, dim]``."""
+        heads, tokens, dim = query.shape
+        groups = heads // kv_heads
+        q = query.view(kv_heads, groups, tokens, dim).transpose(1, 2).reshape(kv_heads * tokens, groups, dim)
+        cu_q, cu_k, used, max_q, max_k = self.metadata(kv_heads, capacity, query.device)
+        out = self.kernel.call(q, keys, values, cu_q, cu_k, used, max_q, max_k, dim ** -0.5 if scale is None else scale)
+        return out.view(kv_heads, tokens, groups, dim).transpose(0, 1).reshape(tokens, heads, dim)
+
+
+def varlen_reference(query, keys, values, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale) -> torch.Tensor:
+    """What a :class:`VarlenKernel` computes, one sequence at a time in plain torch (SDPA with an
+    explicit bottom-right causal mask): the CPU tests' kernel and the yardstick of the CUDA one."""
+    out = query.new_empty(query.shape)
+    cu_q, starts, used = cu_seq_q.tolist(), cu_seq_k.tolist(), seqused_k.tolist()
+    for b, k_len in enumerate(used):
+        q0, q1, k0 = cu_q[b], cu_q[b + 1], starts[b]
+        n = q1 - q0
+        allowed = torch.arange(k_len, device=query.device) <= (k_len - n + torch.arange(n, device=query.device)).unsqueeze(1)
+        q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim] over one key head
+        part = F.scaled_dot_product_attention(q, keys[k0 : k0 + k_len].transpose(0, 1).unsqueeze(0),
+                                              values[k0 : k0 + k_len].transpose(0, 1).unsqueeze(0), attn_mask=allowed,
+                                              scale=scale, enable_gqa=q.shape[1] > 1)
+        out[q0:q1] = part[0].transpose(0, 1)
+    return out
+
+
+REFERENCE_VARLEN = VarlenKernel("reference (plain torch, one sequence at a time)", varlen_reference)
+
+
+def flash_varlen_kernel() -> VarlenKernel | None:
+    """torch's flash-attention varlen op with per-sequence key lengths (``seqused_k``), where this
+    torch build has it: ``aten::_flash_attention_forward``, the op under the public
+    ``torch.nn.attention.varlen.varlen_attn`` (which takes ``seqused_k`` itself only from torch
+    2.13; the op takes it in 2.11 already). Run on an H200 with torch 2.11 (docs/BENCHMARKS.md)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or "seqused_k" not in {a.name for a in op.default._schema.arguments}:
+        return None
+
+    def call(query, keys, values, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k, scale):
+        return op(query, keys, values, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True, False, scale=scale,
+                  seqused_k=seqused_k)[0]
+    return VarlenKernel("flash varlen (aten::_flash_attention_forward)", call)
+
+
+def varlen_kernel_for(model: torch.nn.Module) -> VarlenKernel | None:
+    """The varlen kernel ``model``'s packed forwards take for chains, or None (masked SDPA):
+    flash's, on CUDA, in fp16 / bf16, for head dims flash takes (multiples of 8 up to 256)."""
+    param = next(model.parameters())
+    config = model.config
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if param.device.type != "cuda" or param.dtype not in (torch.float16, torch.bfloat16) or dim % 8 or dim > 256:
+        return None
+    return flash_varlen_kernel()

@@ -20,6 +20,10 @@ slots need, each slot of its own within 2x its own need, and a long prompt's gro
 the other slots. The padded forwards (:meth:`SlotKVCache.prepare`: the reference path and the
 batched draft models) keep every slot in the pool.
 
+Chains of a packed forward may attend through a varlen kernel (:attr:`SlotKVCache.varlen`, set by
+the engine on CUDA): such a group carries no mask, and the kernel reads the pool or a slot's own
+buffers flattened in place (:meth:`SlotKVCache.flat_kv`).
+
 Buffers are created under ``torch.inference_mode`` (the engine's forward), so every method that
 moves entries runs in inference mode too. The object implements the two methods transformers' attention layers call on a cache
 (``update`` and ``get_seq_length``), so any causal LM that takes a cache works (``cache=``, or
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from goodspeed.lm.attention import VarlenKernel, VarlenRows
 
 
 def _doubled(capacity: int, need: int) -> int:
@@ -67,6 +73,9 @@ class SlotKVCache:
         self._own: dict[int, _OwnBuffer] = {}  # slot -> its buffers, for slots outside the pool
         self._pool_tokens: torch.Tensor | None = None  # packed tokens written to the pool (None: all of them)
         self._own_writes: list[tuple[int, slice, int]] = []  # (slot, packed tokens, first position) outside the pool
+        # Packed forwards: the kernel groups of chains attend through, reading keys in place
+        # (goodspeed.lm.attention.varlen_kernel_for; None: masked SDPA for every group).
+        self.varlen: VarlenKernel | None = None
 
     @property
     def capacity(self) -> int:
@@ -184,14 +193,26 @@ class SlotKVCache:
         groups = []
         for r in alone + own:  # chains and trees alike: the row's own mask and depths
             n, length = sizes[r], lengths[r]
-            mask, pos = build_attention([length], [parents[r]], n, length + n, dtype, device)
             span = slice(starts[r], starts[r] + n)
-            positions[0, span] = pos[0].cpu()
             slot = rows.start + r
-            groups.append(AttentionGroup(slice(r, r + 1), n, length + n, mask, span, None, None, span,
-                                         slot if slot in self._own else None))
+            home = slot if slot in self._own else None
+            if self.varlen is not None and parents[r] is None:  # a chain: the kernel's causal rule, no mask
+                groups.append(AttentionGroup(slice(r, r + 1), n, length + n, None, span, None, None, span, home,
+                                             VarlenRows(self.varlen, (0 if home is not None else slot,), (length,), (n,))))
+                continue
+            mask, pos = build_attention([length], [parents[r]], n, length + n, dtype, device)
+            positions[0, span] = pos[0].cpu()
+            groups.append(AttentionGroup(slice(r, r + 1), n, length + n, mask, span, None, None, span, home))
         q_len = max((sizes[r] for r in shared), default=0)
-        if q_len:
+        if q_len and self.varlen is not None and all(parents[r] is None for r in shared if sizes[r]):
+            count = sum(sizes[r] for r in shared)
+            span = slice(total - count, total)  # shared rows in row order, idle ones taking no tokens
+            real = [r for r in shared if sizes[r]]
+            groups.append(AttentionGroup(slice(0, len(tokens)), q_len, max(lengths[r] + sizes[r] for r in real), None, span,
+                                         None, None, span, None,
+                                         VarlenRows(self.varlen, tuple(rows.start + r for r in real),
+                                                    tuple(lengths[r] for r in real), tuple(sizes[r] for r in real))))
+        elif q_len:
             # Keys up to the longest row's last new token: a real query never sees past it, and a pad
             # (a short, solo, own or idle row's) attends to what is there (its output is dropped), so a
             # long prompt's slot does not widen everyone's attention.
@@ -214,6 +235,16 @@ class SlotKVCache:
         self._kv_len = max((g.kv_len for g in groups if g.own is None), default=0)  # the pool view attention reads
         logit_rows = max((sizes[r] for r in own + shared), default=0)
         return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, logit_rows, keep, self)
+
+    def flat_kv(self, layer: int, own: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """``layer``'s keys and values flattened to ``[positions, 1, head_dim]`` (views, no copy),
+        with their key heads and capacity: the pool (slot ``s``'s head ``h`` holds positions from
+        ``(s * kv_heads + h) * capacity``) or ``own``'s buffers (slot 0). What a
+        :class:`~goodspeed.lm.attention.VarlenKernel` reads."""
+        keys, values = (self.keys[layer], self.values[layer]) if own is None else (self._own[own].keys[layer],
+                                                                                    self._own[own].values[layer])
+        _, kv_heads, capacity, dim = keys.shape
+        return keys.view(-1, 1, dim), values.view(-1, 1, dim), kv_heads, capacity
 
     # --------------------------------------------------------------- where each slot's KV lives
 
@@ -358,17 +389,19 @@ class SlotKVCache:
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Window rows whose queries attend in one SDPA call, padded to the group's longest row."""
+    """Window rows whose queries attend in one call: SDPA under the group's mask, padded to its
+    longest row, or (``varlen``) the varlen kernel over the packed queries as they are."""
 
     rows: slice  # window rows: their KV views are the keys
     q_len: int
     kv_len: int
-    mask: torch.Tensor  # [rows, 1, q_len, kv_len] additive
+    mask: torch.Tensor | None  # [rows, 1, q_len, kv_len] additive (None: varlen)
     tokens: slice | None  # no pads: the packed tokens, already in the padded order
     gather: torch.Tensor | None  # [rows * q_len]: the packed token of each padded query (pads: token 0)
     scatter: torch.Tensor | None  # the padded query of each real token (None: no pads)
     dest: slice  # the packed tokens the group's real queries answer for, in row order
     own: int | None = None  # the slot whose own buffers hold the keys (None: the pool's rows)
+    varlen: VarlenRows | None = None  # chains through the varlen kernel (then no mask, no padding)
 
 
 @dataclass(frozen=True)
@@ -386,8 +419,11 @@ class PackedRows:
 
     @property
     def mask(self) -> torch.Tensor:
-        """The shared group's mask (what a caller passes as ``attention_mask``; attention reads the groups)."""
-        return self.groups[-1].mask
+        """What a caller passes as ``attention_mask``: a 4-D tensor, so transformers builds no mask
+        of its own (attention reads the groups, never this). The shared group's mask, or an empty
+        one when that group has none (the varlen kernel's)."""
+        mask = self.groups[-1].mask if self.groups else None
+        return mask if mask is not None else torch.zeros(1, 1, 0, 0, device=self.input_ids.device)
 
     def padded(self, packed: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``[1, T', ...]`` per-token values (e.g. logits) of the last ``T'`` tokens (all of them,

@@ -67,7 +67,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
-from goodspeed.lm.attention import PACKED, use_gqa_attention, with_cache
+from goodspeed.lm.attention import PACKED, use_gqa_attention, varlen_kernel_for, with_cache
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
@@ -90,6 +90,9 @@ class VerificationEngine:
         # Probabilities are compared in at least float32, whatever the model's dtype.
         self._work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
+        # Packed forwards' chains attend through a paged varlen kernel where there is one (CUDA,
+        # fp16 / bf16, a torch with flash's block table); else every group takes masked SDPA.
+        self.cache.varlen = varlen_kernel_for(self.model) if self.config.packed else None
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
         # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
         # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.
@@ -150,6 +153,13 @@ class VerificationEngine:
         source.join(session_id, device or session_id)
         self._sessions[session_id] = Session(session_id, name, source, transit=transit)
         return session_id
+
+    @property
+    def attention(self) -> str:
+        """How packed forwards attend: the varlen kernel's name for chains, or masked SDPA."""
+        if self.cache.varlen is None:
+            return "masked SDPA" if self.config.packed else "masked SDPA (padded forwards)"
+        return f"{self.cache.varlen.name} for chains, masked SDPA for trees"
 
     @property
     def estimator(self):

@@ -1,7 +1,13 @@
 import pytest
 import torch
 
+from goodspeed.lm.attention import REFERENCE_VARLEN
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
+
+# Packed forwards through each attention path: masked SDPA for every group (None), and chains
+# through the varlen call (REFERENCE_VARLEN: its plain-torch meaning, on CPU).
+VARLEN = [None, REFERENCE_VARLEN]
+VARLEN_IDS = ["masked", "varlen"]
 
 
 def test_slot_table_follows_the_cache_when_a_slot_is_freed():
@@ -57,29 +63,32 @@ def test_memory_is_given_back_when_long_sessions_leave():
     assert long.keys == [None] and long.values == [None]
 
 
-def _step(model, cache, tokens, parents, packed, solo=()):
+def _step(model, cache, tokens, parents, packed, solo=(), layouts=None, dtype=torch.float64, device="cpu"):
     """One forward over every slot of ``cache``; logits ``[rows, q_len, V]`` (packed: gathered back
-    to the padded layout; pad positions are not compared)."""
+    to the padded layout; pad positions are not compared). ``layouts`` collects packed layouts."""
     from goodspeed.lm.attention import PACKED, with_cache
     from goodspeed.lm.kv_slots import build_attention
 
     window = slice(0, len(tokens))
     with torch.inference_mode():
         if packed:
-            layout = cache.pack(tokens, parents, window, torch.float64, solo=solo)
+            layout = cache.pack(tokens, parents, window, dtype, device, solo=solo)
+            if layouts is not None:
+                layouts.append(layout)
             out = model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
                         **with_cache(model, cache), use_cache=True, **{PACKED: layout})
             assert out.logits.shape[1] == sum(map(len, tokens))  # the model saw no padding
             return layout.padded(out.logits, [r for r, t in enumerate(tokens) if t and r not in solo])
         q_len = max(map(len, tokens))
-        ids = torch.tensor([t + [0] * (q_len - len(t)) for t in tokens])
+        ids = torch.tensor([t + [0] * (q_len - len(t)) for t in tokens], device=device)
         kv_len = cache.prepare(q_len, window)
-        mask, positions = build_attention(cache.lengths[window], parents, q_len, kv_len, torch.float64)
+        mask, positions = build_attention(cache.lengths[window], parents, q_len, kv_len, dtype, device)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(model, cache), use_cache=True).logits
         return logits[[r for r, t in enumerate(tokens) if t and r not in solo]]
 
 
-def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
+@pytest.mark.parametrize("varlen", VARLEN, ids=VARLEN_IDS)
+def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots(varlen):
     """The packed target runner against the padded reference: ragged prefills, then one mixed step
     (a chain, a tree, an idle slot, a single token), then rows of equal length (no gather). Same logits to 1e-9 (float64; the only
     difference is the matmul shapes), same KV written."""
@@ -89,6 +98,7 @@ def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
     model = tiny_llama(7)  # 4 query heads over 2 KV heads: grouped-query attention
     use_gqa_attention(model)
     caches = {mode: SlotKVCache(num_layers=2, initial_capacity=8) for mode in ("padded", "packed")}
+    caches["packed"].varlen, layouts = varlen, []
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 3, 3, 3], [5]]
     steps = [
         (prompts, [None] * 4),
@@ -99,7 +109,7 @@ def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
         for _ in prompts:
             cache.add_slot()
     for tokens, parents in steps:
-        out = {mode: _step(model, cache, tokens, parents, mode == "packed") for mode, cache in caches.items()}
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed", layouts=layouts) for mode, cache in caches.items()}
         for r, row in enumerate(r for r, t in enumerate(tokens) if t):
             n = len(tokens[row])
             assert torch.allclose(out["packed"][r, :n], out["padded"][r, :n], atol=1e-9, rtol=0)
@@ -107,6 +117,68 @@ def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots():
             for slot, t in enumerate(tokens):
                 cache.commit(slot, cache.lengths[slot], list(range(len(t))))
         _assert_same_kv(caches["packed"], caches["padded"])
+    # Slot 0 outgrows the pool (8) at step 1 and slot 1 at step 2: buffers of their own (16). Chains
+    # take the varlen call, a tree (slot 1) keeps its group masked.
+    expected = {None: [["masked"], ["masked"] * 2, ["masked"] * 3],
+                REFERENCE_VARLEN: [["varlen"], ["varlen", "masked"], ["varlen", "masked", "varlen"]]}
+    assert _paths(layouts) == expected[varlen]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_packed_forwards_through_flash_varlen_equal_masked_ones():
+    """GPU: the engine's varlen choice on a bf16 model on CUDA, then the same packed steps (ragged
+    prefills, chains with an idle slot, a prompt chunk beside chains, a tree) through flash's
+    varlen kernel and through masked SDPA, and padded in float32: the varlen logits are as close
+    to float32's as the masked ones (within 1% of the logits' range more) and within 2% of that
+    range of the masked ones; every chain group took the kernel."""
+    from goodspeed.lm.attention import use_gqa_attention, varlen_kernel_for
+    from modelkit import tiny_llama
+
+    half = tiny_llama(5, hidden=256, heads=4, kv_heads=2, dtype=torch.bfloat16).cuda()  # head dim 64
+    full = tiny_llama(5, hidden=256, heads=4, kv_heads=2, dtype=torch.float32).cuda()
+    kernel = varlen_kernel_for(half)
+    if kernel is None:
+        pytest.skip("this torch's flash varlen op takes no per-sequence key lengths")
+    for model in (half, full):
+        use_gqa_attention(model)
+    caches = {mode: SlotKVCache(num_layers=2) for mode in ("varlen", "masked", "float32")}
+    caches["varlen"].varlen, layouts = kernel, []
+    steps = [
+        ([list(range(1, 40)), [9, 8], list(range(5, 20)), [5]], [None] * 4, ()),
+        ([[10, 11, 12], [13, 14, 15, 16, 17], [], [18]], [None] * 4, ()),
+        ([[19], list(range(1, 47)) * 3, [20, 21], [22, 23, 24]], [None] * 4, (1,)),  # slot 1: a 138-token chunk
+        ([[25, 26, 27], [28], [29, 30, 31, 32], [33]], [[-1, 0, 0], None, None, None], ()),  # a tree: masked
+    ]
+    for cache in caches.values():
+        for _ in range(4):
+            cache.add_slot()
+    for tokens, parents, solo in steps:
+        out = {mode: _step(full if mode == "float32" else half, cache, tokens, parents, mode != "float32",
+                           solo if mode != "float32" else (), layouts if mode == "varlen" else None,
+                           torch.float32 if mode == "float32" else torch.bfloat16, "cuda").float()
+               for mode, cache in caches.items()}
+        rows = [r for r, t in enumerate(tokens) if t]
+        kept = [r for r in rows if r not in solo]
+        want = out["float32"][[rows.index(r) for r in kept]]
+        span = float(want.max() - want.min())
+        for r, row in enumerate(kept):
+            n = len(tokens[row])
+            varlen, masked, exact = out["varlen"][r, :n], out["masked"][r, :n], want[r, :n]
+            assert (varlen - masked).abs().max() <= 0.02 * span
+            assert (varlen - exact).abs().max() <= (masked - exact).abs().max() + 0.01 * span
+        for cache in caches.values():
+            for slot, t in enumerate(tokens):
+                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
+    assert _paths(layouts) == [["varlen"], ["varlen"], ["varlen", "varlen"], ["masked"]]
+
+
+def _paths(layouts) -> list[list[str]]:
+    """Each packed forward's attention groups, in order: "varlen" (no mask) or "masked"."""
+    kinds = []
+    for layout in layouts:
+        assert all((g.varlen is None) != (g.mask is None) for g in layout.groups)
+        kinds.append(["varlen" if g.varlen is not None else "masked" for g in layout.groups])
+    return kinds
 
 
 def _assert_same_kv(got: SlotKVCache, want: SlotKVCache) -> None:
@@ -117,7 +189,8 @@ def _assert_same_kv(got: SlotKVCache, want: SlotKVCache) -> None:
                 assert torch.allclose(mine, theirs, atol=1e-9)
 
 
-def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged():
+@pytest.mark.parametrize("varlen", VARLEN, ids=VARLEN_IDS)
+def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged(varlen):
     """A prompt chunk packed as a solo row (its own attention group, first in the packed order)
     next to a chain, a tree and an idle slot: the others' logits and every row's KV equal the
     padded reference's (float64, 1e-9), and the chunk's own KV too."""
@@ -127,6 +200,7 @@ def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged():
     model = tiny_llama(7)
     use_gqa_attention(model)
     caches = {mode: SlotKVCache(num_layers=2, initial_capacity=8) for mode in ("padded", "packed")}
+    caches["packed"].varlen, layouts = varlen, []
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [], [3, 3, 3, 3], [5]]
     chunk = list(range(10, 31))  # slot 2's prompt chunk: 21 tokens, far longer than the others' rows
     steps = [
@@ -139,7 +213,7 @@ def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged():
         for _ in prompts:
             cache.add_slot()
     for tokens, parents, solo in steps:
-        out = {mode: _step(model, cache, tokens, parents, mode == "packed", solo if mode == "packed" else ())
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed", solo if mode == "packed" else (), layouts)
                for mode, cache in caches.items()}
         padded_rows = [r for r, t in enumerate(tokens) if t]
         packed_rows = [r for r in padded_rows if r not in solo]
@@ -152,7 +226,8 @@ def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged():
         _assert_same_kv(caches["packed"], caches["padded"])
 
 
-def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own():
+@pytest.mark.parametrize("varlen", VARLEN, ids=VARLEN_IDS)
+def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own(varlen):
     """Per-slot KV sizing: a slot that alone outgrows the pool moves to buffers of its own (grown
     with it, copying only it) while the pool keeps its capacity; the pool doubles once most of its
     slots need more, and takes back an own slot it now fits. Through chains, a tree on an own slot
@@ -165,6 +240,7 @@ def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own():
     model = tiny_llama(3)
     use_gqa_attention(model)
     caches = {mode: SlotKVCache(num_layers=2, initial_capacity=8) for mode in ("padded", "packed")}
+    caches["packed"].varlen, layouts = varlen, []
     packed = caches["packed"]
     for cache in caches.values():
         for _ in range(4):
@@ -172,7 +248,7 @@ def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own():
 
     def step(tokens, parents=None, kept=None):
         parents = parents or [None] * len(tokens)
-        out = {mode: _step(model, cache, tokens, parents, mode == "packed") for mode, cache in caches.items()}
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed", layouts=layouts) for mode, cache in caches.items()}
         for r, row in enumerate(r for r, t in enumerate(tokens) if t):
             n = len(tokens[row])
             assert torch.allclose(out["packed"][r, :n], out["padded"][r, :n], atol=1e-9, rtol=0)
@@ -200,6 +276,11 @@ def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own():
     assert packed.own_slots == {0: 64}
     with pytest.raises(RuntimeError, match="own"):  # padded forwards keep every slot in the pool
         packed.prepare(1, slice(0, 3))
+    paths = _paths(layouts)
+    if varlen is None:
+        assert all(kind == "masked" for kinds in paths for kind in kinds)
+    else:  # masked only for the tree on the own slot
+        assert paths[1] == ["masked", "varlen"] and sum(kinds.count("masked") for kinds in paths) == 1
 
 
 def test_tree_masks_and_positions_follow_each_node_s_ancestors():

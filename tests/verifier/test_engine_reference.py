@@ -7,6 +7,8 @@ import torch
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import to_engine_draft
+from goodspeed.lm.attention import REFERENCE_VARLEN
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
 from goodspeed.lm.prefix import prefix_hash
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -35,12 +37,18 @@ def inverse_cdf(weights, u):
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=1.2, top_p=0.7)]
 
 
-@pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False)])  # False: the padded reference path
+# False: the padded reference path; "varlen": packed, chains through the varlen call (its
+# plain-torch reference on CPU; flash's on CUDA), with a pool small enough that slots outgrow it.
+@pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False), (1, "varlen")])
 def test_batched_rounds_equal_reference(seed, packed):
     rng = np.random.default_rng(seed)
     target = tiny_llama(10 + seed)
     draft = perturbed(target, 0.2, 99)
-    engine = VerificationEngine(target, EngineConfig(budget=40, policy="random", max_draft_len=7, seed=seed, packed=packed))
+    engine = VerificationEngine(target, EngineConfig(budget=40, policy="random", max_draft_len=7, seed=seed, packed=bool(packed)))
+    if packed == "varlen":
+        engine.cache = SlotKVCache(engine.cache.num_layers, initial_capacity=16)
+        engine.slots = SlotTable(engine.cache)
+        engine.cache.varlen = REFERENCE_VARLEN
     sessions = []
     for i in range(5):
         sid = engine.join(f"d{i}")
@@ -111,3 +119,53 @@ def test_tree_round_equals_reference_tree_walk():
     engine.submit(a, Draft(engine.next_round(a), []))
     v2 = engine.run_round().verdicts[a]
     assert v2.token_ids == [argmax_after(seq + v.token_ids[-1:])]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_rounds_through_flash_varlen_equal_masked_ones():
+    """GPU: a bf16 target on CUDA, whose engine picks flash's varlen kernel, against the same
+    engine with masked SDPA, fed the same drafts (a CPU draft model, greedy and sampled, prompts
+    that grow the pool past its first 256 positions) and the same uniforms for 8 rounds: the same
+    verdicts. The two kernels round bf16 differently (tests/lm/test_kv_slots.py bounds the logits'
+    difference), which can flip a token where two are within rounding of each other, so the target
+    here is peaked (init 1.0: its top token leads by far more than bf16's rounding); a kernel
+    reading wrong keys or lengths changes verdicts all the same."""
+    from goodspeed.lm.attention import varlen_kernel_for
+
+    target = tiny_llama(21, hidden=256, heads=4, kv_heads=2, init=1.0, dtype=torch.bfloat16).cuda()
+    if varlen_kernel_for(target) is None:
+        pytest.skip("this torch's flash varlen op takes no per-sequence key lengths")
+    draft = perturbed(tiny_llama(21, hidden=256, heads=4, kv_heads=2, init=1.0), 0.03, 5)
+    engines = {}
+    for path in ("varlen", "masked"):
+        engines[path] = VerificationEngine(target, EngineConfig(budget=40, policy="fixed", max_draft_len=6, seed=3))
+        if path == "masked":
+            engines[path].cache.varlen = None
+    assert "flash" in engines["varlen"].attention and engines["masked"].attention == "masked SDPA"
+    rng = np.random.default_rng(4)
+    sessions = []
+    for i in range(4):
+        prompt = rng.integers(0, 48, 200 + 40 * i).tolist()  # 200-320 tokens: the pool grows past 256
+        sampling = SAMPLINGS[i % 2]
+        sids = {path: e.join(f"d{i}") for path, e in engines.items()}
+        for path, e in engines.items():
+            e.start_request(sids[path], prompt, sampling, max_new_tokens=100)
+        runner = DraftRunner(draft)
+        runner.start(prompt)
+        sessions.append((sids, runner, sampling, torch.Generator().manual_seed(i)))
+    accepted = []
+    for _ in range(8):
+        uniforms = {path: {} for path in engines}
+        for sids, runner, sampling, gen in sessions:
+            out = runner.draft(5, sampling, gen)
+            u = rng.random(len(out.token_ids) + 1)
+            for path, e in engines.items():
+                e.submit(sids[path], to_engine_draft(e.next_round(sids[path]), out, sampling))
+                uniforms[path][sids[path]] = u
+        results = {path: e.run_round(uniforms[path]) for path, e in engines.items()}
+        for sids, runner, _, _ in sessions:
+            got, want = (results[p].verdicts[sids[p]] for p in ("varlen", "masked"))
+            assert (got.num_accepted, got.token_ids) == (want.num_accepted, want.token_ids)
+            runner.apply(got.token_ids, got.num_accepted)
+            accepted.append(got.num_accepted)
+    assert sum(accepted) >= len(accepted)  # drafts are accepted too (~1 of 5 or more): not only corrections compared

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one run (a machine with CUDA torch, transformers and pytest, and
+# no network): the CUDA tests (flash's varlen kernel against each row's attention in float64, packed
+# forwards and whole engine rounds through it against masked SDPA) and bench.bench_varlen.
+#   bash bench/gpu_checks.sh [OUTDIR]      # results in OUTDIR (default: gpu-checks/)
+# The project is used from this checkout without installing it (a goodspeed.* package of links).
+set -uo pipefail
+out=${1:-gpu-checks}
+mkdir -p "$out"
+root=$(cd "$(dirname "$0")/.." && pwd)
+pkg=$(mktemp -d)/goodspeed
+mkdir -p "$pkg"
+for d in api drafter launch lm proto scheduler verifier; do ln -s "$root/$d" "$pkg/$d"; done
+export PYTHONPATH="$(dirname "$pkg")" PYTHONUNBUFFERED=1
+cd "$root"
+python3 - <<'PY' 2>&1 | tee "$out/probe.txt"
+import inspect, torch, transformers
+from goodspeed.lm.attention import flash_varlen_kernel
+print("torch", torch.__version__, "transformers", transformers.__version__, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    print("varlen_attn", inspect.signature(varlen_attn))
+except ImportError as exc:
+    print("no varlen_attn:", exc)
+print(torch.ops.aten._flash_attention_forward.default._schema)
+kernel = flash_varlen_kernel()
+print("kernel:", kernel and kernel.name)
+PY
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/test_attention.py tests/lm/test_kv_slots.py \
+    tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
+for k in 1 4; do
+    timeout 200 python3 -m bench.bench_varlen --repeats 30 --replicas $k --json > "$out/bench_varlen_x$k.json" 2> "$out/bench_varlen_x$k.err"
+    echo "bench x$k rc=$?"; tail -5 "$out/bench_varlen_x$k.err"
+done
+python3 - "$out" <<'PY'
+import json, sys
+for k in (1, 4):
+    r = json.load(open(f"{sys.argv[1]}/bench_varlen_x{k}.json"))
+    print(r["device"], r["kernel"], r["rows"], "rows")
+    for table in ("attention", "forward"):
+        for row in r[table]:
+            print(" ", table, row["prefix"], row["shape"], {p: round(row[p], 3) for p in ("varlen", "kernel_only", "masked", "padded") if p in row})
+PY
