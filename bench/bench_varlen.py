@@ -10,8 +10,8 @@ paths' calls alternating:
 
 * ``attention``: one layer's attention call (:func:`goodspeed.lm.attention.gqa_sdpa_attention` on a
   packed layout from :meth:`goodspeed.lm.kv_slots.SlotKVCache.pack`), Qwen3-14B's heads
-  (40 / 8 x 128), 8 rows at prefixes around 1,024 and 4,096, and flash's kernel alone on queries
-  already regrouped (``kernel_only``: what the wrapper around it costs);
+  (40 / 8 x 128), 8 rows at prefixes just under ``--prefixes`` (default 1,024 and 4,096), and
+  flash's kernel alone on queries already regrouped (``kernel_only``: what the wrapper costs);
 * ``forward``: the whole packed target forward of a randomly initialised model with Qwen3-14B's
   layer shapes (hidden 5,120, MLP 17,408, vocab 151,936) and ``--layers`` layers (the real model
   has 40; weights are random: only time is measured), the same rows, and the padded forward
@@ -45,13 +45,14 @@ ROWS = 8  # 8 x --replicas
 
 def _smoke() -> None:
     """Tiny shapes on CPU in fp32 through the plain-torch kernel: the harness runs end to end."""
-    global HEADS, KV_HEADS, DIM, MODEL, PREFIXES, DEVICE, DTYPE
-    HEADS, KV_HEADS, DIM, PREFIXES, DEVICE, DTYPE = 4, 2, 16, (512,), "cpu", torch.float32
+    global HEADS, KV_HEADS, DIM, MODEL, DEVICE, DTYPE
+    HEADS, KV_HEADS, DIM, DEVICE, DTYPE = 4, 2, 16, "cpu", torch.float32
     MODEL = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128}
 
 
 def _prefixes(base: int) -> list[int]:
-    return [base - 16 - 37 * (i % 8) for i in range(ROWS)]  # ragged below base (the pool's capacity), as sessions are
+    step = min(37, base // 28)  # ragged below base (the pool's capacity), as sessions are
+    return [base - 16 - step * (i % 8) for i in range(ROWS)]
 
 
 def _sync() -> None:
@@ -150,22 +151,27 @@ def forward_table(layers: int, repeats: int, kernel) -> list[dict]:
                     return model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
                                  use_cache=True)
 
-            ms = _timed({"varlen": lambda: packed(caches["varlen"]), "masked": lambda: packed(caches["masked"]),
-                         "padded": padded}, repeats)
+            calls = {"varlen": lambda: packed(caches["varlen"]), "masked": lambda: packed(caches["masked"]), "padded": padded}
+            if not rows:  # a fresh model's first cell runs slow for more than the 5 warm-up calls: discard a round
+                _timed(calls, repeats)
+            ms = _timed(calls, repeats)
             rows.append({"prefix": prefix, "shape": shape, **ms, "varlen/masked": ms["varlen"] / ms["masked"]})
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    global ROWS, PREFIXES
     parser = argparse.ArgumentParser(description="chains through flash's varlen kernel vs masked SDPA (CUDA)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--replicas", type=int, default=1, help="the 8 rows, this many times over")
+    parser.add_argument("--prefixes", type=int, nargs="+", default=list(PREFIXES),
+                        help="the pool capacities the rows' prefixes sit just under (powers of 2, >= 64)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, the plain-torch kernel (checks the harness)")
     args = parser.parse_args(argv)
-    global ROWS
     ROWS = 8 * args.replicas
+    PREFIXES = tuple(args.prefixes)
     if args.smoke:
         _smoke()
         kernel, device = REFERENCE_VARLEN, "cpu (smoke)"
@@ -190,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  prefix ~{r['prefix']:>4} {r['shape']:<9}: varlen {r['varlen']:.2f}  masked {r['masked']:.2f}  "
               f"padded {r['padded']:.2f}  varlen/masked {r['varlen/masked']:.2f}")
     for prefix in PREFIXES:
+        if prefix != PREFIXES[0]:
+            by = {(r["shape"], r["prefix"]): r["varlen"] for r in report["forward"]}
+            print(f"  prefix ~{prefix} / ~{PREFIXES[0]}, varlen forward: fixed {by['fixed', prefix] / by['fixed', PREFIXES[0]]:.3f}  "
+                  f"goodspeed {by['goodspeed', prefix] / by['goodspeed', PREFIXES[0]]:.3f}")
         by = {(r["shape"], p): r[p] for r in report["forward"] if r["prefix"] == prefix for p in ("varlen", "masked", "padded")}
         print(f"  prefix ~{prefix}: goodspeed / fixed  varlen {by['goodspeed', 'varlen'] / by['fixed', 'varlen']:.3f}  "
               f"masked {by['goodspeed', 'masked'] / by['fixed', 'masked']:.3f}  padded {by['goodspeed', 'padded'] / by['fixed', 'padded']:.3f}")
