@@ -90,8 +90,8 @@ class VerificationEngine:
         # Probabilities are compared in at least float32, whatever the model's dtype.
         self._work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
-        # Packed forwards' chains attend through a paged varlen kernel where there is one (CUDA,
-        # fp16 / bf16, a torch with flash's block table); else every group takes masked SDPA.
+        # Packed forwards' chains attend through a varlen kernel where there is one (CUDA, fp16 /
+        # bf16, a torch whose flash op takes per-sequence key lengths); else masked SDPA throughout.
         self.cache.varlen = varlen_kernel_for(self.model) if self.config.packed else None
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
         # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
