@@ -47,10 +47,11 @@ and 2.13 takes, not a block table (which torch 2.11, on the GPU machine this was
 lacks). Where there is no such kernel, or on CPU, every group takes the masked path:
 :func:`varlen_kernel_for` says which, and the engine logs it. :data:`REFERENCE_VARLEN` computes
 the same call in plain torch, one sequence at a time: the tests run the whole packed path
-through it on CPU, and compare the CUDA kernel with it. Measured on an H200 (``bench/bench_varlen.py``,
-docs/BENCHMARKS.md *On a GPU*): a step then costs the same however the allocation spreads its
-tokens (GoodSpeed / Fixed-S 0.958-1.024 in 9 of 10 cells, masked SDPA's 1.018-1.120), though the call,
-with its query and output regrouping, costs 1.1-1.4x masked SDPA's.
+through it on CPU, and compare the CUDA kernel with it. Measured on an H200
+(``bench/bench_varlen.py``, docs/BENCHMARKS.md *On a GPU*): a step then costs the same however
+the allocation spreads its tokens (GoodSpeed / Fixed-S 0.958-1.024 in 9 of 10 cells, masked
+SDPA's 1.018-1.120), though the call, with its query and output regrouping, costs 1.1-1.4x
+masked SDPA's.
 """
 
 from __future__ import annotations
