@@ -37,6 +37,7 @@ from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.lm.seeding import resolve_root_seed
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
+from goodspeed.verifier.sessions import ATTENTION_PATHS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -139,6 +140,9 @@ class VerifierSpec:
     transit_tokens: int = setting(0, "async rounds: while a drafter's draft is in transit, decode up to this many of its "
                                      "tokens in the steps that run anyway (verifier.engine; 0: off)",
                                   to="engine.transit_tokens")
+    attention: str = setting("auto", "packed forwards' attention: auto (flash's varlen kernel for chains on CUDA in "
+                                     "bf16 / fp16 where torch has it, else masked SDPA), varlen (require that kernel) "
+                                     "or masked (masked SDPA everywhere)", to="engine.attention", choices=ATTENTION_PATHS)
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)
     seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and name "

@@ -91,8 +91,14 @@ class VerificationEngine:
         self._work_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
         # Packed forwards' chains attend through a varlen kernel where there is one (CUDA, fp16 /
-        # bf16, a torch whose flash op takes per-sequence key lengths); else masked SDPA throughout.
-        self.cache.varlen = varlen_kernel_for(self.model) if self.config.packed else None
+        # bf16, a torch whose flash op takes per-sequence key lengths) unless the config says
+        # "masked"; "varlen" insists on it (EngineConfig.attention).
+        kernel = varlen_kernel_for(self.model) if self.config.packed and self.config.attention != "masked" else None
+        if kernel is None and self.config.attention == "varlen":
+            raise ValueError(f"attention 'varlen' needs flash's varlen kernel: a CUDA model in bfloat16 or float16 "
+                             f"with a head dim flash takes, on a torch whose flash op takes per-sequence key lengths "
+                             f"(this model: {self.device}, {self.dtype}; use 'auto' or 'masked')")
+        self.cache.varlen = kernel
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
         # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
         # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.

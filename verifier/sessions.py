@@ -12,6 +12,9 @@ from goodspeed.verifier.types import Draft, Verdict
 from goodspeed.verifier.verify_rows import RowInput
 
 
+ATTENTION_PATHS = ("auto", "varlen", "masked")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Budget ``C`` per round, the draft-length policy, smoothing, and limits."""
@@ -33,6 +36,11 @@ class EngineConfig:
     # own (plain decoding: its pending token, no drafts) in what their drafts leave of ``budget``,
     # at most this many tokens between two of its verdicts. 0: off. See the engine's docstring.
     transit_tokens: int = 0
+    # How packed forwards attend (goodspeed.lm.attention): "auto" takes flash's varlen kernel for
+    # chains where there is one (CUDA, fp16 / bf16, a torch whose flash op takes per-sequence key
+    # lengths) and masked SDPA elsewhere; "varlen" requires the kernel (the engine refuses to start
+    # without it); "masked" keeps masked SDPA everywhere.
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
@@ -43,6 +51,10 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be >= 1 (or None: whole prompts)")
         if self.transit_tokens < 0:
             raise ValueError("transit_tokens must be >= 0 (0: no transit decoding)")
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {self.attention!r}")
+        if self.attention == "varlen" and not self.packed:
+            raise ValueError("attention 'varlen' needs packed forwards")
         make_policy(self.policy)  # unknown names fail here, not on the first round
         if self.smoothing is None:
             object.__setattr__(self, "smoothing", smoothing_of(self.policy))

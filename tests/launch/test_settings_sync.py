@@ -40,7 +40,7 @@ CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy
                http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
                local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
                local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
-               max_local_requests=8, max_local_waiting=9, transit_tokens=4)
+               max_local_requests=8, max_local_waiting=9, transit_tokens=4, attention="masked")
 
 
 def test_the_launchers_spec_file_carries_every_setting(launched):
@@ -162,7 +162,9 @@ def test_bad_settings_fail_as_spec_errors_before_any_model_loads(monkeypatch):
 
     monkeypatch.setattr(serve, "load_causal_lm", no_load)
     for bad, message in ((dict(max_seq_len=1), "max_seq_len"), (dict(budget=-1), "budget"), (dict(drain_timeout_s=-1.0), "drain_timeout_s"),
-                         (dict(local_draft="demo:draft-tiny", local_policy="turbospec"), "latency profile")):
+                         (dict(local_draft="demo:draft-tiny", local_policy="turbospec"), "latency profile"),
+                         (dict(attention="varlen"), "'varlen'.*needs a CUDA device"),
+                         (dict(attention="varlen", device="cuda", dtype="float32"), "'varlen'.*needs bfloat16 or float16")):
         with pytest.raises(SpecError, match=message):
             asyncio.run(serve.serve(VerifierSpec(**bad)))
 

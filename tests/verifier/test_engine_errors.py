@@ -156,3 +156,18 @@ def test_the_engine_smooths_with_its_policys_eta_unless_told():
     assert EngineConfig(policy="goodspeed", smoothing=SmoothingConfig(eta=0.3)).smoothing.eta == 0.3
     with pytest.raises(ValueError, match="unknown policy"):
         EngineConfig(policy="goodspeed-explore")
+
+
+def test_the_attention_path_is_chosen_by_the_config_and_an_impossible_varlen_is_refused():
+    """auto: masked SDPA on CPU (flash's varlen kernel is CUDA, half precision); masked: always;
+    varlen: refused where the kernel cannot run, naming the model's device and dtype, and for
+    padded forwards; an unknown path is refused by name."""
+    with pytest.raises(ValueError, match="attention must be one of auto, varlen, masked"):
+        EngineConfig(attention="flash")
+    with pytest.raises(ValueError, match="'varlen' needs packed forwards"):
+        EngineConfig(attention="varlen", packed=False)
+    assert VerificationEngine(tiny_llama(0)).attention == "masked SDPA"
+    assert VerificationEngine(tiny_llama(0), EngineConfig(attention="masked")).attention == "masked SDPA"
+    assert VerificationEngine(tiny_llama(0), EngineConfig(packed=False)).attention == "masked SDPA (padded forwards)"
+    with pytest.raises(ValueError, match=r"needs flash's varlen kernel.*\(this model: cpu, torch.float64"):
+        VerificationEngine(tiny_llama(0), EngineConfig(attention="varlen"))

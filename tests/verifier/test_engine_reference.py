@@ -136,12 +136,10 @@ def test_cuda_engine_rounds_through_flash_varlen_equal_masked_ones():
     if varlen_kernel_for(target) is None:
         pytest.skip("this torch's flash varlen op takes no per-sequence key lengths")
     draft = perturbed(tiny_llama(21, hidden=256, heads=4, kv_heads=2, init=1.0), 0.03, 5)
-    engines = {}
-    for path in ("varlen", "masked"):
-        engines[path] = VerificationEngine(target, EngineConfig(budget=40, policy="fixed", max_draft_len=6, seed=3))
-        if path == "masked":
-            engines[path].cache.varlen = None
+    engines = {path: VerificationEngine(target, EngineConfig(budget=40, policy="fixed", max_draft_len=6, seed=3,
+                                                             attention=path)) for path in ("varlen", "masked")}
     assert "flash" in engines["varlen"].attention and engines["masked"].attention == "masked SDPA"
+    assert VerificationEngine(target).attention == engines["varlen"].attention  # "auto" takes it on CUDA
     rng = np.random.default_rng(4)
     sessions = []
     for i in range(4):
