@@ -189,7 +189,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         group = f"{identity.name}/{device}" if device else None
         join = functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group, transit=request.transit)
         session_id = await self.call(join)
-        self._drafters[session_id] = Drafter(session_id, name, asyncio.Queue(), identity)
+        self._drafters[session_id] = Drafter(session_id, name, asyncio.Queue(), identity,
+                                             transit=request.transit and self.engine.config.transit_tokens > 0)
         self.metrics.active.set(len(self._drafters))
         self.log.event("join", session=session_id, name=name, model=request.model_name, identity=identity.name)
         return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)

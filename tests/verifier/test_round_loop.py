@@ -52,6 +52,8 @@ def race(models, rounds, transit_tokens=0):
             slow = threading.Thread(target=generate, args=(f"127.0.0.1:{port}", "slow", draft, [SLOW_PROMPT], 90, outputs, joined))
             slow.start()
             assert joined.wait(60)
+            # The loop knows which drafters the steps decode for (the step's wait counts their tokens).
+            assert [d.transit for d in server.server.service._drafters.values()] == [bool(transit_tokens)]
             measured = threading.Event()  # the slow drafter's cycle was measured once: its next draft can be due
             for _ in range(3000):  # bounded: its second draft comes one 150 ms round trip after its first
                 if any(d["name"] == "slow" and d["cycle_s"] is not None for e in server.events("round") for d in e["drafters"]):
@@ -188,6 +190,39 @@ def test_a_step_waits_for_a_due_draft_only_while_that_pays():
     assert loop_with(drafter("idle", in_request=False))._close_reason(opened, opened) == "all"
     assert loop_with(soon)._close_reason(opened, opened + 0.1) == "window"
     assert loop_with(soon)._close_reason(opened, opened) is None
+
+
+def test_with_transit_decoding_an_idle_engine_costs_the_drafters_whose_drafts_are_away():
+    """Transit decoding: every step decodes a token for each drafter whose draft is away, worth
+    1 / X of its round (X its smoothed tokens per round). So the wait for drafter j is bounded by
+    ``(f * w_j - v_j) / (W_Q + (V - v_j) / f + w_j)``: less by j's own token, which a step closed
+    now decodes for it, and by the tokens the others away lose while the engine waits. A drafter
+    that did not opt in, or a loop without transit decoding, waits as before."""
+    def drafter(name, verdict_at, cycle, transit=True, x=None, queued=False):
+        d = Drafter(name, name, asyncio.Queue(), identity=None, in_request=True, verdict_at=verdict_at, transit=transit)
+        d.cycle_mean_s, d.tokens_per_round = cycle, x
+        return d
+
+    opened, step = 1000.0, 0.1
+    fast = drafter("fast", 0.0, 0.02, transit=False)  # queued, weight 50
+
+    def wait(*others):
+        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None,
+                         {d.session_id: d for d in (fast, *others)}, None, None, None, None)
+        loop._queued.add("fast")
+        loop._step_s = step
+        return loop._wait_until(opened, opened)
+
+    # The slow drafter (cycle 0.1 s: weight 10), due at once. Without transit: 0.1 * 10 / 60.
+    assert wait(drafter("slow", opened - 0.1, 0.1, transit=False)) == pytest.approx(opened + 1 / 60)
+    # It opted in and yields X = 4 tokens a round: its token is worth 1/4, so (1 - 0.25) / 60.
+    assert wait(drafter("slow", opened - 0.1, 0.1, x=4.0)) == pytest.approx(opened + 0.75 / 60)
+    # A second drafter away (X = 2: 1/2 a token per step, 5 per second of waiting) adds to W.
+    other = drafter("other", opened + 5.0, 1.0, x=2.0)  # not due for seconds: never waited for itself
+    assert wait(drafter("slow", opened - 0.1, 0.1, x=4.0), other) == pytest.approx(opened + 0.75 / 65)
+    # Before its first verdict (X unknown) a drafter's transit token is a whole round's worth:
+    # 0.1 * 10 - 1 = 0, so nothing is worth waiting for.
+    assert wait(drafter("slow", opened - 0.1, 0.1)) is None
 
 
 def test_a_drafters_cycle_is_smoothed_from_the_drafts_it_sends():
