@@ -93,10 +93,12 @@ def test_placement_keys_are_validated():
 requires_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the Ray backend's tests need the cluster extra")
 
 
-# Ray waits a fixed 30 s for a new node's raylet to register. Once in CI (2026-11-25, full suite)
-# the head's raylet never started and no log said why; the same tests passed alone. A second
-# head is tried for that failure only (its processes are Ray's reaper's to clean up at exit).
-RAY_HEAD_ATTEMPTS = 2
+# Ray waits a fixed 30 s for a new node's raylet to register. Twice in CI runs the head did not
+# come up and no log said why; the same tests passed alone and in the next full runs: on
+# 2026-11-25 its raylet never started, on 2026-11-26 its GCS server never wrote its port file (an
+# empty session log directory). Up to three heads are tried, for those two failures only (a failed
+# head's processes are Ray's reaper's to clean up at exit).
+RAY_HEAD_ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,10 @@ def ray_cluster():
                 "include_dashboard": False})
             break
         except Exception as e:
-            if "timed out during startup" not in str(e) or attempt == RAY_HEAD_ATTEMPTS:
+            # Ray's head sometimes fails to come up on a loaded 2-core machine, in one of two ways:
+            # its processes time out, or its GCS server never writes its port file.
+            startup = "timed out during startup" in str(e) or "Timed out waiting for file" in str(e)
+            if not startup or attempt == RAY_HEAD_ATTEMPTS:
                 raise
             warnings.warn(f"Ray's head node did not start (attempt {attempt}): {e}")
     cluster.add_node(num_cpus=8, resources={"l4": 4}, node_name="edge-1", object_store_memory=80 * 2**20)
