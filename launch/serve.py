@@ -14,10 +14,8 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from goodspeed.launch.spec import SpecError, VerifierSpec
-from goodspeed.lm.attention import flash_varlen_kernel
+from goodspeed.lm.attention import varlen_missing
 from goodspeed.lm.loading import LoadedModel, load_causal_lm, torch_dtype
 from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.auth import TokenAuth
@@ -36,14 +34,9 @@ def engine_config(opts: VerifierSpec) -> EngineConfig:
                               prefill_chunk=opts.prefill_chunk or None)
     except ValueError as exc:
         raise SpecError(f"verifier: {exc}") from None
-    if config.attention == "varlen":
-        need = ("a CUDA device" if not opts.device.startswith("cuda") else
-                "bfloat16 or float16" if torch_dtype(opts.dtype) not in (torch.bfloat16, torch.float16) else
-                "a torch whose flash op takes per-sequence key lengths (this one's does not)"
-                if flash_varlen_kernel() is None else None)
-        if need is not None:
-            raise SpecError(f"verifier: attention 'varlen' (flash's varlen kernel) needs {need}; device {opts.device}, "
-                            f"dtype {opts.dtype}: use 'auto' or 'masked'")
+    if config.attention == "varlen" and (need := varlen_missing(opts.device, torch_dtype(opts.dtype))):
+        raise SpecError(f"verifier: attention 'varlen' (flash's varlen kernel) needs {need}; device {opts.device}, "
+                        f"dtype {opts.dtype}: use 'auto' or 'masked'")
     return config
 
 

@@ -270,12 +270,31 @@ def flash_varlen_kernel() -> VarlenKernel | None:
     return VarlenKernel("flash varlen (aten::_flash_attention_forward)", call)
 
 
-def varlen_kernel_for(model: torch.nn.Module) -> VarlenKernel | None:
-    """The varlen kernel ``model``'s packed forwards take for chains, or None (masked SDPA):
-    flash's, on CUDA, in fp16 / bf16, for head dims flash takes (multiples of 8 up to 256)."""
+def varlen_missing(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """What flash's varlen kernel needs that a model on ``device`` in ``dtype`` (with ``head_dim``,
+    when known) lacks, in words, or None when it can take the model's chains: a CUDA device, fp16 /
+    bf16, a head dim that is a multiple of 8 up to 256, and a torch whose flash op has it. The
+    daemon asks before loading a model (no head dim yet); :func:`varlen_kernel_for` after."""
+    if torch.device(device).type != "cuda":
+        return "a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "bfloat16 or float16"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"a head dim that is a multiple of 8 up to 256 (this model's is {head_dim})"
+    if flash_varlen_kernel() is None:
+        return "a torch whose flash op takes per-sequence key lengths (this one's does not)"
+    return None
+
+
+def model_varlen_missing(model: torch.nn.Module) -> str | None:
+    """:func:`varlen_missing` for ``model`` as it is loaded."""
     param = next(model.parameters())
     config = model.config
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if param.device.type != "cuda" or param.dtype not in (torch.float16, torch.bfloat16) or dim % 8 or dim > 256:
-        return None
-    return flash_varlen_kernel()
+    return varlen_missing(param.device, param.dtype, dim)
+
+
+def varlen_kernel_for(model: torch.nn.Module) -> VarlenKernel | None:
+    """The varlen kernel ``model``'s packed forwards take for chains, or None (masked SDPA):
+    flash's, where :func:`model_varlen_missing` finds nothing missing."""
+    return None if model_varlen_missing(model) else flash_varlen_kernel()

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from goodspeed.lm.attention import (MATMUL_MAX_Q, REFERENCE_VARLEN, VarlenRows, flash_varlen_kernel,
-                                    small_query_attention, takes_small_query_attention, use_gqa_attention,
-                                    varlen_kernel_for, with_cache)
+                                    model_varlen_missing, small_query_attention, takes_small_query_attention,
+                                    use_gqa_attention, varlen_kernel_for, varlen_missing, with_cache)
 from modelkit import tiny_llama
 
 
@@ -110,6 +110,11 @@ def test_no_varlen_kernel_on_cpu_or_in_full_precision():
     """The flash kernel is a CUDA, fp16 / bf16 path: CPU models and fp32 ones attend masked."""
     assert varlen_kernel_for(tiny_llama(1)) is None
     assert varlen_kernel_for(tiny_llama(1, dtype=torch.bfloat16)) is None
+    # What is missing, in the words the daemon and the engine refuse `attention = "varlen"` with.
+    assert model_varlen_missing(tiny_llama(1, dtype=torch.bfloat16)) == "a CUDA device"
+    assert varlen_missing("cuda:1", torch.float32) == "bfloat16 or float16"
+    assert varlen_missing("cuda", torch.bfloat16, 12) == "a head dim that is a multiple of 8 up to 256 (this model's is 12)"
+    assert varlen_missing("cuda", torch.float16, 512).startswith("a head dim")
 
 
 CUDA_FLASH = pytest.mark.skipif(not torch.cuda.is_available() or flash_varlen_kernel() is None,
