@@ -26,13 +26,15 @@ drafter whose cycles vary (drafting on a loaded core) is thus expected early, an
 cycle yet, or already late, may come any moment. Say the step opened at ``t`` with the queued
 drafters ``Q`` and ``j``'s draft comes at ``t + d``. Closing now delivers ``Q``'s verdicts ``d``
 earlier; ``j``'s draft then waits for the step to end and for a step of its own, about one step
-``f`` more. GoodSpeed's objective on tokens per second, ``sum_i log(tokens_i / cycle_i)``, moves by
-``-dx / cycle_i`` when drafter ``i``'s round grows by ``dx``, so with weights ``w_i = 1 / cycle_i``
-waiting pays iff ``d * sum_{i in Q} w_i < (f - d) * w_j``, that is iff
+``f`` more. GoodSpeed's objective on tokens per second is ``sum_i log(T_i / P_i)``, with ``T_i``
+the tokens a round of drafter ``i`` gives and ``P_i`` its *period*, the seconds between two of its
+verdicts (link, drafting, the wait for a step and the step). It moves by ``-dx / P_i`` when
+``i``'s round grows by ``dx``, so with weights ``w_i = 1 / P_i`` waiting pays iff
+``d * sum_{i in Q} w_i < (f - d) * w_j``, that is iff
 
     d < f * w_j / (W_Q + w_j),       W_Q = sum of the queued drafters' weights.
 
-With equal cycles that is ``f / (|Q| + 1)``: the more drafts wait, the less a late one is waited
+With equal periods that is ``f / (|Q| + 1)``: the more drafts wait, the less a late one is waited
 for; a fast drafter is waited for longer than a slow one, whose round a step barely lengthens.
 ``f`` is the smoothed time of the last steps, and no step waits longer than ``f`` (the window; the
 ski-rental bound: waiting longer than a step costs more than running one) nor than
@@ -43,17 +45,25 @@ it, which idled the engine for the slowest link's drafter at every step (docs/EX
 
 With transit decoding (``EngineConfig.transit_tokens``, async only) the steps the loop runs also
 decode the next tokens of drafters whose draft is still on the way (:mod:`goodspeed.verifier.engine`);
-the loop never runs a step for them alone. Each such token is ``1 / X_i`` of drafter ``i``'s round
-(``X_i``: eq. 4's smoothed tokens per round), in the same units as above. So a step closed now
-also decodes one for ``j`` (worth ``v_j``), and while the engine waits ``d`` the drafters away lose
-``d / f`` of a step's tokens (worth ``V``, summed over them, ``j`` aside). Waiting for ``j`` then
-pays iff ``d * W_Q + d * (V - v_j) / f + v_j < (f - d) * w_j``, that is iff
+the loop never runs a step for them alone. Each such token is ``1 / T_i`` of drafter ``i``'s round,
+in the same units as above (``T_i``: the smoothed tokens its verdicts carry, the decoded ones
+included). So a step closed now also decodes one for ``j`` (worth ``v_j``), and while the engine
+waits ``d`` the drafters away lose ``d / f`` of a step's tokens (worth ``V``, summed over them,
+``j`` aside). Waiting for ``j`` then pays iff ``d * W_Q + d * (V - v_j) / f + v_j < (f - d) * w_j``,
+that is iff
 
     d < (f * w_j - v_j) / (W_Q + (V - v_j) / f + w_j),
 
-which is the rule above when no drafter decodes in transit. Measured on the real pair behind links
-(docs/EXPERIMENTS.md, *How long a step waits, with transit decoding*): 5-8% more throughput than the
-rule without these terms; not waiting at all gave 4-6% more still there.
+which is the rule above when no drafter decodes in transit.
+
+Until 2026-11-26 the weights were one over the *cycle* (link and drafting only) and a transit
+token was worth ``1 / X`` (eq. 4's goodput of the drafts alone). On the real pair behind links that
+made every weight 2-5 times too large (periods of 112-245 ms against cycles of 22-117 ms, the
+fastest drafter's the most) against the transit tokens' worth (``X`` 1.0-1.4 against 1.6-2.5
+tokens a verdict carried), so steps waited for drafts that were worth less than the wait. Measured
+there with transit decoding: 2.8% more throughput than that rule and the same as never waiting,
+and 2.8% more without transit decoding (docs/EXPERIMENTS.md, *How long a step waits: one over the
+period*).
 
 In both modes the budget ``C`` bounds every step: a drafter's allotment stays outstanding until
 its draft is verified, and the policy shares only what the others' outstanding allotments leave
@@ -116,7 +126,8 @@ class Drafter:
     streaming: bool = False  # its verdict stream is open
     timer: RequestTimer | None = None  # its request in progress, for the request metrics
     transit: bool = False  # steps decode for it while its draft is away (it opted in, transit_tokens > 0)
-    tokens_per_round: float | None = None  # eq. 4's smoothed goodput X from its last verdict (tokens a round gives)
+    period_mean_s: float | None = None  # smoothed seconds between two of its verdicts (its whole round)
+    tokens_mean: float | None = None  # smoothed tokens a verdict of its carries (transit-decoded ones included)
 
     def observe_cycle(self, cycle_s: float) -> None:
         """Smooth one measured cycle into the mean and the mean absolute deviation."""
@@ -126,6 +137,14 @@ class Drafter:
             return
         self.cycle_dev_s += CYCLE_SMOOTHING * (abs(cycle_s - self.cycle_mean_s) - self.cycle_dev_s)
         self.cycle_mean_s += CYCLE_SMOOTHING * (cycle_s - self.cycle_mean_s)
+
+    def observe_verdict(self, sent: float, tokens: int) -> None:
+        """Smooth the round that a verdict sent at ``sent`` (``perf_counter``) carrying ``tokens``
+        tokens ends: its period (since the previous verdict of the same request) and its tokens."""
+        if self.verdict_at is not None:
+            period = sent - self.verdict_at
+            self.period_mean_s = period if self.period_mean_s is None else self.period_mean_s + CYCLE_SMOOTHING * (period - self.period_mean_s)
+        self.tokens_mean = tokens if self.tokens_mean is None else self.tokens_mean + CYCLE_SMOOTHING * (tokens - self.tokens_mean)
 
     @property
     def due_after_s(self) -> float | None:
@@ -220,10 +239,18 @@ class RoundLoop:
 
     def _weights(self) -> dict[str, float]:
         """Each drafter's weight in the log utility of tokens per second: one over its smoothed
-        cycle (a round that is ``x`` seconds longer costs ``log`` rate ``x / cycle``). A drafter
-        with no cycle yet (its request's first draft) weighs what the others do on average."""
-        known = {sid: 1.0 / d.cycle_mean_s for sid, d in self.drafters.items()
-                 if d.in_request and d.cycle_mean_s is not None and d.cycle_mean_s > 0}
+        period, the seconds between two of its verdicts (a round that is ``x`` seconds longer
+        costs ``log`` rate ``x / period``). Before its second verdict, its cycle plus a step (the
+        least a period can be); with neither, what the others weigh on average."""
+        step = self.window_s
+        known = {}
+        for sid, d in self.drafters.items():
+            if not d.in_request:
+                continue
+            if d.period_mean_s is not None and d.period_mean_s > 0:
+                known[sid] = 1.0 / d.period_mean_s
+            elif d.cycle_mean_s is not None and d.cycle_mean_s + step > 0:
+                known[sid] = 1.0 / (d.cycle_mean_s + step)
         fallback = sum(known.values()) / len(known) if known else 1.0
         return {sid: known.get(sid, fallback) for sid, d in self.drafters.items() if d.in_request}
 
@@ -233,7 +260,7 @@ class RoundLoop:
 
         Drafter ``j``'s draft is due at its last verdict plus :attr:`Drafter.due_after_s`; one with no
         cycle yet, or already late, may come any moment. Waiting for it is worth it until
-        ``opened + (f * w_j - v_j) / (W + V / f + w_j)``, where ``f`` is the smoothed step time (the
+        ``opened + (f * w_j - v_j) / (W + (V - v_j) / f + w_j)``, where ``f`` is the smoothed step time (the
         window), ``w_j`` its weight and ``W`` the queued drafters' (:meth:`_weights`); with transit
         decoding, ``V`` is the value of the tokens a step decodes for the other drafters whose
         drafts are away and ``v_j`` that of the one it would decode for ``j`` (:meth:`_transit_values`;
@@ -261,10 +288,10 @@ class RoundLoop:
 
     def _transit_values(self) -> dict[str, float]:
         """With transit decoding: each drafter with a request whose draft is away (not queued) gets
-        a token from every step that runs, worth ``1 / X`` of its round (``X``: eq. 4's smoothed
-        tokens per round, 1 before its first verdict) in the same log-rate units as a step's delay
+        a token from every step that runs, worth ``1 / T`` of its round (``T``: the smoothed tokens
+        its verdicts carry, 1 before its first) in the same log-rate units as a step's delay
         weighed by :meth:`_weights`. Empty without transit decoding."""
-        return {sid: 1.0 / max(d.tokens_per_round or 1.0, 1.0) for sid, d in self.drafters.items()
+        return {sid: 1.0 / max(d.tokens_mean or 1.0, 1.0) for sid, d in self.drafters.items()
                 if d.transit and d.in_request and sid not in self._queued}
 
     def _close_reason(self, opened: float, now: float) -> str | None:
@@ -373,8 +400,8 @@ class RoundLoop:
             drafter = self.drafters.get(session_id)
             if drafter is not None:
                 drafter.missed, drafter.in_request = 0, not verdict.finished
+                drafter.observe_verdict(sent, len(verdict.token_ids))
                 drafter.verdict_at = None if verdict.finished else sent
-                drafter.tokens_per_round = verdict.goodput if verdict.goodput > 0 else drafter.tokens_per_round
                 if drafter.timer is not None:
                     drafter.timer.tokens(len(verdict.token_ids), sent)
                 if verdict.finished:

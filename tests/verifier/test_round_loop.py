@@ -145,10 +145,12 @@ def test_async_never_waits_for_a_frozen_drafter(models):
 def test_a_step_waits_for_a_due_draft_only_while_that_pays():
     """Async: a step that opened with drafts queued waits for drafter j's draft, due at its last
     verdict plus its smoothed cycle, only until ``opened + step * w_j / (W_Q + w_j)`` (weights one
-    over each cycle): a drafter with no measured cycle, or one already late, may come any moment."""
-    def drafter(name, verdict_at=None, cycle=None, in_request=True, deviation=0.0):
+    over each drafter's period, verdict to verdict): a drafter with no measured cycle, or one
+    already late, may come any moment."""
+    def drafter(name, verdict_at=None, cycle=None, in_request=True, deviation=0.0, period="cycle"):
         d = Drafter(name, name, asyncio.Queue(), identity=None, in_request=in_request, verdict_at=verdict_at)
         d.cycle_mean_s, d.cycle_dev_s = cycle, deviation
+        d.period_mean_s = cycle if period == "cycle" else period  # here the period is the cycle unless said
         return d
 
     def loop_with(*drafters, queued=("fast",), step_s=0.1):
@@ -186,6 +188,12 @@ def test_a_step_waits_for_a_due_draft_only_while_that_pays():
     assert loop_with(erratic)._wait_until(opened, opened) == pytest.approx(opened + 0.1 / 6)
     steady = drafter("steady", verdict_at=opened - 0.07, cycle=0.1)
     assert loop_with(steady)._wait_until(opened, opened) is None
+    # The weight is one over the period (link, drafting, waiting and verification), not over the
+    # cycle: a drafter whose draft takes 0.1 s but whose verdicts come every 0.2 s weighs 5, so
+    # it is waited for 0.1 * 5 / 55 of a step. Before its second verdict its period is taken as
+    # its cycle plus a step, the least it can be: the same here.
+    assert loop_with(drafter("slow", verdict_at=opened - 0.1, cycle=0.1, period=0.2))._wait_until(opened, opened) == pytest.approx(opened + 0.1 / 11)
+    assert loop_with(drafter("slow", verdict_at=opened - 0.1, cycle=0.1, period=None))._wait_until(opened, opened) == pytest.approx(opened + 0.1 / 11)
     # Drafters with no request in progress are not waited for; no step waits past its window.
     assert loop_with(drafter("idle", in_request=False))._close_reason(opened, opened) == "all"
     assert loop_with(soon)._close_reason(opened, opened + 0.1) == "window"
@@ -194,13 +202,13 @@ def test_a_step_waits_for_a_due_draft_only_while_that_pays():
 
 def test_with_transit_decoding_an_idle_engine_costs_the_drafters_whose_drafts_are_away():
     """Transit decoding: every step decodes a token for each drafter whose draft is away, worth
-    1 / X of its round (X its smoothed tokens per round). So the wait for drafter j is bounded by
+    1 / T of its round (T the smoothed tokens its verdicts carry). So the wait for drafter j is bounded by
     ``(f * w_j - v_j) / (W_Q + (V - v_j) / f + w_j)``: less by j's own token, which a step closed
     now decodes for it, and by the tokens the others away lose while the engine waits. A drafter
     that did not opt in, or a loop without transit decoding, waits as before."""
     def drafter(name, verdict_at, cycle, transit=True, x=None, queued=False):
         d = Drafter(name, name, asyncio.Queue(), identity=None, in_request=True, verdict_at=verdict_at, transit=transit)
-        d.cycle_mean_s, d.tokens_per_round = cycle, x
+        d.cycle_mean_s, d.period_mean_s, d.tokens_mean = cycle, cycle, x
         return d
 
     opened, step = 1000.0, 0.1
@@ -215,12 +223,12 @@ def test_with_transit_decoding_an_idle_engine_costs_the_drafters_whose_drafts_ar
 
     # The slow drafter (cycle 0.1 s: weight 10), due at once. Without transit: 0.1 * 10 / 60.
     assert wait(drafter("slow", opened - 0.1, 0.1, transit=False)) == pytest.approx(opened + 1 / 60)
-    # It opted in and yields X = 4 tokens a round: its token is worth 1/4, so (1 - 0.25) / 60.
+    # It opted in and gets T = 4 tokens a round: its token is worth 1/4, so (1 - 0.25) / 60.
     assert wait(drafter("slow", opened - 0.1, 0.1, x=4.0)) == pytest.approx(opened + 0.75 / 60)
-    # A second drafter away (X = 2: 1/2 a token per step, 5 per second of waiting) adds to W.
+    # A second drafter away (T = 2: 1/2 a token per step, 5 per second of waiting) adds to W.
     other = drafter("other", opened + 5.0, 1.0, x=2.0)  # not due for seconds: never waited for itself
     assert wait(drafter("slow", opened - 0.1, 0.1, x=4.0), other) == pytest.approx(opened + 0.75 / 65)
-    # Before its first verdict (X unknown) a drafter's transit token is a whole round's worth:
+    # Before its first verdict (T unknown) a drafter's transit token is a whole round's worth:
     # 0.1 * 10 - 1 = 0, so nothing is worth waiting for.
     assert wait(drafter("slow", opened - 0.1, 0.1)) is None
 
@@ -238,6 +246,20 @@ def test_a_drafters_cycle_is_smoothed_from_the_drafts_it_sends():
     mean, dev = 0.8 * 0.5 + 0.2 * 1.5, 0.2 * 1.0
     assert d.cycle_s == pytest.approx(1.5) and (d.cycle_mean_s, d.cycle_dev_s) == pytest.approx((mean, dev))
     assert d.due_after_s == pytest.approx(mean - 2 * dev)
+
+
+def test_a_drafters_period_and_tokens_are_smoothed_from_its_verdicts():
+    """The weights of the async wait are one over the period between two verdicts of a request,
+    and a transit token is worth one over the tokens a verdict carries: both smoothed."""
+    d = Drafter("d", "d", asyncio.Queue(), identity=None)
+    d.observe_verdict(10.0, 3)  # a request's first verdict: no period yet
+    assert d.period_mean_s is None and d.tokens_mean == 3
+    d.verdict_at = 10.0
+    d.observe_verdict(10.5, 1)
+    assert d.period_mean_s == pytest.approx(0.5) and d.tokens_mean == pytest.approx(0.8 * 3 + 0.2 * 1)
+    d.verdict_at = 10.5
+    d.observe_verdict(11.5, 1)
+    assert d.period_mean_s == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)
 
 
 def test_transit_decoding_is_refused_in_sync_rounds(models):
