@@ -67,7 +67,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
-from goodspeed.lm.attention import PACKED, model_varlen_missing, use_gqa_attention, varlen_kernel_for, with_cache
+from goodspeed.lm.attention import PACKED, flash_varlen_kernel, model_varlen_missing, use_gqa_attention, with_cache
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
@@ -93,10 +93,12 @@ class VerificationEngine:
         # Packed forwards' chains attend through a varlen kernel where there is one (CUDA, fp16 /
         # bf16, a torch whose flash op takes per-sequence key lengths) unless the config says
         # "masked"; "varlen" insists on it (EngineConfig.attention).
-        if self.config.attention == "varlen" and (missing := model_varlen_missing(self.model)):
+        wants_varlen = self.config.packed and self.config.attention != "masked"
+        missing = model_varlen_missing(self.model) if wants_varlen else None
+        if self.config.attention == "varlen" and missing:
             raise ValueError(f"attention 'varlen' needs flash's varlen kernel, which needs {missing} "
                              f"(this model: {self.device}, {self.dtype}); use 'auto' or 'masked'")
-        self.cache.varlen = varlen_kernel_for(self.model) if self.config.packed and self.config.attention != "masked" else None
+        self.cache.varlen = flash_varlen_kernel() if wants_varlen and not missing else None
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
         # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
         # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.

@@ -105,6 +105,11 @@ CYCLE_SMOOTHING = 0.2  # weight of a drafter's newest cycle in its moving averag
 DUE_DEVIATIONS = 2.0  # a drafter's next draft is due this many smoothed absolute deviations before its mean cycle
 
 
+def _smoothed(mean: float | None, value: float) -> float:
+    """``mean`` moved ``CYCLE_SMOOTHING`` of the way to ``value`` (``value`` itself when there is no mean yet)."""
+    return value if mean is None else mean + CYCLE_SMOOTHING * (value - mean)
+
+
 @dataclass
 class Drafter:
     """One edge drafter's session, as the server and the round loop see it."""
@@ -132,19 +137,16 @@ class Drafter:
     def observe_cycle(self, cycle_s: float) -> None:
         """Smooth one measured cycle into the mean and the mean absolute deviation."""
         self.cycle_s = cycle_s
-        if self.cycle_mean_s is None:
-            self.cycle_mean_s = cycle_s
-            return
-        self.cycle_dev_s += CYCLE_SMOOTHING * (abs(cycle_s - self.cycle_mean_s) - self.cycle_dev_s)
-        self.cycle_mean_s += CYCLE_SMOOTHING * (cycle_s - self.cycle_mean_s)
+        if self.cycle_mean_s is not None:
+            self.cycle_dev_s = _smoothed(self.cycle_dev_s, abs(cycle_s - self.cycle_mean_s))
+        self.cycle_mean_s = _smoothed(self.cycle_mean_s, cycle_s)
 
     def observe_verdict(self, sent: float, tokens: int) -> None:
         """Smooth the round that a verdict sent at ``sent`` (``perf_counter``) carrying ``tokens``
         tokens ends: its period (since the previous verdict of the same request) and its tokens."""
         if self.verdict_at is not None:
-            period = sent - self.verdict_at
-            self.period_mean_s = period if self.period_mean_s is None else self.period_mean_s + CYCLE_SMOOTHING * (period - self.period_mean_s)
-        self.tokens_mean = tokens if self.tokens_mean is None else self.tokens_mean + CYCLE_SMOOTHING * (tokens - self.tokens_mean)
+            self.period_mean_s = _smoothed(self.period_mean_s, sent - self.verdict_at)
+        self.tokens_mean = _smoothed(self.tokens_mean, tokens)
 
     @property
     def due_after_s(self) -> float | None:

@@ -113,8 +113,6 @@ def ray_cluster():
                 "include_dashboard": False})
             break
         except Exception as e:
-            # Ray's head sometimes fails to come up on a loaded 2-core machine, in one of two ways:
-            # its processes time out, or its GCS server never writes its port file.
             startup = "timed out during startup" in str(e) or "Timed out waiting for file" in str(e)
             if not startup or attempt == RAY_HEAD_ATTEMPTS:
                 raise
