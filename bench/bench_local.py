@@ -1,8 +1,13 @@
-"""Local serving: one trace, every local policy side by side, on the embedded demo models.
+"""Local serving: one trace, every local policy side by side, on the embedded demo models or the
+real pair.
 
-    python -m bench.bench_local [--requests 48] [--rate 40] [--max-new-tokens 32] [--draft draft-small] [--json]
+    python -m bench.bench_local [--requests 48] [--rate 40] [--max-new-tokens 32] [--draft draft-small]
+                                [--target demo:target] [--dtype float32] [--threads N]
+                                [--policies none,adaserve ...] [--json]
 
-Needs the demo models (`goodspeed models build-demo`). Steps:
+Needs the demo models (`goodspeed models build-demo`), or for ``--target real:smollm2-135m
+--draft real:smollm2-135m-draft`` the real pair (`goodspeed models get smollm2-135m`). A bare
+``--draft`` name is a demo draft. Steps:
 
 1. profile the target and the draft on this machine (TurboSpec eq. 3, as `goodspeed profile`);
    the strict SLO class is the profiled baseline per-token latency (plain decoding at batch 8),
@@ -26,8 +31,7 @@ import torch
 
 from goodspeed.launch.loadgen import make_trace, run_trace_local, summarize
 from goodspeed.lm.corpus import load_corpus, prompt_snippets
-from goodspeed.lm.demo import list_models
-from goodspeed.lm.loading import load_causal_lm
+from goodspeed.lm.loading import ModelLoadError, load_causal_lm
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
@@ -44,12 +48,14 @@ POLICIES = [
 ]
 
 
-def load_demo_pair(draft_name: str):
-    """``(target, draft)`` demo models, or None (after saying how to build them)."""
-    if not list_models():
-        print("no demo models; run `goodspeed models build-demo`", file=sys.stderr)
+def load_pair(target_spec: str, draft_spec: str, dtype: str = "float32"):
+    """``(target, draft)``, or None after saying why (a model not built yet says how to build it).
+    A spec without a ``kind:`` prefix names a demo model."""
+    try:
+        return tuple(load_causal_lm(s if ":" in s else f"demo:{s}", dtype=dtype) for s in (target_spec, draft_spec))
+    except ModelLoadError as exc:
+        print(exc, file=sys.stderr)
         return None
-    return load_causal_lm("demo:target"), load_causal_lm(f"demo:{draft_name}")
 
 
 def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
@@ -63,12 +69,25 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=40.0, help="mean arrivals per second")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--draft", default="draft-small", help="demo draft model name")
+    ap.add_argument("--draft", default="draft-small", help="draft model: a demo draft's name or a spec (real:smollm2-135m-draft)")
+    ap.add_argument("--target", default="demo:target", help="target model spec (demo:target, real:smollm2-135m)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both models' dtype")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--policies", default=None, help="comma-separated subset of: " + ", ".join(n for n, _ in POLICIES))
     ap.add_argument("--max-requests", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    pair = load_demo_pair(args.draft)
+    policies = POLICIES
+    if args.policies:
+        wanted = [p.strip() for p in args.policies.split(",") if p.strip()]
+        unknown = sorted(set(wanted) - {n for n, _ in POLICIES})
+        if unknown or "none" not in wanted:
+            ap.error(f"--policies: unknown {unknown}" if unknown else "--policies must include none (the lossless reference)")
+        policies = [(n, kw) for n, kw in POLICIES if n in wanted]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pair = load_pair(args.target, args.draft, args.dtype)
     if pair is None:
         return 1
     torch.manual_seed(0)
@@ -85,7 +104,7 @@ def main() -> int:
     print(f"trace: {args.requests} requests, Poisson {args.rate}/s, {args.max_new_tokens} new tokens each, "
           f"SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
     results, reference = {}, None
-    for name, kw in POLICIES:
+    for name, kw in policies:
         engine = VerificationEngine(target.model, EngineConfig(seed=args.seed))
         config = LocalConfig(**{"policy": "none", **kw}, latency=profile, max_requests=args.max_requests, seed=args.seed)
         serving = LocalServing(engine, draft.model, config)
@@ -101,7 +120,8 @@ def main() -> int:
         results[name] = summary
         print(f"{name}: {summary['throughput_tok_s']:.0f} tok/s, TPOT {summary['tpot_mean_ms']:.2f} ms, "
               f"SLO {summary['slo_attainment']:.2f}, lossless {lossless}", file=sys.stderr)
-    out = {"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "draft": args.draft, "requests": args.requests,
+    out = {"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "target": args.target, "draft": args.draft,
+           "dtype": args.dtype, "threads": torch.get_num_threads(), "requests": args.requests,
            "rate": args.rate, "max_new_tokens": args.max_new_tokens, "results": results}
     if args.json:
         print(json.dumps(out, indent=2))

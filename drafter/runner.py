@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from goodspeed.lm.attention import with_cache
+from goodspeed.lm.attention import keep_logits, with_cache
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
                                    sample_from)
@@ -89,9 +89,12 @@ class DraftRunner:
         return self.cache.get_seq_length()
 
     def _logits_after(self, tokens: list[int]) -> torch.Tensor:
+        """The logits after feeding ``tokens``. The LM head runs at the last position only: a
+        prompt's first feed would otherwise project every prompt position onto the vocabulary
+        (1,000 tokens x 151,936 float32 logits is 608 MB)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, **with_cache(self.model, self.cache), use_cache=True)
+            out = self.model(input_ids=ids, **with_cache(self.model, self.cache), use_cache=True, **keep_logits(self.model, 1))
         return out.logits[0, -1]
 
     def draft(self, num_tokens: int, sampling: SamplingParams, generator: torch.Generator) -> DraftOutput:

@@ -168,6 +168,17 @@ def with_cache(model: torch.nn.Module, cache) -> dict:
     return {name: cache}
 
 
+def keep_logits(model: torch.nn.Module, keep) -> dict:
+    """The keyword that asks ``model`` for the logits of some positions only (``keep``: the last
+    ``n``, or a 1-D tensor of positions), as transformers' causal LMs take it; ``{}`` for a forward
+    without ``logits_to_keep``, which computes them all (slower, the same logits at those
+    positions). Read from the forward's signature once per model."""
+    takes = getattr(model, "_goodspeed_keeps_logits", None)
+    if takes is None:
+        takes = model._goodspeed_keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": keep} if takes else {}
+
+
 def use_gqa_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to :func:`gqa_sdpa_attention` (registered once under ``NAME``, with the
     SDPA mask builder, so ordinary calls of the model without a 4-D mask stay correct)."""

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, check_proposal_top_k, draft_proposal, process_logits, sample_from
-from goodspeed.lm.attention import use_gqa_attention, with_cache
+from goodspeed.lm.sampling import SamplingParams, check_proposal_top_k, draft_step, process_logits
+from goodspeed.lm.attention import keep_logits, use_gqa_attention, with_cache
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
 
@@ -111,10 +111,13 @@ class BatchDraftModel:
     # ---------------------------------------------------------------- forwards
 
     def _forward(self, tokens: dict[str, list[int]], parents: dict[str, list[int]] | None = None, offset: int = 0,
-                 scratch_anc: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                 scratch_anc: dict[str, torch.Tensor] | None = None, last_only: bool = False) -> dict[str, torch.Tensor]:
         """One forward over the slot window holding ``tokens``' keys; returns their logits
-        ``[len(tokens[key]), V]`` per key. ``scratch_anc`` (beam steps): per key a bool matrix
-        ``[q_len, offset]`` of the scratch entries each new token may see, besides the prefix."""
+        ``[len(tokens[key]), V]`` per key, or with ``last_only`` ``[1, V]``, the logits after each
+        key's last token: the LM head then runs only at the positions where some row ends, not
+        at every padded position (a new request's prompt no longer costs every row of the
+        window ``len(prompt)`` vocabulary projections). ``scratch_anc`` (beam steps): per key a
+        bool matrix ``[q_len, offset]`` of the scratch entries each new token may see, besides the prefix."""
         slots = sorted(self.slots.slot(k) for k in tokens)
         first, last = slots[0], slots[-1]
         width = last - first + 1
@@ -133,12 +136,19 @@ class BatchDraftModel:
             mask, positions = build_attention(lengths, row_parents, q_len, kv_len, self.dtype, self.device)
         else:
             mask, positions = self._beam_attention(lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc)
+        keep: dict = {}
+        if last_only:  # the distinct positions where some row ends; each key's index among them
+            ends = sorted({len(t) - 1 for t in tokens.values()})
+            keep = keep_logits(self.model, torch.tensor(ends, device=self.device))
+            column = {end: i for i, end in enumerate(ends)} if keep else {end: end for end in ends}
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions,
-                             **with_cache(self.model, self.cache), use_cache=True)
+                             **with_cache(self.model, self.cache), use_cache=True, **keep)
         self.forwards += 1
         if self.on_forward is not None:
             self.on_forward(sum(lengths) + offset * width, width * q_len)
+        if last_only:
+            return {key: out.logits[self.slots.slot(key) - first, column[len(toks) - 1]][None] for key, toks in tokens.items()}
         return {key: out.logits[self.slots.slot(key) - first, : len(toks)] for key, toks in tokens.items()}
 
     def _beam_attention(self, lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc):
@@ -166,7 +176,7 @@ class BatchDraftModel:
             if self.cache.lengths[slot] > pending:  # drafts fed earlier and not yet rolled back
                 self.cache.truncate(slot, pending)
             feed[key] = [int(t) for t in toks[self.cache.lengths[slot] :]]
-        logits = self._forward(feed)
+        logits = self._forward(feed, last_only=True)
         for key, toks in feed.items():
             slot = self.slots.slot(key)
             self.cache.commit(slot, self.cache.lengths[slot], list(range(len(toks))))
@@ -189,14 +199,15 @@ class BatchDraftModel:
         probs: dict[str, list[torch.Tensor]] = {k: [] for k in active}
         confidence: dict[str, list[float]] = {k: [] for k in active}
         for step in range(max(active.values())):
-            for key in active:
-                if step < active[key]:
-                    q = draft_proposal(last[key], sampling[key], self.proposal_top_k)
-                    tok = int(sample_from(q, torch.rand(1, generator=streams[key], dtype=torch.float64)).item())
-                    drafted[key].append(tok)
-                    probs[key].append(q)
-                    rank = torch.softmax(last[key].double(), dim=-1) if sampling[key].greedy else q  # = _ranking, once
-                    confidence[key].append(float(rank[tok]))
+            now = [key for key in active if step < active[key]]
+            # One uniform per request, drawn in key order from its stream (as a request drafting alone would).
+            uniforms = torch.cat([torch.rand(1, generator=streams[key], dtype=torch.float64) for key in now])
+            q, tokens, conf = draft_step(torch.stack([last[key] for key in now]), [sampling[key] for key in now],
+                                         self.proposal_top_k, uniforms)
+            for j, key in enumerate(now):
+                drafted[key].append(tokens[j])
+                probs[key].append(q[j])
+                confidence[key].append(conf[j])
             feeding = {k: [drafted[k][-1]] for k in active if step + 1 < active[k]}
             if not feeding:
                 break

@@ -148,6 +148,46 @@ def draft_proposal(logits: torch.Tensor, params: SamplingParams, proposal_top_k:
     return q.float()
 
 
+def draft_step(logits: torch.Tensor, params: list[SamplingParams], proposal_top_k: int,
+               uniforms: torch.Tensor) -> tuple[torch.Tensor, list[int], list[float]]:
+    """One drafting step for ``n`` requests at once: ``logits [n, V]`` (each request's last
+    position), one :class:`SamplingParams` and one uniform (``uniforms [n]``) per row. Returns
+    ``(q [n, V] float32, tokens, confidence)``, row ``i`` exactly what one request's
+    :func:`draft_proposal`, then :func:`sample_from` with ``uniforms[i]``, give: ``q`` is the
+    request's processed distribution (one-hot for greedy rows, support capped to
+    ``proposal_top_k`` for sampled ones), the token is drawn from that very ``q``, and the
+    confidence is ``q(token)`` for sampled rows and the draft's float64 softmax probability of the
+    argmax for greedy rows (whose ``q`` says nothing). Every full-vocabulary pass runs once over
+    the rows that need it, not once per request, and greedy rows make no float64 copy of the
+    vocabulary."""
+    n = logits.shape[0]
+    if len(params) != n or uniforms.shape != (n,):
+        raise ValueError(f"need one SamplingParams and one uniform per row ({n} rows)")
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    tokens = [0] * n
+    confidence = [0.0] * n
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        rows = logits if len(greedy) == n else logits[greedy]
+        top = argmax_last(rows).to(logits.device)  # process_logits' one-hot position, lowest id on ties
+        # softmax at the argmax, 1 / sum_v exp(x_v - x_max): exponentials in the logits' dtype,
+        # summed in float64 (no float64 copy of the vocabulary)
+        work = rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
+        soft = 1.0 / (work - work.gather(-1, top.unsqueeze(-1))).exp_().sum(dim=-1, dtype=torch.float64)
+        q[greedy, top] = 1.0
+        for j, i in enumerate(greedy):
+            tokens[i], confidence[i] = int(top[j]), float(soft[j])
+    if sampled:
+        rows = cap_support(process_logits(logits[sampled].double(), [params[i] for i in sampled]), proposal_top_k).float()
+        drawn = sample_from(rows, uniforms[sampled])
+        picked = rows.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
+        q[sampled] = rows
+        for j, i in enumerate(sampled):
+            tokens[i], confidence[i] = int(drawn[j]), float(picked[j])
+    return q, tokens, confidence
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw, one token per row: ``probs [..., V]`` (need not sum to 1), ``uniforms [...]``
     in ``[0, 1)``. Deterministic given the uniforms, so tests can replay it.

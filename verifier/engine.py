@@ -55,7 +55,6 @@ Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any s
 
 from __future__ import annotations
 
-import inspect
 import secrets
 import time
 from collections.abc import Sequence
@@ -67,7 +66,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
-from goodspeed.lm.attention import PACKED, flash_varlen_kernel, model_varlen_missing, use_gqa_attention, with_cache
+from goodspeed.lm.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
@@ -112,9 +111,6 @@ class VerificationEngine:
         self.round_index = 0
         self._sessions: dict[str, Session] = {}
         self._prefilling: list[str] = []  # sessions whose prompt is not all in KV yet, first come first served
-        # Logits only for the tokens someone reads (never a prompt chunk's): transformers' causal LMs
-        # take ``logits_to_keep``; a model without it computes them all (slower, same result).
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # ----------------------------------------------------------------- sessions and requests
 
@@ -507,7 +503,8 @@ class VerificationEngine:
         path)."""
         if self.config.packed:
             layout = self.cache.pack(tokens, parents, window, self.dtype, self.device, solo)
-            extra = {"logits_to_keep": max(layout.keep, 1)} if self._keeps_logits else {}
+            # Logits only for the tokens someone reads (never a prompt chunk's).
+            extra = keep_logits(self.model, max(layout.keep, 1))
             with torch.inference_mode():
                 out = self.model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
                                  **with_cache(self.model, self.cache), use_cache=True, **{PACKED: layout}, **extra)

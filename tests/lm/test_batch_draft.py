@@ -127,3 +127,23 @@ def test_subtree_reindexes_parents(model):
     orphan = [k for k in range(len(tree.parents)) if tree.parents[k] >= 0][-1]
     with pytest.raises(ValueError, match="not selected"):
         subtree(tree, [orphan])
+
+
+def test_catch_up_projects_only_where_rows_end(model):
+    """A catch-up of ragged rows (a new request's whole prompt next to one-token rows) runs the LM
+    head at the distinct positions where some row ends, not at every padded position, and each
+    row still gets the logits after its own last token."""
+    draft = BatchDraftModel(model)
+    committed = {"a": list(range(1, 9)), "b": [7, 8], "c": [9, 10, 11]}
+    for key in committed:
+        draft.add(key)
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        last = draft.catch_up(committed)
+    finally:
+        hook.remove()
+    assert seen == [(3, 3, model.config.hidden_size)]  # 3 rows x ends {1, 2, 7}, not x 8 positions
+    for key, seq in committed.items():
+        want = torch.log_softmax(next_probs(model, seq).log(), -1)
+        assert torch.allclose(torch.log_softmax(last[key].double(), -1), want, atol=1e-5), key

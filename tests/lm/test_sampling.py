@@ -99,3 +99,28 @@ def test_cap_support_keeps_each_rows_k_likeliest_tokens_renormalised():
     capped = cap_support(probs, 2)
     assert torch.allclose(capped, torch.tensor([[0, 4 / 7, 0, 3 / 7], [0.25, 0, 0.75, 0]], dtype=torch.float64))
     assert cap_support(probs, 0) is probs and cap_support(probs, 4) is probs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_step_is_each_rows_own_proposal_and_draw(dtype):
+    """The batched drafting step gives every row what drafting it alone gives: the same q (one-hot,
+    processed, capped), the token drawn from it with that row's uniform, and its confidence."""
+    from goodspeed.lm.sampling import draft_proposal, draft_step
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 3_000, generator=gen) * 2).to(dtype)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a greedy tie: the lowest id wins
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=20),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.5, top_k=50, top_p=0.9)]
+    uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
+    for cap in (0, 64):
+        q, tokens, confidence = draft_step(logits, params, cap, uniforms)
+        assert q.dtype == torch.float32 and tokens[1] == 7
+        for i, p in enumerate(params):
+            alone = draft_proposal(logits[i], p, cap)
+            assert torch.equal(q[i], alone), (cap, i)
+            assert tokens[i] == int(sample_from(alone, uniforms[i]))
+            want = torch.softmax(logits[i].double(), -1)[tokens[i]] if p.greedy else alone[tokens[i]]
+            assert confidence[i] == pytest.approx(float(want), rel=1e-6), (cap, i)
+    with pytest.raises(ValueError, match="one SamplingParams and one uniform per row"):
+        draft_step(logits, params[:5], 0, uniforms)
