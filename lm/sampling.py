@@ -175,16 +175,16 @@ def draft_step(logits: torch.Tensor, params: list[SamplingParams], proposal_top_
         # summed in float64 (no float64 copy of the vocabulary)
         work = rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
         soft = 1.0 / (work - work.gather(-1, top.unsqueeze(-1))).exp_().sum(dim=-1, dtype=torch.float64)
-        q[greedy, top] = 1.0
-        for j, i in enumerate(greedy):
-            tokens[i], confidence[i] = int(top[j]), float(soft[j])
+        q[torch.tensor(greedy, device=q.device), top] = 1.0
+        for i, tok, c in zip(greedy, top.tolist(), soft.tolist()):  # one copy to the host each
+            tokens[i], confidence[i] = tok, c
     if sampled:
         rows = cap_support(process_logits(logits[sampled].double(), [params[i] for i in sampled]), proposal_top_k).float()
-        drawn = sample_from(rows, uniforms[sampled])
+        drawn = sample_from(rows, uniforms[sampled].to(rows.device))  # the draw on the logits' device
         picked = rows.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
         q[sampled] = rows
-        for j, i in enumerate(sampled):
-            tokens[i], confidence[i] = int(drawn[j]), float(picked[j])
+        for i, tok, c in zip(sampled, drawn.tolist(), picked.tolist()):
+            tokens[i], confidence[i] = tok, c
     return q, tokens, confidence
 
 
