@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run (a machine with CUDA torch, transformers and pytest, and
 # no network): the CUDA tests (flash's varlen kernel against each row's attention in float64, packed
-# forwards and whole engine rounds through it against masked SDPA) and bench.bench_varlen.
+# forwards and whole engine rounds through it against masked SDPA; drafting and local serving with
+# both models on the device, greedy against the target's own and sampled by chi-square) and
+# bench.bench_varlen.
 #   bash bench/gpu_checks.sh [OUTDIR]      # results in OUTDIR (default: gpu-checks/)
+#   BENCH=0 bash bench/gpu_checks.sh ...   # the tests only
 # The project is used from this checkout without installing it (a goodspeed.* package of links).
 set -uo pipefail
 out=${1:-gpu-checks}
@@ -28,6 +31,9 @@ print("kernel:", kernel and kernel.name)
 PY
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/test_attention.py tests/lm/test_kv_slots.py \
     tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/lm/test_sampling.py tests/lm/test_batch_draft.py tests/drafter/test_runner.py \
+    tests/verifier/test_local.py tests/verifier/test_local_lossless.py 2>&1 | tee "$out/tests_drafting.txt"
+[ "${BENCH:-1}" = 0 ] && exit 0
 for k in 1 4; do
     timeout 200 python3 -m bench.bench_varlen --repeats 30 --replicas $k --json > "$out/bench_varlen_x$k.json" 2> "$out/bench_varlen_x$k.err"
     echo "bench x$k rc=$?"; tail -5 "$out/bench_varlen_x$k.err"

@@ -271,7 +271,7 @@ class BatchDraftModel:
             for key in grow:
                 tree = trees[key]
                 nodes = beams[key]
-                base = torch.tensor([tree.path_probs[n] for n in nodes], dtype=torch.float64).unsqueeze(1)
+                base = torch.tensor([tree.path_probs[n] for n in nodes], dtype=torch.float64, device=logits[key].device).unsqueeze(1)
                 cand = base * self._ranking(logits[key], sampling[key])  # [len(nodes), V]
                 flat = cand.flatten()
                 top = torch.topk(flat, min(width, flat.numel()))

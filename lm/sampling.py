@@ -180,7 +180,7 @@ def draft_step(logits: torch.Tensor, params: list[SamplingParams], proposal_top_
             tokens[i], confidence[i] = tok, c
     if sampled:
         rows = cap_support(process_logits(logits[sampled].double(), [params[i] for i in sampled]), proposal_top_k).float()
-        drawn = sample_from(rows, uniforms[sampled].to(rows.device))  # the draw on the logits' device
+        drawn = sample_from(rows, uniforms[sampled])  # the draw on the logits' device
         picked = rows.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
         q[sampled] = rows
         for i, tok, c in zip(sampled, drawn.tolist(), picked.tolist()):
@@ -198,7 +198,8 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """
     cdf = torch.cumsum(probs.double(), dim=-1)
     total = cdf[..., -1:].contiguous()  # [..., 1]
-    idx = torch.searchsorted(cdf, uniforms.double().unsqueeze(-1) * total, right=True)
+    u = uniforms.to(device=cdf.device, dtype=torch.float64)  # drawn on the host, probs maybe on a GPU
+    idx = torch.searchsorted(cdf, u.unsqueeze(-1) * total, right=True)
     # A draw below the total lands on a token of positive mass; only one rounded up to it runs past
     # the end. The first index whose cdf reaches the total is the last token of positive mass.
     last_positive = torch.searchsorted(cdf, total)

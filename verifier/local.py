@@ -402,7 +402,7 @@ class LocalServing:
             self.allotments.set(req.session_id, len(plan.token_ids))
             dense = None
             if plan.q is not None and plan.token_ids and not req.sampling.greedy:
-                dense = plan.q.numpy()
+                dense = plan.q.cpu().numpy()  # the Draft's host array (a copy back from a CUDA draft)
             self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents, dense))
             drafted += len(plan.token_ids)
         context = self.engine.context_tokens

@@ -150,3 +150,31 @@ def test_a_capped_proposal_is_sampled_from_and_sent_as_its_sparse_support():
     assert whole.draft(2, SamplingParams(), torch.Generator()).q_to_send(SamplingParams()) == ("none", None)
     with pytest.raises(ValueError, match="proposal_top_k"):
         DraftRunner(model, proposal_top_k=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.8)])
+def test_a_cuda_runner_drafts_what_the_host_drafts(sampling):
+    """An edge drafter on a GPU: its uniforms come from the host's generator, its q stays on the
+    device until it is put on the wire, and rounds of drafting, verdicts and proactive drafting
+    give the host runner's tokens and q."""
+    import copy
+
+    model = tiny_llama(1)
+    host, device = DraftRunner(model), DraftRunner(copy.deepcopy(model).cuda())
+    for runner in (host, device):
+        runner.start([1, 2, 3])
+    for round_, s in enumerate([3, 0, 4, 2]):
+        a = host.draft(s, sampling, torch.Generator().manual_seed(round_))
+        b = device.draft(s, sampling, torch.Generator().manual_seed(round_))
+        assert b.token_ids == a.token_ids, round_
+        assert torch.allclose(b.probs.cpu(), a.probs, atol=1e-5), round_
+        kind, q = b.q_to_send(sampling)
+        assert kind == a.q_to_send(sampling)[0]
+        if kind == "dense":
+            assert q.float().reshape(-1).tolist() == pytest.approx(a.probs.reshape(-1).tolist(), abs=1e-5)
+        emitted = a.token_ids[:1] + [7]
+        for runner in (host, device):
+            runner.predraft(len(a.token_ids), 2, sampling, torch.Generator().manual_seed(9))
+            runner.apply(emitted, min(1, len(a.token_ids)))
+        assert device.committed == host.committed

@@ -147,3 +147,33 @@ def test_catch_up_projects_only_where_rows_end(model):
     for key, seq in committed.items():
         want = torch.log_softmax(next_probs(model, seq).log(), -1)
         assert torch.allclose(torch.log_softmax(last[key].double(), -1), want, atol=1e-5), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3)])
+def test_cuda_drafting_is_the_hosts(model, sampling):
+    """The same draft model on the GPU: catch-up (logits kept at a device tensor of positions),
+    chains (a batched step on the device) and beam trees give the host's tokens, and the logits
+    agree to rounding."""
+    import copy
+
+    host, device = BatchDraftModel(model), BatchDraftModel(copy.deepcopy(model).cuda())
+    committed = {"a": list(range(1, 9)), "b": [7, 8], "c": [9, 10, 11]}
+    for key in committed:
+        host.add(key)
+        device.add(key)
+    want, got = host.catch_up(committed), device.catch_up(committed)
+    for key in committed:  # float64 but for the rotary tables, which transformers builds in float32
+        diff = float((got[key].cpu() - want[key]).abs().max())
+        assert diff < 1e-4, (key, diff)
+    lengths, params = {"a": 3, "b": 2, "c": 1}, {k: sampling for k in committed}
+    want = host.draft_chains(committed, lengths, params, torch.Generator().manual_seed(1))
+    got = device.draft_chains(committed, lengths, params, torch.Generator().manual_seed(1))
+    for key in committed:
+        assert got[key].token_ids == want[key].token_ids, key
+        assert got[key].token_probs == pytest.approx(want[key].token_probs, rel=1e-5), key  # q is float32
+    want = host.draft_trees(committed, depth=3, width=2, sampling=params)
+    got = device.draft_trees(committed, depth=3, width=2, sampling=params)
+    for key in committed:
+        assert (got[key].token_ids, got[key].parents) == (want[key].token_ids, want[key].parents), key
+        assert got[key].path_probs == pytest.approx(want[key].path_probs, rel=1e-5), key

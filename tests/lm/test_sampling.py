@@ -124,3 +124,25 @@ def test_draft_step_is_each_rows_own_proposal_and_draw(dtype):
             assert confidence[i] == pytest.approx(float(want), rel=1e-6), (cap, i)
     with pytest.raises(ValueError, match="one SamplingParams and one uniform per row"):
         draft_step(logits, params[:5], 0, uniforms)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_step_on_cuda_is_the_cpus(dtype):
+    """Logits on the GPU (a CUDA draft): the indices, the uniforms and the draw follow them there,
+    and every row gets what the same step on the host gives (float32 softmax and cumulative sums
+    differ in the last bits between the two, hence the tolerance on q)."""
+    from goodspeed.lm.sampling import draft_step
+
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 3_000, generator=gen) * 2).to(dtype)
+    params = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(), SamplingParams(temperature=1.0, top_k=20),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.5, top_k=50, top_p=0.9)]
+    uniforms = torch.rand(6, generator=gen, dtype=torch.float64)  # on the host, as drafting draws them
+    for cap in (0, 64):
+        q, tokens, confidence = draft_step(logits.cuda(), params, cap, uniforms)
+        want_q, want_tokens, want_confidence = draft_step(logits, params, cap, uniforms)
+        assert q.device.type == "cuda" and q.dtype == torch.float32
+        assert torch.allclose(q.cpu(), want_q, atol=1e-6), cap
+        assert tokens == want_tokens, cap
+        assert confidence == pytest.approx(want_confidence, rel=1e-5), cap

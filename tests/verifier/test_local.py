@@ -312,3 +312,23 @@ def test_local_serving_is_a_draft_source_of_its_own(models):
     for req in serving._active.values():
         assert serving.allotments.allotted(req.session_id) == 6
         assert req.acceptance == serving.allotments.estimator.get(req.session_id).acceptance
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", LOCAL_POLICIES)
+def test_cuda_greedy_outputs_equal_the_targets_own(models, policy):
+    """Both models on the GPU (drafting's batched step, catch-up and tree masks on the device):
+    every policy's greedy output is still the target's own, decoded on the host."""
+    import copy
+
+    target, draft = models
+    serving = serve(copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda(), policy, prefill_chunk=2, max_requests=4,
+                    budget=12, k=3, extra=2)
+    slos = [None, 5.0, 50.0, None, 1.0, 20.0]
+    ids = [serving.submit(p, max_new_tokens=10 + i, tpot_slo_ms=slo) for i, (p, slo) in enumerate(zip(PROMPTS, slos))]
+    drain(serving)
+    by_id = {r.request_id: r for r in serving.finished}
+    for i, (rid, prompt) in enumerate(zip(ids, PROMPTS)):
+        assert by_id[rid].generated == greedy_reference(target, prompt, 10 + i), rid
+    if policy != "none":
+        assert serving.stats()["accepted"] > 0

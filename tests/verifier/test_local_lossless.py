@@ -85,3 +85,14 @@ def test_value_ranked_tetris_is_caught(models):
 @pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar"])
 def test_every_local_policy_large_sample(models, policy):
     check(models, generate(models, policy, 6000))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["chain", "tetris", "adaserve"])
+def test_local_policies_on_cuda_keep_sampling_exact(models, policy):
+    """The same chi-square test with both models on the GPU: drafting draws its tokens on the
+    device (``draft_step``), the engine verifies there; the exact distribution is the host's."""
+    import copy
+
+    on_gpu = tuple(copy.deepcopy(m).cuda() for m in models)
+    check(models, generate(on_gpu, policy, 600))
