@@ -46,6 +46,12 @@ POLICIES = [
     ("turbospec", {"policy": "turbospec"}),
     ("nightjar", {"policy": "nightjar"}),
 ]
+# Run only when --policies names them: AdaServe with the budget a full batch of 16 spends under
+# chain k = 2 (16 roots + 32 drafts), at depth 1 and 2.
+NAMED_ONLY = [
+    ("adaserve B=48 D=1", {"policy": "adaserve", "budget": 48, "max_depth": 1}),
+    ("adaserve B=48 D=2", {"policy": "adaserve", "budget": 48, "max_depth": 2}),
+]
 
 
 def load_pair(target_spec: str, draft_spec: str, dtype: str = "float32"):
@@ -73,7 +79,7 @@ def main() -> int:
     ap.add_argument("--target", default="demo:target", help="target model spec (demo:target, real:smollm2-135m)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both models' dtype")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--policies", default=None, help="comma-separated subset of: " + ", ".join(n for n, _ in POLICIES))
+    ap.add_argument("--policies", default=None, help="comma-separated subset of: " + ", ".join(n for n, _ in POLICIES + NAMED_ONLY))
     ap.add_argument("--max-requests", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
@@ -81,10 +87,10 @@ def main() -> int:
     policies = POLICIES
     if args.policies:
         wanted = [p.strip() for p in args.policies.split(",") if p.strip()]
-        unknown = sorted(set(wanted) - {n for n, _ in POLICIES})
+        unknown = sorted(set(wanted) - {n for n, _ in POLICIES + NAMED_ONLY})
         if unknown or "none" not in wanted:
             ap.error(f"--policies: unknown {unknown}" if unknown else "--policies must include none (the lossless reference)")
-        policies = [(n, kw) for n, kw in POLICIES if n in wanted]
+        policies = [(n, kw) for n, kw in POLICIES + NAMED_ONLY if n in wanted]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     pair = load_pair(args.target, args.draft, args.dtype)
