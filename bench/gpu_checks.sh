@@ -6,6 +6,8 @@
 # bench.bench_varlen.
 #   bash bench/gpu_checks.sh [OUTDIR]      # results in OUTDIR (default: gpu-checks/)
 #   BENCH=0 bash bench/gpu_checks.sh ...   # the tests only
+#   WHEELS=DIR bash bench/gpu_checks.sh ... # first install DIR's wheels (no deps) for this run only:
+#                                           # the gRPC test needs grpcio-health-checking and cryptography
 # The project is used from this checkout without installing it (a goodspeed.* package of links).
 set -uo pipefail
 out=${1:-gpu-checks}
@@ -15,6 +17,10 @@ pkg=$(mktemp -d)/goodspeed
 mkdir -p "$pkg"
 for d in api drafter launch lm proto scheduler verifier; do ln -s "$root/$d" "$pkg/$d"; done
 export PYTHONPATH="$(dirname "$pkg")" PYTHONUNBUFFERED=1
+if [ -n "${WHEELS:-}" ]; then
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-deps --no-index --target "$site" "$WHEELS"/*.whl && PYTHONPATH="$PYTHONPATH:$site"
+fi
 cd "$root"
 python3 - <<'PY' 2>&1 | tee "$out/probe.txt"
 import inspect, torch, transformers
@@ -32,7 +38,7 @@ PY
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/test_attention.py tests/lm/test_kv_slots.py \
     tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/lm/test_sampling.py tests/lm/test_batch_draft.py tests/drafter/test_runner.py \
-    tests/verifier/test_local.py tests/verifier/test_local_lossless.py 2>&1 | tee "$out/tests_drafting.txt"
+    tests/verifier/test_local.py tests/verifier/test_local_lossless.py tests/verifier/test_server.py 2>&1 | tee "$out/tests_drafting.txt"
 [ "${BENCH:-1}" = 0 ] && exit 0
 for k in 1 4; do
     timeout 200 python3 -m bench.bench_varlen --repeats 30 --replicas $k --json > "$out/bench_varlen_x$k.json" 2> "$out/bench_varlen_x$k.err"

@@ -344,3 +344,34 @@ def test_sampled_outputs_follow_the_target_through_grpc(rounds):
     assert len(samples) == 600
     ok, msg = fits(count_first_two(samples, vocab), exact_first_two(target, prompt, sampling))
     assert ok, msg
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rounds", ["sync", "async"])
+def test_cuda_verifier_and_drafters_through_grpc(models, rounds):
+    """The deployment's shape on one GPU: the verifier's target and every edge drafter's model on
+    CUDA, real clients over gRPC. Greedy outputs are the target's own (decoded on the host), and
+    sampled ones follow its distribution (chi-square, as above)."""
+    import copy
+
+    from goodspeed.lm.sampling import SamplingParams
+    from statkit import count_first_two, exact_first_two, fits
+
+    target, drafts = models
+    engine = VerificationEngine(copy.deepcopy(target).cuda(), EngineConfig(budget=10, max_draft_len=6))
+    prompts = [PROMPTS[:2], PROMPTS[1:3], PROMPTS[2:]]
+    with ServerThread(engine, rounds=rounds, round_deadline_ms=500) as server:
+        outputs = run_clients(server.address, [copy.deepcopy(d).cuda() for d in drafts], prompts, max_new=14)
+    for i, plist in enumerate(prompts):
+        assert outputs[i] == [greedy_reference(target, p, 14) for p in plist]
+
+    vocab, prompt, sampling = 6, [1, 2, 3], SamplingParams(temperature=1.0, top_p=0.95)
+    small = tiny_llama(4, vocab=vocab, init=0.08)
+    draft = perturbed(small, 1.0, 5).cuda()
+    engine = VerificationEngine(copy.deepcopy(small).cuda(), EngineConfig(budget=24, max_draft_len=3))
+    with ServerThread(engine, rounds=rounds) as server:
+        outputs = run_clients(server.address, [draft] * 6, [[prompt] * 100] * 6, 3, sampling=sampling)
+    samples = [o for outs in outputs.values() for o in outs]
+    assert len(samples) == 600
+    ok, msg = fits(count_first_two(samples, vocab), exact_first_two(small, prompt, sampling))
+    assert ok, msg
