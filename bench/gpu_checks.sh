@@ -7,7 +7,7 @@
 #   bash bench/gpu_checks.sh [OUTDIR]      # results in OUTDIR (default: gpu-checks/)
 #   BENCH=0 bash bench/gpu_checks.sh ...   # the tests only
 #   WHEELS=DIR bash bench/gpu_checks.sh ... # first install DIR's wheels (no deps) for this run only:
-#                                           # the gRPC test needs grpcio-health-checking and cryptography
+#                                           # the gRPC and API tests need grpcio-health-checking, pydantic, openai...
 # The project is used from this checkout without installing it (a goodspeed.* package of links).
 set -uo pipefail
 out=${1:-gpu-checks}
@@ -38,7 +38,8 @@ PY
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/test_attention.py tests/lm/test_kv_slots.py \
     tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/lm/test_sampling.py tests/lm/test_batch_draft.py tests/drafter/test_runner.py \
-    tests/verifier/test_local.py tests/verifier/test_local_lossless.py tests/verifier/test_server.py 2>&1 | tee "$out/tests_drafting.txt"
+    tests/verifier/test_local.py tests/verifier/test_local_lossless.py tests/verifier/test_server.py tests/drafter/test_node.py \
+    2>&1 | tee "$out/tests_drafting.txt"
 [ "${BENCH:-1}" = 0 ] && exit 0
 for k in 1 4; do
     timeout 200 python3 -m bench.bench_varlen --repeats 30 --replicas $k --json > "$out/bench_varlen_x$k.json" 2> "$out/bench_varlen_x$k.err"

@@ -152,3 +152,18 @@ def test_the_nodes_health_follows_its_verifier(models):
         with pytest.raises(openai.InternalServerError) as refused:  # new requests: 503 at once
             api_of(edge).completions.create(model="tiny", prompt="x", max_tokens=2)
     assert refused.value.status_code == 503
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_node_and_verifier_serve_the_targets_greedy_decoding(models):
+    """An edge node with its draft on a GPU (batched drafting of concurrent requests on the device)
+    against a CUDA verifier, called through the OpenAI client: each completion is the target's own."""
+    import copy
+
+    target, draft, tokenizer = models
+    prompts = ["import os", "class A:", "def f(x):", "return None", "while True:"]
+    engine = VerificationEngine(copy.deepcopy(target).cuda(), EngineConfig(budget=8, max_draft_len=6, seed=5))
+    with ServerThread(engine, round_deadline_ms=500, target_name="tiny") as server, \
+            NodeThread(server.address, copy.deepcopy(draft).cuda(), tokenizer, name="gpu", max_concurrency=3) as edge:
+        texts = complete_concurrently(api_of(edge), "tiny", prompts, 14)
+    assert texts == {p: reference(models, p, 14) for p in prompts}
