@@ -124,7 +124,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
     if (args.prompt is None) == (ids is None):
-        print("goodspeed generate: give a prompt or --prompt-ids (not both)", file=sys.stderr)
+        print("goodspeed generate: give exactly one of a prompt or --prompt-ids" + (", not both" if args.prompt is not None else ""),
+              file=sys.stderr)
         return 2
     prompt = args.prompt
     if args.chat is not None:
@@ -276,7 +277,8 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
     if args.draft is None:
         parser.error("the draft model is required: --draft MODEL, or a --spec whose [[drafters]] entry names it")
     if (args.prompts is None) == (args.serve is None):
-        parser.error("give --prompts (generate a file) or --serve HOST:PORT (serve the OpenAI API), not both")
+        parser.error("give exactly one of --prompts FILE (generate a file's prompts) or --serve HOST:PORT "
+                     "(serve the OpenAI API)" + (", not both" if args.prompts is not None else ""))
     if args.concurrency < 1:
         parser.error("--concurrency must be >= 1")
     try:

@@ -67,3 +67,22 @@ def test_concurrency_needs_proactive_drafting_off(models):
     spec = DrafterSpec(name="phone", draft="unused", prompts="code", concurrency=2, proactive=True)
     with pytest.raises(SystemExit, match="--no-proactive"):
         run_drafter(spec, "127.0.0.1:1")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["drafter", "--verifier", "127.0.0.1:1", "--draft", "demo:draft-tiny"], "give exactly one of --prompts FILE"),
+    (["drafter", "--verifier", "127.0.0.1:1", "--draft", "demo:draft-tiny", "--prompts", "p.jsonl", "--serve", "127.0.0.1:0"],
+     "(serve the OpenAI API), not both"),
+    (["generate", "--verifier", "127.0.0.1:1"], "give exactly one of a prompt or --prompt-ids\n"),
+    (["generate", "--verifier", "127.0.0.1:1", "--prompt-ids", "1,2", "hi"], "give exactly one of a prompt or --prompt-ids, not both"),
+])
+def test_the_cli_says_which_of_two_inputs_it_needs(argv, said, capsys):
+    """Neither of two exclusive inputs, or both: the message says which case it is."""
+    from goodspeed.launch.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 2
+    assert said in capsys.readouterr().err
