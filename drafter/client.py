@@ -18,6 +18,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,6 +55,9 @@ class DrafterConfig:
     token: str | None = None  # bearer token (the verifier's --auth-tokens); sent on every call
     tls: ClientTLS | None = None  # TLS to the verifier (mutual with a client certificate); None: plaintext
     proactive: bool = True  # draft the next round while a draft is in flight (drafter.runner, SpecEdge)
+    # Told once, with a sentence, when the verifier does not answer at the first try (a CLI prints
+    # it, so a wrong address is not a silent wait of connect_timeout_s); None: nothing is said.
+    on_wait: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -105,7 +109,7 @@ class DrafterClient:
 
     def wait_until_serving(self) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
-        for pause in backoff(self.config.connect_timeout_s, cap_s=1.0):
+        for attempt, pause in enumerate(backoff(self.config.connect_timeout_s, cap_s=1.0)):
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -114,6 +118,7 @@ class DrafterClient:
                 pass
             if pause is None:
                 break
+            say_waiting(self.config, attempt == 0)
             time.sleep(pause)
         raise DrafterError(f"verifier {self.config.verifier} not serving after {self.config.connect_timeout_s} s")
 
@@ -297,3 +302,10 @@ class _SessionLost(Exception):
 
 class _Drifted(Exception):
     """A verdict for a later round than this drafter's: its view of the request is behind."""
+
+
+def say_waiting(config, first: bool) -> None:
+    """After a first failed reach of the verifier, tell ``config.on_wait`` (a drafter's or a
+    node's config) what is being waited for, once."""
+    if first and config.on_wait is not None:
+        config.on_wait(f"waiting for the verifier at {config.verifier} to serve (up to {config.connect_timeout_s:g} s)")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ from prometheus_client import CollectorRegistry
 from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
 from goodspeed.api.protocol import ApiError, GenerationRequest
 from goodspeed.api.server import Delta
-from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff
+from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
@@ -74,6 +75,7 @@ class NodeConfig:
     token: str | None = None
     tls: ClientTLS | None = None
     proposal_top_k: int = PROPOSAL_TOP_K  # sampled drafts' q capped to this many tokens a position (lm.sampling.cap_support)
+    on_wait: Callable[[str], None] | None = field(default=None, compare=False)  # as DrafterConfig.on_wait
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_waiting < 0:
@@ -204,7 +206,7 @@ class EdgeNode:
         self.channel = open_aio_channel(self.config.verifier, self.config.tls)
         self.stub = pb_grpc.VerifierStub(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)
-        for pause in backoff(self.config.connect_timeout_s, cap_s=1.0):  # the file-mode client's schedule
+        for attempt, pause in enumerate(backoff(self.config.connect_timeout_s, cap_s=1.0)):  # the file-mode client's schedule
             try:
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -213,6 +215,7 @@ class EdgeNode:
                 pass
             if pause is None:
                 raise DrafterError(f"verifier {self.config.verifier} not serving after {self.config.connect_timeout_s:g} s")
+            say_waiting(self.config, attempt == 0)
             await asyncio.sleep(pause)
         try:
             session, reply = await self._join()

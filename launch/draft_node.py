@@ -51,7 +51,7 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, ou
         sampling=SamplingParams(spec.temperature, spec.top_k, spec.top_p), max_new_tokens=spec.max_new_tokens,
         eos_token_ids=(eos,) if eos is not None else (), seed=spec.seed, connect_timeout_s=connect_timeout_s,
         token=read_token(spec.token_file), tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name),
-        proactive=spec.proactive,
+        proactive=spec.proactive, on_wait=_say(spec.name),
     )
     client = DrafterClient(config, DraftRunner(draft.model, spec.proposal_top_k))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
@@ -85,7 +85,13 @@ def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurre
     return NodeConfig(
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=max_concurrency,
         max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
-        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), proposal_top_k=spec.proposal_top_k)
+        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), proposal_top_k=spec.proposal_top_k,
+        on_wait=_say(spec.name))
+
+
+def _say(name: str):
+    """What a drafter process tells its operator on stderr, under its name."""
+    return lambda message: print(f"drafter {name}: {message}", file=sys.stderr, flush=True)
 
 
 async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, tokenizer, fingerprint: str, prompts, out,

@@ -40,13 +40,22 @@ def collect(chunks, on_text=None) -> dict:
     return out
 
 
+CONNECT_TIMEOUT_S = 30.0  # how long to wait for a verifier to answer at all
+SAY_WAITING_AFTER_S = 1.0  # then say what it is waiting for, so a wrong address is not a silent stall
+
+
 def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeout_s: float | None = None,
                  token: str | None = None, tls: ClientTLS | None = None) -> int:
     metadata = bearer_metadata(token)
     with open_channel(address, tls) as channel:
         stub = pb_grpc.VerifierStub(channel)
+        ready = grpc.channel_ready_future(channel)
         try:
-            grpc.channel_ready_future(channel).result(timeout=30)
+            try:
+                ready.result(timeout=SAY_WAITING_AFTER_S)
+            except grpc.FutureTimeoutError:
+                print(f"goodspeed generate: waiting for a verifier at {address} (up to {CONNECT_TIMEOUT_S:.0f} s)", file=sys.stderr)
+                ready.result(timeout=CONNECT_TIMEOUT_S - SAY_WAITING_AFTER_S)
         except grpc.FutureTimeoutError:
             print(f"goodspeed generate: no verifier answers at {address}", file=sys.stderr)
             return 2

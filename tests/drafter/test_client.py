@@ -172,3 +172,47 @@ def test_proactive_drafting_hides_drafting_and_stays_lossless(models, proactive)
         assert 1 <= result.predraft_used_tokens <= result.predrafted_tokens and result.hidden_s > 0
     else:
         assert (result.predrafted_rounds, result.proactive_hits, result.predrafted_tokens, result.hidden_s) == (0, 0, 0, 0.0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # nothing listens on it once closed
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_verifier_is_said_once_then_an_error(models):
+    """A wrong address: the drafter says what it waits for (once, not per retry), then gives up
+    with an error naming the address."""
+    said = []
+    address = f"127.0.0.1:{free_port()}"
+    client = DrafterClient(DrafterConfig(address, "d", connect_timeout_s=0.5, on_wait=said.append), DraftRunner(models[1]))
+    try:
+        with pytest.raises(DrafterError, match=f"verifier {address} not serving"):
+            client.wait_until_serving()
+    finally:
+        client.close()
+    assert said == [f"waiting for the verifier at {address} to serve (up to 0.5 s)"]
+
+
+def test_an_unreachable_verifier_is_said_once_by_a_node(models):
+    import asyncio
+
+    from goodspeed.drafter.node import EdgeNode, NodeConfig
+    from modelkit import chat_pair
+
+    target, draft, tokenizer = chat_pair()
+    said = []
+    address = f"127.0.0.1:{free_port()}"
+    node = EdgeNode(NodeConfig(address, "phone", connect_timeout_s=0.5, on_wait=said.append), draft, tokenizer)
+
+    async def start():
+        try:
+            await node.start()
+        finally:
+            await node.stop()
+
+    with pytest.raises(DrafterError, match=f"verifier {address} not serving"):
+        asyncio.run(start())
+    assert said == [f"waiting for the verifier at {address} to serve (up to 0.5 s)"]

@@ -59,3 +59,21 @@ def test_turbospec_without_a_profile_is_refused(model_dirs, tmp_path):
     result = subprocess.run(verifier_command(spec, tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "goodspeed profile" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_says_it_is_waiting_then_that_no_verifier_answers(monkeypatch, capsys):
+    """A wrong address is not a silent stall: after a moment it says what it waits for, then gives
+    up with exit status 2 (the waits shortened here)."""
+    import socket
+
+    from goodspeed.launch import generate
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(generate, "SAY_WAITING_AFTER_S", 0.1)
+    monkeypatch.setattr(generate, "CONNECT_TIMEOUT_S", 0.6)
+    rc = generate.run_generate(f"127.0.0.1:{port}", generate.generate_request(prompt="hi"), as_json=True)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.index(f"waiting for a verifier at 127.0.0.1:{port}") < err.index(f"no verifier answers at 127.0.0.1:{port}")
