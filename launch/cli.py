@@ -197,8 +197,12 @@ def _loadgen(args: argparse.Namespace) -> int:
     trace = make_trace(prompts, args.requests, args.rate, baseline, args.max_new_tokens, seed=args.seed)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     show = None if args.quiet else (lambda done, total: print(f"\r{done}/{total} requests", end="", file=sys.stderr, flush=True))
-    records = asyncio.run(run_trace_grpc(args.verifier, trace, sampling, progress=show, token=read_token(args.token_file),
-                                         tls=_client_tls(args)))
+    try:
+        records = asyncio.run(run_trace_grpc(args.verifier, trace, sampling, progress=show, token=read_token(args.token_file),
+                                             tls=_client_tls(args)))
+    except ConnectionError as exc:
+        print(f"goodspeed loadgen: error: {exc}", file=sys.stderr)
+        return 2
     if show:
         print(file=sys.stderr)
     if args.out:

@@ -14,6 +14,7 @@ and p99 TPOT, SLO attainment per class, goodput of the SLO-meeting requests, and
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,20 +123,28 @@ async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: Sam
     import grpc
 
     from goodspeed.drafter.credentials import bearer_metadata, open_aio_channel
-    from goodspeed.launch.generate import generate_request
+    from goodspeed.launch import generate
     from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 
     done = 0
 
     async with open_aio_channel(address, tls) as channel:
-        await asyncio.wait_for(channel.channel_ready(), 30)
+        try:  # as `goodspeed generate` waits: said after a moment, then an error, never a silent stall
+            try:
+                await asyncio.wait_for(channel.channel_ready(), generate.SAY_WAITING_AFTER_S)
+            except asyncio.TimeoutError:
+                print(f"goodspeed loadgen: waiting for a verifier at {address} (up to {generate.CONNECT_TIMEOUT_S:.0f} s)",
+                      file=sys.stderr)
+                await asyncio.wait_for(channel.channel_ready(), generate.CONNECT_TIMEOUT_S - generate.SAY_WAITING_AFTER_S)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"no verifier answers at {address}") from None
         stub = pb_grpc.VerifierStub(channel)
         t0 = time.perf_counter()
 
         async def one(it: TraceItem) -> dict:
             nonlocal done
             await asyncio.sleep(max(0.0, t0 + it.arrival_s - time.perf_counter()))
-            req = generate_request(prompt_ids=it.prompt_ids, max_new_tokens=it.max_new_tokens, temperature=sampling.temperature,
+            req = generate.generate_request(prompt_ids=it.prompt_ids, max_new_tokens=it.max_new_tokens, temperature=sampling.temperature,
                                    top_k=sampling.top_k, top_p=sampling.top_p, tpot_slo_ms=it.tpot_slo_ms, ignore_eos=ignore_eos,
                                    request_id=it.request_id)
             arrival = time.perf_counter()

@@ -82,3 +82,21 @@ def test_replay_over_grpc(models):
     outputs = {r.request_id: r.generated for r in local.finished}
     for it in trace:
         assert outputs[it.request_id] == greedy_reference(target, it.prompt_ids, 12)
+
+
+def test_an_unreachable_verifier_is_said_then_an_error(monkeypatch, capsys):
+    """A wrong address: the load generator says what it waits for, then raises (the CLI turns it
+    into a one-line error and status 2), where it used to wait silently and end in a traceback."""
+    import socket
+
+    from goodspeed.launch import generate
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(generate, "SAY_WAITING_AFTER_S", 0.1)
+    monkeypatch.setattr(generate, "CONNECT_TIMEOUT_S", 0.6)
+    trace = make_trace([[1, 2, 3]], 2, 10.0, 50.0, 4, seed=0)
+    with pytest.raises(ConnectionError, match=f"no verifier answers at {address}"):
+        asyncio.run(run_trace_grpc(address, trace))
+    assert f"waiting for a verifier at {address}" in capsys.readouterr().err
