@@ -341,14 +341,16 @@ def _experiment(args: argparse.Namespace) -> int:
 
     from dataclasses import replace
 
-    from goodspeed.launch.experiment import load_experiment, run_experiment
+    from goodspeed.launch.experiment import check_policies, load_experiment, run_experiment
     from goodspeed.launch.spec import SpecError, spec_path
 
     settings, spec = load_experiment(spec_path(args.spec))  # a file or a shipped name, e.g. table1-4drafters
     if args.seed is not None:
         settings = replace(settings, seed=args.seed)
-    _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
     only = tuple(args.policies.split(",")) if args.policies else None
+    if only:
+        check_policies(only, "--policies")
+    _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
     if only:  # a policy the spec does not list joins the experiment
         settings = replace(settings, policies=settings.policies + tuple(p for p in only if p not in settings.policies))
     if args.modes:

@@ -80,12 +80,22 @@ def load_experiment(path: str | Path | None = None) -> tuple[ExperimentSettings,
         raise SpecError(f"{path} [experiment]: rounds >= 2, at least one policy and one mode are required")
     if unknown := [m for m in settings.modes if m not in ROUND_MODES]:
         raise SpecError(f"{path} [experiment]: unknown modes {unknown}; known: {', '.join(ROUND_MODES)}")
+    check_policies(settings.policies, f"{path} [experiment] policies")
     if settings.concurrency is not None and (not settings.concurrency or min(settings.concurrency) < 1):
         raise SpecError(f"{path} [experiment]: concurrency lists requests per drafter, each >= 1")
     if settings.transit is not None and (not settings.transit or min(settings.transit) < 0):
         raise SpecError(f"{path} [experiment]: transit lists the verifier's transit_tokens, each >= 0")
     spec = load_spec(path, data=raw)
     return settings, spec
+
+
+def check_policies(names, where: str) -> None:
+    """Every name a registered draft-length policy (``SpecError`` naming the unknown ones), so a
+    typo fails before any model loads or process starts."""
+    from goodspeed.scheduler.policy import POLICIES
+
+    if unknown := [p for p in names if p not in POLICIES]:
+        raise SpecError(f"{where}: unknown policies {unknown}; known: {', '.join(sorted(POLICIES))}")
 
 
 def _cycled(spec: LaunchSpec, out_dir: Path, seed: int = 0) -> LaunchSpec:

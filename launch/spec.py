@@ -292,7 +292,7 @@ def load_drafter_settings(path: str | Path, name: str | None = None) -> dict:
         raise SpecError(f"{where}: {launcher} tell goodspeed launch how to start the process, not settings of the draft node")
     unknown = sorted(set(table) - set(known))
     if unknown:
-        raise SpecError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+        raise SpecError(unknown_keys(where, unknown, known))
     defaults = {f.name: f.default for f in fields(DrafterSpec) if f.name in known and f.default is not MISSING}
     return {**defaults, **_typed(DrafterSpec, table, where)}  # name, draft and prompts may come from flags
 
@@ -425,12 +425,25 @@ class LaunchSpec:
         return LaunchSpec(verifier, drafters, root)
 
 
+def unknown_keys(where: str, unknown, known) -> str:
+    """The error for keys a table does not take, with the closest known key to each typo.
+
+    >>> unknown_keys("[verifier]", ["budgte"], ["budget", "beta", "policy"])
+    "[verifier]: unknown keys ['budgte'] (did you mean 'budget'?); known: ['beta', 'budget', 'policy']"
+    """
+    import difflib
+
+    guesses = [g[0] for key in sorted(unknown) if (g := difflib.get_close_matches(key, known, n=1))]
+    hint = f" (did you mean {', '.join(repr(g) for g in guesses)}?)" if guesses else ""
+    return f"{where}: unknown keys {sorted(unknown)}{hint}; known: {sorted(known)}"
+
+
 def build_table(cls, table: dict, where: str):
     """A frozen dataclass from a TOML table; unknown keys and wrong types raise :class:`SpecError`."""
     known = {f.name for f in fields(cls)}
     unknown = set(table) - known
     if unknown:
-        raise SpecError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        raise SpecError(unknown_keys(where, unknown, known))
     if "link" in table:
         link = table["link"]
         if not isinstance(link, dict):

@@ -171,3 +171,14 @@ def test_a_seed_shuffles_each_drafters_prompt_cycle(tmp_path):
     assert all(sorted(shuffled[k:k + 6]) == sorted(lines) for k in range(0, len(shuffled), 6))  # every cycle: each prompt once
     assert shuffled != lines * PROMPT_CYCLES and shuffled == cycle(3, "a")  # reproducible
     assert cycle(3, "b") != shuffled and cycle(4, "a") != shuffled  # per drafter, per seed
+
+
+def test_an_unknown_policy_fails_before_anything_runs(tmp_path, capsys):
+    """A typo in --policies is an error at once: no model is built, no process starts, no
+    directory is written (it used to start a verifier, which refused the name)."""
+    from goodspeed.launch.cli import main
+
+    out = tmp_path / "runs"
+    assert main(["experiment", "table1-4drafters", "--policies", "goodspeeed,fixed", "--out", str(out)]) == 2
+    assert "--policies: unknown policies ['goodspeeed']; known: fixed, goodspeed" in capsys.readouterr().err
+    assert not out.exists()

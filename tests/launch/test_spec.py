@@ -33,7 +33,10 @@ def test_count_expands_to_distinct_processes(tmp_path, launched, launched_drafte
 @pytest.mark.parametrize(
     "text,match",
     [
-        ('[verifier]\nbudgt=3\n[[drafters]]\nname="a"\ndraft="d"\nprompts="code"\n', "unknown keys"),
+        ('[verifier]\nbudgt=3\n[[drafters]]\nname="a"\ndraft="d"\nprompts="code"\n', "unknown keys \\['budgt'\\] \\(did you mean 'budget'\\?\\)"),
+        ('[verifier]\n[[drafters]]\nname="a"\ndraft="d"\nprompts="code"\nxyzzy=1\n', "unknown keys \\['xyzzy'\\]; known"),
+        ('[experiment]\npolicies=["goodspeeed"]\n[verifier]\n[[drafters]]\nname="a"\ndraft="d"\nprompts="code"\n',
+         "unknown policies \\['goodspeeed'\\]"),
         ('[verifier]\n[[drafters]]\nname="a"\ndraft="d"\nprompts="nowhere"\n', "neither a shipped set"),
         ('[verifier]\n', "no \\[\\[drafters\\]\\]"),
         ('[verifier]\n[[drafters]]\nname="a"\ndraft="d"\nprompts="code"\n[[drafters]]\nname="a"\ndraft="d"\nprompts="code"\n', "unique"),
@@ -44,8 +47,10 @@ def test_count_expands_to_distinct_processes(tmp_path, launched, launched_drafte
     ],
 )
 def test_bad_specs_name_the_problem(tmp_path, text, match):
+    from goodspeed.launch.experiment import load_experiment
+
     with pytest.raises(SpecError, match=match):
-        load_spec(write(tmp_path, text))
+        (load_experiment if text.startswith("[experiment]") else load_spec)(write(tmp_path, text))
 
 
 def test_default_spec_file_ships_with_the_package():
