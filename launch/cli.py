@@ -224,6 +224,11 @@ def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
     return [p.prompt_ids for p in load_prompts(path, tokenizer)]
 
 
+def spec_models(spec) -> list[str]:
+    """Every model a launch spec's processes load: the target, the local draft, the drafts."""
+    return [spec.verifier.target] + [spec.verifier.local_draft] * bool(spec.verifier.local_draft) + [d.draft for d in spec.drafters]
+
+
 def _ensure_models(models: list[str]) -> None:
     from goodspeed.lm.loading import ensure_models
 
@@ -328,7 +333,7 @@ def _launch(args: argparse.Namespace) -> int:
             print(line)
         return 0
     else:
-        _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
+        _ensure_models(spec_models(spec))
         summary = launch_local(spec, out, live=not args.no_live)
     if args.dry_run:
         return 0
@@ -350,7 +355,7 @@ def _experiment(args: argparse.Namespace) -> int:
     only = tuple(args.policies.split(",")) if args.policies else None
     if only:
         check_policies(only, "--policies")
-    _ensure_models([spec.verifier.target] + [d.draft for d in spec.drafters])
+    _ensure_models(spec_models(spec))
     if only:  # a policy the spec does not list joins the experiment
         settings = replace(settings, policies=settings.policies + tuple(p for p in only if p not in settings.policies))
     if args.modes:

@@ -198,6 +198,13 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
+def _last_error(path: Path) -> str:
+    """A failed process's own last word: its log's last line that says ``error``, else its last line."""
+    lines = [line for line in _tail(path, 200).splitlines() if line.strip()]
+    said = [line for line in lines if "error" in line.lower()]
+    return (said or lines or [f"(no log at {path})"])[-1]
+
+
 class LocalCluster:
     def __init__(self, spec: LaunchSpec, out_dir: Path, live: bool = True, start_timeout_s: float = 300.0) -> None:
         # One root seed for the whole run (fresh when the spec has none), recorded in the summary.
@@ -332,7 +339,9 @@ def summarise(cluster: LocalCluster) -> dict:
         wall = sum(r["wall_s"] for r in records)
         view = cluster.view.drafters.get(name, DrafterView())
         link = links.get(name)
+        failed = proc.returncode not in (0, None)
         rows[name] = {
+            "error": _last_error(cluster.out_dir / f"{name}.log") if failed else None,
             "exit_code": proc.returncode, "requests": len(records), "tokens": sum(len(r["token_ids"]) for r in records),
             "rounds": sum(r["rounds"] for r in records), "acceptance": accepted / drafted if drafted else 0.0,
             "tok_per_s": sum(len(r["token_ids"]) for r in records) / wall if wall else 0.0,
@@ -352,6 +361,9 @@ def print_summary(summary: dict, log=print) -> None:
         recv = f"{r['receive_ms_median']:>7.1f}" if r.get("receive_ms_median") is not None else f"{'-':>7}"
         log(f"{name:<16} {r['exit_code']:>4} {r['requests']:>4} {r['tokens']:>6} {r['rounds']:>6} {r['acceptance']:>6.3f} "
             f"{r['alpha_hat']:>9.3f} {r['X']:>6.2f} {r['tok_per_s']:>7.1f} {recv}")
+    for name, r in summary["drafters"].items():
+        if r.get("error"):
+            log(f"drafter {name} exited with {r['exit_code']}: {r['error']} (log: {Path(summary['out_dir']) / f'{name}.log'})")
     for error in summary.get("log_errors", []):
         log(f"unreadable round event in the verifier's log: {error}")
     log(f"{summary['tokens']} tokens in {summary['wall_s']:.1f} s ({summary['tokens'] / summary['wall_s']:.1f} tok/s overall), "

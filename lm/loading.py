@@ -66,10 +66,15 @@ def resolve_model_path(spec: str) -> str:
 
 def embedded_families(specs: list[str]) -> list[str]:
     """What ``goodspeed models get`` must build for ``specs``: ``demo`` for any ``demo:`` model,
-    the family (e.g. ``smollm2-135m``) of any ``real:`` one; hub ids and paths need nothing."""
+    the family (e.g. ``smollm2-135m``) of any ``real:`` one; hub ids and paths need nothing. A name
+    that is no embedded model raises (``ModelLoadError``), so a typo fails before any build."""
     families: list[str] = []
     for spec in specs:
         if spec.startswith("demo:"):
+            from goodspeed.lm.demo import RECIPES
+
+            if (name := spec.removeprefix("demo:")) not in (known := [r.name for r in RECIPES]):
+                raise ModelLoadError(f"no demo model {name!r} (known: {', '.join(known)})")  # before any build
             family = "demo"
         elif spec.startswith("real:"):
             from goodspeed.lm.real import split_name

@@ -116,3 +116,22 @@ def test_pinned_children_get_their_cpus_and_parent_death_signal_without_a_preexe
     assert subprocess.run(cmd, capture_output=True, text=True, check=True, **kwargs).stdout.split() == ["[0]", "15", "1"]
     cmd, kwargs = _pinned(probe, None, threads=3)  # nothing to set up: the command as it is
     assert cmd == probe and subprocess.run(cmd, capture_output=True, text=True, check=True, **kwargs).stdout.split()[-2:] == ["0", "3"]
+
+
+def test_the_summary_says_why_a_drafter_failed(tmp_path):
+    """A drafter that exits non-zero gets a line with its own last error and where its log is."""
+    from goodspeed.launch.local import _last_error, print_summary
+
+    log = tmp_path / "a.log"
+    log.write_text("drafter a: root seed 5\ngoodspeed drafter: error: join refused: FAILED_PRECONDITION: tokenizer mismatch\n")
+    assert _last_error(log) == "goodspeed drafter: error: join refused: FAILED_PRECONDITION: tokenizer mismatch"
+    assert _last_error(tmp_path / "b.log") == f"(no log at {tmp_path / 'b.log'})"
+    row = dict(exit_code=1, requests=0, tokens=0, rounds=0, acceptance=0.0, alpha_hat=0.0, X=0.0, tok_per_s=0.0,
+               receive_ms_median=None)
+    summary = {"drafters": {"a": {**row, "error": _last_error(log)}, "b": {**row, "exit_code": 0, "error": None}},
+               "rounds": 0, "wall_s": 1.0, "tokens": 0, "out_dir": str(tmp_path)}
+    lines = []
+    print_summary(summary, log=lines.append)
+    said = [line for line in lines if line.startswith("drafter ") and "exited" in line]
+    assert said == [f"drafter a exited with 1: goodspeed drafter: error: join refused: FAILED_PRECONDITION: tokenizer "
+                    f"mismatch (log: {tmp_path / 'a.log'})"]

@@ -72,6 +72,13 @@ def test_missing_demo_and_bad_specs(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="CUDA"):
             load_causal_lm("demo:target", device="cuda")
+    from goodspeed.lm.loading import ensure_models
+
+    built = []  # a typo in a demo name fails before the (minutes-long) demo build is even started
+    monkeypatch.setattr(demo, "build_demo", lambda **kw: built.append(kw))
+    with pytest.raises(ModelLoadError, match="no demo model 'draft-huge' \\(known: target, draft-tiny"):
+        ensure_models(["demo:target", "demo:draft-huge"])
+    assert built == []
 
 
 def test_awq_checkpoint_without_backend_names_the_extra(tmp_path, monkeypatch):
