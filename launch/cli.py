@@ -598,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     from goodspeed.launch.spec import SpecError
     from goodspeed.lm.loading import ModelLoadError
     from goodspeed.verifier.auth import TokenFileError
+    from goodspeed.verifier.errors import ListenError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -605,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (SpecError, ModelLoadError, LinkError, LaunchError, CredentialsError, TokenFileError, CertError,
-            SimulationError) as exc:
+            SimulationError, ListenError) as exc:
         print(f"goodspeed {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except DrafterError as exc:  # the verifier refused or went away past the timeout

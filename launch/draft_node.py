@@ -182,7 +182,14 @@ async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, 
     node = EdgeNode(config, draft.model, draft.tokenizer)
     await node.start()
     server = OpenAIServer(node, node.registry, authorize=authorize)
-    bound = await server.start(host, port)
+    try:
+        bound = await server.start(host, port)
+    except OSError as exc:  # the port is taken or not allowed: leave the verifier, say why
+        from goodspeed.verifier.errors import ListenError
+
+        await server.stop()
+        await node.stop()
+        raise ListenError(f"cannot serve the OpenAI API on {host}:{port}: {exc.strerror or exc}") from None
     log("serving", http=f"{host}:{bound}", verifier=verifier, model=node.model_ids[0], device=spec.name,
         max_concurrency=max_concurrency, seed=node.root_seed)
     stop = asyncio.Event()

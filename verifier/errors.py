@@ -19,6 +19,11 @@
 """
 
 
+class ListenError(OSError):
+    """A port the process was told to listen on could not be had (in use, not allowed, or not a
+    port). Not an engine error: the daemon stops before serving, and the CLI says why."""
+
+
 class EngineError(Exception):
     """Base class: a request the engine refused. The engine and other sessions are unaffected."""
 

@@ -38,7 +38,12 @@ class Metrics:
         self.requests = RequestMetrics(self.registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+        from goodspeed.verifier.errors import ListenError
+
+        try:
+            start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            raise ListenError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from None
 
     def observe_round(self, phases: dict[str, float], verdicts, transit_tokens: int = 0) -> None:
         """One step: its phases, its verdicts' drafts (a verdict's ``num_accepted`` may count

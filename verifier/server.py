@@ -96,6 +96,10 @@ class ServerConfig:
     http_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must lie in 0..65535 (0: a free port), got {value}")
         if self.rounds not in ROUND_MODES:
             raise ValueError(f"rounds must be one of {', '.join(ROUND_MODES)}, got {self.rounds!r}")
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
@@ -466,7 +470,13 @@ class VerifierServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
         credentials = server_credentials(self.config, on_reload=lambda what: self.log.event("tls_certificates", result=what))
-        port = self._server.add_insecure_port(address) if credentials is None else self._server.add_secure_port(address, credentials)
+        try:
+            port = self._server.add_insecure_port(address) if credentials is None else self._server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpc's "Failed to bind"
+            port = 0
+        if port == 0 or (self.config.port and port != self.config.port):  # never serve somewhere else than asked
+            await self._server.stop(None)
+            raise errors.ListenError(f"cannot listen on {address}: in use or not allowed" + (f" (bound {port} instead)" if port else ""))
         await self._server.start()
         if self.config.warmup:
             await self.service.call(self.service.warm_up)
@@ -474,7 +484,12 @@ class VerifierServer:
         self._rounds.add_done_callback(self._on_rounds_done)
         if self.config.http_port is not None:
             self.http = make_http_front(self.service, self.config.target_name or "target", self.tokenizer)
-            self.http_port = await self.http.start(self.config.http_host, self.config.http_port, ssl_context=self._http_tls())
+            try:
+                self.http_port = await self.http.start(self.config.http_host, self.config.http_port, ssl_context=self._http_tls())
+            except OSError as exc:  # stop what did start, so nothing is left serving half the daemon
+                self.http = None
+                await self.stop(0)
+                raise errors.ListenError(f"cannot serve HTTP on {self.config.http_host}:{self.config.http_port}: {exc.strerror or exc}") from None
             self.log.event("http_serving", host=self.config.http_host, port=self.http_port)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if credentials is None and not is_loopback(self.config.host):

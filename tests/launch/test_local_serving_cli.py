@@ -77,3 +77,24 @@ def test_generate_says_it_is_waiting_then_that_no_verifier_answers(monkeypatch, 
     err = capsys.readouterr().err
     assert rc == 2
     assert err.index(f"waiting for a verifier at 127.0.0.1:{port}") < err.index(f"no verifier answers at 127.0.0.1:{port}")
+
+
+def test_a_node_whose_api_port_is_taken_leaves_and_says_so(model_dirs, capsys):
+    """`goodspeed drafter --serve` on a port in use: a one-line error naming it (status 2), after
+    the node has left the verifier, not a traceback."""
+    import socket
+
+    from goodspeed.lm.loading import load_causal_lm
+    from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+    from grpckit import ServerThread
+
+    engine = VerificationEngine(load_causal_lm(str(model_dirs["target"])).model, EngineConfig())
+    with socket.socket() as taken, ServerThread(engine) as server:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = cli.main(["drafter", "--verifier", server.address, "--draft", str(model_dirs["draft"]), "--serve", f"127.0.0.1:{port}"])
+        left = [e for e in server.events() if e.get("reason") == "left"]
+    assert rc == 2
+    assert f"cannot serve the OpenAI API on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert left  # its session was given back

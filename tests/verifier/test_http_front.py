@@ -159,3 +159,29 @@ def test_the_running_gauge_follows_requests_in_and_out(models):
     assert during["goodspeed:num_requests_running[]"] == 1
     assert after["goodspeed:num_requests_running[]"] == 0
     assert after["goodspeed:request_success_total[('finished_reason', 'abort')]"] == 1
+
+
+def test_an_http_port_in_use_stops_what_had_started(models):
+    """The HTTP front cannot have its port: the daemon's start fails naming it, after stopping
+    the gRPC server and the round loop it had already started (nothing half-serving)."""
+    import socket
+
+    from goodspeed.verifier.errors import ListenError
+    from goodspeed.verifier.server import ServerConfig, make_server
+
+    target, draft, tokenizer = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=3))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = make_server(engine, ServerConfig(port=0, http_port=port, warmup=False), local=local, tokenizer=tokenizer)
+
+        async def start():
+            with pytest.raises(ListenError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):
+                await server.start()
+            await asyncio.sleep(0)  # let the cancelled round loop finish
+
+        asyncio.run(start())
+    assert server.http is None and server._rounds.cancelled()

@@ -370,3 +370,34 @@ def test_cuda_verifier_and_drafters_through_grpc(models, rounds):
     for i, plist in enumerate(prompts):
         assert outputs[i] == [greedy_reference(target, p, 14) for p in plist]
     check_sampled_through_grpc(rounds, "cuda")
+
+
+def test_a_port_that_cannot_be_had_stops_the_daemon_with_its_reason(models):
+    """Not a port, or a port in use: the server refuses to start and names the address; it never
+    falls back to another port (the HTTP front's port: test_http_front.py)."""
+    import asyncio
+    import socket
+
+    from goodspeed.verifier.errors import ListenError
+    from goodspeed.verifier.server import ServerConfig, make_server
+
+    with pytest.raises(ValueError, match="port must lie in 0..65535"):
+        ServerConfig(port=99999)
+    with pytest.raises(ValueError, match="http_port must lie in 0..65535"):
+        ServerConfig(http_port=-1)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    engine = VerificationEngine(models[0], EngineConfig())
+
+    async def start(config):
+        server = make_server(engine, config)
+        with pytest.raises(ListenError, match=f"127.0.0.1:{port}"):
+            await server.start()
+        return server
+
+    try:
+        asyncio.run(start(ServerConfig(port=port, warmup=False)))
+    finally:
+        taken.close()
