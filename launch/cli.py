@@ -122,6 +122,9 @@ def _generate(args: argparse.Namespace) -> int:
     from goodspeed.drafter.credentials import read_token
     from goodspeed.launch.generate import generate_request, run_generate
 
+    if bad := _bad_address("generate", args.verifier):
+        return bad
+
     ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
     if (args.prompt is None) == (ids is None):
         print("goodspeed generate: give exactly one of a prompt or --prompt-ids" + (", not both" if args.prompt is not None else ""),
@@ -183,6 +186,9 @@ def _loadgen(args: argparse.Namespace) -> int:
     from goodspeed.launch.loadgen import make_trace, run_trace_grpc, summarize
     from goodspeed.launch.spec import prompt_set_path
     from goodspeed.lm.sampling import SamplingParams
+
+    if bad := _bad_address("loadgen", args.verifier):
+        return bad
 
     baseline = args.baseline_tpot_ms
     if baseline is None:
@@ -267,6 +273,31 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     _add_model_args(dr)
 
 
+def _bad_address(command: str, verifier: str) -> int:
+    """2 after saying so when ``--verifier`` is no HOST:PORT to dial, else 0."""
+    from goodspeed.launch.spec import split_host_port
+
+    try:
+        split_host_port(verifier, 1)
+    except ValueError as exc:
+        print(f"goodspeed {command}: error: --verifier {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check_addresses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--verifier`` (a port to dial: 1..65535) and ``--serve`` (a port to listen on, 0 for any)
+    are HOST:PORT, refused at once otherwise: not after a connect timeout, nor by a bind's traceback."""
+    from goodspeed.launch.spec import split_host_port
+
+    for flag, value, least in (("--verifier", args.verifier, 1), ("--serve", getattr(args, "serve", None), 0)):
+        if value is not None:
+            try:
+                split_host_port(value, least)
+            except ValueError as exc:
+                parser.error(f"{flag} {exc}")
+
+
 def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
     """The settings ``goodspeed drafter ARGV`` runs on: the defaults, then ``--spec``'s entry, then
     the flags given; and the parsed arguments (where to dial, where to write, --serve's)."""
@@ -296,6 +327,7 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         parser.error(f"--proposal-top-k: {exc}")
     if args.serve is not None and args.concurrency != 1:
         parser.error("--concurrency is for --prompts; --serve takes --max-concurrency")
+    _check_addresses(parser, args)
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args
 
 

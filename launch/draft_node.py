@@ -163,11 +163,14 @@ def _api_key_check(path: str | None, host: str):
 def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: int = 4, max_waiting: int = 64,
                api_key_file: str | None = None, connect_timeout_s: float = 60.0) -> int:
     """Serve ``/v1/chat/completions`` and friends on ``listen`` (HOST:PORT) until SIGTERM/SIGINT."""
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"goodspeed drafter: --serve wants HOST:PORT, got {listen!r}")
+    from goodspeed.launch.spec import split_host_port
+
+    try:
+        host, port = split_host_port(listen)
+    except ValueError as exc:
+        raise SystemExit(f"goodspeed drafter: --serve {exc}") from None
     authorize = _api_key_check(api_key_file, host)
-    return asyncio.run(_serve_node(spec, verifier, host, int(port), max_concurrency, max_waiting, authorize, connect_timeout_s))
+    return asyncio.run(_serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s))
 
 
 async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s) -> int:

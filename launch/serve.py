@@ -84,6 +84,8 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
         check_transit(config.rounds, opts.transit_tokens)
     except ValueError as exc:
         raise SpecError(str(exc)) from None
+    if opts.metrics_port is not None and not 0 <= opts.metrics_port <= 65535:
+        raise SpecError(f"metrics_port must lie in 0..65535 (0: a free port), got {opts.metrics_port}")
     if opts.http_port is not None and opts.local_draft is None:
         raise SpecError("--http-port serves local requests: give --local-draft MODEL too")
     if config.auth_tokens:

@@ -425,6 +425,21 @@ class LaunchSpec:
         return LaunchSpec(verifier, drafters, root)
 
 
+def split_host_port(text: str, least_port: int = 0) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``, the port in ``least_port..65535`` (0: any free port, where
+    listening); ``ValueError`` saying what is wrong otherwise. ``[::1]:50051`` keeps its brackets.
+
+    >>> split_host_port("127.0.0.1:8000")
+    ('127.0.0.1', 8000)
+    """
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"wants HOST:PORT, got {text!r}")
+    if not least_port <= int(port) <= 65535:
+        raise ValueError(f"port must lie in {least_port}..65535, got {text!r}")
+    return host, int(port)
+
+
 def unknown_keys(where: str, unknown, known) -> str:
     """The error for keys a table does not take, with the closest known key to each typo.
 

@@ -75,9 +75,16 @@ def test_concurrency_needs_proactive_drafting_off(models):
      "(serve the OpenAI API), not both"),
     (["generate", "--verifier", "127.0.0.1:1"], "give exactly one of a prompt or --prompt-ids\n"),
     (["generate", "--verifier", "127.0.0.1:1", "--prompt-ids", "1,2", "hi"], "give exactly one of a prompt or --prompt-ids, not both"),
+    (["drafter", "--verifier", "127.0.0.1:1", "--draft", "demo:draft-tiny", "--serve", "127.0.0.1:99999"],
+     "--serve port must lie in 0..65535, got '127.0.0.1:99999'"),
+    (["drafter", "--verifier", "nonsense", "--draft", "demo:draft-tiny", "--prompts", "p.jsonl"], "--verifier wants HOST:PORT"),
+    (["generate", "--verifier", "nonsense", "hi"], "goodspeed generate: error: --verifier wants HOST:PORT"),
+    (["loadgen", "--verifier", "h:0", "--baseline-tpot-ms", "5"], "--verifier port must lie in 1..65535"),
+    (["verifier", "--target", "demo:target", "--metrics-port", "99999"], "metrics_port must lie in 0..65535"),
 ])
-def test_the_cli_says_which_of_two_inputs_it_needs(argv, said, capsys):
-    """Neither of two exclusive inputs, or both: the message says which case it is."""
+def test_the_cli_says_what_is_wrong_with_its_input(argv, said, capsys):
+    """Neither of two exclusive inputs, or both (the message says which), or an address that is
+    no HOST:PORT or no port: refused at once, before any model loads or any connection waits."""
     from goodspeed.launch.cli import main
 
     try:
