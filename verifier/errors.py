@@ -16,6 +16,8 @@
 | LengthLimitError           | RESOURCE_EXHAUSTED   |
 | TooManyDraftersError       | RESOURCE_EXHAUSTED   |
 | DrainingError              | UNAVAILABLE          |
+
+Besides them, :class:`ListenError`: the daemon could not have a port it was told to listen on.
 """
 
 
