@@ -7,7 +7,7 @@ import json
 import sys
 
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec, add_setting_flags
-from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES
 
@@ -122,7 +122,7 @@ def _generate(args: argparse.Namespace) -> int:
     from goodspeed.drafter.credentials import read_token
     from goodspeed.launch.generate import generate_request, run_generate
 
-    if bad := _bad_address("generate", args.verifier):
+    if bad := _bad_input("generate", args):
         return bad
 
     ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
@@ -185,9 +185,8 @@ def _loadgen(args: argparse.Namespace) -> int:
     from goodspeed.drafter.credentials import read_token
     from goodspeed.launch.loadgen import make_trace, run_trace_grpc, summarize
     from goodspeed.launch.spec import prompt_set_path
-    from goodspeed.lm.sampling import SamplingParams
 
-    if bad := _bad_address("loadgen", args.verifier):
+    if bad := _bad_input("loadgen", args):
         return bad
 
     baseline = args.baseline_tpot_ms
@@ -273,14 +272,22 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     _add_model_args(dr)
 
 
-def _bad_address(command: str, verifier: str) -> int:
-    """2 after saying so when ``--verifier`` is no HOST:PORT to dial, else 0."""
+def _bad_input(command: str, args: argparse.Namespace) -> int:
+    """2 after saying what is wrong when ``--verifier`` is no HOST:PORT to dial or the sampling
+    flags are no sampling settings (refused here, not by the verifier after a connect), else 0."""
     from goodspeed.launch.spec import split_host_port
 
     try:
-        split_host_port(verifier, 1)
+        split_host_port(args.verifier, 1)
     except ValueError as exc:
         print(f"goodspeed {command}: error: --verifier {exc}", file=sys.stderr)
+        return 2
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    except ValueError as exc:
+        print(f"goodspeed {command}: error: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -328,6 +335,12 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
     if args.serve is not None and args.concurrency != 1:
         parser.error("--concurrency is for --prompts; --serve takes --max-concurrency")
     _check_addresses(parser, args)
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args
 
 

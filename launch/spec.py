@@ -549,7 +549,17 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
         raise SpecError(f"{path}: drafter names must be unique, got {names}")
     if "verifier" in names:
         raise SpecError(f"{path}: 'verifier' is the verifier's name (its log is verifier.log); name the drafter otherwise")
+    from goodspeed.lm.sampling import SamplingParams
+    from goodspeed.verifier.fields import MAX_NAME_CHARS, NAME_PATTERN
+
+    for name in names:  # what the verifier would refuse at Join, refused before any process starts
+        if len(name) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(name):
+            raise SpecError(f"{path}: drafter name {name!r} must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:@+-]")
     for d in spec.drafters:
+        try:
+            SamplingParams(d.temperature, d.top_k, d.top_p)
+        except ValueError as exc:
+            raise SpecError(f"drafter {d.name!r}: {exc}") from None
         if d.count < 1 or d.max_new_tokens < 1 or d.concurrency < 1:
             raise SpecError(f"drafter {d.name!r}: count, max_new_tokens and concurrency must be >= 1")
         if d.concurrency > 1 and d.proactive:

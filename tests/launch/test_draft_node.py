@@ -81,6 +81,10 @@ def test_concurrency_needs_proactive_drafting_off(models):
     (["generate", "--verifier", "nonsense", "hi"], "goodspeed generate: error: --verifier wants HOST:PORT"),
     (["loadgen", "--verifier", "h:0", "--baseline-tpot-ms", "5"], "--verifier port must lie in 1..65535"),
     (["verifier", "--target", "demo:target", "--metrics-port", "99999"], "metrics_port must lie in 0..65535"),
+    (["drafter", "--verifier", "h:1", "--draft", "demo:draft-tiny", "--prompts", "p.jsonl", "--temperature", "-1"],
+     "temperature must be finite and >= 0, got -1.0"),
+    (["generate", "--verifier", "h:1", "--top-p", "0", "hi"], "goodspeed generate: error: top_p must lie in (0, 1]"),
+    (["loadgen", "--verifier", "h:1", "--max-new-tokens", "0"], "goodspeed loadgen: error: --max-new-tokens must be >= 1"),
 ])
 def test_the_cli_says_what_is_wrong_with_its_input(argv, said, capsys):
     """Neither of two exclusive inputs, or both (the message says which), or an address that is
