@@ -249,8 +249,8 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
     dr.add_argument("--serve", default=None, metavar="HOST:PORT", help="serve the OpenAI API here instead "
                     "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a --spec file's prompts are not read)")
-    dr.add_argument("--max-concurrency", type=int, default=4, help="--serve: requests generating at once (one verifier session each)")
-    dr.add_argument("--max-waiting", type=int, default=64, help="--serve: requests queued behind those; more get 429")
+    dr.add_argument("--max-concurrency", type=POSITIVE_INT, default=4, help="--serve: requests generating at once (one verifier session each)")
+    dr.add_argument("--max-waiting", type=_at_least(int, 0), default=64, help="--serve: requests queued behind those; more get 429")
     dr.add_argument("--api-key-file", default=None, help="--serve: clients must send this key as a bearer token "
                     "(required off loopback)")
     _add_sampling_args(dr, max_new_tokens=64)
@@ -258,7 +258,7 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--name", default=None, help="this node's name, its identity without a token or certificate (default: "
                                                  "drafter); with --spec, the entry to read (default: the file's only one)")
     _add_client_credentials(dr)
-    dr.add_argument("--connect-timeout-s", type=float, default=60.0)
+    dr.add_argument("--connect-timeout-s", type=POSITIVE, default=60.0)
     dr.add_argument("--quiet", action="store_true", help="no progress bar")
     dr.add_argument("--proactive", action=argparse.BooleanOptionalAction, default=True,
                     help="draft the next round while a draft is being verified (default: on; one request at a time)")
@@ -284,8 +284,6 @@ def _bad_input(command: str, args: argparse.Namespace) -> int:
         return 2
     try:
         SamplingParams(args.temperature, args.top_k, args.top_p)
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     except ValueError as exc:
         print(f"goodspeed {command}: error: {exc}", file=sys.stderr)
         return 2
@@ -339,8 +337,8 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens < 1:  # a --spec file's value: argparse checks only the flag's
+        parser.error(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args
 
 
@@ -494,8 +492,26 @@ def _client_tls(args: argparse.Namespace):
     return client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
 
 
+def _at_least(kind, least, strictly: bool = False):
+    """An argparse type: ``kind`` (int or float) at least ``least`` (above it, ``strictly``), so a
+    bad value is argparse's one-line usage error, not a ValueError deep in the command."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if value < least or (strictly and value == least) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {'>' if strictly else '>='} {least}, got {text}")
+        return value
+
+    return convert
+
+
+POSITIVE_INT, POSITIVE = _at_least(int, 1), _at_least(float, 0.0, strictly=True)
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -515,9 +531,9 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("--chat", default=None, metavar="MODEL", help="send the prompt as a user message in MODEL's chat template "
                      "(MODEL: the verifier's target, e.g. real:smollm2-135m; rendered here, sent as token ids)")
     _add_sampling_args(gen, max_new_tokens=64)
-    gen.add_argument("--tpot-slo-ms", type=float, default=None, help="time-per-output-token SLO (AdaServe)")
+    gen.add_argument("--tpot-slo-ms", type=POSITIVE, default=None, help="time-per-output-token SLO (AdaServe)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--timeout-s", type=float, default=None)
+    gen.add_argument("--timeout-s", type=POSITIVE, default=None)
     gen.add_argument("--json", action="store_true", help="print prompt_ids, token_ids, text and per-token times as JSON")
     _add_client_credentials(gen)
     gen.set_defaults(func=_generate)
@@ -525,15 +541,15 @@ def _add_serving_parsers(sub) -> None:
     prof.add_argument("--target", default="demo:target")
     prof.add_argument("--draft", default="demo:draft-small")
     prof.add_argument("--out", default="latency-profile.json")
-    prof.add_argument("--repeats", type=int, default=5, help="timed forwards per grid point (median)")
+    prof.add_argument("--repeats", type=POSITIVE_INT, default=5, help="timed forwards per grid point (median)")
     prof.add_argument("--quiet", action="store_true")
     _add_model_args(prof)
     prof.set_defaults(func=_profile)
     lg = sub.add_parser("loadgen", help="Poisson arrivals with strict/moderate/relaxed TPOT SLOs against a verifier's local serving")
     lg.add_argument("--verifier", default="127.0.0.1:50051", help="HOST:PORT")
-    lg.add_argument("--requests", type=int, default=60)
-    lg.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
-    lg.add_argument("--baseline-tpot-ms", type=float, default=None, help="the strict class's SLO (plain decoding's per-token latency)")
+    lg.add_argument("--requests", type=POSITIVE_INT, default=60)
+    lg.add_argument("--rate", type=POSITIVE, default=4.0, help="mean arrivals per second")
+    lg.add_argument("--baseline-tpot-ms", type=POSITIVE, default=None, help="the strict class's SLO (plain decoding's per-token latency)")
     lg.add_argument("--latency-profile", default=None, help="read the baseline from this `goodspeed profile` output")
     lg.add_argument("--tokenizer", default="demo:target", help="model whose tokenizer encodes the prompts (the verifier's target)")
     lg.add_argument("--prompts", default="code", help="a shipped prompt set or a JSONL path")
@@ -579,8 +595,8 @@ def _add_serving_parsers(sub) -> None:
                     help="a real run of the spec (`goodspeed experiment --out DIR`) or a profile JSON "
                          "(default: the profile shipped for the spec, measured on this project's runs)")
     si.add_argument("--save-profile", default=None, help="write the profile fitted from --profile DIR to this JSON")
-    si.add_argument("--drafters", type=int, default=None, help="synthetic drafters drawn from the profiles (default: the spec's own)")
-    si.add_argument("--seeds", type=int, default=3, help="simulation seeds per policy (mean and sd reported)")
+    si.add_argument("--drafters", type=POSITIVE_INT, default=None, help="synthetic drafters drawn from the profiles (default: the spec's own)")
+    si.add_argument("--seeds", type=POSITIVE_INT, default=3, help="simulation seeds per policy (mean and sd reported)")
     si.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the spec's)")
     si.add_argument("--policies", default=None, help="comma-separated (default: the spec's)")
     si.add_argument("--spread", type=float, default=1.5, help="--drafters: acceptance heterogeneity (log-acceptance scaled in [1/x, x])")

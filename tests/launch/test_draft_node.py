@@ -84,7 +84,9 @@ def test_concurrency_needs_proactive_drafting_off(models):
     (["drafter", "--verifier", "h:1", "--draft", "demo:draft-tiny", "--prompts", "p.jsonl", "--temperature", "-1"],
      "temperature must be finite and >= 0, got -1.0"),
     (["generate", "--verifier", "h:1", "--top-p", "0", "hi"], "goodspeed generate: error: top_p must lie in (0, 1]"),
-    (["loadgen", "--verifier", "h:1", "--max-new-tokens", "0"], "goodspeed loadgen: error: --max-new-tokens must be >= 1"),
+    (["loadgen", "--verifier", "h:1", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    (["loadgen", "--verifier", "h:1", "--rate", "0"], "argument --rate: must be > 0.0, got 0"),
+    (["profile", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
 ])
 def test_the_cli_says_what_is_wrong_with_its_input(argv, said, capsys):
     """Neither of two exclusive inputs, or both (the message says which), or an address that is
