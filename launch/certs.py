@@ -83,8 +83,15 @@ def init_certs(out_dir: str | Path, names: tuple[str, ...] = ("client",), hosts:
     out_dir = Path(out_dir)
     if not names or len(set(names)) != len(names) or {"ca", "server"} & set(names):
         raise CertError(f"client names must be distinct and not 'ca' or 'server', got {list(names)}")
+    from goodspeed.verifier.fields import MAX_NAME_CHARS, NAME_PATTERN
+
+    plain = [n for n in names if len(n) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(n)]
+    if plain:  # a client certificate's common name is its identity on the verifier: a plain name
+        raise CertError(f"client names must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:@+-], got {plain}")
     if not hosts:
         raise CertError("the server certificate needs at least one host (DNS name or IP)")
+    if days < 1:
+        raise CertError(f"certificates must be valid for at least 1 day, got {days}")
     out_dir.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (_builder("goodspeed CA", _name("goodspeed CA"), ca_key.public_key(), days)

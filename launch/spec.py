@@ -50,11 +50,17 @@ DEFAULT_SPEC = SPECS_DIR / "default.toml"
 
 
 def spec_path(name: str | Path | None) -> Path | None:
-    """A spec file, or a shipped spec by name (``real-smollm2`` -> launch/specs/real-smollm2.toml)."""
+    """A spec file, or a shipped spec by name (``real-smollm2`` -> launch/specs/real-smollm2.toml);
+    ``SpecError`` listing the shipped names when it is neither."""
     if name is None:
         return None
     shipped = SPECS_DIR / f"{name}.toml"
-    return shipped if not Path(name).exists() and shipped.exists() else Path(name)
+    if Path(name).exists():
+        return Path(name)
+    if shipped.exists():
+        return shipped
+    known = ", ".join(sorted(p.stem for p in SPECS_DIR.glob("*.toml")))
+    raise SpecError(f"{name}: neither a spec file nor a shipped spec (shipped: {known})")
 
 
 class SpecError(ValueError):

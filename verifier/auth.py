@@ -124,10 +124,7 @@ class TokenAuth:
             if not (isinstance(digest, str) and len(digest) == 64 and isinstance(name, str) and name):
                 raise TokenFileError(f"{path}: entry {i} needs 'identity' and a 64-hex-digit 'sha256'")
             limits = {key: row.get(key) for key in LIMITS if row.get(key) is not None}
-            for key, value in limits.items():
-                integral = key != "rate_per_s"
-                if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)) or not value > 0:
-                    raise TokenFileError(f"{path}: entry {i}: {key} must be {'an integer' if integral else 'a number'} > 0")
+            check_limits(limits, f"{path}: entry {i}: ")
             entries[digest.lower()] = Identity(name, **limits)
         if not entries:
             raise TokenFileError(f"{path}: no tokens (add one with `goodspeed tokens add {path} NAME`)")
@@ -145,9 +142,28 @@ class TokenAuth:
         raise AuthError("unknown token")
 
 
+def check_limits(limits: dict, where: str = "") -> None:
+    """Each limit of a token known, and a number > 0 (an integer but for ``rate_per_s``), else
+    ``TokenFileError``: what the verifier checks when it loads a token file."""
+    for key, value in limits.items():
+        if key not in LIMITS:
+            raise TokenFileError(f"{where}unknown limit {key!r}; known: {', '.join(LIMITS)}")
+        integral = key != "rate_per_s"
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)) or not value > 0:
+            raise TokenFileError(f"{where}{key} must be {'an integer' if integral else 'a number'} > 0, got {value!r}")
+
+
 def add_token(path: str | Path, identity: str, max_sessions: int | None = None, **limits) -> str:
     """Make a token for ``identity``, store only its hash in ``path`` (created 0600 if absent);
-    returns the token, which is not kept anywhere else."""
+    returns the token, which is not kept anywhere else. An entry the verifier would refuse when
+    it loads the file (an identity that is not a plain name, a limit <= 0) is refused here, before
+    anything is written: one bad entry would stop the verifier from starting."""
+    from goodspeed.verifier.fields import MAX_NAME_CHARS, NAME_PATTERN
+
+    if len(identity) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(identity):
+        raise TokenFileError(f"the identity must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:@+-], got {identity!r}")
+    limits = {key: value for key, value in {"max_sessions": max_sessions, **limits}.items() if value is not None}
+    check_limits(limits)
     path = Path(path)
     data = {"tokens": []}
     if path.exists():
@@ -156,14 +172,11 @@ def add_token(path: str | Path, identity: str, max_sessions: int | None = None, 
         except json.JSONDecodeError as exc:
             raise TokenFileError(f"{path}: {exc}") from None
     token = secrets.token_urlsafe(TOKEN_BYTES)
-    entry = {"identity": identity, "sha256": token_hash(token)}
-    for key, value in {"max_sessions": max_sessions, **limits}.items():
-        if key not in LIMITS:
-            raise TokenFileError(f"unknown limit {key!r}; known: {', '.join(LIMITS)}")
-        if value is not None:
-            entry[key] = value
-    data.setdefault("tokens", []).append(entry)
-    write_private(path, json.dumps(data, indent=2))
+    data.setdefault("tokens", []).append({"identity": identity, "sha256": token_hash(token), **limits})
+    try:
+        write_private(path, json.dumps(data, indent=2))
+    except OSError as exc:
+        raise TokenFileError(f"{path}: cannot write: {exc.strerror or exc}") from None
     return token
 
 

@@ -20,7 +20,14 @@ def test_certs_init_writes_a_ca_a_server_and_named_clients(tmp_path):
         init_certs(tmp_path, names=("edge-1",))
 
 
-@pytest.mark.parametrize("names", [(), ("a", "a"), ("server",), ("ca",)])
+@pytest.mark.parametrize("names", [(), ("a", "a"), ("server",), ("ca",), ("a b",), ("x" * 65,)])
 def test_bad_names_are_refused(tmp_path, names):
     with pytest.raises(CertError):
-        init_certs(tmp_path, names=names)
+        init_certs(tmp_path / "certs", names=names)
+    assert not (tmp_path / "certs").exists()  # nothing half-written
+
+
+def test_a_certificate_valid_for_no_day_is_refused(tmp_path):
+    with pytest.raises(CertError, match="at least 1 day"):
+        init_certs(tmp_path / "certs", days=0)
+    assert not (tmp_path / "certs").exists()

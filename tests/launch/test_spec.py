@@ -96,7 +96,9 @@ def test_shipped_specs_are_named_by_stem(tmp_path, monkeypatch):
     from goodspeed.launch.spec import SPECS_DIR, spec_path
 
     assert spec_path("real-smollm2") == SPECS_DIR / "real-smollm2.toml"
-    assert spec_path(None) is None and spec_path("no-such-spec") == Path("no-such-spec")
+    assert spec_path(None) is None
+    with pytest.raises(SpecError, match="no-such-spec: neither a spec file nor a shipped spec \\(shipped: default, "):
+        spec_path("no-such-spec")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "real-smollm2").write_text("")  # a file of that name in the working directory wins
     assert spec_path("real-smollm2") == Path("real-smollm2")

@@ -47,6 +47,27 @@ def test_bad_token_files_are_refused(tmp_path, content):
         TokenAuth.from_file(path)
 
 
+@pytest.mark.parametrize("identity, limits, said", [
+    ("a b", {}, "the identity must be 1-64 characters"),
+    ("x" * 65, {}, "the identity must be 1-64 characters"),
+    ("phone", {"max_sessions": -1}, "max_sessions must be an integer > 0, got -1"),
+    ("phone", {"rate_per_s": 0}, "rate_per_s must be a number > 0, got 0"),
+    ("phone", {"max_wheels": 2}, "unknown limit 'max_wheels'"),
+])
+def test_an_entry_the_verifier_would_refuse_is_never_written(tmp_path, identity, limits, said):
+    """`goodspeed tokens add` checks what loading the file checks: one bad entry written would
+    stop the verifier from starting on that file. The file keeps its good entries, untouched."""
+    path = tmp_path / "tokens.json"
+    add_token(path, "alice")
+    before = path.read_text()
+    with pytest.raises(TokenFileError, match=said):
+        add_token(path, identity, **limits)
+    assert path.read_text() == before
+    TokenAuth.from_file(path)  # still loads
+    with pytest.raises(TokenFileError, match="cannot write"):
+        add_token(tmp_path / "no-such-dir" / "tokens.json", "alice")
+
+
 @pytest.fixture(scope="module")
 def models():
     target = tiny_llama(0)
