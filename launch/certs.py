@@ -83,11 +83,10 @@ def init_certs(out_dir: str | Path, names: tuple[str, ...] = ("client",), hosts:
     out_dir = Path(out_dir)
     if not names or len(set(names)) != len(names) or {"ca", "server"} & set(names):
         raise CertError(f"client names must be distinct and not 'ca' or 'server', got {list(names)}")
-    from goodspeed.verifier.fields import MAX_NAME_CHARS, NAME_PATTERN
+    from goodspeed.verifier.fields import MAX_NAME_CHARS, PLAIN, is_plain_name
 
-    plain = [n for n in names if len(n) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(n)]
-    if plain:  # a client certificate's common name is its identity on the verifier: a plain name
-        raise CertError(f"client names must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:@+-], got {plain}")
+    if bad := [n for n in names if not is_plain_name(n)]:  # a client certificate's common name is its identity
+        raise CertError(f"client names must be 1-{MAX_NAME_CHARS} {PLAIN}, got {bad}")
     if not hosts:
         raise CertError("the server certificate needs at least one host (DNS name or IP)")
     if days < 1:

@@ -556,11 +556,11 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
     if "verifier" in names:
         raise SpecError(f"{path}: 'verifier' is the verifier's name (its log is verifier.log); name the drafter otherwise")
     from goodspeed.lm.sampling import SamplingParams
-    from goodspeed.verifier.fields import MAX_NAME_CHARS, NAME_PATTERN
+    from goodspeed.verifier.fields import MAX_NAME_CHARS, PLAIN, is_plain_name
 
     for name in names:  # what the verifier would refuse at Join, refused before any process starts
-        if len(name) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(name):
-            raise SpecError(f"{path}: drafter name {name!r} must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:@+-]")
+        if not is_plain_name(name):
+            raise SpecError(f"{path}: drafter name {name!r} must be 1-{MAX_NAME_CHARS} {PLAIN}")
     for d in spec.drafters:
         try:
             SamplingParams(d.temperature, d.top_k, d.top_p)

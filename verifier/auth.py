@@ -158,10 +158,10 @@ def add_token(path: str | Path, identity: str, max_sessions: int | None = None, 
     returns the token, which is not kept anywhere else. An entry the verifier would refuse when
     it loads the file (an identity that is not a plain name, a limit <= 0) is refused here, before
     anything is written: one bad entry would stop the verifier from starting."""
-    from goodspeed.verifier.fields import MAX_NAME_CHARS, NAME_PATTERN
+    from goodspeed.verifier.fields import MAX_NAME_CHARS, PLAIN, is_plain_name
 
-    if len(identity) > MAX_NAME_CHARS or not NAME_PATTERN.fullmatch(identity):
-        raise TokenFileError(f"the identity must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9._:@+-], got {identity!r}")
+    if not is_plain_name(identity):
+        raise TokenFileError(f"the identity must be 1-{MAX_NAME_CHARS} {PLAIN}, got {identity!r}")
     limits = {key: value for key, value in {"max_sessions": max_sessions, **limits}.items() if value is not None}
     check_limits(limits)
     path = Path(path)
