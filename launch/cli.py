@@ -229,7 +229,7 @@ def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
     return [p.prompt_ids for p in load_prompts(path, tokenizer)]
 
 
-def spec_models(spec) -> list[str]:
+def _spec_models(spec) -> list[str]:
     """Every model a launch spec's processes load: the target, the local draft, the drafts."""
     return [spec.verifier.target] + [spec.verifier.local_draft] * bool(spec.verifier.local_draft) + [d.draft for d in spec.drafters]
 
@@ -272,27 +272,11 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     _add_model_args(dr)
 
 
-def _bad_input(command: str, args: argparse.Namespace) -> int:
-    """2 after saying what is wrong when ``--verifier`` is no HOST:PORT to dial or the sampling
-    flags are no sampling settings (refused here, not by the verifier after a connect), else 0."""
-    from goodspeed.launch.spec import split_host_port
-
-    try:
-        split_host_port(args.verifier, 1)
-    except ValueError as exc:
-        print(f"goodspeed {command}: error: --verifier {exc}", file=sys.stderr)
-        return 2
-    try:
-        SamplingParams(args.temperature, args.top_k, args.top_p)
-    except ValueError as exc:
-        print(f"goodspeed {command}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _check_addresses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--verifier`` (a port to dial: 1..65535) and ``--serve`` (a port to listen on, 0 for any)
-    are HOST:PORT, refused at once otherwise: not after a connect timeout, nor by a bind's traceback."""
+def _input_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a client command's inputs, or None: ``--verifier`` (a port to dial:
+    1..65535) and ``--serve`` (a port to listen on, 0 for any) must be HOST:PORT, and the sampling
+    flags sampling settings. Refused at once, not after a connect timeout, by a bind's traceback
+    or by the verifier."""
     from goodspeed.launch.spec import split_host_port
 
     for flag, value, least in (("--verifier", args.verifier, 1), ("--serve", getattr(args, "serve", None), 0)):
@@ -300,7 +284,20 @@ def _check_addresses(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             try:
                 split_host_port(value, least)
             except ValueError as exc:
-                parser.error(f"{flag} {exc}")
+                return f"{flag} {exc}"
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _bad_input(command: str, args: argparse.Namespace) -> int:
+    """2 after saying what :func:`_input_problem` finds, else 0."""
+    if (problem := _input_problem(args)) is None:
+        return 0
+    print(f"goodspeed {command}: error: {problem}", file=sys.stderr)
+    return 2
 
 
 def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
@@ -332,11 +329,8 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         parser.error(f"--proposal-top-k: {exc}")
     if args.serve is not None and args.concurrency != 1:
         parser.error("--concurrency is for --prompts; --serve takes --max-concurrency")
-    _check_addresses(parser, args)
-    try:
-        SamplingParams(args.temperature, args.top_k, args.top_p)
-    except ValueError as exc:
-        parser.error(str(exc))
+    if (problem := _input_problem(args)) is not None:
+        parser.error(problem)
     if args.max_new_tokens < 1:  # a --spec file's value: argparse checks only the flag's
         parser.error(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args
@@ -376,7 +370,7 @@ def _launch(args: argparse.Namespace) -> int:
             print(line)
         return 0
     else:
-        _ensure_models(spec_models(spec))
+        _ensure_models(_spec_models(spec))
         summary = launch_local(spec, out, live=not args.no_live)
     if args.dry_run:
         return 0
@@ -398,7 +392,7 @@ def _experiment(args: argparse.Namespace) -> int:
     only = tuple(args.policies.split(",")) if args.policies else None
     if only:
         check_policies(only, "--policies")
-    _ensure_models(spec_models(spec))
+    _ensure_models(_spec_models(spec))
     if only:  # a policy the spec does not list joins the experiment
         settings = replace(settings, policies=settings.policies + tuple(p for p in only if p not in settings.policies))
     if args.modes:

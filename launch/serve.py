@@ -22,7 +22,7 @@ from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
-from goodspeed.verifier.server import ServerConfig, check_transit, make_server
+from goodspeed.verifier.server import ServerConfig, check_port, check_transit, make_server
 from goodspeed.verifier.tls import server_credentials
 
 
@@ -82,10 +82,9 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
         config = ServerConfig(**opts.routed("server"), port=50051 if opts.port is None else opts.port, target_name=target_name)
         server_credentials(config)  # the PEM files are readable
         check_transit(config.rounds, opts.transit_tokens)
+        check_port("metrics_port", opts.metrics_port)
     except ValueError as exc:
         raise SpecError(str(exc)) from None
-    if opts.metrics_port is not None and not 0 <= opts.metrics_port <= 65535:
-        raise SpecError(f"metrics_port must lie in 0..65535 (0: a free port), got {opts.metrics_port}")
     if opts.http_port is not None and opts.local_draft is None:
         raise SpecError("--http-port serves local requests: give --local-draft MODEL too")
     if config.auth_tokens:

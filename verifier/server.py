@@ -74,6 +74,13 @@ def status_for(exc: errors.EngineError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def check_port(name: str, value: int | None) -> None:
+    """A port to listen on (None: not serving it): 0..65535, 0 meaning a free one; ``ValueError``
+    otherwise, before anything binds (a bind would fall back or fail with a traceback)."""
+    if value is not None and not 0 <= value <= 65535:
+        raise ValueError(f"{name} must lie in 0..65535 (0: a free port), got {value}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -96,10 +103,8 @@ class ServerConfig:
     http_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        for name in ("port", "http_port"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 65535:
-                raise ValueError(f"{name} must lie in 0..65535 (0: a free port), got {value}")
+        check_port("port", self.port)
+        check_port("http_port", self.http_port)
         if self.rounds not in ROUND_MODES:
             raise ValueError(f"rounds must be one of {', '.join(ROUND_MODES)}, got {self.rounds!r}")
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:

@@ -184,16 +184,17 @@ def free_port() -> int:
 
 def test_an_unreachable_verifier_is_said_once_then_an_error(models):
     """A wrong address: the drafter says what it waits for (once, not per retry), then gives up
-    with an error naming the address."""
+    with an error naming the address. The timeout leaves room for several retries on a loaded
+    machine, so the assertion is on what is said, not on when."""
     said = []
     address = f"127.0.0.1:{free_port()}"
-    client = DrafterClient(DrafterConfig(address, "d", connect_timeout_s=0.5, on_wait=said.append), DraftRunner(models[1]))
+    client = DrafterClient(DrafterConfig(address, "d", connect_timeout_s=2.0, on_wait=said.append), DraftRunner(models[1]))
     try:
         with pytest.raises(DrafterError, match=f"verifier {address} not serving"):
             client.wait_until_serving()
     finally:
         client.close()
-    assert said == [f"waiting for the verifier at {address} to serve (up to 0.5 s)"]
+    assert said == [f"waiting for the verifier at {address} to serve (up to 2 s)"]
 
 
 def test_an_unreachable_verifier_is_said_once_by_a_node(models):
@@ -205,7 +206,7 @@ def test_an_unreachable_verifier_is_said_once_by_a_node(models):
     target, draft, tokenizer = chat_pair()
     said = []
     address = f"127.0.0.1:{free_port()}"
-    node = EdgeNode(NodeConfig(address, "phone", connect_timeout_s=0.5, on_wait=said.append), draft, tokenizer)
+    node = EdgeNode(NodeConfig(address, "phone", connect_timeout_s=2.0, on_wait=said.append), draft, tokenizer)
 
     async def start():
         try:
@@ -215,4 +216,4 @@ def test_an_unreachable_verifier_is_said_once_by_a_node(models):
 
     with pytest.raises(DrafterError, match=f"verifier {address} not serving"):
         asyncio.run(start())
-    assert said == [f"waiting for the verifier at {address} to serve (up to 0.5 s)"]
+    assert said == [f"waiting for the verifier at {address} to serve (up to 2 s)"]
