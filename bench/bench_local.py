@@ -1,9 +1,9 @@
 """Local serving: one trace, every local policy side by side, on the embedded demo models or the
 real pair.
 
-    python -m bench.bench_local [--requests 48] [--rate 40] [--max-new-tokens 32] [--draft draft-small]
-                                [--target demo:target] [--dtype float32] [--threads N]
-                                [--policies none,adaserve ...] [--json]
+    python -m bench.bench_local [--requests 48] [--rate 40 [20 ...] | --load 0.4 [0.2 ...]] [--seed 0 [1 ...]] [--max-new-tokens 32]
+                                [--draft draft-small] [--target demo:target] [--dtype float32]
+                                [--device cpu] [--threads N] [--policies none,adaserve ...] [--json]
 
 Needs the demo models (`goodspeed models build-demo`), or for ``--target real:smollm2-135m
 --draft real:smollm2-135m-draft`` the real pair (`goodspeed models get smollm2-135m`). A bare
@@ -16,6 +16,12 @@ Needs the demo models (`goodspeed models build-demo`), or for ``--target real:sm
 3. replay it in real time on a fresh engine and local server per policy (in-process: the numbers
    are the serving loop's, not gRPC's) and check every output equals the target's greedy decoding
    (the ``none`` policy's output);
+   ``--load`` gives the rate as a fraction of plain decoding's profiled capacity instead
+   (:func:`capacity_req_s`). Several ``--rate`` (or ``--load``) and ``--seed`` values replay one trace per (rate, seed) cell with the same
+   models and profile (so the same SLOs); ``--json`` then prints ``{"cells": [...]}``, one
+   object per cell, each shaped as a single cell's output. On an accelerator (``--device cuda``)
+   a short replay of 4 requests runs first and is discarded, so the first policy timed does not
+   pay for kernel selection and allocator growth;
 4. report throughput, mean and p99 TPOT, SLO attainment per class, goodput of the SLO-meeting
    requests, VSR (accepted / drafted), and where an iteration's time goes: drafting (the
    policy's draft forwards and selection) and the target round (forward and verification).
@@ -54,11 +60,11 @@ NAMED_ONLY = [
 ]
 
 
-def load_pair(target_spec: str, draft_spec: str, dtype: str = "float32"):
+def load_pair(target_spec: str, draft_spec: str, dtype: str = "float32", device: str = "cpu"):
     """``(target, draft)``, or None after saying why (a model not built yet says how to build it).
     A spec without a ``kind:`` prefix names a demo model."""
     try:
-        return tuple(load_causal_lm(s if ":" in s else f"demo:{s}", dtype=dtype) for s in (target_spec, draft_spec))
+        return tuple(load_causal_lm(s if ":" in s else f"demo:{s}", dtype=dtype, device=device) for s in (target_spec, draft_spec))
     except ModelLoadError as exc:
         print(exc, file=sys.stderr)
         return None
@@ -70,20 +76,49 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
 
 
+def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int) -> tuple[dict, dict]:
+    """One policy over ``trace`` on a fresh engine and local server: (its summary, its outputs)."""
+    engine = VerificationEngine(target.model, EngineConfig(seed=seed))
+    config = LocalConfig(**{"policy": "none", **policy}, latency=profile, max_requests=max_requests, seed=seed)
+    serving = LocalServing(engine, draft.model, config)
+    summary = summarize(run_trace_local(serving, trace))
+    t = serving.totals
+    summary.update(steps=t["steps"], drafting_ms_per_step=1000 * t["drafting_s"] / max(t["steps"], 1),
+                   round_ms_per_step=1000 * t["round_s"] / max(t["steps"], 1))
+    return summary, {r.request_id: r.generated for r in serving.finished}
+
+
+def capacity_req_s(profile: LatencyProfile, batch: int, new_tokens: int, prompt: int = 32) -> float:
+    """Requests per second plain decoding serves at a full batch by the profiled target: ``batch``
+    requests of ``new_tokens`` tokens each, one token each a step, at the mean context they hold
+    (the prompt and half the new tokens). ``--load`` scales this, so that one load means the same
+    on a slow CPU and a GPU; prefill and host work are not in it, so load 1 is past saturation."""
+    step_s = float(profile.target.predict_s(batch * (prompt + new_tokens / 2), batch))
+    return batch / (new_tokens * step_s)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=40.0, help="mean arrivals per second")
+    arrivals = ap.add_mutually_exclusive_group()
+    arrivals.add_argument("--rate", type=float, nargs="+", default=None, help="mean arrivals per second (several: one cell each; default 40)")
+    arrivals.add_argument("--load", type=float, nargs="+", default=None,
+                          help="mean arrivals as a fraction of plain decoding's profiled capacity (see capacity_req_s)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--draft", default="draft-small", help="draft model: a demo draft's name or a spec (real:smollm2-135m-draft)")
     ap.add_argument("--target", default="demo:target", help="target model spec (demo:target, real:smollm2-135m)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both models' dtype")
+    ap.add_argument("--device", default="cpu", help="both models' device (cpu, cuda, cuda:1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--policies", default=None, help="comma-separated subset of: " + ", ".join(n for n, _ in POLICIES + NAMED_ONLY))
     ap.add_argument("--max-requests", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, nargs="+", default=[0], help="trace and engine seeds (several: one cell each)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.rate is None and args.load is None:
+        args.rate = [40.0]
+    if min(args.rate or args.load) <= 0 or args.requests < 1 or args.max_new_tokens < 1 or args.max_requests < 1:
+        ap.error("--rate and --load must be > 0; --requests, --max-new-tokens and --max-requests >= 1")
     policies = POLICIES
     if args.policies:
         wanted = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -93,7 +128,7 @@ def main() -> int:
         policies = [(n, kw) for n, kw in POLICIES + NAMED_ONLY if n in wanted]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    pair = load_pair(args.target, args.draft, args.dtype)
+    pair = load_pair(args.target, args.draft, args.dtype, args.device)
     if pair is None:
         return 1
     torch.manual_seed(0)
@@ -105,35 +140,41 @@ def main() -> int:
               f"alpha {fits[role].alpha_s_per_context_token * 1e9:.0f} ns/ctx token (fit error {fit_error(samples, fits[role]):.1%})", file=sys.stderr)
     profile = LatencyProfile(fits["target"], fits["draft"])
     baseline_ms = baseline_tpot_s(profile.target) * 1000
-    prompts = code_prompts(target.tokenizer, 64, args.seed)
-    trace = make_trace(prompts, args.requests, args.rate, baseline_ms, args.max_new_tokens, seed=args.seed)
-    print(f"trace: {args.requests} requests, Poisson {args.rate}/s, {args.max_new_tokens} new tokens each, "
-          f"SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
-    results, reference = {}, None
-    for name, kw in policies:
-        engine = VerificationEngine(target.model, EngineConfig(seed=args.seed))
-        config = LocalConfig(**{"policy": "none", **kw}, latency=profile, max_requests=args.max_requests, seed=args.seed)
-        serving = LocalServing(engine, draft.model, config)
-        records = run_trace_local(serving, trace)
-        outputs = {r.request_id: r.generated for r in serving.finished}
-        if reference is None:
-            reference = outputs
-        lossless = outputs == reference
-        summary = summarize(records)
-        t = serving.totals
-        summary.update(lossless=lossless, steps=t["steps"], drafting_ms_per_step=1000 * t["drafting_s"] / max(t["steps"], 1),
-                       round_ms_per_step=1000 * t["round_s"] / max(t["steps"], 1))
-        results[name] = summary
-        print(f"{name}: {summary['throughput_tok_s']:.0f} tok/s, TPOT {summary['tpot_mean_ms']:.2f} ms, "
-              f"SLO {summary['slo_attainment']:.2f}, lossless {lossless}", file=sys.stderr)
-    out = {"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "target": args.target, "draft": args.draft,
-           "dtype": args.dtype, "threads": torch.get_num_threads(), "requests": args.requests,
-           "rate": args.rate, "max_new_tokens": args.max_new_tokens, "results": results}
+    capacity = capacity_req_s(profile, args.max_requests, args.max_new_tokens)
+    print(f"plain decoding's profiled capacity: {capacity:.2f} requests/s", file=sys.stderr)
+    rates = args.rate or [load * capacity for load in args.load]
+    if target.model.device.type != "cpu":  # kernel selection and allocator growth, off the clock
+        warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
+        for _, kw in policies:
+            replay(target, draft, profile, warm, kw, args.max_requests, 0)
+    cells = []
+    for rate in rates:
+        for seed in args.seed:
+            prompts = code_prompts(target.tokenizer, 64, seed)
+            trace = make_trace(prompts, args.requests, rate, baseline_ms, args.max_new_tokens, seed=seed)
+            print(f"trace: {args.requests} requests, Poisson {rate:.2f}/s (load {rate / capacity:.2f}), seed {seed}, {args.max_new_tokens} new tokens each, "
+                  f"SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
+            results, reference = {}, None
+            for name, kw in policies:
+                summary, outputs = replay(target, draft, profile, trace, kw, args.max_requests, seed)
+                if reference is None:
+                    reference = outputs
+                summary["lossless"] = outputs == reference
+                results[name] = summary
+                strict = summary["per_class"].get("strict", {}).get("attainment")
+                print(f"{name}: {summary['throughput_tok_s']:.0f} tok/s, TPOT {summary['tpot_mean_ms']:.2f} ms, "
+                      f"SLO {summary['slo_attainment']:.2f} (strict {'-' if strict is None else f'{strict:.2f}'}), "
+                      f"ms per iteration {summary['drafting_ms_per_step']:.2f} drafting / {summary['round_ms_per_step']:.2f} round, "
+                      f"lossless {summary['lossless']}", file=sys.stderr)
+            cells.append({"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "target": args.target, "draft": args.draft,
+                          "dtype": args.dtype, "device": str(target.model.device), "threads": torch.get_num_threads(),
+                          "requests": args.requests, "rate": rate, "load": rate / capacity, "capacity_req_s": capacity, "seed": seed, "max_new_tokens": args.max_new_tokens,
+                          "results": results})
+            if not args.json:
+                print(f"rate {rate:.2f}/s (load {rate / capacity:.2f}), seed {seed}:\n{table(cells[-1])}")
     if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print(table(out))
-    return 0 if all(r["lossless"] for r in results.values()) else 1
+        print(json.dumps(cells[0] if len(cells) == 1 else {"cells": cells}, indent=2))
+    return 0 if all(r["lossless"] for c in cells for r in c["results"].values()) else 1
 
 
 def table(out: dict) -> str:
