@@ -409,6 +409,8 @@ def _experiment(args: argparse.Namespace) -> int:
         settings = replace(settings, concurrency=_int_list("--concurrency", args.concurrency, 1, "requests per drafter"))
     if args.transit:
         settings = replace(settings, transit=_int_list("--transit", args.transit, 0, "the verifier's transit_tokens"))
+    if args.transit_alone:
+        spec = replace(spec, verifier=replace(spec.verifier, transit_alone=True))
     out = Path(args.out or Path("goodspeed-experiments") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     result = run_experiment(settings, spec, out, only=only, force=args.force)
     return 1 if result["failed"] else 0
@@ -575,6 +577,9 @@ def _add_serving_parsers(sub) -> None:
     ex.add_argument("--transit", default=None, help="comma-separated transit_tokens for the verifier, e.g. 0,8: a run per value "
                                                     "(async modes only; default: the spec's [experiment] transit, else its "
                                                     "[verifier] transit_tokens)")
+    ex.add_argument("--transit-alone", action="store_true",
+                    help="every run's verifier also runs steps for transit rows alone ([verifier] transit_alone; needs "
+                         "transit decoding, --transit N > 0)")
     ex.add_argument("--force", action="store_true", help="rerun policies that already have data")
     ex.add_argument("--seed", type=int, default=None,
                     help="prompt order: 0 keeps each drafter's file order, others shuffle it (default: the spec's [experiment] seed, 0)")

@@ -120,8 +120,12 @@ def _cycled(spec: LaunchSpec, out_dir: Path, seed: int = 0) -> LaunchSpec:
 def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list[dict]:
     """The experiment's rows (:mod:`goodspeed.launch.report` documents them) from the verifier's
     round records; a round event this version cannot read raises
-    :class:`~goodspeed.verifier.records.RecordError`."""
+    :class:`~goodspeed.verifier.records.RecordError`. A step for transit rows alone
+    (``transit_alone``) has no drafter to make a row of: its receive and verification seconds
+    are added to the next step's rows (``transit_steps`` says how many were), so the report's
+    wall-time split still adds up."""
     rows = []
+    carried = [0.0, 0.0, 0]  # receive and verify seconds, and the count, of steps for transit rows alone not yet told
     for line in log_path.read_text(encoding="utf-8").splitlines():
         if not line.startswith("{"):
             continue
@@ -129,11 +133,18 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
         if event.get("event") != "round":
             continue
         record = RoundRecord.from_event(event)
+        if record.closed == "transit" and not record.drafters:  # its tokens reach the drafters' next verdicts
+            carried = [carried[0] + record.receive_s, carried[1] + record.verify_s, carried[2] + 1]
+            continue
+        receive_s, verify_s, transit_steps = record.receive_s + carried[0], record.verify_s + carried[1], carried[2]
+        if record.drafters:
+            carried = [0.0, 0.0, 0]
         for d in record.drafters:
             rows.append({
                 "policy": policy, "round": record.round, "ts": record.ts, "drafter": d.name,
                 "S": d.drafted, "accepted": d.accepted, "x": d.gained, "alpha_hat": d.acceptance, "X": d.goodput, "eta": eta,
-                "S_next": d.next_draft_length, "receive_s": record.receive_s, "verify_s": record.verify_s, "send_s": record.send_s,
+                "S_next": d.next_draft_length, "receive_s": receive_s, "verify_s": verify_s, "send_s": record.send_s,
+                "transit_steps": transit_steps,  # steps for transit rows alone since the previous one (in its seconds)
                 "drafter_receive_s": d.receive_s,  # this drafter's: round open -> its draft arrived
                 "drafter_cycle_s": d.cycle_s,  # its previous verdict sent -> this draft arrived
                 "mode": record.mode,
@@ -164,7 +175,7 @@ def spec_for_run(spec: LaunchSpec, name: str, policy: str, mode: str, proactive:
     verifier = replace(spec.verifier, policy=policy, rounds=mode,
                        transit_tokens=spec.verifier.transit_tokens if transit is None else transit)
     try:
-        check_transit(verifier.rounds, verifier.transit_tokens)
+        check_transit(verifier.rounds, verifier.transit_tokens, verifier.transit_alone)
     except ValueError as exc:
         raise SpecError(f"run {name}: {exc}") from None
     spec = replace(spec, verifier=verifier)

@@ -81,7 +81,7 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
     try:
         config = ServerConfig(**opts.routed("server"), port=50051 if opts.port is None else opts.port, target_name=target_name)
         server_credentials(config)  # the PEM files are readable
-        check_transit(config.rounds, opts.transit_tokens)
+        check_transit(config.rounds, opts.transit_tokens, opts.transit_alone)
         check_port("metrics_port", opts.metrics_port)
     except ValueError as exc:
         raise SpecError(str(exc)) from None

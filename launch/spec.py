@@ -146,6 +146,9 @@ class VerifierSpec:
     transit_tokens: int = setting(0, "async rounds: while a drafter's draft is in transit, decode up to this many of its "
                                      "tokens in the steps that run anyway (verifier.engine; 0: off)",
                                   to="engine.transit_tokens")
+    transit_alone: bool = setting(False, "with transit decoding: when no draft is waiting, also run a step that only "
+                                         "decodes for drafters whose drafts are away, where the wait rule's objective "
+                                         "says it pays (verifier.round_loop)", to="server.transit_alone")
     attention: str = setting("auto", "packed forwards' attention: auto (flash's varlen kernel for chains on CUDA in "
                                      "bf16 / fp16 where torch has it, else masked SDPA), varlen (require that kernel) "
                                      "or masked (masked SDPA everywhere)", to="engine.attention", choices=ATTENTION_PATHS)

@@ -30,7 +30,10 @@ and no drafts, so the step adds the target's next token to its text.
 * Bounds: at most ``transit_tokens`` such tokens per session between two of its verdicts (the
   work a silent drafter costs is bounded); transit rows only fill what the step's drafts leave of
   the budget ``C``, one token each, the sessions with the fewest tokens decoded in transit first,
-  so a step's work stays bounded by ``C`` as before; a step never runs for transit rows alone.
+  so a step's work stays bounded by ``C`` as before. The serving layer may also run a step for
+  transit rows alone (:meth:`VerificationEngine.transit_room` says for whom it would decode;
+  ``ServerConfig.transit_alone`` and :mod:`goodspeed.verifier.round_loop` decide when), bounded
+  the same way.
 * When the draft arrives, it was drafted from the text as of the session's last verdict, so its
   first ``m`` tokens stand where the ``m`` decoded ones now do. If they are equal, the rest of the
   draft is verified as usual after them; otherwise (or if the draft is no longer than ``m``)
@@ -472,6 +475,12 @@ class VerificationEngine:
             out.append(Row(session, slot, RowInput(session.session_id, [session.request.committed[-1]], empty,
                                                    session.request.sampling), None, transit=True))
         return out
+
+    def transit_room(self) -> tuple[str, ...]:
+        """The sessions a step run now would decode for in transit: no draft queued, a request in
+        progress, fewer than ``transit_tokens`` decoded since their last verdict."""
+        return tuple(sid for sid in self.slots.keys
+                     if (session := self._sessions[sid]).pending is None and self._decodes_in_transit(session))
 
     def _decodes_in_transit(self, session: Session) -> bool:
         """Whether this step decodes for the session while its draft is away (module docstring)."""

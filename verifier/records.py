@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 SCHEMA = 5
 ROUND_MODES = ("sync", "async")  # the round loop's modes (goodspeed.verifier.round_loop)
-CLOSE_REASONS = ("all", "window", "none-due", "local")  # why a step closed (goodspeed.verifier.round_loop)
+CLOSE_REASONS = ("all", "window", "none-due", "local", "transit")  # why a step closed (goodspeed.verifier.round_loop)
 
 
 class RecordError(ValueError):

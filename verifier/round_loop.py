@@ -56,6 +56,26 @@ that is iff
 
 which is the rule above when no drafter decodes in transit.
 
+Steps for transit rows alone (``ServerConfig.transit_alone``, off by default). Behind long links
+the steps that drafts open leave the engine idle most of the time while drafts are away, and
+the away drafters get a token only when some draft opens a step. With this setting, when no
+draft is queued and the engine can still decode for some away drafter
+(:meth:`~goodspeed.verifier.engine.VerificationEngine.transit_room`), the loop runs a step of
+transit rows alone (``closed = "transit"``) if, in the same units, it pays. It decodes a token
+for each drafter ``i`` in the room, worth ``1 / T_i``. It occupies the engine for about one step
+``f``, so drafter ``j``'s draft, due at ``t + d``, waits ``f - d`` longer when ``d < f``, which
+costs ``(f - d) * w_j``; a draft already late (or with no cycle yet) may come any moment and
+costs ``f * w_j``. So the step runs iff
+
+    sum_{i in room} 1 / T_i > sum_{j away} w_j * max(0, f - max(0, d_j)).
+
+Both sides only move on events (a draft queued, a step's verdicts, a request started), as the
+cost of a due draft only grows while it comes nearer, so a step that does not pay now is not
+polled for: the loop checks again at its next event (or its idle sweep, at most a second on). The engine's cap (``transit_tokens`` a verdict)
+bounds these steps as it bounds transit rows, so a drafter that goes silent costs at most that many
+steps. Their time is not in the smoothed step time ``f``, which stays that of the steps that
+verify drafts.
+
 Until 2026-11-26 the weights were one over the *cycle* (link and drafting only) and a transit
 token was worth ``1 / X`` (eq. 4's goodput of the drafts alone). On the real pair behind links that
 made every weight 2-5 times too large (periods of 112-245 ms against cycles of 22-117 ms, the
@@ -79,7 +99,8 @@ step carries no chunk itself, so one long prompt delays any round by at most one
 Every record says why its step closed (``closed``, :data:`~goodspeed.verifier.records.CLOSE_REASONS`):
 ``all`` (every drafter submitted), ``window`` (the wait ran out: in sync mode the round deadline;
 in async mode the window, or the limit of the due draft it waited for), ``none-due`` (async: no
-other draft due soon enough to wait for) or ``local`` (local serving's work was waiting).
+other draft due soon enough to wait for), ``local`` (local serving's work was waiting) or
+``transit`` (a step for transit rows alone, above).
 
 Each drafter's *period* — the seconds between two of its verdicts, the round time it sees: link,
 drafting and verification — is measured here and given to the engine with the step that ends it
@@ -296,6 +317,27 @@ class RoundLoop:
         return {sid: 1.0 / max(d.tokens_mean or 1.0, 1.0) for sid, d in self.drafters.items()
                 if d.transit and d.in_request and sid not in self._queued}
 
+    async def _transit_step_pays(self) -> bool:
+        """Whether a step for transit rows alone, run now, is worth the delay it may cause the
+        drafts not yet here (the module docstring derives the rule)."""
+        if self._wakeup.is_set():  # an event is waiting to be seen first (a draft may have arrived)
+            return False
+        room = set(await self.call(self.engine.transit_room))
+        if self._queued:  # a draft arrived while the engine answered
+            return False
+        values = self._transit_values()
+        gain = sum(v for sid, v in values.items() if sid in room)
+        if gain <= 0:
+            return False
+        now, step = time.perf_counter(), self.window_s
+        cost = 0.0
+        for sid, w in self._weights().items():
+            d = self.drafters[sid]
+            due_after = d.due_after_s
+            ahead = 0.0 if d.verdict_at is None or due_after is None else max(0.0, d.verdict_at + due_after - now)
+            cost += w * max(0.0, step - ahead)
+        return gain > cost
+
     def _close_reason(self, opened: float, now: float) -> str | None:
         """Why the step waiting for drafts since ``opened`` closes at ``now`` (``perf_counter``; one
         of :data:`~goodspeed.verifier.records.CLOSE_REASONS`), or None while it waits on."""
@@ -333,6 +375,9 @@ class RoundLoop:
                 continue
             if self._starting and not self._queued:  # nothing to verify: the engine prefills
                 await self._prefill()
+                continue
+            if not self._queued and self.config.transit_alone and await self._transit_step_pays():
+                await self._close(closed="transit")
                 continue
             if not await self._woken(sweep_every_s) or not self._queued:
                 continue
@@ -395,7 +440,8 @@ class RoundLoop:
         self._failed_rounds = 0
         self._resolve(result.started)
         step_s = result.timings.total_s
-        self._step_s = step_s if self._step_s is None else (1 - STEP_SMOOTHING) * self._step_s + STEP_SMOOTHING * step_s
+        if closed != "transit":  # f is the time of the steps that verify drafts (module docstring)
+            self._step_s = step_s if self._step_s is None else (1 - STEP_SMOOTHING) * self._step_s + STEP_SMOOTHING * step_s
         sent = time.perf_counter()
         for session_id, verdict in result.verdicts.items():
             self._queued.discard(session_id)

@@ -101,6 +101,7 @@ class ServerConfig:
     insecure: bool = False  # allow plaintext on a non-loopback address (refused otherwise)
     http_port: int | None = None  # the OpenAI-compatible front (verifier.http_front); None: off
     http_host: str = "127.0.0.1"
+    transit_alone: bool = False  # async, transit decoding: also run steps for transit rows alone (round_loop)
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
@@ -120,11 +121,15 @@ class ServerConfig:
             raise ValueError(f"refusing plaintext HTTP on {self.http_host}: give --tls-cert and --tls-key (HTTPS), or --insecure")
 
 
-def check_transit(rounds: str, transit_tokens: int) -> None:
-    """Transit decoding needs asynchronous rounds (ValueError otherwise)."""
+def check_transit(rounds: str, transit_tokens: int, transit_alone: bool = False) -> None:
+    """Transit decoding needs asynchronous rounds, and steps for transit rows alone need transit
+    decoding (ValueError otherwise)."""
     if transit_tokens and rounds != "async":
         raise ValueError("transit decoding (transit_tokens > 0) needs asynchronous rounds (--rounds async): in the "
                          "paper's lockstep round no step runs while a draft is in transit")
+    if transit_alone and not transit_tokens:
+        raise ValueError("transit_alone runs steps for transit decoding alone: it needs transit_tokens > 0 "
+                         "(and --rounds async)")
 
 
 def _rpc(handler):
@@ -448,7 +453,7 @@ class VerifierServer:
 
     def __init__(self, engine: VerificationEngine, config: ServerConfig = ServerConfig(), metrics: Metrics | None = None,
                  log: JsonLog | None = None, local: LocalServing | None = None, tokenizer=None) -> None:
-        check_transit(config.rounds, engine.config.transit_tokens)
+        check_transit(config.rounds, engine.config.transit_tokens, config.transit_alone)
         self.engine, self.config = engine, config
         self.local, self.tokenizer = local, tokenizer
         self.metrics, self.log = metrics or Metrics(), log or JsonLog()

@@ -150,6 +150,35 @@ def test_transit_runs_give_the_verifier_transit_decoding_and_report_its_share(mo
         run_experiment(ExperimentSettings(name="x", policies=("goodspeed",), modes=("sync",), transit=(4,), rounds=12),
                        spec_for(model_dirs, tmp_path), tmp_path / "refused", log=lambda *a: None)
     assert not (tmp_path / "refused" / "goodspeed+t4").exists()
+    # steps for transit rows alone need transit decoding: a run without it is refused, by name
+    alone = replace(spec_for(model_dirs, tmp_path), verifier=replace(spec_for(model_dirs, tmp_path).verifier, transit_alone=True))
+    with pytest.raises(SpecError, match=r"run goodspeed@async\+t0: .*needs transit_tokens > 0"):
+        run_experiment(ExperimentSettings(name="x", policies=("goodspeed",), modes=("async",), transit=(0,), rounds=12),
+                       alone, tmp_path / "refused-alone", log=lambda *a: None)
+
+
+def test_steps_for_transit_rows_alone_fold_into_the_next_steps_rows(tmp_path):
+    """A step that verified no draft (``closed = "transit"``) makes no row; its receive and verify
+    seconds go into the next step's, so the report's wall-time split still adds up."""
+    from goodspeed.launch.experiment import rows_from_log
+    from goodspeed.launch.report import policy_metrics, render_markdown
+    from goodspeed.verifier.records import DrafterRound, RoundRecord
+
+    def step(index, receive, verify, drafters, closed):
+        rows = tuple(DrafterRound(f"{n}#1", n, 2, 1, 3, 0.5, 1.5, 2, False, 0.01, transit=t) for n, t in drafters)
+        return RoundRecord(index, receive, verify, verify / 2, 0.001, len(rows), 8, rows, mode="async", closed=closed,
+                           transit_tokens=1 if closed == "transit" else 0, ts=100.0 + index).to_json()
+
+    log = tmp_path / "verifier.log"
+    log.write_text("\n".join([step(0, 0.010, 0.002, [("a", 0), ("b", 0)], "all"),
+                               step(1, 0.001, 0.003, [], "transit"), step(2, 0.002, 0.004, [], "transit"),
+                               step(3, 0.005, 0.006, [("a", 2)], "none-due")]) + "\n")
+    rows = rows_from_log(log, "goodspeed@async")
+    assert [(r["round"], r["drafter"], r["transit_steps"]) for r in rows] == [(0, "a", 0), (0, "b", 0), (3, "a", 2)]
+    assert rows[2]["receive_s"] == pytest.approx(0.008) and rows[2]["verify_s"] == pytest.approx(0.013)
+    m = policy_metrics(rows)
+    assert m["verify_s"] == pytest.approx(0.015) and m["receive_s"] == pytest.approx(0.018) and m["transit_steps"] == 2
+    assert "2 steps decoded for transit rows alone" in render_markdown("x", {"goodspeed@async": m}, {})
 
 
 def test_a_seed_shuffles_each_drafters_prompt_cycle(tmp_path):

@@ -102,6 +102,47 @@ def test_transit_decoding_grows_the_slow_links_text_in_the_fast_drafters_steps(m
     assert fast >= 3 * slow, (fast, slow)
 
 
+def lone_slow_drafter(models, transit_alone):
+    """One drafter behind a 150 ms link, alone on a verifier that decodes up to 4 tokens in transit:
+    the round records and its output (checked to be the target's greedy decoding)."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4, transit_tokens=4))
+    outputs = {}
+    with ServerThread(engine, rounds="async", round_deadline_ms=1000, transit_alone=transit_alone) as server:
+        proxy = DelayProxy("127.0.0.1", ("127.0.0.1", server.port), LinkSpec(rtt_ms=150))
+        port = proxy.start()
+        try:
+            generate(f"127.0.0.1:{port}", "slow", draft, [SLOW_PROMPT], 40, outputs)
+        finally:
+            proxy.stop()
+        records = [RoundRecord.from_event(e) for e in server.events("round")]
+    assert outputs["slow"] == [greedy_reference(target, SLOW_PROMPT, 40)]
+    return records
+
+
+def test_steps_for_transit_rows_alone_decode_while_the_only_draft_is_on_the_wire(models):
+    """With ``transit_alone``, a drafter alone behind a slow link gets tokens decoded while its draft
+    is away, in steps that verify nothing (``closed = "transit"``); the cap bounds them: at most 4
+    such tokens a verdict, so at most 4 such steps between two of its verdicts."""
+    records = lone_slow_drafter(models, transit_alone=True)
+    transit_steps = [r for r in records if r.closed == "transit"]
+    assert transit_steps and all(not r.drafters and r.transit_tokens == 1 for r in transit_steps)
+    rows = [d for r in records for d in r.drafters]
+    assert sum(d.transit for d in rows) > 0 and all(d.transit <= 4 for d in rows)
+    assert sum(d.gained for d in rows) == 40  # nothing lost or delivered twice
+    alone = 0
+    for r in records:  # never more transit-only steps between two verdicts than the cap
+        alone = 0 if r.drafters else alone + (r.closed == "transit")
+        assert alone <= 4
+
+
+def test_without_transit_alone_no_step_runs_for_transit_rows(models):
+    """The control: with the setting off, a lone drafter's text grows only in its own steps."""
+    records = lone_slow_drafter(models, transit_alone=False)
+    assert records and all(r.closed != "transit" and r.drafters for r in records)
+    assert sum(d.transit for r in records for d in r.drafters) == 0
+
+
 def test_sync_rounds_pace_everyone_by_the_slowest_link(models):
     """The control: the paper's lockstep round makes the fast drafter wait for the slow one."""
     fast, slow, records = race(models, "sync")
@@ -233,6 +274,49 @@ def test_with_transit_decoding_an_idle_engine_costs_the_drafters_whose_drafts_ar
     assert wait(drafter("slow", opened - 0.1, 0.1)) is None
 
 
+def test_a_step_for_transit_rows_alone_runs_only_while_its_tokens_outweigh_the_delay():
+    """``transit_alone``: with no draft queued, a step that only decodes for the drafters away is
+    worth ``sum 1 / T_i`` over those the engine can still decode for, and costs each drafter ``j``
+    not here ``w_j * max(0, f - d_j)``: the step holds the engine ``f``, and j's draft is due in
+    ``d_j`` (0 when late or unmeasured)."""
+    class Engine:
+        room = ("slow",)
+
+        def transit_room(self):
+            return self.room
+
+    async def call(fn, *args):
+        return fn(*args)
+
+    def drafter(name, due_in, period, transit=True, x=None):
+        now = time.perf_counter()
+        d = Drafter(name, name, asyncio.Queue(), identity=None, in_request=True, verdict_at=None if due_in is None else now,
+                    transit=transit)
+        d.cycle_mean_s, d.period_mean_s, d.tokens_mean = (None if due_in is None else due_in), period, x
+        return d
+
+    def pays(*drafters, room=("slow",), queued=()):
+        engine = Engine()
+        engine.room = room
+        loop = RoundLoop(engine, None, ServerConfig(rounds="async"), None, None, {d.session_id: d for d in drafters},
+                         call, None, None, None)
+        loop._step_s = 0.01
+        loop._queued.update(queued)
+        return asyncio.run(loop._transit_step_pays())
+
+    slow = drafter("slow", 0.0, 0.1, x=4.0)  # late: a token worth 1/4 against 10 * 0.01 of delay
+    assert pays(slow)
+    assert not pays(slow, room=())  # the cap is reached: nothing to decode
+    assert not pays(slow, queued=("slow",))  # a draft is here: a step verifies it instead
+    # A fast drafter (weight 50) whose draft is due now would wait the whole step: 0.5 + 0.1 > 1/4.
+    assert not pays(slow, drafter("fast", 0.0, 0.02, transit=False))
+    # ... due in 5 ms, it waits half the step: 0.25 + 0.1 > 0.25 still; due in 50 ms, not at all.
+    assert not pays(slow, drafter("fast", 0.005, 0.02, transit=False))
+    assert pays(slow, drafter("fast", 0.05, 0.02, transit=False))
+    # Unmeasured (no cycle yet) counts as due now.
+    assert not pays(slow, drafter("fast", None, 0.02, transit=False))
+
+
 def test_a_drafters_cycle_is_smoothed_from_the_drafts_it_sends():
     d = Drafter("d", "d", asyncio.Queue(), identity=None)
     loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, {"d": d}, None, None, None, None)
@@ -262,7 +346,7 @@ def test_a_drafters_period_and_tokens_are_smoothed_from_its_verdicts():
     assert d.period_mean_s == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)
 
 
-def test_transit_decoding_is_refused_in_sync_rounds(models):
+def test_transit_decoding_is_refused_in_sync_rounds_and_transit_steps_without_it(models):
     from goodspeed.launch.serve import server_config
     from goodspeed.launch.spec import SpecError, VerifierSpec
     from goodspeed.verifier.server import make_server
@@ -274,6 +358,12 @@ def test_transit_decoding_is_refused_in_sync_rounds(models):
     with pytest.raises(SpecError, match="needs asynchronous rounds"):
         server_config(VerifierSpec(transit_tokens=2))  # before any model loads
     server_config(VerifierSpec(transit_tokens=2, rounds="async"))
+    # Steps for transit rows alone need transit decoding.
+    with pytest.raises(ValueError, match="needs transit_tokens > 0"):
+        make_server(VerificationEngine(models[0], EngineConfig()), ServerConfig(rounds="async", transit_alone=True))
+    with pytest.raises(SpecError, match="needs transit_tokens > 0"):
+        server_config(VerifierSpec(rounds="async", transit_alone=True))
+    server_config(VerifierSpec(transit_tokens=2, rounds="async", transit_alone=True))
 
 
 def test_unknown_round_mode_is_refused():
