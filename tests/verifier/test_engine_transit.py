@@ -117,11 +117,12 @@ V = 6
 PROMPT = [1, 2, 3]
 
 
-def run_sampled(target, draft, sampling, per_drafter: int, drafters: int = 8):
+def run_sampled(target, draft, sampling, per_drafter: int, drafters: int = 8, all_slow: bool = False):
+    """``drafters`` sampled drafters, all but the first (``all_slow``: all) behind seeded delays."""
     engine = VerificationEngine(target, EngineConfig(budget=6 * drafters, max_draft_len=3, transit_tokens=2))
     ds = [InProcessDrafter(f"d{i}", DraftRunner(draft), [PROMPT] * per_drafter, sampling, max_new_tokens=3, transit=True)
           for i in range(drafters)]
-    results = run_inprocess(engine, ds, delay=random_delays(None, {d.name for d in ds[1:]}, 3))
+    results = run_inprocess(engine, ds, delay=random_delays(None, {d.name for d in ds[0 if all_slow else 1:]}, 3))
     return [o for d in ds for o in d.outputs], results
 
 
@@ -140,6 +141,18 @@ def test_sampled_outputs_follow_the_target_with_drafts_in_transit(sampled_models
     assert ok, msg
     verdicts = [v for r in results for v in r.verdicts.values()]
     assert sum(v.num_transit > 0 for v in verdicts) > 200 and sum(v.num_accepted > v.num_transit > 0 for v in verdicts) > 20
+
+
+def test_sampled_outputs_follow_the_target_through_steps_for_transit_rows_alone(sampled_models):
+    """Every drafter behind a link: many steps verify no draft and only decode in transit (what the
+    round loop runs with ``transit_alone``). The output distribution is still the target's."""
+    target, draft = sampled_models
+    sampling = SamplingParams(temperature=1.0)
+    outputs, results = run_sampled(target, draft, sampling, per_drafter=800, drafters=2, all_slow=True)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
+    assert ok, msg
+    alone = sum(not r.verdicts and r.transit_tokens > 0 for r in results)
+    assert alone > 300, alone
 
 
 def test_a_transit_step_that_looks_at_its_token_is_caught(sampled_models, monkeypatch):
