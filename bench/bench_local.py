@@ -16,15 +16,17 @@ Needs the demo models (`goodspeed models build-demo`), or for ``--target real:sm
 3. replay it in real time on a fresh engine and local server per policy (in-process: the numbers
    are the serving loop's, not gRPC's) and check every output equals the target's greedy decoding
    (the ``none`` policy's output);
-   ``--load`` gives the rate as a fraction of plain decoding's profiled capacity instead
-   (:func:`capacity_req_s`). Several ``--rate`` (or ``--load``) and ``--seed`` values replay one trace per (rate, seed) cell with the same
-   models and profile (so the same SLOs); ``--json`` then prints ``{"cells": [...]}``, one
-   object per cell, each shaped as a single cell's output. On an accelerator (``--device cuda``)
-   a short replay of 4 requests runs first and is discarded, so the first policy timed does not
-   pay for kernel selection and allocator growth;
 4. report throughput, mean and p99 TPOT, SLO attainment per class, goodput of the SLO-meeting
    requests, VSR (accepted / drafted), and where an iteration's time goes: drafting (the
    policy's draft forwards and selection) and the target round (forward and verification).
+
+``--load`` gives the arrival rate as a fraction of plain decoding's profiled capacity
+(:func:`capacity_req_s`), so one load means the same on a slow CPU and a GPU. Several ``--rate``
+(or ``--load``) and ``--seed`` values replay one trace per (rate, seed) cell with the same models
+and profile (so the same SLOs); ``--json`` then prints ``{"cells": [...]}``, one object per cell,
+each shaped as a single cell's output. On an accelerator (``--device cuda``) a short replay of 4
+requests per policy runs first and is discarded, so the first policy timed does not pay for
+kernel selection and allocator growth.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
     arrivals = ap.add_mutually_exclusive_group()
-    arrivals.add_argument("--rate", type=float, nargs="+", default=None, help="mean arrivals per second (several: one cell each; default 40)")
+    arrivals.add_argument("--rate", type=float, nargs="+", default=None,
+                          help="mean arrivals per second (several: one cell each; default 40)")
     arrivals.add_argument("--load", type=float, nargs="+", default=None,
                           help="mean arrivals as a fraction of plain decoding's profiled capacity (see capacity_req_s)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -152,8 +155,8 @@ def main() -> int:
         for seed in args.seed:
             prompts = code_prompts(target.tokenizer, 64, seed)
             trace = make_trace(prompts, args.requests, rate, baseline_ms, args.max_new_tokens, seed=seed)
-            print(f"trace: {args.requests} requests, Poisson {rate:.2f}/s (load {rate / capacity:.2f}), seed {seed}, {args.max_new_tokens} new tokens each, "
-                  f"SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
+            print(f"trace: {args.requests} requests, Poisson {rate:.2f}/s (load {rate / capacity:.2f}), seed {seed}, "
+                  f"{args.max_new_tokens} new tokens each, SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
             results, reference = {}, None
             for name, kw in policies:
                 summary, outputs = replay(target, draft, profile, trace, kw, args.max_requests, seed)
