@@ -125,7 +125,8 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
     are added to the next step's rows (``transit_steps`` says how many were), so the report's
     wall-time split still adds up."""
     rows = []
-    carried = [0.0, 0.0, 0]  # receive and verify seconds, and the count, of steps for transit rows alone not yet told
+    # Steps for transit rows alone not yet told in a row: their receive and verify seconds, and how many.
+    carried_receive, carried_verify, carried_steps = 0.0, 0.0, 0
     for line in log_path.read_text(encoding="utf-8").splitlines():
         if not line.startswith("{"):
             continue
@@ -134,11 +135,13 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
             continue
         record = RoundRecord.from_event(event)
         if record.closed == "transit" and not record.drafters:  # its tokens reach the drafters' next verdicts
-            carried = [carried[0] + record.receive_s, carried[1] + record.verify_s, carried[2] + 1]
+            carried_receive, carried_verify, carried_steps = (carried_receive + record.receive_s,
+                                                              carried_verify + record.verify_s, carried_steps + 1)
             continue
-        receive_s, verify_s, transit_steps = record.receive_s + carried[0], record.verify_s + carried[1], carried[2]
-        if record.drafters:
-            carried = [0.0, 0.0, 0]
+        if not record.drafters:  # a step of local serving alone: no row, nothing to carry
+            continue
+        receive_s, verify_s, transit_steps = record.receive_s + carried_receive, record.verify_s + carried_verify, carried_steps
+        carried_receive, carried_verify, carried_steps = 0.0, 0.0, 0
         for d in record.drafters:
             rows.append({
                 "policy": policy, "round": record.round, "ts": record.ts, "drafter": d.name,

@@ -178,6 +178,12 @@ class Drafter:
             return None
         return max(0.0, self.cycle_mean_s - DUE_DEVIATIONS * self.cycle_dev_s)
 
+    def due_at(self, now: float) -> float:
+        """When (``perf_counter``) its next draft is due: its last verdict plus :attr:`due_after_s`,
+        or ``now`` with no verdict or no estimate yet (it may come any moment)."""
+        due_after = self.due_after_s
+        return now if self.verdict_at is None or due_after is None else self.verdict_at + due_after
+
 
 class RoundLoop:
     """Runs verification steps on the engine thread as the mode says (see the module docstring)."""
@@ -303,9 +309,7 @@ class RoundLoop:
             if gain <= 0:
                 continue
             limit = opened + gain / (queued + (away - v) / step + w)
-            due_after = d.due_after_s
-            due = now if d.verdict_at is None or due_after is None else d.verdict_at + due_after
-            if now < limit and due <= limit:
+            if now < limit and d.due_at(now) <= limit:
                 until = limit if until is None else max(until, limit)
         return until
 
@@ -323,19 +327,20 @@ class RoundLoop:
         if self._wakeup.is_set():  # an event is waiting to be seen first (a draft may have arrived)
             return False
         room = set(await self.call(self.engine.transit_room))
-        if self._queued:  # a draft arrived while the engine answered
+        return self._transit_step_worth(room, time.perf_counter())
+
+    def _transit_step_worth(self, room: set[str], now: float) -> bool:
+        """The rule itself, at ``now``, for the sessions in ``room``: the tokens such a step
+        decodes against the delay it may cause; never while a draft is queued (one may have
+        arrived while the engine answered)."""
+        if self._queued:
             return False
-        values = self._transit_values()
-        gain = sum(v for sid, v in values.items() if sid in room)
+        gain = sum(v for sid, v in self._transit_values().items() if sid in room)
         if gain <= 0:
             return False
-        now, step = time.perf_counter(), self.window_s
-        cost = 0.0
-        for sid, w in self._weights().items():
-            d = self.drafters[sid]
-            due_after = d.due_after_s
-            ahead = 0.0 if d.verdict_at is None or due_after is None else max(0.0, d.verdict_at + due_after - now)
-            cost += w * max(0.0, step - ahead)
+        step = self.window_s
+        # j's draft waits what is left of the step when it comes (the whole step when late or unmeasured)
+        cost = sum(w * max(0.0, step - max(0.0, self.drafters[sid].due_at(now) - now)) for sid, w in self._weights().items())
         return gain > cost
 
     def _close_reason(self, opened: float, now: float) -> str | None:

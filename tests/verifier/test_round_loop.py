@@ -278,41 +278,36 @@ def test_a_step_for_transit_rows_alone_runs_only_while_its_tokens_outweigh_the_d
     """``transit_alone``: with no draft queued, a step that only decodes for the drafters away is
     worth ``sum 1 / T_i`` over those the engine can still decode for, and costs each drafter ``j``
     not here ``w_j * max(0, f - d_j)``: the step holds the engine ``f``, and j's draft is due in
-    ``d_j`` (0 when late or unmeasured)."""
-    class Engine:
-        room = ("slow",)
-
-        def transit_room(self):
-            return self.room
-
-    async def call(fn, *args):
-        return fn(*args)
+    ``d_j`` (0 when late or unmeasured). Times are given, not read from a clock."""
+    now = 1000.0
 
     def drafter(name, due_in, period, transit=True, x=None):
-        now = time.perf_counter()
         d = Drafter(name, name, asyncio.Queue(), identity=None, in_request=True, verdict_at=None if due_in is None else now,
                     transit=transit)
-        d.cycle_mean_s, d.period_mean_s, d.tokens_mean = (None if due_in is None else due_in), period, x
+        d.cycle_mean_s, d.period_mean_s, d.tokens_mean = due_in, period, x
         return d
 
     def pays(*drafters, room=("slow",), queued=()):
-        engine = Engine()
-        engine.room = room
-        loop = RoundLoop(engine, None, ServerConfig(rounds="async"), None, None, {d.session_id: d for d in drafters},
-                         call, None, None, None)
+        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, {d.session_id: d for d in drafters},
+                         None, None, None, None)
         loop._step_s = 0.01
         loop._queued.update(queued)
-        return asyncio.run(loop._transit_step_pays())
+        return loop._transit_step_worth(set(room), now)
 
-    slow = drafter("slow", 0.0, 0.1, x=4.0)  # late: a token worth 1/4 against 10 * 0.01 of delay
+    slow = drafter("slow", 0.0, 0.1, x=4.0)  # due now: a token worth 1/4 against 10 * 0.01 of delay
     assert pays(slow)
     assert not pays(slow, room=())  # the cap is reached: nothing to decode
     assert not pays(slow, queued=("slow",))  # a draft is here: a step verifies it instead
     # A fast drafter (weight 50) whose draft is due now would wait the whole step: 0.5 + 0.1 > 1/4.
     assert not pays(slow, drafter("fast", 0.0, 0.02, transit=False))
-    # ... due in 5 ms, it waits half the step: 0.25 + 0.1 > 0.25 still; due in 50 ms, not at all.
+    # ... due in 5 ms, it waits half the step: 0.25 + 0.1 > 0.25 still; due in 20 ms, not at all.
     assert not pays(slow, drafter("fast", 0.005, 0.02, transit=False))
-    assert pays(slow, drafter("fast", 0.05, 0.02, transit=False))
+    assert pays(slow, drafter("fast", 0.02, 0.02, transit=False))
+    # A draft 1 s late costs the whole step, as one due now does, no more: 1/1.5 > 0.1 + 1 * 0.01
+    # (counting its lateness too would make it 1.01 and refuse the step).
+    late = drafter("other", 0.0, 1.0, transit=False)
+    late.verdict_at = now - 1.0
+    assert pays(drafter("slow", 0.0, 0.1, x=1.5), late)
     # Unmeasured (no cycle yet) counts as due now.
     assert not pays(slow, drafter("fast", None, 0.02, transit=False))
 
