@@ -6,7 +6,7 @@ DESIGN.md section 6: a round must cost O(new tokens), never O(prefix). Every lay
 ``b``'s new keys at ``lengths[b] ..`` and hands attention a view of the buffer (no copy), while
 an additive 4-D mask and explicit position ids keep each row to its own prefix. Rolling back
 rejected positions is setting a length; a token tree's accepted path is moved onto consecutive
-positions (a copy of at most a few entries). Freeing a slot moves the last slot into the hole,
+positions (a copy of at most a few entries, every row's in one op per buffer: :meth:`SlotKVCache.commit_many`). Freeing a slot moves the last slot into the hole,
 so the live slots are always ``0 .. num_slots - 1``.
 
 KV memory per slot (packed forwards, :meth:`SlotKVCache.pack`): the pool holds every slot at one
@@ -365,20 +365,37 @@ class SlotKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths) if self.lengths else 0
 
-    @torch.inference_mode()
     def commit(self, slot: int, base: int, kept: list[int]) -> None:
         """Keep, as committed entries ``base, base + 1, ...``, the entries this forward wrote at
         offsets ``kept`` (ascending, relative to ``base``) and drop the rest of the forward."""
-        moves = [(dst, src) for dst, src in enumerate(kept) if dst != src]
-        if moves:
-            dst = torch.tensor([base + d for d, _ in moves])
-            src = torch.tensor([base + s for _, s in moves])
-            own = self._own.get(slot)
-            bufs, row = ((*own.keys, *own.values), 0) if own is not None else ((*self.keys, *self.values), slot)
+        self.commit_many([(slot, base, kept)])
+
+    @torch.inference_mode()
+    def commit_many(self, commits: list[tuple[int, int, list[int]]]) -> None:
+        """:meth:`commit` for several ``(slot, base, kept)`` at once: every pool slot's moves (a tree
+        row whose accepted path is not its first nodes) go in one gather and one scatter per layer's
+        keys and values, with one host -> device copy of their indices, whatever the number of rows.
+        Row by row, a step of trees cost a few ops per layer per row that moved, which is what a
+        launch-bound GPU pays for (docs/BENCHMARKS.md, *Tree rows' KV moves*). A slot with buffers
+        of its own moves in them, on its own."""
+        pooled: list[tuple[int, int, int]] = []  # (slot, dst, src) positions
+        for slot, base, kept in commits:
+            moves = [(base + d, base + s) for d, s in enumerate(kept) if d != s]
+            if moves and slot in self._own:
+                own = self._own[slot]
+                dst, src = torch.tensor([m[0] for m in moves]), torch.tensor([m[1] for m in moves])
+                for buf in (*own.keys, *own.values):
+                    if buf is not None:
+                        buf[0, :, dst.to(buf.device)] = buf[0, :, src.to(buf.device)]
+            else:
+                pooled += [(slot, d, s) for d, s in moves]
+        if pooled:
+            bufs = [buf for buf in (*self.keys, *self.values) if buf is not None]
+            index = torch.tensor(pooled, dtype=torch.long).T.to(bufs[0].device) if bufs else None
             for buf in bufs:
-                if buf is not None:
-                    buf[row, :, dst.to(buf.device)] = buf[row, :, src.to(buf.device)]
-        self.lengths[slot] = base + len(kept)
+                buf[index[0], :, index[1]] = buf[index[0], :, index[2]]
+        for slot, base, kept in commits:
+            self.lengths[slot] = base + len(kept)
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` committed entries."""

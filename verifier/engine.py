@@ -407,6 +407,8 @@ class VerificationEngine:
             if generator is not None and row.input.key not in given:
                 given[row.input.key] = torch.rand(row.input.draft.num_tokens + 1, generator=generator, dtype=torch.float64).numpy()
         checked = self.row_verifier.verify([r.input for r in rows], logits, given) if rows else []
+        # Every row's KV at once: a step of trees moves accepted paths in one op per layer, not per row.
+        self.cache.commit_many([(row.slot, self.cache.lengths[row.slot], out.kept) for row, out in zip(rows, checked)])
         outcomes = []
         for row, out in zip(rows, checked):
             if row.transit:
@@ -531,10 +533,9 @@ class VerificationEngine:
         return out.logits[rows] if rows else None
 
     def _apply(self, row: Row, outcome: RowOutcome) -> tuple:
-        """Commit the verified tokens to the request and its KV slot; end finished requests."""
+        """Commit the verified tokens (already in the KV slot: ``run_round``) to the request; end
+        finished requests."""
         session, request = row.session, row.session.request
-        base = self.cache.lengths[row.slot]
-        self.cache.commit(row.slot, base, outcome.kept)
         emitted, reason = _until_end(request, outcome.emitted)
         request.commit(emitted)
         accepted = len(outcome.kept) - 1
@@ -542,10 +543,10 @@ class VerificationEngine:
         return row, emitted, accepted, reason
 
     def _apply_transit(self, row: Row, outcome: RowOutcome) -> None:
-        """Commit a transit row's token (the target's next one) to the request and its KV slot;
-        a request that ends here is told with the session's next verdict."""
+        """Commit a transit row's token (the target's next one, already in the KV slot:
+        ``run_round``) to the request; a request that ends here is told with the session's next
+        verdict."""
         session, request = row.session, row.session.request
-        self.cache.commit(row.slot, self.cache.lengths[row.slot], outcome.kept)
         emitted, session.decoded_end = _until_end(request, outcome.emitted[:1])
         request.commit(emitted)
         session.decoded += emitted

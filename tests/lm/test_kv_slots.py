@@ -283,6 +283,62 @@ def test_a_slot_far_longer_than_the_others_keeps_its_kv_in_buffers_of_its_own(va
         assert paths[1] == ["masked", "varlen"] and sum(kinds.count("masked") for kinds in paths) == 1
 
 
+def _count_ops(fn) -> dict[str, int]:
+    """aten ops ``fn`` dispatches that do work, by name (views aside: each of the others is a kernel
+    launch or a copy on a GPU)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting() as counting:
+        fn()
+    return dict(counting.ops)
+
+
+def test_commit_many_equals_row_by_row_commits_in_one_move_per_buffer():
+    """Committing every row of a step at once leaves the same KV and lengths as committing them one
+    by one (tree paths moved onto consecutive positions, chains kept as they are, a slot with
+    buffers of its own among them), and the pool's moves cost the same ops for one moving row as
+    for three: one gather and one scatter per layer's keys and values."""
+    layers, slots = 3, 5
+    gen = torch.Generator().manual_seed(0)
+    caches = [SlotKVCache(num_layers=layers, initial_capacity=16) for _ in range(3)]
+    with torch.inference_mode():
+        pool = [torch.randn(slots, 2, 16, 4, generator=gen) for _ in range(2 * layers)]
+        own = [torch.randn(1, 2, 32, 4, generator=gen) for _ in range(2 * layers)]
+    from goodspeed.lm.kv_slots import _OwnBuffer
+
+    for cache in caches:
+        for _ in range(slots):
+            cache.add_slot()
+        cache.keys, cache.values = [b.clone() for b in pool[:layers]], [b.clone() for b in pool[layers:]]
+        cache._own[4] = _OwnBuffer(32, [b.clone() for b in own[:layers]], [b.clone() for b in own[layers:]])
+        cache.lengths[:] = [3, 5, 2, 4, 20]
+    commits = [(0, 3, [0, 2]), (1, 5, [0, 1, 2]), (2, 2, [0, 3, 5]), (3, 4, [0, 1, 4]), (4, 20, [0, 2, 3])]
+    caches[0].commit_many(commits)
+    for commit in commits:
+        caches[1].commit(*commit)
+    assert caches[0].lengths == caches[1].lengths == [5, 8, 5, 7, 23]
+    for layer in range(layers):
+        for slot in range(slots):
+            for mine, theirs in zip(caches[0].committed_kv(layer, slot), caches[1].committed_kv(layer, slot)):
+                assert torch.equal(mine, theirs)
+    assert torch.equal(caches[0].committed_kv(0, 2)[0][:, 3], pool[0][2, :, 5])  # node 3 of slot 2's step, moved
+    one = _count_ops(lambda: caches[2].commit_many([(0, 3, [0, 2])]))
+    three = _count_ops(lambda: caches[2].commit_many([(1, 5, [0, 2]), (2, 2, [0, 3, 5]), (3, 4, [0, 1, 4])]))
+    assert one == three and one["index_put_"] == 2 * layers
+
+
 def test_tree_masks_and_positions_follow_each_node_s_ancestors():
     """build_attention against a per-node reference: a tree node sees the committed prefix, itself
     and its ancestors, at position length + depth - 1; chain rows are causal; keys may stop short

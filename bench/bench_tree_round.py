@@ -1,0 +1,214 @@
+"""What a verification step of token trees costs against one of chains: aten ops and time per step.
+
+    python -m bench.bench_tree_round [--target real:smollm2-135m | --random KEY=VALUE,...]
+                                     [--device cuda] [--rows 16] [--steps 30] [--json]
+
+On a GPU with eager PyTorch a step of a small model is bound by launching kernels, so what counts
+is how many ops a step dispatches, not how many tokens it verifies. Each row's tokens are the
+target's own greedy continuation of its prompt (found first by plain decoding), so every step
+accepts a known path. Three shapes of draft, greedy, ``--rows`` requests each:
+
+* ``chain``: two tokens, both accepted (3 tokens a row, every row alike);
+* ``tree-first``: the root's children (1, 2, 3 in turn by row, as AdaServe's trees at
+  ``D_max = 1`` are ragged), the right token first: the accepted node is the first child, so its
+  KV is already where it belongs;
+* ``tree-moved``: the same children with the right token last: the accepted node's KV moves onto
+  the position after the root (:meth:`goodspeed.lm.kv_slots.SlotKVCache.commit_many`) in every
+  row with more than one child.
+
+Each shape runs twice over, on engines of its own whose steps alternate: committing every row's KV
+at once (``commit_many``, the engine's path) and ``row by row``, which replays how commits ran
+before ``commit_many`` (one gather and scatter per layer for each row that moves, its indices
+copied to the device per layer). Figures: aten ops a step dispatches (views aside; counted by a
+``TorchDispatchMode`` over one step), of them the KV commit's, and the median milliseconds of
+``VerificationEngine.run_round`` (synchronised on a device).
+
+``--random``: a Llama of that shape with random weights (seeded), for a device without the real
+pair; SmolLM2-135M's is ``num_hidden_layers=30,hidden_size=576,intermediate_size=1536,
+num_attention_heads=9,num_key_value_heads=3,vocab_size=49152``. A random model has a greedy
+continuation too, so the shapes are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from goodspeed.lm.kv_slots import SlotKVCache
+from goodspeed.lm.loading import load_causal_lm
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.types import Draft
+
+SHAPES = ("chain", "tree-first", "tree-moved")
+COMMITS = ("at once", "row by row")
+PROMPT = 32
+
+
+class OpCounter(TorchDispatchMode):
+    """aten ops dispatched inside the block, views aside (on a GPU each other op is a kernel launch
+    or a copy), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def commit_row_by_row(cache: SlotKVCache, commits) -> None:
+    """How the engine committed a step's KV before ``commit_many``: row after row, each moving row
+    one gather and one scatter per layer's keys and values, its indices copied each time."""
+    with torch.inference_mode():
+        for slot, base, kept in commits:
+            moves = [(dst, src) for dst, src in enumerate(kept) if dst != src]
+            if moves:
+                dst = torch.tensor([base + d for d, _ in moves])
+                src = torch.tensor([base + s for _, s in moves])
+                for buf in (*cache.keys, *cache.values):
+                    if buf is not None:
+                        buf[slot, :, dst.to(buf.device)] = buf[slot, :, src.to(buf.device)]
+            cache.lengths[slot] = base + len(kept)
+
+
+def random_llama(spec: str, device: str):
+    """A seeded random Llama of the shape ``KEY=VALUE,...`` (LlamaConfig fields)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(item.split("=", 1) for item in spec.split(","))
+    torch.manual_seed(0)
+    config = LlamaConfig(**{k: int(v) for k, v in fields.items()}, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).to(device).eval()
+
+
+def continuations(model, prompts: list[list[int]], length: int) -> list[list[int]]:
+    """Each prompt's greedy continuation of ``length`` tokens, by plain decoding on the engine."""
+    engine = VerificationEngine(model, EngineConfig(budget=len(prompts), policy="fixed", max_draft_len=0, seed=0))
+    sessions = [engine.join(f"p{i}") for i in range(len(prompts))]
+    for sid, prompt in zip(sessions, prompts):
+        engine.start_request(sid, prompt, SamplingParams(), length)
+    out: list[list[int]] = [[] for _ in prompts]
+    while len(out[0]) < length:
+        for sid in sessions:
+            engine.submit(sid, Draft(engine.next_round(sid), []))
+        verdicts = engine.run_round().verdicts
+        for i, sid in enumerate(sessions):
+            out[i] += list(verdicts[sid].token_ids)
+    return out
+
+
+def draft_for(shape: str, row: int, future: list[int], vocab: int) -> tuple[list[int], list[int] | None]:
+    """Tokens (and parents) of ``shape``'s draft for a row whose next tokens are ``future``."""
+    if shape == "chain":
+        return future[:2], None
+    wrong = [(future[0] + 1 + k) % vocab for k in range(row % 3)]
+    children = [future[0], *wrong] if shape == "tree-first" else [*wrong, future[0]]
+    return children, [-1] * len(children)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--target", default="demo:target")
+    source.add_argument("--random", help="a random Llama of this shape: KEY=VALUE,... (LlamaConfig fields)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per engine")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = random_llama(args.random, args.device) if args.random else load_causal_lm(args.target, device=args.device).model
+    vocab = model.config.vocab_size
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (PROMPT,), generator=gen).tolist() for _ in range(args.rows)]
+    warmup = 3
+    length = 3 * (args.steps + warmup + 2) + 2  # a chain step takes 3 tokens, a tree step 2
+    t0 = time.perf_counter()
+    future = continuations(model, prompts, length)
+    print(f"continuations: {args.rows} x {length} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    engines = {}
+    for shape in SHAPES:
+        for commit in COMMITS:
+            engine = VerificationEngine(model, EngineConfig(budget=4 * args.rows, policy="fixed", max_draft_len=3, seed=0))
+            sessions = [engine.join(f"r{i}") for i in range(args.rows)]
+            for sid, prompt in zip(sessions, prompts):
+                engine.start_request(sid, prompt, SamplingParams(), length)
+            if commit == "row by row":
+                cache = engine.cache
+                cache.commit_many = lambda commits, cache=cache: commit_row_by_row(cache, commits)
+            engines[shape, commit] = (engine, sessions, [0] * args.rows)
+
+    def step(key) -> float:
+        engine, sessions, done = engines[key]
+        for row, sid in enumerate(sessions):
+            tokens, parents = draft_for(key[0], row, future[row][done[row]:], vocab)
+            engine.set_allotment(sid, len(tokens))
+            engine.submit(sid, Draft(engine.next_round(sid), tokens, parents))
+        sync()
+        start = time.perf_counter()
+        result = engine.run_round()
+        sync()
+        elapsed = time.perf_counter() - start
+        for row, sid in enumerate(sessions):
+            emitted = list(result.verdicts[sid].token_ids)
+            want = future[row][done[row]: done[row] + len(emitted)]
+            if emitted != want:
+                raise AssertionError(f"{key}: row {row} emitted {emitted}, the target's greedy continuation is {want}")
+            done[row] += len(emitted)
+        return elapsed
+
+    def commit_ops(key) -> Counter:
+        engine = engines[key][0]
+        inner = engine.cache.commit_many
+        counted: Counter = Counter()
+
+        def counting(commits):
+            with OpCounter() as counter:
+                inner(commits)
+            counted.update(counter.ops)
+        engine.cache.commit_many = counting
+        return counted
+
+    times = {key: [] for key in engines}
+    for i in range(warmup + args.steps):
+        for key in engines:
+            elapsed = step(key)
+            if i >= warmup:
+                times[key].append(elapsed)
+    rows = []
+    for key in engines:
+        committed = commit_ops(key)
+        with OpCounter() as counter:
+            step(key)
+        rows.append({"shape": key[0], "commit": key[1], "ops": sum(counter.ops.values()),
+                     "commit_ops": sum(committed.values()), "ms": 1000 * statistics.median(times[key])})
+    result = {"target": args.random or args.target, "device": args.device, "rows": args.rows, "steps": args.steps,
+              "torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "cells": rows}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{result['target']} on {result['device_name']}, {args.rows} rows, median of {args.steps} steps")
+        print("| shape | KV commit | aten ops a step | of them the commit's | ms a step |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['shape']} | {r['commit']} | {r['ops']} | {r['commit_ops']} | {r['ms']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
