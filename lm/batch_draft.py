@@ -224,9 +224,21 @@ class BatchDraftModel:
 
     @staticmethod
     def _ranking(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """What beam search ranks candidates by: the draft's softmax for a greedy request, its
+        processed distribution (temperature, top-k / top-p) for a sampled one."""
         if sampling.greedy:
             return torch.softmax(logits.double(), dim=-1)
         return process_logits(logits.double(), sampling)
+
+    @classmethod
+    def _rankings(cls, logits: torch.Tensor, sampling: list[SamplingParams]) -> torch.Tensor:
+        """:meth:`_ranking` of each row of ``logits`` ``[rows, V]`` with its own settings, in one
+        pass over the rows (each row as it alone gives)."""
+        if all(s.greedy for s in sampling):
+            return torch.softmax(logits.double(), dim=-1)
+        if not any(s.greedy for s in sampling):
+            return process_logits(logits.double(), sampling)
+        return torch.stack([cls._ranking(row, s) for row, s in zip(logits, sampling)])
 
     def draft_trees(self, committed: dict[str, Sequence[int]], depth: int, width: int, sampling: dict[str, SamplingParams],
                     max_depths: dict[str, int] | None = None) -> dict[str, BeamTree]:
@@ -240,13 +252,14 @@ class BatchDraftModel:
         if not active:
             return trees
         last = self.catch_up({k: committed[k] for k in active})
-        # Per key: all candidate nodes so far, and the indices of the current beams.
+        # Per key: all candidate nodes so far, and the indices of the current beams. The roots'
+        # children for every key at once: one ranking and one top-k over the stacked rows, read
+        # back in one copy (row by row, a launch-bound GPU paid a few ops and two syncs a request).
         beams: dict[str, list[int]] = {}
-        for key in active:
-            probs = self._ranking(last[key], sampling[key])
-            top = torch.topk(probs, min(width, self.vocab_size))
-            tree = trees[key]
-            beams[key] = [_add_node(tree, tok, -1, p) for p, tok in zip(top.values.tolist(), top.indices.tolist()) if p > 0]
+        top = torch.topk(self._rankings(torch.stack([last[key] for key in active]), [sampling[key] for key in active]),
+                         min(width, self.vocab_size), dim=-1)
+        for key, values, indices in zip(active, top.values.tolist(), top.indices.tolist()):
+            beams[key] = [_add_node(trees[key], tok, -1, p) for p, tok in zip(values, indices) if p > 0]
         scratch: dict[str, dict[int, int]] = {k: {} for k in active}  # node -> its scratch offset
         written = 0  # scratch entries written beyond the committed draft KV, per row (padded)
         for step in range(2, depth + 1):

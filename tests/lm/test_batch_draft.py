@@ -89,15 +89,23 @@ def test_a_capped_sampled_chain_draws_from_its_capped_q(model):
     assert all(float(row[t]) > 0 for row, t in zip(out.probs, out.token_ids))
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3)])
+MIXED = {"a": GREEDY, "b": SamplingParams(temperature=1.3), "c": SamplingParams(temperature=0.7, top_k=5)}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3), MIXED], ids=["greedy", "sampled", "mixed"])
 def test_beam_trees_match_full_forwards(model, sampling):
+    """Every node's path probability is the draft's own (by full forwards), each row ranked by its
+    own settings though the rows are ranked together (``mixed``: a greedy, a sampled and a
+    truncated request in one batch)."""
     draft = BatchDraftModel(model)
     committed = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8, 9, 10, 11]}
+    settings = sampling if isinstance(sampling, dict) else {k: sampling for k in committed}
     for key in committed:
         draft.add(key)
     for round_ in range(2):
-        trees = draft.draft_trees(committed, depth=3, width=3, sampling={k: sampling for k in committed}, max_depths={"c": 2})
+        trees = draft.draft_trees(committed, depth=3, width=3, sampling=settings, max_depths={"c": 2})
         for key, tree in trees.items():
+            sampling = settings[key]
             assert max(tree.depths) == (2 if key == "c" else 3)
             for depth in range(1, max(tree.depths) + 1):
                 assert sum(d == depth for d in tree.depths) <= 3
