@@ -111,13 +111,16 @@ class BatchDraftModel:
     # ---------------------------------------------------------------- forwards
 
     def _forward(self, tokens: dict[str, list[int]], parents: dict[str, list[int]] | None = None, offset: int = 0,
-                 scratch_anc: dict[str, torch.Tensor] | None = None, last_only: bool = False) -> dict[str, torch.Tensor]:
+                 scratch_anc: dict[str, torch.Tensor] | None = None, last_only: bool = False,
+                 stacked: bool = False) -> dict[str, torch.Tensor] | torch.Tensor:
         """One forward over the slot window holding ``tokens``' keys; returns their logits
         ``[len(tokens[key]), V]`` per key, or with ``last_only`` ``[1, V]``, the logits after each
         key's last token: the LM head then runs only at the positions where some row ends, not
         at every padded position (a new request's prompt no longer costs every row of the
         window ``len(prompt)`` vocabulary projections). ``scratch_anc`` (beam steps): per key a
-        bool matrix ``[q_len, offset]`` of the scratch entries each new token may see, besides the prefix."""
+        bool matrix ``[q_len, offset]`` of the scratch entries each new token may see, besides the prefix.
+        ``stacked``: one tensor ``[len(tokens), q_len, V]`` instead, the keys' rows in ``tokens``'
+        order, each padded to the longest (what a pad position holds is not defined)."""
         slots = sorted(self.slots.slot(k) for k in tokens)
         first, last = slots[0], slots[-1]
         width = last - first + 1
@@ -149,6 +152,8 @@ class BatchDraftModel:
             self.on_forward(sum(lengths) + offset * width, width * q_len)
         if last_only:
             return {key: out.logits[self.slots.slot(key) - first, column[len(toks) - 1]][None] for key, toks in tokens.items()}
+        if stacked:
+            return out.logits.index_select(0, torch.tensor([self.slots.slot(key) - first for key in tokens], device=out.logits.device))
         return {key: out.logits[self.slots.slot(key) - first, : len(toks)] for key, toks in tokens.items()}
 
     def _beam_attention(self, lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc):
@@ -280,16 +285,20 @@ class BatchDraftModel:
                         p = tree.parents[p]
                 anc[key] = a
             written += max(len(f) for f in feed.values())
-            logits = self._forward(feed, offset=offset, scratch_anc=anc)
-            for key in grow:
-                tree = trees[key]
+            # Every key's beams at once: its candidates' path probabilities [keys, beams, V] (a
+            # key with fewer beams than the longest gets path probability 0 on the pad rows, so
+            # their candidates are dropped like any other of probability 0), one top-k over each
+            # key's beams x V, read back in one copy.
+            logits = self._forward(feed, offset=offset, scratch_anc=anc, stacked=True)  # [keys, beams, V]
+            keys, rows, vocab = logits.shape
+            base = torch.tensor([[trees[key].path_probs[n] for n in beams[key]] + [0.0] * (rows - len(beams[key]))
+                                 for key in grow], dtype=torch.float64).to(logits.device)
+            rankings = self._rankings(logits.reshape(keys * rows, vocab), [sampling[key] for key in grow for _ in range(rows)])
+            cand = (base.unsqueeze(2) * rankings.view(keys, rows, vocab)).view(keys, rows * vocab)
+            top = torch.topk(cand, min(width, rows * vocab), dim=-1)
+            for key, values, indices in zip(grow, top.values.tolist(), top.indices.tolist()):
                 nodes = beams[key]
-                base = torch.tensor([tree.path_probs[n] for n in nodes], dtype=torch.float64, device=logits[key].device).unsqueeze(1)
-                cand = base * self._ranking(logits[key], sampling[key])  # [len(nodes), V]
-                flat = cand.flatten()
-                top = torch.topk(flat, min(width, flat.numel()))
-                beams[key] = [_add_node(tree, idx % self.vocab_size, nodes[idx // self.vocab_size], p)
-                              for p, idx in zip(top.values.tolist(), top.indices.tolist()) if p > 0]
+                beams[key] = [_add_node(trees[key], idx % vocab, nodes[idx // vocab], p) for p, idx in zip(values, indices) if p > 0]
         return trees
 
 

@@ -89,14 +89,15 @@ def test_a_capped_sampled_chain_draws_from_its_capped_q(model):
     assert all(float(row[t]) > 0 for row, t in zip(out.probs, out.token_ids))
 
 
-MIXED = {"a": GREEDY, "b": SamplingParams(temperature=1.3), "c": SamplingParams(temperature=0.7, top_k=5)}
+# "c" keeps 2 tokens a step: 2 beams at the root where the others have 3 (ragged beams, rows padded)
+MIXED = {"a": GREEDY, "b": SamplingParams(temperature=1.3), "c": SamplingParams(temperature=0.7, top_k=2)}
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.3), MIXED], ids=["greedy", "sampled", "mixed"])
 def test_beam_trees_match_full_forwards(model, sampling):
     """Every node's path probability is the draft's own (by full forwards), each row ranked by its
     own settings though the rows are ranked together (``mixed``: a greedy, a sampled and a
-    truncated request in one batch)."""
+    truncated request in one batch, the truncated one with fewer beams than the others)."""
     draft = BatchDraftModel(model)
     committed = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8, 9, 10, 11]}
     settings = sampling if isinstance(sampling, dict) else {k: sampling for k in committed}
@@ -116,9 +117,16 @@ def test_beam_trees_match_full_forwards(model, sampling):
                 for j in range(len(path)):
                     prob *= float(next_probs(model, committed[key] + path[:j], sampling)[path[j]])
                 assert tree.path_probs[node] == pytest.approx(prob, rel=1e-6)
+            for depth in range(2, max(tree.depths) + 1):  # each level: the w best children of the level above
+                above = [n for n, d in enumerate(tree.depths) if d == depth - 1]
+                candidates = sorted((tree.path_probs[n] * p for n in above
+                                     for p in next_probs(model, committed[key] + path_of(tree, n), sampling).tolist() if p > 0),
+                                    reverse=True)
+                chosen = sorted((tree.path_probs[n] for n, d in enumerate(tree.depths) if d == depth), reverse=True)
+                assert chosen == pytest.approx(candidates[:3], rel=1e-6)
             # the w best children of the root by draft probability
             root = next_probs(model, committed[key], sampling)
-            top = torch.topk(root, 3).indices.tolist()
+            top = [t for t in torch.topk(root, 3).indices.tolist() if root[t] > 0]
             assert [t for t, p in zip(tree.token_ids, tree.parents) if p < 0] == top
         for key in committed:  # commit a root child and a correction, like a verdict would
             committed[key] = committed[key] + [trees[key].token_ids[0], 2]
