@@ -305,7 +305,9 @@ def _count_ops(fn) -> dict[str, int]:
     return dict(counting.ops)
 
 
-def test_commit_many_equals_row_by_row_commits_in_one_move_per_buffer():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                               reason="needs CUDA"))])
+def test_commit_many_equals_row_by_row_commits_in_one_move_per_buffer(device):
     """Committing every row of a step at once leaves the same KV and lengths as committing them one
     by one (tree paths moved onto consecutive positions, chains kept as they are, a slot with
     buffers of its own among them), and the pool's moves cost the same ops for one moving row as
@@ -314,8 +316,8 @@ def test_commit_many_equals_row_by_row_commits_in_one_move_per_buffer():
     gen = torch.Generator().manual_seed(0)
     caches = [SlotKVCache(num_layers=layers, initial_capacity=16) for _ in range(3)]
     with torch.inference_mode():
-        pool = [torch.randn(slots, 2, 16, 4, generator=gen) for _ in range(2 * layers)]
-        own = [torch.randn(1, 2, 32, 4, generator=gen) for _ in range(2 * layers)]
+        pool = [torch.randn(slots, 2, 16, 4, generator=gen).to(device) for _ in range(2 * layers)]
+        own = [torch.randn(1, 2, 32, 4, generator=gen).to(device) for _ in range(2 * layers)]
     from goodspeed.lm.kv_slots import _OwnBuffer
 
     for cache in caches:
