@@ -6,8 +6,9 @@ DESIGN.md section 6: a round must cost O(new tokens), never O(prefix). Every lay
 ``b``'s new keys at ``lengths[b] ..`` and hands attention a view of the buffer (no copy), while
 an additive 4-D mask and explicit position ids keep each row to its own prefix. Rolling back
 rejected positions is setting a length; a token tree's accepted path is moved onto consecutive
-positions (a copy of at most a few entries, every row's in one op per buffer: :meth:`SlotKVCache.commit_many`). Freeing a slot moves the last slot into the hole,
-so the live slots are always ``0 .. num_slots - 1``.
+positions (a copy of at most a few entries, every row's in one op per buffer:
+:meth:`SlotKVCache.commit_many`). Freeing a slot moves the last slot into the hole, so the live
+slots are always ``0 .. num_slots - 1``.
 
 KV memory per slot (packed forwards, :meth:`SlotKVCache.pack`): the pool holds every slot at one
 capacity, so a single long prompt would make every slot reserve its length, and each doubling
