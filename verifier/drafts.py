@@ -10,6 +10,7 @@ renormalised exactly afterwards, since ``max(0, p - q)`` needs a true distributi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -143,12 +144,46 @@ class DraftQ:
         return out
 
     def row(self, j: int, vocab_size: int, device: torch.device | str) -> torch.Tensor:
-        if self._dense is not None:
-            return self._dense[j].to(device)
+        """The dense ``q_j`` ``[V]`` on ``device``."""
         q = torch.zeros(vocab_size, dtype=self.dtype, device=device)
-        if self.draft.sparse_probs is None:
-            q[int(self.draft.token_ids[j])] = 1.0
-        else:
-            ids, probs = self._sparse(j)
-            q[ids.to(device)] = probs.to(device)
+        ids, probs = self.entries(j)
+        if ids is None:
+            return probs.to(device)
+        q[ids.to(device)] = probs.to(device)
         return q
+
+    def entries(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``q_j``'s support on the host: its token ids and their probabilities, or ``(None, the
+        dense row [V])`` for a dense draft (a point mass is one id with probability 1)."""
+        if self._dense is not None:
+            return None, self._dense[j]
+        if self.draft.sparse_probs is None:
+            return torch.tensor([int(self.draft.token_ids[j])]), torch.ones(1, dtype=self.dtype)
+        return self._sparse(j)
+
+
+def q_rows_at(qs: Sequence[DraftQ], at: Sequence[int], vocab_size: int, dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
+    """``[len(qs), V]`` on ``device``: row ``b`` is ``qs[b]``'s dense ``q`` at position ``at[b]``
+    where the draft has one (``at[b] < S_b``), zeros elsewhere. Every row's support is scattered in
+    one op from one copy of the ids and one of the probabilities (a dense row in one more), however
+    many rows there are: row by row, a GPU paid a few ops and copies a row."""
+    out = torch.zeros(len(qs), vocab_size, dtype=dtype, device=device)
+    dense_rows, dense, sparse_rows, sparse_ids, sparse_probs = [], [], [], [], []
+    for b, (q, j) in enumerate(zip(qs, at)):
+        if j >= q.draft.num_tokens:
+            continue
+        ids, probs = q.entries(j)
+        if ids is None:
+            dense_rows.append(b)
+            dense.append(probs)
+        else:
+            sparse_rows.append(torch.full((len(ids),), b, dtype=torch.long))
+            sparse_ids.append(ids)
+            sparse_probs.append(probs)
+    if dense:
+        out[torch.tensor(dense_rows, device=device)] = torch.stack(dense).to(device=device, dtype=dtype)
+    if sparse_ids:
+        index = torch.stack([torch.cat(sparse_rows), torch.cat(sparse_ids)]).to(device)
+        out[index[0], index[1]] = torch.cat(sparse_probs).to(device=device, dtype=dtype)
+    return out

@@ -7,7 +7,8 @@ Rows are grouped so the common cases cost a few batched tensor operations per ro
 * sampled chains: logits processing and the batched rejection sampler (:func:`verify_chains_q`),
   with one draw of uniforms for the whole group and the draft's ``q`` kept sparse (:class:`DraftQ`);
 * greedy trees: one argmax, then a walk down the children on the host (:func:`verify_greedy_trees`);
-* sampled trees: the recursive multi-candidate walk (:func:`verify_tree`), one row at a time.
+* sampled trees: logits processing for every row in one pass and one copy to the host, then the
+  recursive multi-candidate walk (:func:`verify_tree`) one row at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from goodspeed.lm.sampling import SamplingParams, process_logits
-from goodspeed.verifier.drafts import DraftQ, dense_q
+from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
 from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
 from goodspeed.verifier.types import Draft
 
@@ -49,15 +50,15 @@ class RowVerifier:
         greedy = [i for i, r in enumerate(rows) if r.draft.parents is None and r.sampling.greedy]
         sampled = [i for i, r in enumerate(rows) if r.draft.parents is None and not r.sampling.greedy]
         greedy_trees = [i for i, r in enumerate(rows) if r.draft.parents is not None and r.sampling.greedy]
-        for group, fn in ((greedy, self._greedy), (sampled, self._sampled), (greedy_trees, self._greedy_trees)):
+        sampled_trees = [i for i, r in enumerate(rows) if r.draft.parents is not None and not r.sampling.greedy]
+        # Sampled trees last: their uniforms come from the shared generator after the sampled chains'.
+        for group, fn in ((greedy, self._greedy), (sampled, self._sampled), (greedy_trees, self._greedy_trees),
+                          (sampled_trees, self._sampled_trees)):
             if group:
                 # Every row in one group (the common case): the logits as they are, not a gathered copy.
                 group_logits = logits if len(group) == len(rows) else logits[group]
                 for i, res in zip(group, fn([rows[i] for i in group], group_logits, given)):
                     out[i] = res
-        for i, row in enumerate(rows):
-            if row.draft.parents is not None and not row.sampling.greedy:
-                out[i] = self._tree(row, logits[i], given)
         return out
 
     def _drafted(self, rows: Sequence[RowInput]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -104,18 +105,21 @@ class RowVerifier:
             u[b, s_max] = u[b, n]  # the correction/bonus uniform sits right after the row's drafts
 
         def q_rows(at: torch.Tensor) -> torch.Tensor:  # [B, V]: q where a row rejected, else unread zeros
-            out = torch.zeros(len(rows), self.vocab_size, dtype=self.work_dtype, device=self.device)
-            for b, (row, j) in enumerate(zip(rows, at.tolist())):
-                if j < row.draft.num_tokens:
-                    out[b] = qs[b].row(j, self.vocab_size, self.device)
-            return out
+            return q_rows_at(qs, at.tolist(), self.vocab_size, self.work_dtype, self.device)
 
         res = verify_chains_q(p, q_tok.to(self.device), q_rows, drafted, num, u[:, :s_max].to(self.device), u[:, s_max].to(self.device))
         return self._outcomes(rows, res.num_accepted.tolist(), res.next_token.tolist(), res.acceptance_ratios.tolist())
 
-    def _tree(self, row: RowInput, logits: torch.Tensor, given) -> RowOutcome:
+    def _sampled_trees(self, rows, logits: torch.Tensor, given) -> list[RowOutcome]:
+        """Every row's processed distributions in one pass where the logits are, copied to the host
+        at once (row by row, a GPU paid a dozen ops and a sync a row), then each row's walk."""
+        n_max = max(r.draft.num_tokens for r in rows)
+        p = process_logits(logits[:, : n_max + 1].to(self.work_dtype), [r.sampling for r in rows]).cpu()
+        return [self._tree(row, p[b, : row.draft.num_tokens + 1], given) for b, row in enumerate(rows)]
+
+    def _tree(self, row: RowInput, p: torch.Tensor, given) -> RowOutcome:
+        """One sampled tree's walk over ``p`` ``[N + 1, V]``, its processed target distributions."""
         n = row.draft.num_tokens
-        p = process_logits(logits[: n + 1].to(self.work_dtype).cpu(), row.sampling)
         if row.key in given:
             u = torch.as_tensor(np.asarray(given[row.key], dtype=np.float64)[: n + 1])
         else:

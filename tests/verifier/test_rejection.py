@@ -267,15 +267,16 @@ def test_point_mass_rejection_never_returns_the_rejected_token():
 def test_sparse_q_gives_the_verdicts_of_dense_q_without_densifying():
     """``DraftQ`` (what the engine verifies sampled chains with) against ``dense_q`` + the dense
     ``verify_chains``: the same q_j(s_j), the same rows, the same verdicts for the same uniforms —
-    for sparse, dense and point-mass drafts in one batch."""
-    from goodspeed.verifier.drafts import DraftQ, dense_q
+    for sparse, dense and point-mass drafts in one batch. The rows come from ``q_rows_at`` (every
+    rejecting row's q in one scatter), checked against each row's own ``DraftQ.row``."""
+    from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
     from goodspeed.verifier.rejection import verify_chains_q
     from goodspeed.verifier.types import Draft, SparseProbs
 
     vocab, gen = 40, torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
     drafts = []
-    for kind, n in (("sparse", 4), ("dense", 3), ("sparse", 1), ("point", 0)):
+    for kind, n in (("sparse", 4), ("dense", 3), ("sparse", 1), ("point", 0), ("point", 2)):
         tokens, sparse, dense = [], [], np.zeros((n, vocab), dtype=np.float32)
         for j in range(n):
             support = rng.choice(vocab, 5, replace=False)
@@ -289,7 +290,8 @@ def test_sparse_q_gives_the_verdicts_of_dense_q_without_densifying():
     dense = torch.zeros(len(drafts), s_max, vocab)
     for b, d in enumerate(drafts):
         if d.num_tokens:
-            dense[b, : d.num_tokens] = dense_q(d, vocab, torch.float32)
+            q = dense_q(d, vocab, torch.float32)  # None for point masses: one-hot at the drafted tokens
+            dense[b, : d.num_tokens] = q if q is not None else torch.eye(vocab)[torch.tensor(d.token_ids)]
             at = dense[b, torch.arange(d.num_tokens), torch.tensor(d.token_ids)]
             assert torch.allclose(torch.tensor(qs[b].at_tokens()), at, atol=1e-7, rtol=0)
             for j in range(d.num_tokens):
@@ -301,8 +303,11 @@ def test_sparse_q_gives_the_verdicts_of_dense_q_without_densifying():
         q_tok[b, : drafts[b].num_tokens] = torch.tensor(q.at_tokens(), dtype=torch.float64)
 
     def rows(at):
-        return torch.stack([q.row(min(int(j), max(d.num_tokens - 1, 0)), vocab, "cpu") if d.num_tokens else torch.zeros(vocab)
+        got = q_rows_at(qs, at.tolist(), vocab, torch.float32, "cpu")
+        want = torch.stack([q.row(int(j), vocab, "cpu") if j < d.num_tokens else torch.zeros(vocab)
                             for q, d, j in zip(qs, drafts, at)])
+        assert torch.equal(got, want)
+        return got
 
     for _ in range(50):
         p = torch.softmax(torch.randn(len(drafts), s_max + 1, vocab, generator=gen) * 2, -1)
