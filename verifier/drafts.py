@@ -115,9 +115,10 @@ def dense_q(draft: Draft, vocab_size: int, dtype: torch.dtype) -> torch.Tensor |
 class DraftQ:
     """A validated chain draft's ``q``, renormalised per position like :func:`dense_q`, without
     densifying a sparse one: ``at_tokens()`` gives ``q_j(s_j)`` (all the accept tests need) and
-    ``row(j)`` builds one dense ``q_j`` only for a position where a correction needs it. Host
-    memory per round is then independent of ``V`` for sparse drafts (at most one ``[V]`` row per
-    rejecting drafter, built on the verifier's device)."""
+    ``entries(j)`` the support of ``q_j``, from which :func:`q_rows_at` builds a dense ``q_j`` only
+    for a position where a correction needs it. Host memory per round is then independent of
+    ``V`` for sparse drafts (at most one ``[V]`` row per rejecting drafter, built on the
+    verifier's device)."""
 
     def __init__(self, draft: Draft, dtype: torch.dtype) -> None:
         self.draft, self.dtype = draft, dtype
@@ -142,15 +143,6 @@ class DraftQ:
             ids, probs = self._sparse(j)
             out.append(float(probs[ids == tok][0]))
         return out
-
-    def row(self, j: int, vocab_size: int, device: torch.device | str) -> torch.Tensor:
-        """The dense ``q_j`` ``[V]`` on ``device``."""
-        q = torch.zeros(vocab_size, dtype=self.dtype, device=device)
-        ids, probs = self.entries(j)
-        if ids is None:
-            return probs.to(device)
-        q[ids.to(device)] = probs.to(device)
-        return q
 
     def entries(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``q_j``'s support on the host: its token ids and their probabilities, or ``(None, the

@@ -268,7 +268,7 @@ def test_sparse_q_gives_the_verdicts_of_dense_q_without_densifying():
     """``DraftQ`` (what the engine verifies sampled chains with) against ``dense_q`` + the dense
     ``verify_chains``: the same q_j(s_j), the same rows, the same verdicts for the same uniforms —
     for sparse, dense and point-mass drafts in one batch. The rows come from ``q_rows_at`` (every
-    rejecting row's q in one scatter), checked against each row's own ``DraftQ.row``."""
+    rejecting row's q in one scatter), checked against ``dense_q``."""
     from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
     from goodspeed.verifier.rejection import verify_chains_q
     from goodspeed.verifier.types import Draft, SparseProbs
@@ -295,7 +295,7 @@ def test_sparse_q_gives_the_verdicts_of_dense_q_without_densifying():
             at = dense[b, torch.arange(d.num_tokens), torch.tensor(d.token_ids)]
             assert torch.allclose(torch.tensor(qs[b].at_tokens()), at, atol=1e-7, rtol=0)
             for j in range(d.num_tokens):
-                assert torch.allclose(qs[b].row(j, vocab, "cpu"), dense[b, j], atol=1e-7, rtol=0)
+                assert torch.allclose(q_rows_at([qs[b]], [j], vocab, torch.float32, "cpu")[0], dense[b, j], atol=1e-7, rtol=0)
     tokens = torch.tensor([list(d.token_ids) + [0] * (s_max - d.num_tokens) for d in drafts])
     num = torch.tensor([d.num_tokens for d in drafts])
     q_tok = torch.ones(len(drafts), s_max, dtype=torch.float64)
@@ -304,9 +304,8 @@ def test_sparse_q_gives_the_verdicts_of_dense_q_without_densifying():
 
     def rows(at):
         got = q_rows_at(qs, at.tolist(), vocab, torch.float32, "cpu")
-        want = torch.stack([q.row(int(j), vocab, "cpu") if j < d.num_tokens else torch.zeros(vocab)
-                            for q, d, j in zip(qs, drafts, at)])
-        assert torch.equal(got, want)
+        want = torch.stack([dense[b, j] if j < d.num_tokens else torch.zeros(vocab) for b, (d, j) in enumerate(zip(drafts, at))])
+        assert torch.allclose(got, want, atol=1e-7, rtol=0)
         return got
 
     for _ in range(50):
