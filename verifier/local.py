@@ -396,14 +396,13 @@ class LocalServing:
         reqs = [r for r in self._active.values() if not self.engine.prefilling(r.session_id)]
         planning = self.clock.now()
         plans, k = self.policy.plan(reqs) if reqs else ({}, None)
+        dense = self._host_q(reqs, plans)
         drafted = 0
         for req in reqs:
             plan = plans[req.request_id]
             self.allotments.set(req.session_id, len(plan.token_ids))
-            dense = None
-            if plan.q is not None and plan.token_ids and not req.sampling.greedy:
-                dense = plan.q.cpu().numpy()  # the Draft's host array (a copy back from a CUDA draft)
-            self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents, dense))
+            self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents,
+                                                     dense.get(req.request_id)))
             drafted += len(plan.token_ids)
         context = self.engine.context_tokens
         planned = self.clock.now()
@@ -442,6 +441,18 @@ class LocalServing:
                            ("drafting_s", planned - planning), ("round_s", now - planned)):
             self.totals[key] += value
         return StepReport(result, len(reqs), drafted, accepted, emitted, duration, k)
+
+    @staticmethod
+    def _host_q(reqs: list[LocalRequest], plans: dict[str, _Plan]) -> dict[str, np.ndarray]:
+        """The sampled chains' ``q`` as the Drafts' host arrays, by request id: every request's rows
+        copied back from the draft's device in one copy (one sync), not one a request."""
+        sampled = [r.request_id for r in reqs
+                   if plans[r.request_id].q is not None and plans[r.request_id].token_ids and not r.sampling.greedy]
+        if not sampled:
+            return {}
+        host = torch.cat([plans[rid].q for rid in sampled]).cpu().numpy()
+        ends = np.cumsum([len(plans[rid].q) for rid in sampled])
+        return dict(zip(sampled, np.split(host, ends[:-1])))
 
     # ---------------------------------------------------------------- policies
 
