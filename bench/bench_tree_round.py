@@ -23,6 +23,12 @@ copied to the device per layer). Figures: aten ops a step dispatches (views asid
 ``TorchDispatchMode`` over one step), of them the KV commit's, and the median milliseconds of
 ``VerificationEngine.run_round`` (synchronised on a device).
 
+``--temperature T`` (> 0): sampled requests instead, each drafted token sent with a sparse ``q``
+(8 tokens). Tokens are random, so no path is known and no move is forced: ``tree-first`` and
+``tree-moved`` are then the same shape. ``row by row`` also replays the sampled verification as it
+ran before it was batched: each tree row's logits processed and copied to the host on their own,
+and each rejecting chain row's correction ``q`` built on the device on its own.
+
 ``--random``: a Llama of that shape with random weights (seeded), for a device without the real
 pair; SmolLM2-135M's is ``num_hidden_layers=30,hidden_size=576,intermediate_size=1536,
 num_attention_heads=9,num_key_value_heads=3,vocab_size=49152``. A random model has a greedy
@@ -38,16 +44,19 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from goodspeed.lm.kv_slots import SlotKVCache
 from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.types import Draft
+from goodspeed.verifier.types import Draft, SparseProbs
 
 SHAPES = ("chain", "tree-first", "tree-moved")
+BATCHED_Q_ROWS = verify_rows.q_rows_at
 COMMITS = ("at once", "row by row")
 PROMPT = 32
 
@@ -79,6 +88,34 @@ def commit_row_by_row(cache: SlotKVCache, commits) -> None:
                     if buf is not None:
                         buf[slot, :, dst.to(buf.device)] = buf[slot, :, src.to(buf.device)]
             cache.lengths[slot] = base + len(kept)
+
+
+def sampled_row_by_row(verifier: verify_rows.RowVerifier) -> None:
+    """Make ``verifier`` process sampled tree rows as before they were batched: each row's logits
+    processed and copied to the host on their own (its chains: :func:`q_rows_one_by_one`)."""
+    def trees(rows, logits, given):
+        return [verifier._tree(row, process_logits(logits[b, : row.draft.num_tokens + 1].to(verifier.work_dtype).cpu(),
+                                                   row.sampling), given) for b, row in enumerate(rows)]
+    verifier._sampled_trees = trees
+
+
+def q_rows_one_by_one(qs, at, vocab_size, dtype, device, batched=verify_rows.q_rows_at):
+    """``q_rows_at`` as it ran before it was batched: each rejecting row's ``q`` built on the
+    device on its own, then copied into the rows."""
+    out = torch.zeros(len(qs), vocab_size, dtype=dtype, device=device)
+    for b, (q, j) in enumerate(zip(qs, at)):
+        if j < q.draft.num_tokens:
+            out[b] = batched([q], [j], vocab_size, dtype, device)[0]
+    return out
+
+
+def sampled_draft(tokens: list[int], vocab: int, rng: np.random.Generator) -> list[SparseProbs]:
+    """A sparse ``q`` of 8 tokens for each drafted token (the token among them)."""
+    out = []
+    for token in tokens:
+        others = [t for t in rng.choice(vocab, 8, replace=False).tolist() if t != token][:7]
+        out.append(SparseProbs([token, *others], rng.dirichlet(np.ones(8)).tolist()))
+    return out
 
 
 def random_llama(spec: str, device: str):
@@ -125,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per engine")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled requests with sparse q (see above)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -136,38 +174,58 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.randint(0, vocab, (PROMPT,), generator=gen).tolist() for _ in range(args.rows)]
     warmup = 3
     length = 3 * (args.steps + warmup + 2) + 2  # a chain step takes 3 tokens, a tree step 2
-    t0 = time.perf_counter()
-    future = continuations(model, prompts, length)
-    print(f"continuations: {args.rows} x {length} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    sampled = args.temperature > 0
+    sampling = SamplingParams(temperature=args.temperature) if sampled else SamplingParams()
+    shapes = SHAPES[:2] if sampled else SHAPES  # sampled: random tokens, no move forced
+    future = None
+    if not sampled:
+        t0 = time.perf_counter()
+        future = continuations(model, prompts, length)
+        print(f"continuations: {args.rows} x {length} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     engines = {}
-    for shape in SHAPES:
+    for s_index, shape in enumerate(shapes):
         for commit in COMMITS:
             engine = VerificationEngine(model, EngineConfig(budget=4 * args.rows, policy="fixed", max_draft_len=3, seed=0))
             sessions = [engine.join(f"r{i}") for i in range(args.rows)]
             for sid, prompt in zip(sessions, prompts):
-                engine.start_request(sid, prompt, SamplingParams(), length)
+                engine.start_request(sid, prompt, sampling, length)
             if commit == "row by row":
                 cache = engine.cache
                 cache.commit_many = lambda commits, cache=cache: commit_row_by_row(cache, commits)
-            engines[shape, commit] = (engine, sessions, [0] * args.rows)
+                sampled_row_by_row(engine.row_verifier)
+            # the same drafts for both ways of committing: one stream per shape
+            engines[shape, commit] = (engine, sessions, [0] * args.rows, np.random.default_rng(s_index))
 
     def step(key) -> float:
-        engine, sessions, done = engines[key]
+        engine, sessions, done, rng = engines[key]
         for row, sid in enumerate(sessions):
-            tokens, parents = draft_for(key[0], row, future[row][done[row]:], vocab)
+            upcoming = future[row][done[row]:] if future else [int(rng.integers(vocab))]
+            tokens, parents = draft_for(key[0], row, upcoming, vocab)
+            if sampled and parents is None:
+                tokens = rng.integers(vocab, size=2).tolist()
             engine.set_allotment(sid, len(tokens))
-            engine.submit(sid, Draft(engine.next_round(sid), tokens, parents))
-        sync()
-        start = time.perf_counter()
-        result = engine.run_round()
-        sync()
-        elapsed = time.perf_counter() - start
+            engine.submit(sid, Draft(engine.next_round(sid), tokens, parents,
+                                     sparse_probs=sampled_draft(tokens, vocab, rng) if sampled else None))
+        replay = sampled and key[1] == "row by row"
+        if replay:  # the engine's sampled chains read verify_rows.q_rows_at
+            verify_rows.q_rows_at = q_rows_one_by_one
+        try:
+            sync()
+            start = time.perf_counter()
+            result = engine.run_round()
+            sync()
+            elapsed = time.perf_counter() - start
+        finally:
+            verify_rows.q_rows_at = BATCHED_Q_ROWS
         for row, sid in enumerate(sessions):
             emitted = list(result.verdicts[sid].token_ids)
-            want = future[row][done[row]: done[row] + len(emitted)]
-            if emitted != want:
-                raise AssertionError(f"{key}: row {row} emitted {emitted}, the target's greedy continuation is {want}")
+            if not sampled:
+                want = future[row][done[row]: done[row] + len(emitted)]
+                if emitted != want:
+                    raise AssertionError(f"{key}: row {row} emitted {emitted}, the target's greedy continuation is {want}")
+            elif not emitted:
+                raise AssertionError(f"{key}: row {row} emitted nothing")
             done[row] += len(emitted)
         return elapsed
 
@@ -197,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"shape": key[0], "commit": key[1], "ops": sum(counter.ops.values()),
                      "commit_ops": sum(committed.values()), "ms": 1000 * statistics.median(times[key])})
     result = {"target": args.random or args.target, "device": args.device, "rows": args.rows, "steps": args.steps,
+              "temperature": args.temperature,
               "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "cells": rows}
