@@ -1,7 +1,7 @@
 """What a verification step of token trees costs against one of chains: aten ops and time per step.
 
     python -m bench.bench_tree_round [--target real:smollm2-135m | --random KEY=VALUE,...]
-                                     [--device cuda] [--rows 16] [--steps 30] [--json]
+                                     [--device cuda] [--rows 16] [--steps 30] [--temperature T] [--json]
 
 On a GPU with eager PyTorch a step of a small model is bound by launching kernels, so what counts
 is how many ops a step dispatches, not how many tokens it verifies. Each row's tokens are the
