@@ -56,7 +56,7 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft, SparseProbs
 
 SHAPES = ("chain", "tree-first", "tree-moved")
-BATCHED_Q_ROWS = verify_rows.q_rows_at
+BATCHED_Q_ROWS = verify_rows.q_rows_at  # the engine's; "row by row" swaps it out while its step runs
 COMMITS = ("at once", "row by row")
 PROMPT = 32
 
@@ -99,13 +99,13 @@ def sampled_row_by_row(verifier: verify_rows.RowVerifier) -> None:
     verifier._sampled_trees = trees
 
 
-def q_rows_one_by_one(qs, at, vocab_size, dtype, device, batched=verify_rows.q_rows_at):
+def q_rows_one_by_one(qs, at, vocab_size, dtype, device):
     """``q_rows_at`` as it ran before it was batched: each rejecting row's ``q`` built on the
     device on its own, then copied into the rows."""
     out = torch.zeros(len(qs), vocab_size, dtype=dtype, device=device)
     for b, (q, j) in enumerate(zip(qs, at)):
         if j < q.draft.num_tokens:
-            out[b] = batched([q], [j], vocab_size, dtype, device)[0]
+            out[b] = BATCHED_Q_ROWS([q], [j], vocab_size, dtype, device)[0]
     return out
 
 

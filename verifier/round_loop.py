@@ -73,8 +73,8 @@ Both sides only move on events (a draft queued, a step's verdicts, a request sta
 cost of a due draft only grows while it comes nearer, so a step that does not pay now is not
 polled for: the loop checks again at its next event (or its idle sweep, at most a second on).
 The engine's cap (``transit_tokens`` a verdict) bounds these steps as it bounds transit rows, so
-a drafter that goes silent costs at most that many steps. Their time is not in the smoothed step time ``f``, which stays that of the steps that
-verify drafts.
+a drafter that goes silent costs at most that many steps. Their time is not in the smoothed step
+time ``f``, which stays that of the steps that verify drafts.
 
 Until 2026-11-26 the weights were one over the *cycle* (link and drafting only) and a transit
 token was worth ``1 / X`` (eq. 4's goodput of the drafts alone). On the real pair behind links that
