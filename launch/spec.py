@@ -36,7 +36,7 @@ from goodspeed.launch.links import LinkSpec
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.lm.seeding import resolve_root_seed
 from goodspeed.scheduler.policy import POLICIES
-from goodspeed.verifier.records import ROUND_MODES
+from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
 from goodspeed.verifier.sessions import ATTENTION_PATHS
 
 if sys.version_info >= (3, 11):
@@ -127,6 +127,10 @@ class VerifierSpec:
     beta: float = setting(0.5, "goodput smoothing (eq. 4)")
     rounds: str = setting("sync", "sync: the paper's lockstep round; async: verify whatever drafts arrived whenever the "
                                   "engine is free (verifier.round_loop)", to="server.rounds", choices=ROUND_MODES)
+    async_shares: str = setting("plan", "async rounds: plan: the policy splits C among every drafter with a request at each "
+                                        "step and the step's drafters take their shares as far as the others' outstanding "
+                                        "allotments leave room; free: the step's drafters split what the others leave "
+                                        "(before 2026-11-26)", to="server.async_shares", choices=SHARE_MODES)
     round_deadline_ms: float = setting(250.0, "close a round this long after its first draft", to="server.round_deadline_ms")
     max_missed_rounds: int = setting(3, "drop a drafter after this many consecutive misses", to="server.max_missed_rounds")
     idle_timeout_s: float = setting(60.0, "drop a session with a request in progress that sends nothing this long",

@@ -16,6 +16,10 @@ same code:
   target adds, and ``max_draft_len``);
 * drafters that did not take part in a round (a newcomer, a drafter that missed the deadline)
   keep their allotment, and the policy shares only what they leave of ``C``;
+* with ``plan_shares`` (asynchronous rounds, :mod:`goodspeed.verifier.round_loop`), a step that
+  verifies only some of the active drafters still asks the policy to split ``C`` among all of
+  them, and its drafters take their planned shares as far as what the others hold leaves room:
+  :meth:`schedule`;
 * sessions of one edge device share a utility term (:meth:`device_goodput`);
 * at most ``max_sessions`` sessions (the verifier's ``max_drafters``) join (:attr:`full`);
 * each session's period (seconds between its verdicts) is fitted online (:meth:`observe_period`,
@@ -46,6 +50,7 @@ class _Entry:
     device: Hashable
     active: bool = False  # has a request in progress
     allotted: int = 0
+    cap: int = 0  # its request's cap when it was last sized (start or schedule): for planned shares
 
 
 class DraftAllotments:
@@ -62,6 +67,8 @@ class DraftAllotments:
         self.periods = PeriodEstimator()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.rng = rng if rng is not None else np.random.default_rng()
+        # Asynchronous rounds: the policy splits C among every active session at each step (schedule).
+        self.plan_shares = False
         self._entries: dict[Hashable, _Entry] = {}
 
     # ---------------------------------------------------------------------------- membership
@@ -105,7 +112,8 @@ class DraftAllotments:
         entry.active = True
         active = self.active()
         free = self.budget - sum(self._entries[s].allotted for s in active if s != session_id)
-        entry.allotted = max(0, min(self.budget // len(active), free, self.cap(remaining)))
+        entry.cap = self.cap(remaining)
+        entry.allotted = max(0, min(self.budget // len(active), free, entry.cap))
         return entry.allotted
 
     def end(self, session_id: Hashable) -> None:
@@ -151,22 +159,48 @@ class DraftAllotments:
         """Next round's ``S_i`` for the sessions verified this round whose request goes on.
 
         ``caps[i]`` is participant ``i``'s cap (:meth:`cap` of its remaining tokens). Active
-        drafters that did not take part keep their allotment, which is taken off ``C`` first.
-        Returns the new allotments (also stored)."""
+        drafters that did not take part keep their allotment, which is taken off ``C`` first, so
+        the allotments outstanding never sum to more than ``C``. Returns the new allotments (also
+        stored).
+
+        How the participants split what is free:
+
+        * by default (the paper's lockstep round, where everyone takes part in most rounds) the
+          policy splits it among them;
+        * with :attr:`plan_shares` (asynchronous rounds, where a step often verifies one drafter
+          and the others' drafts are on their way), the policy first splits all of ``C`` among
+          every active session, the participants with their caps and the others with the caps
+          their requests had when last sized. A participant gets its planned share when the
+          participants' shares fit in what is free; otherwise the policy splits what is free
+          among them, none above its planned share. Without the plan a lone participant would be
+          given whatever the others happened to leave free (eq. 5 spends every unit that gains),
+          so the split would follow the order in which verdicts come back rather than the policy.
+        """
         if not participants:
             return np.zeros(0, dtype=np.int64)
         taking_part = set(participants)
-        budget = max(0, self.budget - sum(self._entries[s].allotted for s in self.active() if s not in taking_part))
-        acceptance, goodput = self.estimator.arrays(participants)
-        goodput = self.device_goodput(participants, goodput)
-        measured, stale = self.estimator.evidence(participants)
-        inputs = AllocationInputs(list(participants), acceptance, goodput, budget, np.asarray(caps, dtype=np.int64),
-                                  round_index, self.rng, measured, stale,
-                                  self.period_arrays(participants) if getattr(self.policy, "uses_periods", False) else None)
-        lengths = np.asarray(self.policy.allocate(inputs), dtype=np.int64)
-        for sid, length in zip(participants, lengths.tolist()):
-            self._entries[sid].allotted = length
+        others = [s for s in self.active() if s not in taking_part]
+        free = max(0, self.budget - sum(self._entries[s].allotted for s in others))
+        caps = np.asarray(caps, dtype=np.int64).reshape(-1)
+        if self.plan_shares and others:
+            everyone = list(participants) + others
+            every_cap = np.concatenate([caps, np.array([self._entries[s].cap for s in others], dtype=np.int64)])
+            plan = self._allocate(everyone, every_cap, self.budget, round_index)[: len(participants)]
+            lengths = plan if int(plan.sum()) <= free else self._allocate(participants, np.minimum(caps, plan), free, round_index)
+        else:
+            lengths = self._allocate(participants, caps, free, round_index)
+        for sid, length, cap in zip(participants, lengths.tolist(), caps.tolist()):
+            self._entries[sid].allotted, self._entries[sid].cap = length, cap
         return lengths
+
+    def _allocate(self, sessions: Sequence[Hashable], caps: np.ndarray, budget: int, round_index: int) -> np.ndarray:
+        """The policy's split of ``budget`` among ``sessions`` (each within its cap)."""
+        acceptance, goodput = self.estimator.arrays(sessions)
+        goodput = self.device_goodput(sessions, goodput)
+        measured, stale = self.estimator.evidence(sessions)
+        inputs = AllocationInputs(list(sessions), acceptance, goodput, budget, caps, round_index, self.rng, measured, stale,
+                                  self.period_arrays(sessions) if getattr(self.policy, "uses_periods", False) else None)
+        return np.asarray(self.policy.allocate(inputs), dtype=np.int64)
 
     def device_goodput(self, participants: Sequence[Hashable], goodput: np.ndarray) -> np.ndarray:
         """Each participant's DEVICE goodput: the sum of ``X`` over the device's active sessions.

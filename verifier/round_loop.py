@@ -88,7 +88,12 @@ period*).
 In both modes the budget ``C`` bounds every step: a drafter's allotment stays outstanding until
 its draft is verified, and the policy shares only what the others' outstanding allotments leave
 of ``C`` (:class:`goodspeed.scheduler.DraftAllotments`), so a step never verifies more than ``C``
-draft tokens plus one pending token per row.
+draft tokens plus one pending token per row. In async mode a step often verifies one drafter while
+the others' drafts are on their way, so by default (``ServerConfig.async_shares = "plan"``) the
+policy splits ``C`` among every drafter with a request in progress at each step, and the step's
+drafters take their planned shares as far as the others' outstanding allotments leave room.
+Before 2026-11-26 (``"free"``) they split what the others left, so a lone drafter was given all
+that was free whatever the policy, and the shares followed the order of the verdicts.
 
 Chunked prefill (``EngineConfig.prefill_chunk``): a StartRequest whose prompt the engine queued
 waits here (:meth:`RoundLoop.started`) until a step completes its prefill. Every verification

@@ -43,7 +43,7 @@ from goodspeed.verifier.fields import (
 from goodspeed.verifier.http_front import make_http_front
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
-from goodspeed.verifier.records import ROUND_MODES
+from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
 from goodspeed.verifier.round_loop import Drafter, RoundLoop
 from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
 from goodspeed.verifier.tls import is_loopback, server_credentials
@@ -102,12 +102,15 @@ class ServerConfig:
     http_port: int | None = None  # the OpenAI-compatible front (verifier.http_front); None: off
     http_host: str = "127.0.0.1"
     transit_alone: bool = False  # async, transit decoding: also run steps for transit rows alone (round_loop)
+    async_shares: str = "plan"  # async: how a step's drafters share C (SHARE_MODES, round_loop)
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
         check_port("http_port", self.http_port)
         if self.rounds not in ROUND_MODES:
             raise ValueError(f"rounds must be one of {', '.join(ROUND_MODES)}, got {self.rounds!r}")
+        if self.async_shares not in SHARE_MODES:
+            raise ValueError(f"async_shares must be one of {', '.join(SHARE_MODES)}, got {self.async_shares!r}")
         if self.round_deadline_ms <= 0 or self.max_missed_rounds < 0 or self.max_message_bytes < 1024:
             raise ValueError("round_deadline_ms > 0, max_missed_rounds >= 0 and max_message_bytes >= 1024 are required")
         if self.idle_timeout_s <= 0 or self.stream_open_timeout_s <= 0 or self.drain_timeout_s < 0:
@@ -155,6 +158,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self._drafters: dict[str, Drafter] = {}
         self.rounds = RoundLoop(engine, local, config, metrics, log, self._drafters, self.call, self.drop,
                                 self._end_request, self._update_gauges)
+        # Async: each step's drafters take the shares of C the policy plans for every active drafter (round_loop).
+        engine.allotments.plan_shares = config.rounds == "async" and config.async_shares == "plan"
         self.draining = False
 
     async def call(self, fn, *args):

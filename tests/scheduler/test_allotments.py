@@ -105,3 +105,95 @@ def test_a_policy_object_can_stand_in_for_a_name():
 
     b = DraftAllotments(10, make_policy("goodspeed", patience=1), rng=np.random.default_rng(0))
     assert b.policy.patience == 1
+
+
+# ----------------------------------------------------------- planned shares (asynchronous rounds)
+
+
+def started(budget, policy, names, plan=True, max_draft_len=16):
+    b = book(budget, policy, max_draft_len)
+    b.plan_shares = plan
+    for sid in names:
+        b.join(sid)
+        b.start(sid, 100)
+    return b
+
+
+@pytest.mark.parametrize("plan, expected", [(False, 8), (True, 4)])
+def test_a_lone_participant_takes_its_planned_share_not_all_that_is_free(plan, expected):
+    """Fixed-S with C = 12 over three drafters is 4 each. Without the plan a drafter verified alone
+    while the others hold 2 each is given the 8 they leave free, whatever the policy says."""
+    b = started(12, "fixed", "abc", plan)
+    b.set("b", 2)
+    b.set("c", 2)
+    assert b.schedule(["a"], [16], 0).tolist() == [expected]
+    assert b.allotted("b") == b.allotted("c") == 2
+
+
+def test_planned_shares_yield_to_what_the_others_still_hold():
+    b = started(12, "fixed", "abc")
+    b.set("b", 7)
+    b.set("c", 3)
+    assert b.schedule(["a"], [16], 0).tolist() == [2]  # planned 4, but only 2 are free
+    b.set("c", 8)
+    b.set("a", 0)
+    b.set("b", 0)
+    lengths = b.schedule(["a", "b"], [16, 16], 0)  # planned 4 + 4, 4 free: split by the policy, each <= 4
+    assert lengths.tolist() == [2, 2]
+
+
+def test_the_plan_is_the_policys_split_of_C_among_every_active_drafter():
+    """Eq. (5) over all three drafters, each within its cap, the absent one with the cap its request
+    had when it was last sized; the lone participant gets its entry of that split."""
+    from goodspeed.scheduler.goodspeed import allocate_draft_lengths
+
+    b = started(12, "goodspeed", "abc")
+    for sid, ratios in (("a", [1.0, 1.0, 1.0, 0.0]), ("b", [1.0, 0.0, 0.0, 0.0]), ("c", [1.0, 1.0, 0.0, 0.0])):
+        b.observe(sid, ratios, ratios.index(0.0))
+    b.schedule(["c"], [3], 0)  # c is sized with a cap of 3
+    for sid in "abc":
+        b.set(sid, 0)
+    acceptance, goodput = b.estimator.arrays(["a", "b", "c"])
+    plan = allocate_draft_lengths(acceptance, goodput, 12, [16, 16, 3])
+    assert plan.sum() == 12 and plan[0] not in (0, 12)
+    assert b.schedule(["a"], [16], 1).tolist() == [plan[0]]
+
+
+@pytest.mark.parametrize("policy", ["goodspeed", "goodspeed-time", "fixed", "random"])
+def test_with_every_active_drafter_taking_part_the_plan_changes_nothing(policy):
+    books = [started(10, policy, "abcd", plan) for plan in (False, True)]
+    rng = np.random.default_rng(1)
+    for step in range(30):
+        ratios = {sid: rng.integers(0, 2, size=3).astype(float).tolist() for sid in "abcd"}
+        for b in books:
+            for sid in "abcd":
+                b.observe(sid, ratios[sid], 0)
+                b.observe_period(sid, step % 4, 0.01 * (1 + "abcd".index(sid)) + 0.002 * (step % 4))
+        lengths = [b.schedule(list("abcd"), [16, 16, 5, 16], step) for b in books]
+        assert lengths[0].tolist() == lengths[1].tolist()
+
+
+@pytest.mark.parametrize("policy", ["goodspeed", "goodspeed-time", "fixed", "random"])
+def test_planned_steps_never_hold_more_than_C_nor_exceed_a_cap(policy):
+    """Random steps of random subsets, requests ending and starting: the allotments outstanding
+    never sum to more than C, and no participant is given more than its cap."""
+    b = started(20, policy, [f"d{i}" for i in range(8)])
+    rng = np.random.default_rng(2)
+    names = [f"d{i}" for i in range(8)]
+    for step in range(400):
+        active = b.active()
+        part = [s for s in active if rng.random() < 0.3] or active[:1]
+        for sid in part:
+            drafted = b.allotted(sid)
+            b.observe(sid, [1.0] * drafted, drafted)
+            b.observe_period(sid, drafted, 0.005 + 0.03 * names.index(sid) + 0.001 * drafted)
+        caps = rng.integers(0, 17, size=len(part)).tolist()
+        lengths = b.schedule(part, caps, step)
+        assert all(0 <= n <= cap for n, cap in zip(lengths.tolist(), caps))
+        assert sum(b.allotted(s) for s in b.active()) <= 20
+        if rng.random() < 0.05:
+            b.end(part[0])
+        for sid in names:
+            if sid not in b.active() and rng.random() < 0.5:
+                b.start(sid, int(rng.integers(1, 100)))
+        assert sum(b.allotted(s) for s in b.active()) <= 20

@@ -48,6 +48,20 @@ def test_greedy_outputs_equal_target_through_grpc(models, policy):
     assert sum(d.drafted for r in records for d in r.drafters) == drafted
 
 
+@pytest.mark.parametrize("rounds, shares, planned", [("async", "plan", True), ("async", "free", False), ("sync", "plan", False)])
+def test_async_steps_plan_the_shares_of_C_and_stay_exact(models, rounds, shares, planned):
+    """Async rounds plan every active drafter's share of C at each step (``async_shares``,
+    scheduler.DraftAllotments.schedule); the output is the target's greedy decoding either way."""
+    target, drafts = models
+    engine = VerificationEngine(target, EngineConfig(budget=6, policy="goodspeed", max_draft_len=4))
+    prompts = [PROMPTS[:2], PROMPTS[1:3], PROMPTS[2:]]
+    with ServerThread(engine, rounds=rounds, async_shares=shares, round_deadline_ms=500) as server:
+        assert engine.allotments.plan_shares is planned
+        outputs = run_clients(server.address, drafts, prompts, max_new=10)
+    for i, plist in enumerate(prompts):
+        assert outputs[i] == [greedy_reference(target, p, 10) for p in plist]
+
+
 @pytest.fixture
 def served(models):
     engine = VerificationEngine(models[0], EngineConfig(budget=8, policy="fixed", max_draft_len=4, max_seq_len=64, max_drafters=4))
