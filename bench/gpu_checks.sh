@@ -8,6 +8,7 @@
 #   BENCH=0 bash bench/gpu_checks.sh ...   # the tests only
 #   WHEELS=DIR bash bench/gpu_checks.sh ... # first install DIR's wheels (no deps) for this run only:
 #                                           # the gRPC and API tests need grpcio-health-checking, pydantic, openai...
+#                                           # (bash bench/gpu_wheels.sh DIR, where PyPI is reachable, fetches them)
 # The project is used from this checkout without installing it (a goodspeed.* package of links).
 set -uo pipefail
 out=${1:-gpu-checks}
