@@ -177,7 +177,9 @@ def cluster_is_idle(address):
 
 
 @requires_ray
-def test_ray_launch_matches_the_local_backend_and_honours_placement(ray_cluster, models, tmp_path):
+def test_ray_launch_serves_the_targets_output_and_honours_placement(ray_cluster, models, tmp_path):
+    """Through Ray every drafter's output is the target's own greedy decoding (as through the local
+    backend, whose launches the other launch tests run)."""
     spec = tiny_spec(tmp_path, models)
     dry = launch(spec, "--backend", "ray", "--address", ray_cluster, "--dry-run", "--out", tmp_path / "dry")
     assert dry.returncode == 0, dry.stderr
@@ -185,11 +187,9 @@ def test_ray_launch_matches_the_local_backend_and_honours_placement(ray_cluster,
 
     ran = launch(spec, "--backend", "ray", "--address", ray_cluster, "--out", tmp_path / "ray", "--no-live")
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    local = launch(spec, "--out", tmp_path / "local", "--no-live")
-    assert local.returncode == 0, local.stdout + local.stderr
     _, _, reference = models
     for name in ("good", "weak"):
-        assert results(tmp_path / "ray", name) == results(tmp_path / "local", name) == reference, name
+        assert results(tmp_path / "ray", name) == reference, name
         assert (tmp_path / "ray" / f"{name}.log").stat().st_size > 0  # the drafter's log came back too
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     placement = {name: row["node"] for name, row in summary["placement"].items()}
