@@ -71,28 +71,11 @@ def time_aware_case(rng):
     return acceptance, goodput, base, per_token, base + 4 * per_token, budget, caps
 
 
-def time_aware_step_case(rng):
-    """The same round with a cost for drafting at all (``first``: 1-5 ms) for every drafter, the
-    period model's step; the drafters whose first token then gains less than their second go to
-    the dynamic programme."""
-    acceptance, goodput, base, per_token, mean, budget, caps = time_aware_case(rng)
-    first = rng.uniform(0.001, 0.005, len(caps))
-    return acceptance, goodput, base, per_token, mean + first, budget, caps, None, first
-
-
-def time_aware_large_step_case(rng):
-    """256 drafters, C = 1024, max draft 16, periods and steps as above (links of 2-100 ms)."""
-    n = 256
-    base, per_token, first = rng.uniform(0.002, 0.1, n), rng.uniform(0.001, 0.005, n), rng.uniform(0.001, 0.005, n)
-    return (rng.uniform(0.05, 0.95, n), rng.uniform(1.0, 6.0, n), base, per_token, base + first + 4 * per_token,
-            1024, [16] * n, None, first)
-
-
 def time_aware_by_dynamic(repeats: int) -> float:
     """The time-aware case forced down the dynamic programme (the fallback for gains that
     rounding leaves out of order)."""
     saved = timing._paying_units_in_order
-    timing._paying_units_in_order = lambda gains, usable: np.zeros(gains.shape[0], dtype=bool)
+    timing._paying_units_in_order = lambda gains, usable: False
     try:
         return median_s(time_aware_case, timing.allocate_time_aware, repeats)
     finally:
@@ -160,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         ("  same, by the threshold search", small_case_by("threshold", args.repeats), 100e-6),
         ("time-aware allocate N=8 C=20", median_s(time_aware_case, timing.allocate_time_aware, args.repeats), 100e-6),
         ("  same, by the dynamic programme", time_aware_by_dynamic(args.repeats), 100e-6),
-        ("  same, with a step (cost of drafting)", median_s(time_aware_step_case, timing.allocate_time_aware, args.repeats), 100e-6),
-        ("time-aware N=256 C=1024, with steps", median_s(time_aware_large_step_case, timing.allocate_time_aware, args.repeats // 4), 5e-3),
         ("tetris select 256x8 C=2048", median_s(tetris_case, select_tokens, args.repeats), 1e-3),
         ("tetris select 256x12 C=2048 (binding)", median_s(tetris_extra_case, select_tokens, args.repeats), 1e-3),
         ("adaserve select n=64 B=512", median_s(adaserve_case, select_tree_nodes, args.repeats), 2e-3),

@@ -42,7 +42,7 @@ import numpy as np
 
 from goodspeed.scheduler.goodspeed import GoodputEstimator, SmoothingConfig
 from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, make_policy
-from goodspeed.scheduler.timing import PeriodArrays, PeriodEstimator
+from goodspeed.scheduler.timing import PeriodEstimator
 
 
 @dataclass
@@ -146,14 +146,14 @@ class DraftAllotments:
         """The session's period that ended with a verified draft of ``draft_length`` tokens."""
         self.periods.observe(session_id, draft_length, seconds)
 
-    def period_arrays(self, participants: Sequence[Hashable]) -> PeriodArrays | None:
-        """Each participant's period model, ``base = mean = 1`` and no slope or step for one not
-        timed yet; None if none is timed."""
+    def period_arrays(self, participants: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(base, per_token, mean)`` per participant, ``(1, 0, 1)`` for one not timed yet; None if
+        none is timed."""
         fits = [self.periods.fit(s) for s in participants]
         if all(f is None for f in fits):
             return None
-        return PeriodArrays(*(np.array([default if f is None else getattr(f, name) for f in fits], dtype=np.float64)
-                              for name, default in (("base", 1.0), ("per_token", 0.0), ("mean", 1.0), ("first", 0.0))))
+        return tuple(np.array([default if f is None else getattr(f, name) for f in fits], dtype=np.float64)
+                     for name, default in (("base", 1.0), ("per_token", 0.0), ("mean", 1.0)))
 
     def schedule(self, participants: Sequence[Hashable], caps: Sequence[int], round_index: int) -> np.ndarray:
         """Next round's ``S_i`` for the sessions verified this round whose request goes on.

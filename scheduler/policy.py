@@ -28,7 +28,7 @@ import numpy as np
 
 from goodspeed.scheduler.baselines import fixed_draft_lengths, random_draft_lengths
 from goodspeed.scheduler.goodspeed import SmoothingConfig, allocate_draft_lengths, fairness_exponent
-from goodspeed.scheduler.timing import PeriodArrays, allocate_time_aware
+from goodspeed.scheduler.timing import allocate_time_aware
 
 
 
@@ -47,9 +47,9 @@ class AllocationInputs:
     # measured it, and rounds since the last one. None: unknown (policies then ignore it).
     measured: np.ndarray | None = None
     stale: np.ndarray | None = None
-    # Each drafter's period model (scheduler.timing.PeriodFit) as arrays, seconds; a drafter not
-    # timed yet has base = mean = 1 and no slope or step: its term is eq. 5's. None: no timing known.
-    periods: PeriodArrays | None = None
+    # Each drafter's period model (scheduler.timing.PeriodFit) as arrays (base, per_token, mean),
+    # seconds; a drafter not timed yet has (1, 0, 1): its term is eq. 5's. None: no timing known.
+    periods: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class DraftLengthPolicy(Protocol):
@@ -151,11 +151,11 @@ class TimeAwareGoodSpeedPolicy(GoodSpeedPolicy):
         super().__init__("log", patience)
 
     def allocate(self, inputs: AllocationInputs) -> np.ndarray:
-        p = inputs.periods
-        if p is None or not p.depend_on_length():
+        if inputs.periods is None or not np.any(inputs.periods[1] > 0):
             return super().allocate(inputs)
-        return allocate_time_aware(inputs.acceptance, inputs.goodput, p.base, p.per_token, p.mean, inputs.budget,
-                                   inputs.max_lengths, self.floor(inputs), p.first)
+        base, per_token, mean = inputs.periods
+        return allocate_time_aware(inputs.acceptance, inputs.goodput, base, per_token, mean, inputs.budget,
+                                   inputs.max_lengths, self.floor(inputs))
 
 
 class OptimisticGoodSpeedPolicy(GoodSpeedPaperPolicy):

@@ -7,15 +7,15 @@ import pytest
 
 from goodspeed.scheduler.goodspeed import allocate_draft_lengths, allocation_objective
 from goodspeed.scheduler.policy import AllocationInputs, make_policy
-from goodspeed.scheduler.timing import PeriodArrays, PeriodEstimator, _dynamic, _values, allocate_time_aware, time_aware_objective
+from goodspeed.scheduler.timing import PeriodEstimator, _dynamic, _values, allocate_time_aware, time_aware_objective
 
 
-def brute_force(a, x, base, per_token, mean, budget, caps, lo=None, first=None):
+def brute_force(a, x, base, per_token, mean, budget, caps, lo=None):
     lo = [0] * len(a) if lo is None else lo
     best, best_s = -np.inf, None
     for s in itertools.product(*[range(l, c + 1) for l, c in zip(lo, caps)]):
         if sum(s) <= budget:
-            v = time_aware_objective(a, x, base, per_token, mean, s, first)
+            v = time_aware_objective(a, x, base, per_token, mean, s)
             if v > best + 1e-12:
                 best, best_s = v, s
     return best, best_s
@@ -27,27 +27,26 @@ def random_case(rng, n):
     x = rng.uniform(0.5, 6.0, n)
     base = rng.uniform(0.002, 0.3, n)
     per_token = rng.uniform(0.0, 0.08, n) * (rng.random(n) < 0.8)
-    first = rng.uniform(0.0, 0.15, n) * (rng.random(n) < 0.5)  # the cost of drafting at all
-    mean = base + first + per_token * rng.uniform(0, 6, n)
+    mean = base + per_token * rng.uniform(0, 6, n)
     caps = rng.integers(0, 7, n)
-    return a, x, base, per_token, mean, caps, first
+    return a, x, base, per_token, mean, caps
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_matches_exhaustive_search(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 5))
-    a, x, base, per_token, mean, caps, first = random_case(rng, n)
+    a, x, base, per_token, mean, caps = random_case(rng, n)
     budget = int(rng.integers(0, 12))
     lo = None
     if seed % 3 == 0:  # lower bounds (the exploration floor)
         lo = [int(v) for v in (rng.random(n) < 0.4) & (caps > 0)]
         if sum(lo) > budget:
             lo = None
-    got = allocate_time_aware(a, x, base, per_token, mean, budget, caps, lo, first)
+    got = allocate_time_aware(a, x, base, per_token, mean, budget, caps, lo)
     assert got.sum() <= budget and np.all(got <= caps) and np.all(got >= (0 if lo is None else np.asarray(lo)))
-    best, _ = brute_force(a, x, base, per_token, mean, budget, list(caps), lo, first)
-    assert time_aware_objective(a, x, base, per_token, mean, got, first) == pytest.approx(best, rel=1e-12, abs=1e-12)
+    best, _ = brute_force(a, x, base, per_token, mean, budget, list(caps), lo)
+    assert time_aware_objective(a, x, base, per_token, mean, got) == pytest.approx(best, rel=1e-12, abs=1e-12)
 
 
 def test_terms_with_growing_marginal_gains_are_allotted_exactly():
@@ -68,15 +67,15 @@ def test_the_dynamic_programme_alone_matches_exhaustive_search(seed):
     takes every case the other tests draw."""
     rng = np.random.default_rng(500 + seed)
     n = int(rng.integers(1, 5))
-    a, x, base, per_token, mean, caps, first = random_case(rng, n)
+    a, x, base, per_token, mean, caps = random_case(rng, n)
     budget = int(rng.integers(0, 12))
     lo = np.array([int(v) for v in (rng.random(n) < 0.3) & (caps > 0)], dtype=np.int64)
     if lo.sum() > budget:
         lo[:] = 0
-    got = _dynamic(_values(a, x, base, per_token, mean, caps, first), lo, caps, budget)
+    got = _dynamic(_values(a, x, base, per_token, mean, caps), lo, caps, budget)
     assert got.sum() <= budget and np.all(got <= caps) and np.all(got >= lo)
-    best, _ = brute_force(a, x, base, per_token, mean, budget, list(caps), list(lo), first)
-    assert time_aware_objective(a, x, base, per_token, mean, got, first) == pytest.approx(best, rel=1e-12, abs=1e-12)
+    best, _ = brute_force(a, x, base, per_token, mean, budget, list(caps), list(lo))
+    assert time_aware_objective(a, x, base, per_token, mean, got) == pytest.approx(best, rel=1e-12, abs=1e-12)
 
 
 def test_terms_past_their_peak_take_the_greedy(monkeypatch):
@@ -87,7 +86,7 @@ def test_terms_past_their_peak_take_the_greedy(monkeypatch):
     a, x = np.array([0.7, 0.85, 0.5, 0.9]), np.array([2.0, 3.0, 1.5, 2.5])
     base, per_token = np.array([0.02, 0.08, 0.01, 0.05]), np.array([0.004, 0.003, 0.004, 0.002])
     mean, caps = base + 4 * per_token, np.array([12, 12, 12, 12])
-    gains = np.diff(_values(a, x, base, per_token, mean, caps, np.zeros(4)), axis=1)
+    gains = np.diff(_values(a, x, base, per_token, mean, caps), axis=1)
     assert np.any(np.diff(gains, axis=1) > 0)  # not concave: the strict test would not take the greedy
 
     def refuse(*args):
@@ -148,82 +147,6 @@ def test_period_estimator_recovers_an_affine_period():
     assert fit.observations == 400
 
 
-def test_period_estimator_recovers_a_step_and_a_slope():
-    """P(S) = a + c [S > 0] + b S, lengths 0..8: both coefficients, and a line through the same
-    data would have neither (the old model's intercept and slope are off)."""
-    est = PeriodEstimator(gamma=0.05)
-    rng = np.random.default_rng(1)
-    for _ in range(600):
-        s = int(rng.integers(0, 9))
-        est.observe("d", s, 0.012 + 0.005 * (s > 0) + 0.002 * s + rng.normal(0, 0.0003))
-    fit = est.fit("d")
-    assert fit.base == pytest.approx(0.012, abs=0.0006)
-    assert fit.first == pytest.approx(0.005, abs=0.0006)
-    assert fit.per_token == pytest.approx(0.002, abs=0.0002)
-
-
-def test_period_estimator_prices_a_jump_between_lengths_0_and_1_as_the_step():
-    """Seen only at lengths 0 and 1 (a drafter the allocation keeps short), the jump is the cost of
-    drafting at all: the slope keeps its last value (0), so tokens past the first are not priced
-    at the first one's cost and the allocation can try longer drafts."""
-    est = PeriodEstimator()
-    for k in range(60):
-        s = k % 3 == 0
-        est.observe("d", int(s), 0.004 + 0.0048 * s)
-    fit = est.fit("d")
-    assert fit.per_token == 0.0
-    assert fit.first == pytest.approx(0.0048, rel=1e-6) and fit.base == pytest.approx(0.004, rel=1e-6)
-    # then longer drafts identify the slope, and the step stays
-    for k in range(200):
-        s = k % 5
-        est.observe("d", s, 0.004 + 0.0048 * (s > 0) + 0.0022 * max(s - 1, 0))
-    fit = est.fit("d")
-    assert fit.per_token == pytest.approx(0.0022, rel=1e-3)
-    assert fit.first == pytest.approx(0.0048 - 0.0022, rel=1e-3)
-
-
-def test_period_estimator_fits_no_step_to_a_line():
-    est = PeriodEstimator()
-    for k in range(300):
-        s = k % 7
-        est.observe("d", s, 0.03 + 0.004 * s)
-    fit = est.fit("d")
-    assert fit.first == pytest.approx(0.0, abs=1e-9) and fit.per_token == pytest.approx(0.004, rel=1e-6)
-
-
-def test_period_estimator_keeps_the_step_while_every_draft_is_positive():
-    """P(S) = 0.01 + 0.006 [S > 0] + 0.003 S throughout. Lengths 0 and 1 first (the jump, 0.009,
-    is taken as the step), then lengths 0..5, which identify both, then only 2..5: the slope is
-    still refitted and the step keeps the value the mixed lengths gave it."""
-    est = PeriodEstimator()
-    period = lambda s: 0.01 + 0.006 * (s > 0) + 0.003 * s
-    for k in range(40):
-        est.observe("d", k % 2, period(k % 2))
-    assert est.fit("d").first == pytest.approx(0.009, rel=1e-6)
-    for k in range(60):
-        est.observe("d", k % 6, period(k % 6))
-    assert est.fit("d").first == pytest.approx(0.006, rel=1e-6)
-    for k in range(200):
-        est.observe("d", 2 + k % 4, period(2 + k % 4))
-    fit = est.fit("d")
-    assert fit.first == pytest.approx(0.006, rel=1e-6) and fit.per_token == pytest.approx(0.003, rel=1e-6)
-    assert fit.base == pytest.approx(0.01, rel=1e-6)
-
-
-def test_a_step_can_make_one_token_worth_less_than_none_or_several():
-    """With a cost for drafting at all, the first unit gains less than the second: the
-    allocation gives 0 or at least 2, as exhaustive search does (the greedy alone would not)."""
-    a, x = np.array([0.77, 0.3]), np.array([3.0, 1.2])
-    base, per_token, first = np.array([0.012, 0.05]), np.array([0.002, 0.004]), np.array([0.005, 0.0])
-    mean = base + first + 2 * per_token
-    gains = np.diff(_values(a, x, base, per_token, mean, np.array([6, 6]), first), axis=1)
-    assert gains[0, 1] > gains[0, 0] > 0  # out of order: the dynamic programme's case
-    for budget in range(0, 9):
-        got = allocate_time_aware(a, x, base, per_token, mean, budget, [6, 6], None, first)
-        best, _ = brute_force(a, x, base, per_token, mean, budget, [6, 6], None, first)
-        assert time_aware_objective(a, x, base, per_token, mean, got, first) == pytest.approx(best, rel=1e-12)
-
-
 def test_period_estimator_keeps_slope_zero_until_lengths_vary():
     est = PeriodEstimator()
     for p in (0.1, 0.12, 0.11):
@@ -245,47 +168,8 @@ def test_policy_without_timing_is_the_default():
 def test_policy_keeps_the_exploration_floor_with_timing():
     a = np.array([0.9, 0.9, 0.05])
     x = np.array([3.0, 3.0, 1.0])
-    periods = PeriodArrays(np.full(3, 0.02), np.full(3, 0.01), np.full(3, 0.05), np.zeros(3))
+    periods = (np.full(3, 0.02), np.full(3, 0.01), np.full(3, 0.05))
     inputs = AllocationInputs(["a", "b", "c"], a, x, 6, np.full(3, 6), 0, np.random.default_rng(0),
                               np.ones(3, dtype=np.int64), np.array([0, 0, 9]), periods)
     got = make_policy("goodspeed-time").allocate(inputs)
     assert got[2] >= 1 and got.sum() <= 6
-
-
-def test_drafters_with_and_without_a_step_split_the_budget_exactly(monkeypatch):
-    """The mixed path: drafters whose units are in order pooled by the greedy, the others by the
-    dynamic programme, with lower bounds on both sides, against exhaustive search. The cases are
-    drawn until the path has run with both groups non-empty 40 times."""
-    from goodspeed.scheduler import timing
-
-    seen = []
-    mixed = timing._mixed
-
-    def counting(values, gains, usable, lo, caps, budget, in_order):
-        seen.append((int(in_order.sum()), int((~in_order).sum())))
-        return mixed(values, gains, usable, lo, caps, budget, in_order)
-
-    monkeypatch.setattr(timing, "_mixed", counting)
-    rng = np.random.default_rng(77)
-    both = 0
-    for _ in range(2000):
-        n = int(rng.integers(2, 6))
-        a, x = rng.uniform(0.3, 0.95, n), rng.uniform(0.5, 6.0, n)
-        base, per_token = rng.uniform(0.002, 0.1, n), rng.uniform(0.0, 0.01, n)
-        first = rng.uniform(0.0, 0.05, n) * (rng.random(n) < 0.5)
-        mean, caps = base + first + 2 * per_token, rng.integers(0, 6, n)
-        budget = int(rng.integers(0, 14))
-        lo = [int(v) for v in (rng.random(n) < 0.3) & (caps > 0)]
-        if sum(lo) > budget:
-            lo = None
-        before = len(seen)
-        got = allocate_time_aware(a, x, base, per_token, mean, budget, caps, lo, first)
-        if len(seen) == before or min(seen[-1]) == 0:
-            continue
-        both += 1
-        assert got.sum() <= budget and np.all(got <= caps) and np.all(got >= (0 if lo is None else np.asarray(lo)))
-        best, _ = brute_force(a, x, base, per_token, mean, budget, list(caps), lo, first)
-        assert time_aware_objective(a, x, base, per_token, mean, got, first) == pytest.approx(best, rel=1e-12, abs=1e-12)
-        if both == 40:
-            break
-    assert both == 40
