@@ -1,5 +1,9 @@
-"""The attention of verification rows on CPU: the matmul form (``lm.attention.small_query_attention``)
-against SDPA, per layer call.
+"""The attention of verification rows on CPU, per layer call: the engine's call (``folded``:
+``lm.attention.masked_attention``, SDPA with the grouped-query heads folded into the query
+dimension, its folded mask made beforehand, as a forward makes it once for all its layers) against
+SDPA with ``enable_gqa`` over the rows' own mask (``sdpa``, what the engine called before
+2026-11-26) and the matmul form (``matmul``: :func:`matmul_attention`, what the engine ran for rows
+of 2-32 queries on CPU from 2026-11-25 to 11-26). Each returns transformers' layout of the output.
 
     python -m bench.bench_attention [--threads 2] [--repeats 100] [--json]
 
@@ -7,7 +11,7 @@ Two tables, fp32, medians over ``--repeats`` calls, the two kernels' calls alter
 
 * ``warm``: one layer's shapes on the same keys every call (they stay in the CPU's caches), for
   the demo target's heads (4 / 2 x 32) and SmolLM2's (9 / 3 x 64), rows x queries x keys from one
-  query per row through verification rows to prompt chunks: where ``MATMUL_MAX_Q`` comes from;
+  query per row through verification rows to prompt chunks;
 * ``cold``: 8 rows x 5 queries over 1,029 keys with every call on the next of 4 layers' own keys
   and values (as a forward reads them, 17 MB for the demo target's heads): what the
   engine sees at prefix 1024, and the memory traffic that bounds it.
@@ -23,11 +27,35 @@ import time
 import torch
 import torch.nn.functional as F
 
-from goodspeed.lm.attention import small_query_attention
+from goodspeed.lm.attention import fold_mask, masked_attention
 
 HEADS = {"demo": (4, 2, 32), "smollm2": (9, 3, 64)}  # query heads, key heads, head dim
 WARM = [(8, 1, 69), (8, 2, 300), (8, 5, 69), (8, 5, 1029), (8, 8, 1029), (8, 16, 300), (8, 32, 300),
         (4, 5, 4000), (1, 128, 1200), (1, 512, 2048)]  # rows, queries per row, keys
+
+
+def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """The matmul form the engine ran for rows of 2-32 queries on CPU (2026-11-25 to 11-26): two
+    matmuls with the query heads of each key head folded into the query dimension, ``query``
+    ``[rows, heads, q_len, dim]`` -> ``[rows, heads, q_len, dim]``."""
+    rows, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    q = (query * (dim ** -0.5 if scale is None else scale)).reshape(rows, kv_heads, groups * q_len, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2))  # [rows, kv_heads, groups * q_len, kv_len]
+    scores.view(rows, kv_heads, groups, q_len, kv_len).add_(mask.unsqueeze(2))
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)
+    return out.view(rows, kv_heads, groups, q_len, dim).reshape(rows, heads, q_len, dim)
+
+
+def grouped_masked_attention(query, key, value, mask, dropout=0.0, scale=None, folds=None):
+    """``lm.attention.masked_attention`` as it ran before 2026-11-26, before it folded grouped-query
+    heads: SDPA with ``enable_gqa`` over the rows' own mask (on CUDA, the math kernel). The benches
+    swap it in for ``attention.masked_attention`` to replay that path."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                         enable_gqa=query.shape[1] > key.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 def _inputs(rows: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: int, gen: torch.Generator):
@@ -59,22 +87,29 @@ def time_alternating(calls: dict, repeats: int, sync=lambda: None) -> dict:
 
 
 def _kernels(layers: list):
-    """Both kernels over ``layers`` (one input tuple each), each call on the next layer's inputs."""
-    state = {"matmul": 0, "sdpa": 0}
+    """The three kernels over ``layers`` (one input tuple each), each call on the next layer's inputs."""
+    state = {"matmul": 0, "sdpa": 0, "folded": 0}
+    folds = [{query.shape[1] // key.shape[1]: fold_mask(mask, query.shape[1] // key.shape[1])}
+             for query, key, _, mask in layers]
 
     def call(name):
         def run():
-            query, key, value, mask = layers[state[name] % len(layers)]
+            i = state[name] % len(layers)
+            query, key, value, mask = layers[i]
             state[name] += 1
+            if name == "folded":
+                return masked_attention(query, key, value, mask, folds=folds[i])
             if name == "matmul":
-                return small_query_attention(query, key, value, mask)
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=query.shape[1] > key.shape[1])
+                out = matmul_attention(query, key, value, mask)
+            else:
+                out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=query.shape[1] > key.shape[1])
+            return out.transpose(1, 2).contiguous()  # each in transformers' layout, as masked_attention returns it
         return run
-    return {"matmul": call("matmul"), "sdpa": call("sdpa")}
+    return {name: call(name) for name in state}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="verification rows' CPU attention: matmul form vs SDPA")
+    parser = argparse.ArgumentParser(description="verification rows' CPU attention: folded SDPA vs SDPA with enable_gqa vs the matmul form")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--json", action="store_true")
@@ -98,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm (same keys each call), {args.threads} threads, us per call:")
     for r in report["warm"]:
         print(f"  {r['heads']:<8} {r['rows']:>2} rows x {r['q_len']:>3} queries x {r['kv_len']:>4} keys: "
-              f"matmul {r['matmul']:8.0f}  sdpa {r['sdpa']:8.0f}  matmul/sdpa {r['matmul'] / r['sdpa']:.2f}")
+              f"matmul {r['matmul']:8.0f}  sdpa {r['sdpa']:8.0f}  folded {r['folded']:8.0f}  "
+              f"matmul/sdpa {r['matmul'] / r['sdpa']:.2f}  folded/sdpa {r['folded'] / r['sdpa']:.2f}")
     print("cold (each call on the next of 4 layers' keys and values), us per call:")
     for r in report["cold"]:
         print(f"  {r['heads']:<8} 8 x 5 x 1029, {r['kv_mb_per_layer']:.1f} MB of KV per layer: matmul {r['matmul']:.0f} "
               f"({r['matmul_gb_per_s']:.1f} GB/s)  sdpa {r['sdpa']:.0f} ({r['sdpa_gb_per_s']:.1f} GB/s)  "
-              f"matmul/sdpa {r['matmul'] / r['sdpa']:.2f}")
+              f"folded {r['folded']:.0f}  matmul/sdpa {r['matmul'] / r['sdpa']:.2f}  folded/sdpa {r['folded'] / r['sdpa']:.2f}")
     return 0
 
 

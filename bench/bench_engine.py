@@ -8,8 +8,11 @@ only that model. Figures:
 
 * round time with 8 drafters x 4 drafted tokens at prefix 1024 vs prefix 64 (median over rounds,
   the two prefixes' rounds alternating in blocks of 5), with the verification rows' CPU attention
-  the engine uses (``lm.attention.small_query_attention``) and, in alternate blocks of the same
-  run, with SDPA for them (``*_sdpa``);
+  the engine uses (``lm.attention.masked_attention``: SDPA with grouped-query heads folded) and, in
+  alternate blocks of the same run, with the matmul form the engine ran for rows of 2-32 queries
+  on CPU before 2026-11-26 (``*_matmul``, ``bench.bench_attention.matmul_attention``) and with
+  SDPA over the rows' own mask with ``enable_gqa`` (``*_gqa``, every masked call before that date
+  but those rows);
 * one batched round of 8 drafters vs 8 rounds of one drafter each;
 * share of round time outside the target forward at N = 8;
 * verifier throughput: generated tokens per second of verifier time (prefill + rounds) for 8
@@ -31,6 +34,7 @@ import time
 import numpy as np
 import torch
 
+from bench.bench_attention import grouped_masked_attention, matmul_attention
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.lm import attention
@@ -67,14 +71,25 @@ def engine_with_prefix(target, prefix_len: int, rng, rounds: int) -> Verificatio
 
 
 BLOCK = 5  # rounds per block: the two prefixes' rounds alternate in blocks
-ATTENTION = {"": attention.MATMUL_MAX_Q, "_sdpa": 0}  # figure suffix -> the CPU attention's matmul cut-off
+FOLDED = attention.masked_attention
+
+
+def matmul_form(query, key, value, mask, dropout=0.0, scale=None, folds=None):
+    """The engine's masked attention as it ran on CPU before 2026-11-26: rows of 2-32 queries in
+    fp32 / fp64 by the matmul form; every other call by the engine's (SDPA, heads folded)."""
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and 2 <= query.shape[2] <= 32 and not dropout:
+        return matmul_attention(query, key, value, mask, scale).transpose(1, 2)
+    return FOLDED(query, key, value, mask, dropout, scale, folds)
+
+
+ATTENTION = {"": FOLDED, "_matmul": matmul_form, "_gqa": grouped_masked_attention}  # figure suffix -> the masked attention call
 
 
 def round_figures(target, rounds: int) -> dict:
     """The prefix figures come from two engines whose rounds alternate in blocks of ``BLOCK``
     (which prefix goes first alternates too), so a drift of this machine's speed during the run
     lands on both alike; measured one after the other, the ratio moved from 1.12 to 1.61 between
-    runs an hour apart (docs/BENCHMARKS.md). The two CPU attentions of verification rows alternate
+    runs an hour apart (docs/BENCHMARKS.md). The masked attention calls (``ATTENTION``) alternate
     the same way, so their figures compare within the run."""
     rng = np.random.default_rng(0)
     engines = {prefix: engine_with_prefix(target, prefix, rng, 3 * rounds) for prefix in (64, 1024)}
@@ -84,11 +99,11 @@ def round_figures(target, rounds: int) -> dict:
     try:
         for block in range(-(-rounds // BLOCK)):
             for mode in list(ATTENTION)[:: 1 if block % 2 == 0 else -1]:
-                attention.MATMUL_MAX_Q = ATTENTION[mode]
+                attention.masked_attention = ATTENTION[mode]
                 for prefix in (64, 1024) if block % 4 < 2 else (1024, 64):
                     results[prefix, mode] += timed_rounds(engines[prefix], engines[prefix].session_ids, BLOCK, rng)
     finally:
-        attention.MATMUL_MAX_Q = ATTENTION[""]
+        attention.masked_attention = FOLDED
     med = {key: statistics.median(r.timings.total_s for r in runs) for key, runs in results.items()}
     share = statistics.median(1 - r.timings.forward_s / r.timings.total_s for r in results[64, ""])
     engine = engines[64]
@@ -206,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     r = report["rounds"]
     print(f"{args.target}: round time, N={N} x S={S}: prefix 64 {r['round_s_prefix64'] * 1e3:.2f} ms, prefix 1024 {r['round_s_prefix1024'] * 1e3:.2f} ms, ratio {r['prefix_ratio']:.2f} (goal <= 1.3)")
-    print(f"  the same with SDPA for verification rows: prefix 64 {r['round_s_prefix64_sdpa'] * 1e3:.2f} ms, "
-          f"prefix 1024 {r['round_s_prefix1024_sdpa'] * 1e3:.2f} ms, ratio {r['prefix_ratio_sdpa']:.2f}")
+    print(f"  the same with the matmul form for verification rows (before 2026-11-26): prefix 64 "
+          f"{r['round_s_prefix64_matmul'] * 1e3:.2f} ms, prefix 1024 {r['round_s_prefix1024_matmul'] * 1e3:.2f} ms, "
+          f"ratio {r['prefix_ratio_matmul']:.2f}")
+    print(f"  the same with SDPA over grouped-query heads (enable_gqa): prefix 64 {r['round_s_prefix64_gqa'] * 1e3:.2f} ms, "
+          f"prefix 1024 {r['round_s_prefix1024_gqa'] * 1e3:.2f} ms, ratio {r['prefix_ratio_gqa']:.2f}")
     print(f"one batched round {r['batched_round_s'] * 1e3:.2f} ms vs 8 separate {r['separate_rounds_s'] * 1e3:.2f} ms: {r['batched_over_separate']:.2f} (goal <= 0.3)")
     print(f"share of round time outside the forward at N={N}: {r['non_forward_share']:.1%} (goal <= 10%)")
     if args.rounds_only:

@@ -9,9 +9,9 @@ Two tables, fp32, medians over ``--repeats`` timed calls alternating between the
 * ``forward``: a whole packed target forward (:meth:`goodspeed.lm.kv_slots.SlotKVCache.pack`, the
   engine's path, logits of every verified position gathered as the engine does) over three slots
   with ``--prefix`` committed tokens each, new rows of 5, 5, 5 tokens against 8, 5, 2;
-* ``attention``: one layer's call of :func:`goodspeed.lm.attention.small_query_attention` (the CPU
-  kernel of verification rows) on the target's heads, for the same rows at 105 and 400 keys:
-  the equal rows in one call, the ragged rows padded to the longest in one call (what the packed
+* ``attention``: one layer's call of :func:`goodspeed.lm.attention.masked_attention` (the
+  engine's masked call, its folded mask made once, as a forward makes it) on the target's heads,
+  for the same rows at 105 and 400 keys: the equal rows in one call, the ragged rows padded to the longest in one call (what the packed
   forward does), and the ragged rows one call per row (no pads, a call each).
 
 Needs the target built or fetched (``goodspeed models get smollm2-135m``, or the demo's
@@ -26,7 +26,7 @@ import json
 import torch
 
 from bench.bench_attention import time_alternating
-from goodspeed.lm.attention import PACKED, small_query_attention, use_gqa_attention, with_cache
+from goodspeed.lm.attention import PACKED, masked_attention, use_gqa_attention, with_cache
 from goodspeed.lm.kv_slots import SlotKVCache
 from goodspeed.lm.loading import load_causal_lm
 
@@ -76,10 +76,11 @@ def attention_table(heads: int, kv_heads: int, dim: int, repeats: int, gen: torc
         longest = max(SHAPES["ragged"])
         equal, padded = query(rows, SHAPES["equal"][0]), query(rows, longest)
         per_row = [query(1, n) for n in SHAPES["ragged"]]
+        folds = [{} for _ in range(2 + len(per_row))]  # filled by the warm-up calls, reused as a forward's layers do
         calls = {
-            "equal_one_call": lambda: small_query_attention(equal[0], key, value, equal[1]),
-            "ragged_padded_one_call": lambda: small_query_attention(padded[0], key, value, padded[1]),
-            "ragged_call_per_row": lambda: [small_query_attention(q, key[r : r + 1], value[r : r + 1], m)
+            "equal_one_call": lambda: masked_attention(equal[0], key, value, equal[1], folds=folds[0]),
+            "ragged_padded_one_call": lambda: masked_attention(padded[0], key, value, padded[1], folds=folds[1]),
+            "ragged_call_per_row": lambda: [masked_attention(q, key[r : r + 1], value[r : r + 1], m, folds=folds[2 + r])
                                             for r, (q, m) in enumerate(per_row)],
         }
         out[kv_len] = time_alternating(calls, repeats * 5)

@@ -6,8 +6,9 @@
 On a GPU with eager PyTorch a step of a small model is bound by launching kernels, so what counts
 is how many ops a step dispatches, not how many tokens it verifies. Each row's tokens are the
 target's own greedy continuation of its prompt (found first by plain decoding), so every step
-accepts a known path. Three shapes of draft, greedy, ``--rows`` requests each:
+accepts a known path. Four shapes of draft, greedy, ``--rows`` requests each:
 
+* ``plain``: no draft, one new token a row (plain decoding's step: one query per row);
 * ``chain``: two tokens, both accepted (3 tokens a row, every row alike);
 * ``tree-first``: the root's children (1, 2, 3 in turn by row, as AdaServe's trees at
   ``D_max = 1`` are ragged), the right token first: the accepted node is the first child, so its
@@ -16,12 +17,19 @@ accepts a known path. Three shapes of draft, greedy, ``--rows`` requests each:
   the position after the root (:meth:`goodspeed.lm.kv_slots.SlotKVCache.commit_many`) in every
   row with more than one child.
 
-Each shape runs twice over, on engines of its own whose steps alternate: committing every row's KV
-at once (``commit_many``, the engine's path) and ``row by row``, which replays how commits ran
-before ``commit_many`` (one gather and scatter per layer for each row that moves, its indices
-copied to the device per layer). Figures: aten ops a step dispatches (views aside; counted by a
-``TorchDispatchMode`` over one step), of them the KV commit's, and the median milliseconds of
-``VerificationEngine.run_round`` (synchronised on a device).
+Each shape runs three times over, on engines of its own whose steps alternate (``path``):
+
+* ``engine``: the engine as it is;
+* ``row by row``: the KV commit as it ran before ``commit_many`` (one gather and scatter per layer
+  for each row that moves, its indices copied to the device per layer);
+* ``GQA SDPA``: masked attention as it ran before :func:`goodspeed.lm.attention.masked_attention`
+  folded grouped-query heads into the query dimension: SDPA with ``enable_gqa`` over the rows'
+  mask, which on CUDA only the math kernel takes (on a CPU, whose fused kernel takes both, the
+  two paths dispatch the same ops).
+
+Figures: aten ops a step dispatches (views aside; counted by a ``TorchDispatchMode`` over one
+step), of them the KV commit's, and the median milliseconds of ``VerificationEngine.run_round``
+(synchronised on a device).
 
 ``--temperature T`` (> 0): sampled requests instead, each drafted token sent with a sparse ``q``
 (8 tokens). Tokens are random, so no path is known and no move is forced: ``tree-first`` and
@@ -48,6 +56,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.bench_attention import grouped_masked_attention
+from goodspeed.lm import attention
 from goodspeed.lm.kv_slots import SlotKVCache
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.lm.sampling import SamplingParams, process_logits
@@ -55,9 +65,10 @@ from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft, SparseProbs
 
-SHAPES = ("chain", "tree-first", "tree-moved")
+SHAPES = ("plain", "chain", "tree-first", "tree-moved")
 BATCHED_Q_ROWS = verify_rows.q_rows_at  # the engine's; "row by row" swaps it out while its step runs
-COMMITS = ("at once", "row by row")
+FOLDED_ATTENTION = attention.masked_attention  # the engine's; "GQA SDPA" swaps it out while its step runs
+PATHS = ("engine", "row by row", "GQA SDPA")
 PROMPT = 32
 
 
@@ -146,6 +157,8 @@ def continuations(model, prompts: list[list[int]], length: int) -> list[list[int
 
 def draft_for(shape: str, row: int, future: list[int], vocab: int) -> tuple[list[int], list[int] | None]:
     """Tokens (and parents) of ``shape``'s draft for a row whose next tokens are ``future``."""
+    if shape == "plain":
+        return [], None
     if shape == "chain":
         return future[:2], None
     wrong = [(future[0] + 1 + k) % vocab for k in range(row % 3)]
@@ -173,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (PROMPT,), generator=gen).tolist() for _ in range(args.rows)]
     warmup = 3
-    length = 3 * (args.steps + warmup + 2) + 2  # a chain step takes 3 tokens, a tree step 2
+    length = 3 * (args.steps + warmup + 2) + 2  # a chain step takes 3 tokens, a tree step 2, a plain one 1
     sampled = args.temperature > 0
     sampling = SamplingParams(temperature=args.temperature) if sampled else SamplingParams()
-    shapes = SHAPES[:2] if sampled else SHAPES  # sampled: random tokens, no move forced
+    shapes = SHAPES[:3] if sampled else SHAPES  # sampled: random tokens, no move forced
     future = None
     if not sampled:
         t0 = time.perf_counter()
@@ -185,31 +198,32 @@ def main(argv: list[str] | None = None) -> int:
 
     engines = {}
     for s_index, shape in enumerate(shapes):
-        for commit in COMMITS:
+        for path in PATHS:
             engine = VerificationEngine(model, EngineConfig(budget=4 * args.rows, policy="fixed", max_draft_len=3, seed=0))
             sessions = [engine.join(f"r{i}") for i in range(args.rows)]
             for sid, prompt in zip(sessions, prompts):
                 engine.start_request(sid, prompt, sampling, length)
-            if commit == "row by row":
+            if path == "row by row":
                 cache = engine.cache
                 cache.commit_many = lambda commits, cache=cache: commit_row_by_row(cache, commits)
                 sampled_row_by_row(engine.row_verifier)
-            # the same drafts for both ways of committing: one stream per shape
-            engines[shape, commit] = (engine, sessions, [0] * args.rows, np.random.default_rng(s_index))
+            # the same drafts for every path: one stream per shape
+            engines[shape, path] = (engine, sessions, [0] * args.rows, np.random.default_rng(s_index))
 
     def step(key) -> float:
         engine, sessions, done, rng = engines[key]
         for row, sid in enumerate(sessions):
             upcoming = future[row][done[row]:] if future else [int(rng.integers(vocab))]
             tokens, parents = draft_for(key[0], row, upcoming, vocab)
-            if sampled and parents is None:
+            if sampled and key[0] == "chain":
                 tokens = rng.integers(vocab, size=2).tolist()
             engine.set_allotment(sid, len(tokens))
             engine.submit(sid, Draft(engine.next_round(sid), tokens, parents,
                                      sparse_probs=sampled_draft(tokens, vocab, rng) if sampled else None))
-        replay = sampled and key[1] == "row by row"
-        if replay:  # the engine's sampled chains read verify_rows.q_rows_at
+        if sampled and key[1] == "row by row":  # the engine's sampled chains read verify_rows.q_rows_at
             verify_rows.q_rows_at = q_rows_one_by_one
+        if key[1] == "GQA SDPA":  # the attention function reads attention.masked_attention
+            attention.masked_attention = grouped_masked_attention
         try:
             sync()
             start = time.perf_counter()
@@ -218,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             elapsed = time.perf_counter() - start
         finally:
             verify_rows.q_rows_at = BATCHED_Q_ROWS
+            attention.masked_attention = FOLDED_ATTENTION
         for row, sid in enumerate(sessions):
             emitted = list(result.verdicts[sid].token_ids)
             if not sampled:
@@ -252,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         committed = commit_ops(key)
         with OpCounter() as counter:
             step(key)
-        rows.append({"shape": key[0], "commit": key[1], "ops": sum(counter.ops.values()),
+        rows.append({"shape": key[0], "path": key[1], "ops": sum(counter.ops.values()),
                      "commit_ops": sum(committed.values()), "ms": 1000 * statistics.median(times[key])})
     result = {"target": args.random or args.target, "device": args.device, "rows": args.rows, "steps": args.steps,
               "temperature": args.temperature,
@@ -263,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
     else:
         print(f"{result['target']} on {result['device_name']}, {args.rows} rows, median of {args.steps} steps")
-        print("| shape | KV commit | aten ops a step | of them the commit's | ms a step |\n|---|---|---|---|---|")
+        print("| shape | path | aten ops a step | of them the commit's | ms a step |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['shape']} | {r['commit']} | {r['ops']} | {r['commit_ops']} | {r['ms']:.2f} |")
+            print(f"| {r['shape']} | {r['path']} | {r['ops']} | {r['commit_ops']} | {r['ms']:.2f} |")
     return 0
 
 

@@ -46,8 +46,9 @@ for k in 1 4; do
     timeout 200 python3 -m bench.bench_varlen --repeats 30 --replicas $k --json > "$out/bench_varlen_x$k.json" 2> "$out/bench_varlen_x$k.err"
     echo "bench x$k rc=$?"; tail -5 "$out/bench_varlen_x$k.err"
 done
-# What a step of token trees costs against chains (KV moves, ragged rows), on a random target of
-# SmolLM2-135M's shape: nothing to carry.
+# What a step of token trees costs against chains (KV moves, ragged rows), and what folding
+# grouped-query heads saves masked attention against SDPA's math kernel (path "GQA SDPA"), on a
+# random fp32 target of SmolLM2-135M's shape: nothing to carry.
 timeout 200 python3 -m bench.bench_tree_round --device cuda --rows 16 --steps 30 --json \
     --random num_hidden_layers=30,hidden_size=576,intermediate_size=1536,num_attention_heads=9,num_key_value_heads=3,vocab_size=49152 \
     > "$out/bench_tree_round.json" 2> "$out/bench_tree_round.err"
@@ -55,7 +56,7 @@ echo "bench tree round rc=$?"; tail -2 "$out/bench_tree_round.err"
 python3 - "$out" <<'PY'
 import json, sys
 for row in json.load(open(f"{sys.argv[1]}/bench_tree_round.json"))["cells"]:
-    print("  tree round", row["shape"], row["commit"], row["ops"], "ops", round(row["ms"], 2), "ms")
+    print("  tree round", row["shape"], row["path"], row["ops"], "ops", round(row["ms"], 2), "ms")
 for k in (1, 4):
     r = json.load(open(f"{sys.argv[1]}/bench_varlen_x{k}.json"))
     print(r["device"], r["kernel"], r["rows"], "rows")

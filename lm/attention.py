@@ -3,8 +3,22 @@ batched draft models): SDPA with grouped-query attention and an additive mask.
 
 With a 4-D mask, transformers' own SDPA path repeats every key/value head for grouped-query
 attention (``repeat_kv``), copying the whole KV cache of each layer on every forward — O(prefix)
-memory traffic per round, which is exactly what the slot cache exists to avoid. This function
-hands the KV view straight to ``scaled_dot_product_attention(enable_gqa=True)``.
+memory traffic per round, which is exactly what the slot cache exists to avoid. Every masked call
+here goes through :func:`masked_attention` instead: the query heads that read one key head are
+folded into the query dimension (``[rows, kv_heads, groups * q_len, dim]``), so SDPA sees as
+many query heads as key heads, reads each key head once for all the query heads it serves, and
+is asked for no ``enable_gqa``. That matters most on CUDA: flash takes no mask and the
+memory-efficient kernel no grouped-query heads, so a masked ``enable_gqa`` call falls back to the
+math kernel, which copies every key head once per query head and runs attention as separate ops
+(torch's ``sdp_utils.cpp``; transformers' ``use_gqa_in_sdpa`` says the same). Folded, the call
+is one the memory-efficient kernel takes, and its masks are laid out so that kernel does not pad
+them again per layer (:data:`MASK_ALIGN`). Not yet timed on a GPU (docs/BENCHMARKS.md).
+
+On this project's CPU the folded call also replaced a matmul form of verification rows' attention
+(two matmuls, heads folded the same way; rows of 2-32 queries, 2026-11-25 to 11-26), which had
+been measured faster than SDPA with ``enable_gqa``: against the folded SDPA call the engine's
+rounds took 0.95-1.02x the matmul form's time (``bench/bench_engine.py``; per call,
+``bench/bench_attention.py``), so one call serves every device.
 
 Packed forwards (:meth:`goodspeed.lm.kv_slots.SlotKVCache.pack`, the verifier's target): the
 model runs on ``[1, T]`` real tokens — every linear layer, norm and the LM head see exactly the
@@ -18,17 +32,6 @@ verification rows' few; so is a row whose slot keeps its KV in buffers of its ow
 longer than the others), whose keys come from :meth:`~goodspeed.lm.kv_slots.SlotKVCache.own_view`
 (the attention module's ``layer_idx`` names the layer). Exact: every real query sees the same keys under the same
 mask as in the padded forward; only the padding's wasted compute in the rest of the model is gone.
-
-On CPU, a group of verification rows (2 to ``MATMUL_MAX_Q`` queries per row) attends through
-:func:`small_query_attention` instead of SDPA: two matmuls with the grouped-query heads folded into
-the query dimension, so each key and value head is read once for all the query heads it serves.
-Measured by ``bench/bench_attention.py`` on this project's 2-core CPU with 2 threads (2026-11-25,
-fp32): 0.49-0.98x SDPA's time for rows of 2-32 queries over 69-4,000 keys, on the demo target's
-heads (4 / 2 x 32) and SmolLM2's (9 / 3 x 64). SDPA stays faster for one query per row (up to
-2.1x; its decoding kernel) and for prompt chunks (up to 2.6x at 512 queries), which keep it, as
-do every other device and half-precision models (whose scores and softmax SDPA's kernel keeps in
-fp32). Same maths, same
-mask; the two differ by float rounding only (``tests/lm/test_attention.py``).
 
 On CUDA in fp16 / bf16, a group of chains (verification rows, a prompt chunk) attends through
 **flash-attention's varlen kernel** instead (:class:`VarlenKernel`, :func:`flash_varlen_kernel`),
@@ -70,33 +73,52 @@ NAME = "goodspeed_sdpa"
 # What this transformers' causal LMs call their cache argument (renamed in 5.24).
 _TRANSFORMERS_CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 PACKED = "goodspeed_packed"  # the forward keyword carrying a PackedRows layout
-MATMUL_MAX_Q = 32  # on CPU, groups of 2..MATMUL_MAX_Q queries per row attend by small_query_attention
-# ... in these dtypes only: in bf16 / fp16 its scores and softmax would round where SDPA's kernel keeps fp32
-_MATMUL_DTYPES = (torch.float32, torch.float64)
+MASK_ALIGN = 16  # additive masks' rows start at multiples of this many elements (CUDA's memory-efficient kernel)
 
 
-def small_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                          scale: float | None = None) -> torch.Tensor:
-    """Attention of a few queries per row, as two matmuls: ``query`` ``[rows, heads, q_len, dim]``,
-    ``key`` / ``value`` ``[rows, kv_heads, kv_len, dim]`` (views of a cache are fine), ``mask`` the
-    additive ``[rows, 1, q_len, kv_len]``. Query head ``h`` reads key head ``h // (heads // kv_heads)``
-    (transformers' ``repeat_kv``), so the heads of one key head are folded into the query
-    dimension and no key is copied. Returns ``[rows, heads, q_len, dim]``, as SDPA does."""
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """The additive mask ``[rows, 1, q_len, kv_len]`` for queries whose ``groups`` query heads per
+    key head are folded into the query dimension (:func:`masked_attention`): ``[rows, 1, groups *
+    q_len, kv_len]``, folded query ``g * q_len + i`` under query ``i``'s row. Its rows start at
+    multiples of ``MASK_ALIGN`` elements (the storage is wider than ``kv_len``), so CUDA's
+    memory-efficient kernel takes it as it is instead of padding it again on every layer."""
+    rows, one, q_len, kv_len = mask.shape
+    width = -(-kv_len // MASK_ALIGN) * MASK_ALIGN
+    folded = mask.new_empty(rows, one, groups * q_len, width)[..., :kv_len]
+    folded.unflatten(2, (groups, q_len)).copy_(mask.unsqueeze(2))
+    return folded
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     dropout: float = 0.0, scale: float | None = None, folds: dict | None = None) -> torch.Tensor:
+    """SDPA of ``query`` ``[rows, heads, q_len, dim]`` over ``key`` / ``value`` ``[rows, kv_heads,
+    kv_len, dim]`` (views of a cache are fine) under the additive ``mask`` ``[rows or 1, 1, q_len,
+    kv_len]``; returns ``[rows, q_len, heads, dim]``, transformers' layout of attention outputs.
+
+    With grouped-query heads, the query heads that read one key head are folded into the query
+    dimension, so no key is copied and SDPA is asked for no ``enable_gqa`` (see the module
+    docstring: on CUDA, the difference between a fused kernel and the math one). One query per
+    row needs no new mask (the row's broadcasts over the folded heads); more take
+    :func:`fold_mask`'s, made once per forward when ``folds`` (a dict kept with one mask) is
+    given. Same maths as ``scaled_dot_product_attention(..., enable_gqa=True)``, float rounding
+    apart (``tests/lm/test_attention.py``)."""
     rows, heads, q_len, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     groups = heads // kv_heads
-    q = (query * (dim ** -0.5 if scale is None else scale)).reshape(rows, kv_heads, groups * q_len, dim)
-    scores = torch.matmul(q, key.transpose(-1, -2))  # [rows, kv_heads, groups * q_len, kv_len]
-    scores.view(rows, kv_heads, groups, q_len, kv_len).add_(mask.unsqueeze(2))
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)
-    return out.view(rows, kv_heads, groups, q_len, dim).reshape(rows, heads, q_len, dim)
-
-
-def takes_small_query_attention(query: torch.Tensor, q_len: int, dropout: float = 0.0) -> bool:
-    """Whether a packed group of ``q_len`` queries per row attends by :func:`small_query_attention`
-    (CPU, fp32 / fp64, 2..``MATMUL_MAX_Q`` queries, no dropout) rather than SDPA."""
-    return (query.device.type == "cpu" and query.dtype in _MATMUL_DTYPES and 2 <= q_len <= MATMUL_MAX_Q
-            and not dropout)
+    if groups == 1 or mask.shape[1] != 1:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                             enable_gqa=groups > 1)
+        return out.transpose(1, 2).contiguous()
+    if q_len > 1:
+        folded = None if folds is None else folds.get(groups)
+        if folded is None:
+            folded = fold_mask(mask, groups)
+            if folds is not None:
+                folds[groups] = folded
+        mask = folded
+    out = F.scaled_dot_product_attention(query.reshape(rows, kv_heads, groups * q_len, dim), key, value, attn_mask=mask,
+                                         dropout_p=dropout, scale=scale)
+    return out.unflatten(2, (groups, q_len)).permute(0, 3, 1, 2, 4).reshape(rows, q_len, heads, dim).contiguous()
 
 
 def gqa_sdpa_attention(
@@ -128,30 +150,20 @@ def gqa_sdpa_attention(
             else:  # a slot with KV buffers of its own
                 keys, values = packed.cache.own_view(module.layer_idx, group.own, group.kv_len)
             queries = flat.reshape(heads, rows, group.q_len, dim).transpose(0, 1)
-            if takes_small_query_attention(query, group.q_len, dropout):
-                part = small_query_attention(queries, keys, values, group.mask, scaling)
-            else:
-                part = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask,
-                                                      dropout_p=dropout, scale=scaling, enable_gqa=groups > 1)
-            part = part.transpose(1, 2).reshape(rows * group.q_len, heads, dim)
+            part = masked_attention(queries, keys, values, group.mask, dropout, scaling, group.folds)
+            part = part.reshape(rows * group.q_len, heads, dim)
             if group.scatter is not None:
                 part = part.index_select(0, group.scatter)
             if out is None:  # one group answers for every token
                 return part.unsqueeze(0), None
             out[group.dest] = part
         return out.unsqueeze(0), None
-    # Like transformers' own SDPA path: no mask means the plain causal case (q_len == kv_len).
-    is_causal = attention_mask is None and query.shape[2] > 1
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=is_causal,
-        enable_gqa=groups > 1,
-    )
+    if attention_mask is not None:
+        return masked_attention(query, key, value, attention_mask, dropout, scaling), None
+    # Like transformers' own SDPA path: no mask means the plain causal case (q_len == kv_len), which
+    # flash takes with grouped-query heads.
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=query.shape[2] > 1,
+                                         enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None  # [B, q_len, heads, head_dim]
 
 

@@ -33,12 +33,12 @@ moves entries runs in inference mode too. The object implements the two methods 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from goodspeed.lm.attention import VarlenKernel, VarlenRows
+from goodspeed.lm.attention import MASK_ALIGN, VarlenKernel, VarlenRows
 
 
 def _doubled(capacity: int, need: int) -> int:
@@ -420,6 +420,9 @@ class AttentionGroup:
     dest: slice  # the packed tokens the group's real queries answer for, in row order
     own: int | None = None  # the slot whose own buffers hold the keys (None: the pool's rows)
     varlen: VarlenRows | None = None  # chains through the varlen kernel (then no mask, no padding)
+    # ``mask`` folded for grouped-query heads (goodspeed.lm.attention.masked_attention), made by the
+    # forward's first layer and reused by the others
+    folds: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -486,11 +489,15 @@ class SlotTable:
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``[rows, q_len, kv_len]`` bool -> the additive ``[rows, 1, q_len, kv_len]`` mask (0 / finfo.min)
-    attention takes: a bool 4-D mask is silently wrong under eager attention. Built where
-    ``allowed`` lives, then moved (a no-op when it is already on ``device``)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.unsqueeze(1).to(device)
+    attention takes: a bool 4-D mask is silently wrong under eager attention. Built on ``device``
+    (``allowed``, a quarter of its bytes, is what is copied there), in storage whose rows start at
+    multiples of ``MASK_ALIGN`` elements, so CUDA's memory-efficient kernel does not pad it again
+    on every layer (:func:`goodspeed.lm.attention.fold_mask`)."""
+    rows, q_len, kv_len = allowed.shape
+    width = -(-kv_len // MASK_ALIGN) * MASK_ALIGN  # rows aligned for CUDA's memory-efficient kernel (lm.attention)
+    mask = torch.zeros(rows, 1, q_len, width, dtype=dtype, device=device)[..., :kv_len]
+    mask.masked_fill_(~allowed.to(device).unsqueeze(1), torch.finfo(dtype).min)
+    return mask
 
 
 def ancestor_matrices(trees: list[list[int]], size: int) -> np.ndarray:

@@ -6,9 +6,8 @@ import torch.nn.functional as F
 
 from transformers import DynamicCache
 
-from goodspeed.lm.attention import (MATMUL_MAX_Q, REFERENCE_VARLEN, VarlenRows, flash_varlen_kernel,
-                                    model_varlen_missing, small_query_attention, takes_small_query_attention,
-                                    use_gqa_attention, varlen_kernel_for, varlen_missing, with_cache)
+from goodspeed.lm.attention import (MASK_ALIGN, REFERENCE_VARLEN, VarlenRows, flash_varlen_kernel, fold_mask, masked_attention,
+                                    model_varlen_missing, use_gqa_attention, varlen_kernel_for, varlen_missing, with_cache)
 from modelkit import tiny_llama
 
 
@@ -30,40 +29,82 @@ def test_gqa_attention_matches_default_sdpa_with_and_without_cache():
         assert torch.allclose(reference(input_ids=ids, attention_mask=mask).logits[:, -1], ours(input_ids=ids, attention_mask=mask).logits[:, -1], atol=1e-10)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (4, 4)])
-@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_small_query_attention_equals_sdpa_on_cache_views_under_any_mask(heads, kv_heads, dtype, atol):
-    """The CPU path of verification rows: the same outputs as SDPA with grouped-query heads, on keys
-    that are a view of a longer cache (as the slot pool hands them) and a mask that hides whole
-    stretches of keys per query (trees, padding) — float rounding apart."""
-    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    rows, q_len, kv_len, dim, capacity = 3, 5, 37, 8, 64
-    key = torch.randn(rows, kv_heads, capacity, dim, generator=gen, dtype=dtype)[:, :, :kv_len]
-    value = torch.randn(rows, kv_heads, capacity, dim, generator=gen, dtype=dtype)[:, :, :kv_len]
-    query = torch.randn(heads, rows, q_len, dim, generator=gen, dtype=dtype).transpose(0, 1)  # non-contiguous
-    allowed = torch.rand(rows, q_len, kv_len, generator=gen) < 0.6
+def _masked_case(rows, heads, kv_heads, q_len, dtype, mask_rows=None, device="cpu", seed=0):
+    """Keys that are a view of a longer cache, non-contiguous queries and an additive mask that
+    hides stretches of keys per query (one row shorter: its tail is padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_len, dim, capacity = 37, 8, 64
+    key = torch.randn(rows, kv_heads, capacity, dim, generator=gen).to(dtype)[:, :, :kv_len]
+    value = torch.randn(rows, kv_heads, capacity, dim, generator=gen).to(dtype)[:, :, :kv_len]
+    query = torch.randn(heads, rows, q_len, dim, generator=gen).to(dtype).transpose(0, 1)
+    allowed = torch.rand(mask_rows or rows, q_len, kv_len, generator=gen) < 0.6
     allowed[..., 0] = True
-    allowed[1, :, 20:] = False  # a shorter row: its tail is padding
-    mask = torch.zeros(rows, q_len, kv_len, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
-    for scale in (None, 0.3):
-        ours = small_query_attention(query, key, value, mask, scale)
-        sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=heads > kv_heads)
-        assert ours.shape == sdpa.shape == (rows, heads, q_len, dim)
-        assert torch.allclose(ours, sdpa, atol=atol, rtol=0)
+    allowed[-1, :, 20:] = False
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    return query.to(device), key.to(device), value.to(device), mask.to(device)
 
 
-def test_small_query_attention_is_taken_only_where_it_was_measured_faster_and_exact():
-    """CPU, fp32 / fp64, verification rows of 2..MATMUL_MAX_Q queries: the matmul form. One query
-    per row, prompt chunks, half precision (whose softmax SDPA keeps in fp32) and dropout: SDPA."""
-    q32 = torch.zeros(1, 4, 8, 8)
-    q64, bf16 = q32.double(), q32.bfloat16()
-    assert takes_small_query_attention(q32, 2) and takes_small_query_attention(q32, 5)
-    assert takes_small_query_attention(q64, MATMUL_MAX_Q)
-    assert not takes_small_query_attention(q32, 1)
-    assert not takes_small_query_attention(q32, MATMUL_MAX_Q + 1)
-    assert not takes_small_query_attention(bf16, 5)
-    assert not takes_small_query_attention(q32.half(), 5)
-    assert not takes_small_query_attention(q32, 5, dropout=0.1)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (6, 1), (4, 4)])
+@pytest.mark.parametrize("q_len", [1, 3, 7])
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_masked_attention_folds_grouped_heads_and_equals_sdpa(heads, kv_heads, q_len, dtype, atol):
+    """Every masked SDPA call of the engine and the draft models: the query heads of each key head
+    folded into the query dimension (so SDPA sees no grouped-query heads) give what SDPA with
+    ``enable_gqa`` gives, for one query per row (whose mask broadcasts over the folded heads) and
+    several (whose mask is folded), per-row and shared masks, float rounding apart; in
+    transformers' ``[rows, q_len, heads, dim]`` layout."""
+    for mask_rows in (None, 1):
+        query, key, value, mask = _masked_case(3, heads, kv_heads, q_len, dtype, mask_rows, seed=heads + q_len)
+        for scale in (None, 0.3):
+            want = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                  enable_gqa=heads > kv_heads).transpose(1, 2)
+            folds: dict = {}
+            for _ in range(2):  # the second call reads the fold the first one made
+                got = masked_attention(query, key, value, mask, scale=scale, folds=folds)
+                assert got.shape == want.shape == (3, q_len, heads, 8) and got.is_contiguous()
+                assert torch.allclose(got, want, atol=atol, rtol=0)
+            assert len(folds) == (1 if q_len > 1 and heads > kv_heads else 0)
+
+
+def test_folded_masks_repeat_each_query_s_row_per_head_in_aligned_storage():
+    """fold_mask: folded query ``g * q_len + i`` is query ``i``'s row, in storage whose every row
+    starts at a multiple of MASK_ALIGN elements (what CUDA's memory-efficient kernel takes without
+    padding the mask again per layer); the engine's additive masks are laid out the same way."""
+    from goodspeed.lm.kv_slots import additive_mask
+
+    allowed = torch.rand(2, 3, 37, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask = additive_mask(allowed, torch.float32, "cpu")
+    assert mask.shape == (2, 1, 3, 37)
+    assert torch.equal(mask == 0, allowed.unsqueeze(1))
+    folded = fold_mask(mask, 4)
+    assert folded.shape == (2, 1, 12, 37)
+    for g in range(4):
+        assert torch.equal(folded[:, :, g * 3 : (g + 1) * 3], mask)
+    for m in (mask, folded):
+        assert m.stride(-1) == 1 and all(stride % MASK_ALIGN == 0 for stride in m.stride()[:-1])
+
+
+def test_packed_groups_fold_their_mask_once_per_forward_not_once_per_layer(monkeypatch):
+    """A packed forward over 4 layers with one masked group of 3-token rows: its mask is folded by
+    the first layer, and the other three reuse it."""
+    import goodspeed.lm.attention as attention
+    from goodspeed.lm.kv_slots import SlotKVCache
+
+    folds = []
+    monkeypatch.setattr(attention, "fold_mask", lambda mask, groups: folds.append(groups) or fold_mask(mask, groups))
+    model = tiny_llama(2, layers=4)
+    use_gqa_attention(model)
+    cache = SlotKVCache(num_layers=4, initial_capacity=16)
+    for _ in range(2):
+        cache.add_slot()
+    with torch.inference_mode():
+        for tokens in ([[1, 2, 3], [4, 5]], [[6, 7, 8], [9, 10, 11]]):
+            layout = cache.pack(tokens, [None, None], slice(0, 2), torch.float64)
+            model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
+                  **{attention.PACKED: layout}, **with_cache(model, cache), use_cache=True)
+            for slot, t in enumerate(tokens):
+                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
+    assert folds == [2, 2]  # one fold a forward, for 4 query heads over 2 key heads
 
 
 def _pool_case(heads, kv_heads, dim, dtype, device, seed=0):
@@ -134,3 +175,20 @@ def test_flash_varlen_kernel_equals_each_row_s_attention_on_the_pool(heads, kv_h
     want = _row_attention(query.cpu(), keys.cpu(), values.cpu(), rows, dim ** -0.5)
     assert got.shape == want.shape and got.dtype == dtype
     assert (got.double().cpu() - want).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_cuda_masked_attention_is_eligible_for_the_memory_efficient_kernel(dtype, q_len):
+    """GPU: the folded call (no grouped-query heads left, an aligned mask) is one the memory-efficient
+    kernel takes, where the same masked call with ``enable_gqa`` is not: that one runs on the math
+    kernel, which copies every key head per query head."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention
+
+    query, key, value, mask = _masked_case(3, 9, 3, q_len, dtype, device="cuda")
+    mask = fold_mask(mask, 3) if q_len > 1 else mask
+    folded_query = query.reshape(3, 3, 3 * q_len, 8)
+    assert can_use_efficient_attention(SDPAParams(folded_query, key, value, mask, 0.0, False, False), True)
+    grouped_mask = _masked_case(3, 9, 3, q_len, dtype, device="cuda")[3]
+    assert not can_use_efficient_attention(SDPAParams(query, key, value, grouped_mask, 0.0, False, True), False)
