@@ -3,7 +3,7 @@ real pair.
 
     python -m bench.bench_local [--requests 48] [--rate 40 [20 ...] | --load 0.4 [0.2 ...]] [--seed 0 [1 ...]] [--max-new-tokens 32]
                                 [--draft draft-small] [--target demo:target] [--dtype float32]
-                                [--device cpu] [--threads N] [--policies none,adaserve ...] [--replay-gqa] [--json]
+                                [--device cpu] [--threads N] [--policies none,adaserve ...] [--variants gqa pad] [--json]
 
 Needs the demo models (`goodspeed models build-demo`), or for ``--target real:smollm2-135m
 --draft real:smollm2-135m-draft`` the real pair (`goodspeed models get smollm2-135m`). A bare
@@ -24,10 +24,11 @@ Needs the demo models (`goodspeed models build-demo`), or for ``--target real:sm
 (:func:`capacity_req_s`), so one load means the same on a slow CPU and a GPU. Several ``--rate``
 (or ``--load``) and ``--seed`` values replay one trace per (rate, seed) cell with the same models
 and profile (so the same SLOs); ``--json`` then prints ``{"cells": [...]}``, one object per cell,
-each shaped as a single cell's output. ``--replay-gqa`` also replays each policy with masked
-attention as it ran before 2026-11-26 (``bench.bench_attention.grouped_masked_attention``: SDPA
-with ``enable_gqa`` over the rows' own mask, on CUDA the math kernel), as ``POLICY [GQA SDPA]``
-in the same cell: the same trace, profile and SLOs. On an accelerator (``--device cuda``) a short replay of 4
+each shaped as a single cell's output. ``--variants`` also replays each policy in the same cell
+(the same trace, profile and SLOs) with ``gqa``: masked attention as it ran before 2026-11-26
+(``bench.bench_attention.grouped_masked_attention``: SDPA with ``enable_gqa`` over the rows' own
+mask, on CUDA the math kernel), named ``POLICY [GQA SDPA]``; ``pad``: the engine's rows padded
+where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``. On an accelerator (``--device cuda``) a short replay of 4
 requests per policy runs first and is discarded, so the first policy timed does not pay for
 kernel selection and allocator growth.
 """
@@ -84,20 +85,20 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
 
 
 FOLDED = attention.masked_attention
-GQA_SUFFIX = " [GQA SDPA]"
+VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]"}  # --variants: name -> suffix of the policy's name
 
 
 def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int,
-           grouped: bool = False) -> tuple[dict, dict]:
+           variant: str | None = None) -> tuple[dict, dict]:
     """One policy over ``trace`` on a fresh engine and local server: (its summary, its outputs).
-    ``grouped``: with masked attention as it ran before 2026-11-26 (see the module docstring)."""
-    if grouped:
+    ``variant``: one of ``VARIANTS`` (see the module docstring)."""
+    if variant == "gqa":
         attention.masked_attention = grouped_masked_attention
         try:
             return replay(target, draft, profile, trace, policy, max_requests, seed)
         finally:
             attention.masked_attention = FOLDED
-    engine = VerificationEngine(target.model, EngineConfig(seed=seed))
+    engine = VerificationEngine(target.model, EngineConfig(seed=seed, pad_rows=variant == "pad"))
     config = LocalConfig(**{"policy": "none", **policy}, latency=profile, max_requests=max_requests, seed=seed)
     serving = LocalServing(engine, draft.model, config)
     summary = summarize(run_trace_local(serving, trace))
@@ -133,8 +134,9 @@ def main() -> int:
     ap.add_argument("--policies", default=None, help="comma-separated subset of: " + ", ".join(n for n, _ in POLICIES + NAMED_ONLY))
     ap.add_argument("--max-requests", type=int, default=16)
     ap.add_argument("--seed", type=int, nargs="+", default=[0], help="trace and engine seeds (several: one cell each)")
-    ap.add_argument("--replay-gqa", action="store_true",
-                    help="also run each policy with masked attention as before 2026-11-26 (SDPA with enable_gqa)")
+    ap.add_argument("--variants", nargs="+", default=[], choices=sorted(VARIANTS),
+                    help="also run each policy with: gqa, masked attention as before 2026-11-26 (SDPA with enable_gqa); "
+                         "pad, the engine's rows padded (EngineConfig.pad_rows)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.rate is None and args.load is None:
@@ -168,8 +170,8 @@ def main() -> int:
     if target.model.device.type != "cpu":  # kernel selection and allocator growth, off the clock
         warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
         for _, kw in policies:
-            for grouped in (False, True) if args.replay_gqa else (False,):
-                replay(target, draft, profile, warm, kw, args.max_requests, 0, grouped)
+            for variant in (None, *args.variants):
+                replay(target, draft, profile, warm, kw, args.max_requests, 0, variant)
     cells = []
     for rate in rates:
         for seed in args.seed:
@@ -178,10 +180,10 @@ def main() -> int:
             print(f"trace: {args.requests} requests, Poisson {rate:.2f}/s (load {rate / capacity:.2f}), seed {seed}, "
                   f"{args.max_new_tokens} new tokens each, SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
             results, reference = {}, None
-            runs = [(name, kw, grouped) for name, kw in policies for grouped in ((False, True) if args.replay_gqa else (False,))]
-            for name, kw, grouped in runs:
-                name += GQA_SUFFIX if grouped else ""
-                summary, outputs = replay(target, draft, profile, trace, kw, args.max_requests, seed, grouped)
+            runs = [(name, kw, variant) for name, kw in policies for variant in (None, *args.variants)]
+            for name, kw, variant in runs:
+                name += VARIANTS[variant] if variant else ""
+                summary, outputs = replay(target, draft, profile, trace, kw, args.max_requests, seed, variant)
                 if reference is None:
                     reference = outputs
                 summary["lossless"] = outputs == reference

@@ -17,7 +17,7 @@ accepts a known path. Four shapes of draft, greedy, ``--rows`` requests each:
   the position after the root (:meth:`goodspeed.lm.kv_slots.SlotKVCache.commit_many`) in every
   row with more than one child.
 
-Each shape runs three times over, on engines of its own whose steps alternate (``path``):
+Each shape runs four times over, on engines of its own whose steps alternate (``path``):
 
 * ``engine``: the engine as it is;
 * ``row by row``: the KV commit as it ran before ``commit_many`` (one gather and scatter per layer
@@ -25,7 +25,9 @@ Each shape runs three times over, on engines of its own whose steps alternate (`
 * ``GQA SDPA``: masked attention as it ran before :func:`goodspeed.lm.attention.masked_attention`
   folded grouped-query heads into the query dimension: SDPA with ``enable_gqa`` over the rows'
   mask, which on CUDA only the math kernel takes (on a CPU, whose fused kernel takes both, the
-  two paths dispatch the same ops).
+  two paths dispatch the same ops);
+* ``pad rows``: the engine with ``EngineConfig.pad_rows``: the rows laid out padded to the longest,
+  pads in the model's input, so attention gathers and scatters nothing.
 
 Figures: aten ops a step dispatches (views aside; counted by a ``TorchDispatchMode`` over one
 step), of them the KV commit's, and the median milliseconds of ``VerificationEngine.run_round``
@@ -68,7 +70,7 @@ from goodspeed.verifier.types import Draft, SparseProbs
 SHAPES = ("plain", "chain", "tree-first", "tree-moved")
 BATCHED_Q_ROWS = verify_rows.q_rows_at  # the engine's; "row by row" swaps it out while its step runs
 FOLDED_ATTENTION = attention.masked_attention  # the engine's; "GQA SDPA" swaps it out while its step runs
-PATHS = ("engine", "row by row", "GQA SDPA")
+PATHS = ("engine", "row by row", "GQA SDPA", "pad rows")
 PROMPT = 32
 
 
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     for s_index, shape in enumerate(shapes):
         for path in PATHS:
-            engine = VerificationEngine(model, EngineConfig(budget=4 * args.rows, policy="fixed", max_draft_len=3, seed=0))
+            engine = VerificationEngine(model, EngineConfig(budget=4 * args.rows, policy="fixed", max_draft_len=3, seed=0,
+                                                            pad_rows=path == "pad rows"))
             sessions = [engine.join(f"r{i}") for i in range(args.rows)]
             for sid, prompt in zip(sessions, prompts):
                 engine.start_request(sid, prompt, sampling, length)

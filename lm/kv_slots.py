@@ -25,6 +25,10 @@ Chains of a packed forward may attend through a varlen kernel (:attr:`SlotKVCach
 the engine on CUDA): such a group carries no mask, and the kernel reads the pool or a slot's own
 buffers flattened in place (:meth:`SlotKVCache.flat_kv`).
 
+A packed forward may instead lay its rows out padded, pads in the model's input, where the step
+allows it (``pack(pad=True)``, ``EngineConfig.pad_rows``): attention then gathers and scatters
+nothing, two ops a layer a launch-bound device pays for, and the linear layers see the pads.
+
 Buffers are created under ``torch.inference_mode`` (the engine's forward), so every method that
 moves entries runs in inference mode too. The object implements the two methods transformers' attention layers call on a cache
 (``update`` and ``get_seq_length``), so any causal LM that takes a cache works (``cache=``, or
@@ -157,7 +161,7 @@ class SlotKVCache:
         return self._kv_len
 
     def pack(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
-             device: torch.device | str = "cpu", solo: tuple[int, ...] = ()) -> PackedRows:
+             device: torch.device | str = "cpu", solo: tuple[int, ...] = (), pad: bool = False) -> PackedRows:
         """Set up a *packed* forward over the slots ``rows``: row ``r`` brings ``tokens[r]`` (any
         number, 0 for an idle slot inside the window), written at its committed length. The model
         sees only the real tokens (``[1, T]``, no padding); attention (:mod:`goodspeed.lm.attention`)
@@ -169,9 +173,14 @@ class SlotKVCache:
         a buffer of its own (see the module docstring; decided here, from what this forward writes)
         is attended on its own too, with logits. The others share one group. The packed order is
         solo rows, own-buffer rows, then the shared group, so the rows with logits are the last
-        ``PackedRows.keep`` tokens."""
+        ``PackedRows.keep`` tokens.
+
+        ``pad``: where the step allows it, lay the rows out padded instead (:meth:`_pack_padded`):
+        the model then sees pad tokens too, and attention needs no gather or scatter."""
         sizes = [len(t) for t in tokens]
         self._place({rows.start + r: self.lengths[rows.start + r] + n for r, n in enumerate(sizes) if n})
+        if pad and self._can_pad(tokens, parents, rows, solo):
+            return self._pack_padded(tokens, parents, rows, dtype, device)
         lengths = self.lengths[rows]
         alone = sorted(set(solo))
         own = [r for r in range(len(tokens)) if sizes[r] and r not in alone and rows.start + r in self._own]
@@ -236,6 +245,44 @@ class SlotKVCache:
         self._kv_len = max((g.kv_len for g in groups if g.own is None), default=0)  # the pool view attention reads
         logit_rows = max((sizes[r] for r in own + shared), default=0)
         return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, logit_rows, keep, self)
+
+    def _can_pad(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, solo: tuple[int, ...]) -> bool:
+        """Whether :meth:`_pack_padded` can take this step, its real tokens placed: no solo rows (a
+        prompt chunk's KV would share positions with its row's pads), a masked shared group
+        (chains through the varlen kernel need no gather anyway), and every slot of the window in
+        the pool with room for its pads at its current capacity: pads never grow memory."""
+        if solo or not any(tokens) or (self.varlen is not None and all(p is None for p in parents)):
+            return False
+        q_len = max(len(t) for t in tokens)
+        return all(slot not in self._own and self.lengths[slot] + q_len <= self._capacity
+                   for slot in range(rows.start, rows.stop))
+
+    def _pack_padded(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
+                     device: torch.device | str) -> PackedRows:
+        """:meth:`pack` with every window row padded to the longest: row ``r``'s ``q_len`` tokens
+        are its own, then pads (its last token repeated; 0 in an idle row), all written at its
+        committed length on, so the pads' entries lie past it and no commit keeps them. One
+        attention group whose queries are the forward's tokens as they are: no gather, no
+        scatter, which a launch-bound device pays per layer; the linear layers see the pads,
+        which a compute-bound one pays. The padded reference forward (:meth:`prepare`) on a
+        ``[1, rows x q_len]`` layout: the same keys under the same mask for every real query."""
+        sizes = [len(t) for t in tokens]
+        q_len, lengths = max(sizes), self.lengths[rows]
+        width = len(tokens)
+        # Keys up to the longest row's last real token, as in pack(): no query is masked whole (a
+        # pad sees its row's prefix, or, in a row with none, its own position, below q_len <= kv_len)
+        kv_len = max(lengths[r] + sizes[r] for r in range(width) if sizes[r])
+        mask, positions = build_attention(lengths, parents, q_len, kv_len, dtype, device)
+        ids = [t + [t[-1] if t else 0] * (q_len - len(t)) for t in tokens]
+        self._rows = rows
+        self._pool_tokens, self._own_writes = None, []
+        self._write_rows = torch.arange(rows.start, rows.stop).repeat_interleave(q_len).unsqueeze(0)
+        self._write_pos = (torch.tensor(lengths).unsqueeze(1) + torch.arange(q_len)).view(1, -1)
+        self._kv_len = kv_len
+        total = width * q_len
+        group = AttentionGroup(slice(0, width), q_len, kv_len, mask, slice(0, total), None, None, slice(0, total))
+        return PackedRows(torch.tensor(ids, dtype=torch.long).view(1, -1).to(device), positions.reshape(1, -1),
+                          (group,), [r * q_len for r in range(width)], sizes, q_len, total, self)
 
     def flat_kv(self, layer: int, own: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """``layer``'s keys and values flattened to ``[positions, 1, head_dim]`` (views, no copy),

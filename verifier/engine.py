@@ -513,7 +513,7 @@ class VerificationEngine:
         own with no logits computed; otherwise every row is padded to the longest (the reference
         path)."""
         if self.config.packed:
-            layout = self.cache.pack(tokens, parents, window, self.dtype, self.device, solo)
+            layout = self.cache.pack(tokens, parents, window, self.dtype, self.device, solo, pad=self.config.pad_rows)
             # Logits only for the tokens someone reads (never a prompt chunk's).
             extra = keep_logits(self.model, max(layout.keep, 1))
             with torch.inference_mode():

@@ -41,6 +41,13 @@ class EngineConfig:
     # lengths) and masked SDPA elsewhere; "varlen" requires the kernel (the engine refuses to start
     # without it); "masked" keeps masked SDPA everywhere.
     attention: str = "auto"
+    # Packed forwards whose rows share one masked attention group (trees; chains without the varlen
+    # kernel) lay those rows out padded to the longest, pads included in the model's input, where
+    # the step allows it (no prompt chunk, no slot with KV buffers of its own): attention then
+    # gathers and scatters nothing, two ops a layer that a launch-bound GPU pays for, while the
+    # linear layers see the pads (goodspeed.lm.kv_slots.SlotKVCache.pack). Off by default: not yet
+    # timed on a GPU (docs/BENCHMARKS.md).
+    pad_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
@@ -55,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {self.attention!r}")
         if self.attention == "varlen" and not self.packed:
             raise ValueError("attention 'varlen' needs packed forwards")
+        if self.pad_rows and not self.packed:
+            raise ValueError("pad_rows needs packed forwards (padded ones pad every row already)")
         make_policy(self.policy)  # unknown names fail here, not on the first round
         if self.smoothing is None:
             object.__setattr__(self, "smoothing", smoothing_of(self.policy))

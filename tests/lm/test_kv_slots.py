@@ -63,21 +63,23 @@ def test_memory_is_given_back_when_long_sessions_leave():
     assert long.keys == [None] and long.values == [None]
 
 
-def _step(model, cache, tokens, parents, packed, solo=(), layouts=None, dtype=torch.float64, device="cpu"):
+def _step(model, cache, tokens, parents, packed, solo=(), layouts=None, dtype=torch.float64, device="cpu", pad=False):
     """One forward over every slot of ``cache``; logits ``[rows, q_len, V]`` (packed: gathered back
-    to the padded layout; pad positions are not compared). ``layouts`` collects packed layouts."""
+    to the padded layout; pad positions are not compared). ``layouts`` collects packed layouts;
+    ``pad``: ``pack(pad=True)``."""
     from goodspeed.lm.attention import PACKED, with_cache
     from goodspeed.lm.kv_slots import build_attention
 
     window = slice(0, len(tokens))
     with torch.inference_mode():
         if packed:
-            layout = cache.pack(tokens, parents, window, dtype, device, solo=solo)
+            layout = cache.pack(tokens, parents, window, dtype, device, solo=solo, pad=pad)
             if layouts is not None:
                 layouts.append(layout)
             out = model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
                         **with_cache(model, cache), use_cache=True, **{PACKED: layout})
-            assert out.logits.shape[1] == sum(map(len, tokens))  # the model saw no padding
+            if not pad:
+                assert out.logits.shape[1] == sum(map(len, tokens))  # the model saw no padding
             return layout.padded(out.logits, [r for r, t in enumerate(tokens) if t and r not in solo])
         q_len = max(map(len, tokens))
         ids = torch.tensor([t + [0] * (q_len - len(t)) for t in tokens], device=device)
@@ -122,6 +124,54 @@ def test_packed_forwards_equal_padded_ones_for_chains_trees_and_idle_slots(varle
     expected = {None: [["masked"], ["masked"] * 2, ["masked"] * 3],
                 REFERENCE_VARLEN: [["varlen"], ["varlen", "masked"], ["varlen", "masked", "varlen"]]}
     assert _paths(layouts) == expected[varlen]
+
+
+@pytest.mark.parametrize("varlen", VARLEN, ids=VARLEN_IDS)
+def test_padded_rows_equal_gathered_ones_and_fall_back_where_they_cannot_pad(varlen):
+    """pack(pad=True): where a step has no prompt chunk and no slot with KV buffers of its own, and
+    its rows share a masked group, the rows are laid out padded (pads in the model's input, no
+    gather or scatter), with the same logits at every real position as the gathered layout and
+    the same committed KV after each step's commits, tree moves included (float64, 1e-9). Where
+    the step cannot pad (a chunk, a slot outgrowing the pool, chains for the varlen kernel), the
+    layout is the gathered one."""
+    from goodspeed.lm.attention import use_gqa_attention
+    from modelkit import tiny_llama
+
+    model = tiny_llama(11)
+    use_gqa_attention(model)
+    caches = {mode: SlotKVCache(num_layers=2, initial_capacity=16) for mode in ("gather", "pad")}
+    for cache in caches.values():
+        cache.varlen = varlen
+        for _ in range(4):
+            cache.add_slot()
+    steps = [  # (tokens, parents, solo, kept per row: what each row commits)
+        ([[1, 2, 3, 4, 5], [9, 8], [3, 3, 3], [5]], [None] * 4, (), None),
+        ([[10, 11, 12], [13, 14, 15, 16], [], [18]], [None, [-1, 0, 0, 1], None, None], (), [[0, 1], [0, 2, 3], [], [0]]),
+        ([[19], [20, 21, 22], [23, 24], [25]], [[-1], [-1, -1, 0], None, None], (), [[0], [0, 2], [0, 1], [0]]),
+        ([[26, 27], [28], [30, 31, 32, 33, 34, 35, 36, 37], [29]], [None] * 4, (2,), None),  # a prompt chunk: no pad
+        ([[38], [39, 40], [41, 42, 43, 44, 45, 46, 47, 7, 6], []], [None, [-1, 0], None, None], (), None),  # slot 2 outgrows 16
+    ]
+    padded = []
+    for tokens, parents, solo, kept in steps:
+        out = {}
+        for mode, cache in caches.items():
+            layouts = []
+            out[mode] = _step(model, cache, tokens, parents, True, solo=solo, layouts=layouts, pad=mode == "pad")
+            if mode == "pad":
+                layout = layouts[0]
+                padded.append(layout.input_ids.shape[1] == len(tokens) * max(map(len, tokens)))
+                if padded[-1]:
+                    assert len(layout.groups) == 1 and layout.groups[0].gather is None and layout.groups[0].scatter is None
+        for r, row in enumerate(r for r, t in enumerate(tokens) if t and r not in solo):
+            n = len(tokens[row])
+            assert torch.allclose(out["pad"][r, :n], out["gather"][r, :n], atol=1e-9, rtol=0)
+        for cache in caches.values():
+            cache.commit_many([(slot, cache.lengths[slot], (kept[slot] if kept else list(range(len(t)))))
+                               for slot, t in enumerate(tokens)])
+        _assert_same_kv(caches["pad"], caches["gather"])
+    # Steps 0-2 pad when the shared group is masked (with the varlen kernel, step 0's chains need no
+    # gather); the chunk (3) and the slot outgrowing the pool (4) keep the gathered layout.
+    assert padded == ([True, True, True, False, False] if varlen is None else [False, True, True, False, False])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

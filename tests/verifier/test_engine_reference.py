@@ -38,13 +38,15 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(t
 
 
 # False: the padded reference path; "varlen": packed, chains through the varlen call (its
-# plain-torch reference on CPU; flash's on CUDA), with a pool small enough that slots outgrow it.
-@pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False), (1, "varlen")])
+# plain-torch reference on CPU; flash's on CUDA), with a pool small enough that slots outgrow it;
+# "pad": packed with the rows padded where a step allows it (EngineConfig.pad_rows).
+@pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False), (1, "varlen"), (2, "pad")])
 def test_batched_rounds_equal_reference(seed, packed):
     rng = np.random.default_rng(seed)
     target = tiny_llama(10 + seed)
     draft = perturbed(target, 0.2, 99)
-    engine = VerificationEngine(target, EngineConfig(budget=40, policy="random", max_draft_len=7, seed=seed, packed=bool(packed)))
+    engine = VerificationEngine(target, EngineConfig(budget=40, policy="random", max_draft_len=7, seed=seed, packed=bool(packed),
+                                                     pad_rows=packed == "pad"))
     if packed == "varlen":
         engine.cache = SlotKVCache(engine.cache.num_layers, initial_capacity=16)
         engine.slots = SlotTable(engine.cache)
@@ -83,11 +85,12 @@ def test_batched_rounds_equal_reference(seed, packed):
             assert v.prefix_hash == prefix_hash(runner.committed) == runner.prefix_hash  # incremental = from scratch
 
 
-def test_tree_round_equals_reference_tree_walk():
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_tree_round_equals_reference_tree_walk(pad_rows):
     """A tree draft is verified with an ancestor mask in the same forward as a chain; its logits
-    must equal separate forwards along each root-to-node path."""
+    must equal separate forwards along each root-to-node path (with the rows padded, too)."""
     target = tiny_llama(20)
-    engine = VerificationEngine(target, EngineConfig(budget=40, max_draft_len=8))
+    engine = VerificationEngine(target, EngineConfig(budget=40, max_draft_len=8, pad_rows=pad_rows))
     a, b = engine.join("tree"), engine.join("chain")
     engine.start_request(a, [3, 4, 5], SamplingParams(), 50)
     engine.start_request(b, [9] * 11, SamplingParams(), 50)

@@ -27,8 +27,9 @@ def models():
     return target, perturbed(target, 0.3, 2)
 
 
-def serve(target, draft, policy, clock=None, prefill_chunk=None, **kw):
-    engine = VerificationEngine(target, EngineConfig(seed=3 if kw.get("seed") is None else kw["seed"], prefill_chunk=prefill_chunk))
+def serve(target, draft, policy, clock=None, prefill_chunk=None, pad_rows=False, **kw):
+    engine = VerificationEngine(target, EngineConfig(seed=3 if kw.get("seed") is None else kw["seed"], prefill_chunk=prefill_chunk,
+                                                     pad_rows=pad_rows))
     config = LocalConfig(policy=policy, latency=PROFILE if policy == "turbospec" else None, **kw)
     return LocalServing(engine, draft, config, clock or SimulatedClock(TARGET_COST, DRAFT_COST))
 
@@ -43,13 +44,14 @@ def drain(serving, max_steps=10_000):
     raise AssertionError("serving did not finish")
 
 
-@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("chunk, pad_rows", [(None, False), (2, False), (2, True)])
 @pytest.mark.parametrize("policy", LOCAL_POLICIES)
-def test_greedy_outputs_equal_the_targets_own(models, policy, chunk):
+def test_greedy_outputs_equal_the_targets_own(models, policy, chunk, pad_rows):
     """Also with chunked prefill (2 prompt tokens per step): requests draft from the step after
-    their prompt is in, next to others that already do."""
+    their prompt is in, next to others that already do; and with the engine's rows padded where a
+    step has no chunk (EngineConfig.pad_rows)."""
     target, draft = models
-    serving = serve(target, draft, policy, prefill_chunk=chunk, max_requests=4, budget=12, k=3, extra=2)
+    serving = serve(target, draft, policy, prefill_chunk=chunk, pad_rows=pad_rows, max_requests=4, budget=12, k=3, extra=2)
     slos = [None, 5.0, 50.0, None, 1.0, 20.0]
     ids = [serving.submit(p, max_new_tokens=10 + i, tpot_slo_ms=slo) for i, (p, slo) in enumerate(zip(PROMPTS, slos))]
     reports = drain(serving)

@@ -36,9 +36,9 @@ class ValueRankedTetris(LocalServing):
         return [np.cumsum(np.log(np.array(d.token_probs))) for d in drafts]
 
 
-def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_request_seeds=False) -> list[list[int]]:
+def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_request_seeds=False, pad_rows=False) -> list[list[int]]:
     target, draft = models
-    engine = VerificationEngine(target, EngineConfig(seed=seed))
+    engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows))
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
     serving = cls(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
@@ -61,6 +61,12 @@ def check(models, outputs, expect_ok=True):
 @pytest.mark.parametrize("policy", ["none", "chain", "adaserve", "turbospec", "nightjar"])
 def test_every_local_policy_follows_the_target(models, policy):
     check(models, generate(models, policy, 600))
+
+
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_padded_rows_keep_sampling_exact(models, policy):
+    """The engine's rows padded where a step allows it (EngineConfig.pad_rows): chains and trees."""
+    check(models, generate(models, policy, 600, pad_rows=True))
 
 
 @pytest.mark.parametrize("policy", ["chain", "tetris"])
