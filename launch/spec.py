@@ -156,6 +156,10 @@ class VerifierSpec:
     attention: str = setting("auto", "packed forwards' attention: auto (flash's varlen kernel for chains on CUDA in "
                                      "bf16 / fp16 where torch has it, else masked SDPA), varlen (require that kernel) "
                                      "or masked (masked SDPA everywhere)", to="engine.attention", choices=ATTENTION_PATHS)
+    pad_rows: bool = setting(False, "lay a step's rows out padded, pads in the target's input, where the step allows it "
+                                    "(no prompt chunk): tree rows then attend with no gather or scatter, two ops a layer "
+                                    "that a launch-bound GPU pays; the linear layers see the pads (14-20%% slower on CPU; "
+                                    "not yet timed on a GPU)", to="engine.pad_rows")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)
     seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and name "

@@ -161,10 +161,12 @@ class VerificationEngine:
 
     @property
     def attention(self) -> str:
-        """How packed forwards attend: the varlen kernel's name for chains, or masked SDPA."""
+        """How packed forwards attend: the varlen kernel's name for chains, or masked SDPA (and
+        whether rows are padded where a step allows it: ``EngineConfig.pad_rows``)."""
+        padded = ", rows padded where a step allows" if self.config.pad_rows else ""
         if self.cache.varlen is None:
-            return "masked SDPA" if self.config.packed else "masked SDPA (padded forwards)"
-        return f"{self.cache.varlen.name} for chains, masked SDPA for trees"
+            return ("masked SDPA" + padded) if self.config.packed else "masked SDPA (padded forwards)"
+        return f"{self.cache.varlen.name} for chains, masked SDPA for trees{padded}"
 
     @property
     def estimator(self):

@@ -40,7 +40,7 @@ CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy
                http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
                local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
                local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
-               max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked",
+               max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True,
                async_shares="free")
 
 

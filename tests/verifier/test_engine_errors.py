@@ -169,5 +169,8 @@ def test_the_attention_path_is_chosen_by_the_config_and_an_impossible_varlen_is_
     assert VerificationEngine(tiny_llama(0)).attention == "masked SDPA"
     assert VerificationEngine(tiny_llama(0), EngineConfig(attention="masked")).attention == "masked SDPA"
     assert VerificationEngine(tiny_llama(0), EngineConfig(packed=False)).attention == "masked SDPA (padded forwards)"
+    assert VerificationEngine(tiny_llama(0), EngineConfig(pad_rows=True)).attention == "masked SDPA, rows padded where a step allows"
+    with pytest.raises(ValueError, match="pad_rows needs packed forwards"):
+        EngineConfig(pad_rows=True, packed=False)
     with pytest.raises(ValueError, match=r"needs flash's varlen kernel.*\(this model: cpu, torch.float64"):
         VerificationEngine(tiny_llama(0), EngineConfig(attention="varlen"))
