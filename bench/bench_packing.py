@@ -97,10 +97,13 @@ def bench_spec(name: str, rounds: int, repeats: int) -> dict:
 
 def attention_cost(repeats: int = 3000) -> dict:
     """What attention costs in the padded layout packed forwards keep (the demo target's shapes: 4
-    query heads over 2 KV heads of 32, 120 keys): one SDPA call per layer for 4 rows padded to 8
-    and to 12 queries, and the 5-D broadcast layout that would skip the padding (12 queries as 3
-    chunks of 4 sharing their row's keys). Median microseconds per call."""
+    query heads over 2 KV heads of 32, 120 keys): the engine's masked call per layer
+    (``lm.attention.masked_attention``, its folded mask made once, as a forward makes it) for 4
+    rows padded to 8 and to 12 queries, and the 5-D broadcast layout that would skip the padding
+    (12 queries as 3 chunks of 4 sharing their row's keys). Median microseconds per call."""
     import torch.nn.functional as F
+
+    from goodspeed.lm.attention import masked_attention
 
     def timed(fn) -> float:
         fn()
@@ -116,7 +119,8 @@ def attention_cost(repeats: int = 3000) -> dict:
     out = {}
     for q_len in (8, 12):
         query, mask = torch.randn(4, 4, q_len, 32, generator=gen), torch.zeros(4, 1, q_len, 120)
-        out[f"padded_4x{q_len}_us"] = timed(lambda: F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True))
+        folds: dict = {}
+        out[f"padded_4x{q_len}_us"] = timed(lambda: masked_attention(query, keys, values, mask, folds=folds))
     query, mask = torch.randn(4, 3, 4, 4, 32, generator=gen), torch.zeros(4, 3, 1, 4, 120)
     k5, v5 = keys.unsqueeze(1).expand(4, 3, 2, 120, 32), values.unsqueeze(1).expand(4, 3, 2, 120, 32)
     out["broadcast_4x3x4_us"] = timed(lambda: F.scaled_dot_product_attention(query, k5, v5, attn_mask=mask, enable_gqa=True))
