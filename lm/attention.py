@@ -98,8 +98,8 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     With grouped-query heads, the query heads that read one key head are folded into the query
     dimension, so no key is copied and SDPA is asked for no ``enable_gqa`` (see the module
     docstring: on CUDA, the difference between a fused kernel and the math one). One query per
-    row needs no new mask (the row's broadcasts over the folded heads); more take
-    :func:`fold_mask`'s, made once per forward when ``folds`` (a dict kept with one mask) is
+    row, or a mask row shared by every query, needs no new mask (it broadcasts over the folded
+    heads); more take :func:`fold_mask`'s, made once per forward when ``folds`` (a dict kept with one mask) is
     given. Same maths as ``scaled_dot_product_attention(..., enable_gqa=True)``, float rounding
     apart (``tests/lm/test_attention.py``)."""
     rows, heads, q_len, dim = query.shape
@@ -109,7 +109,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale,
                                              enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous()
-    if q_len > 1:
+    if mask.shape[2] > 1:  # one row per query (a row shared by every query broadcasts as it is)
         folded = None if folds is None else folds.get(groups)
         if folded is None:
             folded = fold_mask(mask, groups)

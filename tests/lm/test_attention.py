@@ -64,6 +64,9 @@ def test_masked_attention_folds_grouped_heads_and_equals_sdpa(heads, kv_heads, q
                 assert got.shape == want.shape == (3, q_len, heads, 8) and got.is_contiguous()
                 assert torch.allclose(got, want, atol=atol, rtol=0)
             assert len(folds) == (1 if q_len > 1 and heads > kv_heads else 0)
+    shared = mask[:, :, :1]  # one mask row for every query of a row: it broadcasts, folded or not
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=shared, enable_gqa=heads > kv_heads).transpose(1, 2)
+    assert torch.allclose(masked_attention(query, key, value, shared), want, atol=atol, rtol=0)
 
 
 def test_folded_masks_repeat_each_query_s_row_per_head_in_aligned_storage():
