@@ -23,11 +23,13 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from goodspeed.lm.attention import fold_mask, masked_attention
+from goodspeed.lm import attention
+from goodspeed.lm.attention import masked_attention
 
 HEADS = {"demo": (4, 2, 32), "smollm2": (9, 3, 64)}  # query heads, key heads, head dim
 WARM = [(8, 1, 69), (8, 2, 300), (8, 5, 69), (8, 5, 1029), (8, 8, 1029), (8, 16, 300), (8, 32, 300),
@@ -52,10 +54,22 @@ def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def grouped_masked_attention(query, key, value, mask, dropout=0.0, scale=None, folds=None):
     """``lm.attention.masked_attention`` as it ran before 2026-11-26, before it folded grouped-query
     heads: SDPA with ``enable_gqa`` over the rows' own mask (on CUDA, the math kernel). The benches
-    swap it in for ``attention.masked_attention`` to replay that path."""
+    swap it in (:func:`masked_attention_as`) to replay that path."""
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale,
                                          enable_gqa=query.shape[1] > key.shape[1])
     return out.transpose(1, 2).contiguous()
+
+
+@contextmanager
+def masked_attention_as(fn):
+    """Every masked attention call (the engine's and the draft models') made by ``fn`` inside the
+    block: the attention function reads ``goodspeed.lm.attention.masked_attention`` per call."""
+    before = attention.masked_attention
+    attention.masked_attention = fn
+    try:
+        yield
+    finally:
+        attention.masked_attention = before
 
 
 def _inputs(rows: int, q_len: int, kv_len: int, heads: int, kv_heads: int, dim: int, gen: torch.Generator):
@@ -89,8 +103,7 @@ def time_alternating(calls: dict, repeats: int, sync=lambda: None) -> dict:
 def _kernels(layers: list):
     """The three kernels over ``layers`` (one input tuple each), each call on the next layer's inputs."""
     state = {"matmul": 0, "sdpa": 0, "folded": 0}
-    folds = [{query.shape[1] // key.shape[1]: fold_mask(mask, query.shape[1] // key.shape[1])}
-             for query, key, _, mask in layers]
+    folds = [{} for _ in layers]  # filled by the warm-up calls, reused as a forward's layers do
 
     def call(name):
         def run():

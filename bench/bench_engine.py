@@ -34,10 +34,10 @@ import time
 import numpy as np
 import torch
 
-from bench.bench_attention import grouped_masked_attention, matmul_attention
+from bench.bench_attention import grouped_masked_attention, masked_attention_as, matmul_attention
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm import attention
+from goodspeed.lm.attention import masked_attention
 from goodspeed.lm.corpus import load_corpus, prompt_snippets
 from goodspeed.lm.demo import list_models
 from goodspeed.lm.loading import load_causal_lm
@@ -71,18 +71,15 @@ def engine_with_prefix(target, prefix_len: int, rng, rounds: int) -> Verificatio
 
 
 BLOCK = 5  # rounds per block: the two prefixes' rounds alternate in blocks
-FOLDED = attention.masked_attention
-
-
 def matmul_form(query, key, value, mask, dropout=0.0, scale=None, folds=None):
     """The engine's masked attention as it ran on CPU before 2026-11-26: rows of 2-32 queries in
     fp32 / fp64 by the matmul form; every other call by the engine's (SDPA, heads folded)."""
     if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and 2 <= query.shape[2] <= 32 and not dropout:
         return matmul_attention(query, key, value, mask, scale).transpose(1, 2)
-    return FOLDED(query, key, value, mask, dropout, scale, folds)
+    return masked_attention(query, key, value, mask, dropout, scale, folds)
 
 
-ATTENTION = {"": FOLDED, "_matmul": matmul_form, "_gqa": grouped_masked_attention}  # figure suffix -> the masked attention call
+ATTENTION = {"": masked_attention, "_matmul": matmul_form, "_gqa": grouped_masked_attention}  # figure suffix -> the masked attention call
 
 
 def round_figures(target, rounds: int) -> dict:
@@ -96,14 +93,11 @@ def round_figures(target, rounds: int) -> dict:
     results: dict[tuple, list] = {(prefix, mode): [] for prefix in engines for mode in ATTENTION}
     for engine in engines.values():
         timed_rounds(engine, engine.session_ids, 3, rng)  # warm-up
-    try:
-        for block in range(-(-rounds // BLOCK)):
-            for mode in list(ATTENTION)[:: 1 if block % 2 == 0 else -1]:
-                attention.masked_attention = ATTENTION[mode]
+    for block in range(-(-rounds // BLOCK)):
+        for mode in list(ATTENTION)[:: 1 if block % 2 == 0 else -1]:
+            with masked_attention_as(ATTENTION[mode]):
                 for prefix in (64, 1024) if block % 4 < 2 else (1024, 64):
                     results[prefix, mode] += timed_rounds(engines[prefix], engines[prefix].session_ids, BLOCK, rng)
-    finally:
-        attention.masked_attention = FOLDED
     med = {key: statistics.median(r.timings.total_s for r in runs) for key, runs in results.items()}
     share = statistics.median(1 - r.timings.forward_s / r.timings.total_s for r in results[64, ""])
     engine = engines[64]

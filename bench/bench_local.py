@@ -41,9 +41,9 @@ import sys
 
 import torch
 
-from bench.bench_attention import grouped_masked_attention
+from bench.bench_attention import grouped_masked_attention, masked_attention_as
 from goodspeed.launch.loadgen import make_trace, run_trace_local, summarize
-from goodspeed.lm import attention
+from goodspeed.lm.attention import masked_attention
 from goodspeed.lm.corpus import load_corpus, prompt_snippets
 from goodspeed.lm.loading import ModelLoadError, load_causal_lm
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -84,7 +84,6 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
 
 
-FOLDED = attention.masked_attention
 VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]"}  # --variants: name -> suffix of the policy's name
 
 
@@ -92,16 +91,11 @@ def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requ
            variant: str | None = None) -> tuple[dict, dict]:
     """One policy over ``trace`` on a fresh engine and local server: (its summary, its outputs).
     ``variant``: one of ``VARIANTS`` (see the module docstring)."""
-    if variant == "gqa":
-        attention.masked_attention = grouped_masked_attention
-        try:
-            return replay(target, draft, profile, trace, policy, max_requests, seed)
-        finally:
-            attention.masked_attention = FOLDED
     engine = VerificationEngine(target.model, EngineConfig(seed=seed, pad_rows=variant == "pad"))
     config = LocalConfig(**{"policy": "none", **policy}, latency=profile, max_requests=max_requests, seed=seed)
     serving = LocalServing(engine, draft.model, config)
-    summary = summarize(run_trace_local(serving, trace))
+    with masked_attention_as(grouped_masked_attention if variant == "gqa" else masked_attention):
+        summary = summarize(run_trace_local(serving, trace))
     t = serving.totals
     summary.update(steps=t["steps"], drafting_ms_per_step=1000 * t["drafting_s"] / max(t["steps"], 1),
                    round_ms_per_step=1000 * t["round_s"] / max(t["steps"], 1))

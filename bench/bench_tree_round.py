@@ -58,8 +58,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.bench_attention import grouped_masked_attention
-from goodspeed.lm import attention
+from bench.bench_attention import grouped_masked_attention, masked_attention_as
+from goodspeed.lm.attention import masked_attention
 from goodspeed.lm.kv_slots import SlotKVCache
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.lm.sampling import SamplingParams, process_logits
@@ -69,7 +69,6 @@ from goodspeed.verifier.types import Draft, SparseProbs
 
 SHAPES = ("plain", "chain", "tree-first", "tree-moved")
 BATCHED_Q_ROWS = verify_rows.q_rows_at  # the engine's; "row by row" swaps it out while its step runs
-FOLDED_ATTENTION = attention.masked_attention  # the engine's; "GQA SDPA" swaps it out while its step runs
 PATHS = ("engine", "row by row", "GQA SDPA", "pad rows")
 PROMPT = 32
 
@@ -225,17 +224,15 @@ def main(argv: list[str] | None = None) -> int:
                                      sparse_probs=sampled_draft(tokens, vocab, rng) if sampled else None))
         if sampled and key[1] == "row by row":  # the engine's sampled chains read verify_rows.q_rows_at
             verify_rows.q_rows_at = q_rows_one_by_one
-        if key[1] == "GQA SDPA":  # the attention function reads attention.masked_attention
-            attention.masked_attention = grouped_masked_attention
         try:
-            sync()
-            start = time.perf_counter()
-            result = engine.run_round()
-            sync()
-            elapsed = time.perf_counter() - start
+            with masked_attention_as(grouped_masked_attention if key[1] == "GQA SDPA" else masked_attention):
+                sync()
+                start = time.perf_counter()
+                result = engine.run_round()
+                sync()
+                elapsed = time.perf_counter() - start
         finally:
             verify_rows.q_rows_at = BATCHED_Q_ROWS
-            attention.masked_attention = FOLDED_ATTENTION
         for row, sid in enumerate(sessions):
             emitted = list(result.verdicts[sid].token_ids)
             if not sampled:

@@ -76,15 +76,21 @@ PACKED = "goodspeed_packed"  # the forward keyword carrying a PackedRows layout
 MASK_ALIGN = 16  # additive masks' rows start at multiples of this many elements (CUDA's memory-efficient kernel)
 
 
+def aligned_mask(rows: int, heads: int, q_len: int, kv_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised mask ``[rows, heads, q_len, kv_len]`` in storage whose rows start at
+    multiples of ``MASK_ALIGN`` elements (wider than ``kv_len``), so CUDA's memory-efficient kernel
+    takes it as it is instead of padding it again on every layer."""
+    width = -(-kv_len // MASK_ALIGN) * MASK_ALIGN
+    return torch.empty(rows, heads, q_len, width, dtype=dtype, device=device)[..., :kv_len]
+
+
 def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """The additive mask ``[rows, 1, q_len, kv_len]`` for queries whose ``groups`` query heads per
     key head are folded into the query dimension (:func:`masked_attention`): ``[rows, 1, groups *
-    q_len, kv_len]``, folded query ``g * q_len + i`` under query ``i``'s row. Its rows start at
-    multiples of ``MASK_ALIGN`` elements (the storage is wider than ``kv_len``), so CUDA's
-    memory-efficient kernel takes it as it is instead of padding it again on every layer."""
+    q_len, kv_len]``, folded query ``g * q_len + i`` under query ``i``'s row, in
+    :func:`aligned_mask` storage."""
     rows, one, q_len, kv_len = mask.shape
-    width = -(-kv_len // MASK_ALIGN) * MASK_ALIGN
-    folded = mask.new_empty(rows, one, groups * q_len, width)[..., :kv_len]
+    folded = aligned_mask(rows, one, groups * q_len, kv_len, mask.dtype, mask.device)
     folded.unflatten(2, (groups, q_len)).copy_(mask.unsqueeze(2))
     return folded
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from goodspeed.lm.attention import MASK_ALIGN, VarlenKernel, VarlenRows
+from goodspeed.lm.attention import VarlenKernel, VarlenRows, aligned_mask
 
 
 def _doubled(capacity: int, need: int) -> int:
@@ -179,8 +179,8 @@ class SlotKVCache:
         the model then sees pad tokens too, and attention needs no gather or scatter."""
         sizes = [len(t) for t in tokens]
         self._place({rows.start + r: self.lengths[rows.start + r] + n for r, n in enumerate(sizes) if n})
-        if pad and self._can_pad(tokens, parents, rows, solo):
-            return self._pack_padded(tokens, parents, rows, dtype, device)
+        if pad and self._can_pad(sizes, parents, rows, solo):
+            return self._pack_padded(tokens, sizes, parents, rows, dtype, device)
         lengths = self.lengths[rows]
         alone = sorted(set(solo))
         own = [r for r in range(len(tokens)) if sizes[r] and r not in alone and rows.start + r in self._own]
@@ -246,19 +246,19 @@ class SlotKVCache:
         logit_rows = max((sizes[r] for r in own + shared), default=0)
         return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, logit_rows, keep, self)
 
-    def _can_pad(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, solo: tuple[int, ...]) -> bool:
+    def _can_pad(self, sizes: list[int], parents: list[list[int] | None], rows: slice, solo: tuple[int, ...]) -> bool:
         """Whether :meth:`_pack_padded` can take this step, its real tokens placed: no solo rows (a
         prompt chunk's KV would share positions with its row's pads), a masked shared group
         (chains through the varlen kernel need no gather anyway), and every slot of the window in
         the pool with room for its pads at its current capacity: pads never grow memory."""
-        if solo or not any(tokens) or (self.varlen is not None and all(p is None for p in parents)):
+        if solo or not any(sizes) or (self.varlen is not None and all(p is None for p in parents)):
             return False
-        q_len = max(len(t) for t in tokens)
+        q_len = max(sizes)
         return all(slot not in self._own and self.lengths[slot] + q_len <= self._capacity
                    for slot in range(rows.start, rows.stop))
 
-    def _pack_padded(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
-                     device: torch.device | str) -> PackedRows:
+    def _pack_padded(self, tokens: list[list[int]], sizes: list[int], parents: list[list[int] | None], rows: slice,
+                     dtype: torch.dtype, device: torch.device | str) -> PackedRows:
         """:meth:`pack` with every window row padded to the longest: row ``r``'s ``q_len`` tokens
         are its own, then pads (its last token repeated; 0 in an idle row), all written at its
         committed length on, so the pads' entries lie past it and no commit keeps them. One
@@ -266,7 +266,6 @@ class SlotKVCache:
         scatter, which a launch-bound device pays per layer; the linear layers see the pads,
         which a compute-bound one pays. The padded reference forward (:meth:`prepare`) on a
         ``[1, rows x q_len]`` layout: the same keys under the same mask for every real query."""
-        sizes = [len(t) for t in tokens]
         q_len, lengths = max(sizes), self.lengths[rows]
         width = len(tokens)
         # Keys up to the longest row's last real token, as in pack(): no query is masked whole (a
@@ -537,12 +536,9 @@ class SlotTable:
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``[rows, q_len, kv_len]`` bool -> the additive ``[rows, 1, q_len, kv_len]`` mask (0 / finfo.min)
     attention takes: a bool 4-D mask is silently wrong under eager attention. Built on ``device``
-    (``allowed``, a quarter of its bytes, is what is copied there), in storage whose rows start at
-    multiples of ``MASK_ALIGN`` elements, so CUDA's memory-efficient kernel does not pad it again
-    on every layer (:func:`goodspeed.lm.attention.fold_mask`)."""
-    rows, q_len, kv_len = allowed.shape
-    width = -(-kv_len // MASK_ALIGN) * MASK_ALIGN  # rows aligned for CUDA's memory-efficient kernel (lm.attention)
-    mask = torch.zeros(rows, 1, q_len, width, dtype=dtype, device=device)[..., :kv_len]
+    (``allowed``, a quarter of its bytes, is what is copied there), in
+    :func:`~goodspeed.lm.attention.aligned_mask` storage."""
+    mask = aligned_mask(allowed.shape[0], 1, allowed.shape[1], allowed.shape[2], dtype, device).zero_()
     mask.masked_fill_(~allowed.to(device).unsqueeze(1), torch.finfo(dtype).min)
     return mask
 
