@@ -3,7 +3,7 @@ real pair.
 
     python -m bench.bench_local [--requests 48] [--rate 40 [20 ...] | --load 0.4 [0.2 ...]] [--seed 0 [1 ...]] [--max-new-tokens 32]
                                 [--draft draft-small] [--target demo:target] [--dtype float32]
-                                [--device cpu] [--threads N] [--policies none,adaserve ...] [--variants gqa pad] [--json]
+                                [--device cpu] [--threads N] [--policies none,adaserve ...] [--variants gqa pad graphs] [--json]
 
 Needs the demo models (`goodspeed models build-demo`), or for ``--target real:smollm2-135m
 --draft real:smollm2-135m-draft`` the real pair (`goodspeed models get smollm2-135m`). A bare
@@ -28,7 +28,9 @@ each shaped as a single cell's output. ``--variants`` also replays each policy i
 (the same trace, profile and SLOs) with ``gqa``: masked attention as it ran before 2026-11-26
 (``bench.bench_attention.grouped_masked_attention``: SDPA with ``enable_gqa`` over the rows' own
 mask, on CUDA the math kernel), named ``POLICY [GQA SDPA]``; ``pad``: the engine's rows padded
-where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``. On an accelerator (``--device cuda``) a short replay of 4
+where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``; ``graphs``: the
+target's steps replayed as CUDA graphs (``EngineConfig.cuda_graphs``, :mod:`goodspeed.lm.graphs`;
+on a CPU the same fixed-shape steps run eagerly), named ``POLICY [graphs]``. On an accelerator (``--device cuda``) a short replay of 4
 requests per policy runs first and is discarded, so the first policy timed does not pay for
 kernel selection and allocator growth.
 """
@@ -45,6 +47,7 @@ from bench.bench_attention import grouped_masked_attention, masked_attention_as
 from goodspeed.launch.loadgen import make_trace, run_trace_local, summarize
 from goodspeed.lm.attention import masked_attention
 from goodspeed.lm.corpus import load_corpus, prompt_snippets
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.loading import ModelLoadError, load_causal_lm
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
@@ -84,14 +87,18 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
 
 
-VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]"}  # --variants: name -> suffix of the policy's name
+VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]"}  # --variants: name -> suffix of the policy's name
 
 
 def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int,
            variant: str | None = None) -> tuple[dict, dict]:
     """One policy over ``trace`` on a fresh engine and local server: (its summary, its outputs).
     ``variant``: one of ``VARIANTS`` (see the module docstring)."""
-    engine = VerificationEngine(target.model, EngineConfig(seed=seed, pad_rows=variant == "pad"))
+    cuda = next(target.model.parameters()).device.type == "cuda"
+    engine = VerificationEngine(target.model, EngineConfig(seed=seed, pad_rows=variant == "pad",
+                                                           cuda_graphs=variant == "graphs" and cuda))
+    if variant == "graphs" and not cuda:  # the same fixed-shape steps, eagerly
+        engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     config = LocalConfig(**{"policy": "none", **policy}, latency=profile, max_requests=max_requests, seed=seed)
     serving = LocalServing(engine, draft.model, config)
     with masked_attention_as(grouped_masked_attention if variant == "gqa" else masked_attention):
@@ -130,7 +137,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, nargs="+", default=[0], help="trace and engine seeds (several: one cell each)")
     ap.add_argument("--variants", nargs="+", default=[], choices=sorted(VARIANTS),
                     help="also run each policy with: gqa, masked attention as before 2026-11-26 (SDPA with enable_gqa); "
-                         "pad, the engine's rows padded (EngineConfig.pad_rows)")
+                         "pad, the engine's rows padded (EngineConfig.pad_rows); graphs, the target's steps as CUDA "
+                         "graphs (EngineConfig.cuda_graphs; eagerly on a CPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.rate is None and args.load is None:

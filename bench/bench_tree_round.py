@@ -17,7 +17,8 @@ accepts a known path. Four shapes of draft, greedy, ``--rows`` requests each:
   the position after the root (:meth:`goodspeed.lm.kv_slots.SlotKVCache.commit_many`) in every
   row with more than one child.
 
-Each shape runs four times over, on engines of its own whose steps alternate (``path``):
+Each shape runs once per path (``--paths``, all five by default), on engines of its own whose steps
+alternate:
 
 * ``engine``: the engine as it is;
 * ``row by row``: the KV commit as it ran before ``commit_many`` (one gather and scatter per layer
@@ -28,6 +29,10 @@ Each shape runs four times over, on engines of its own whose steps alternate (``
   two paths dispatch the same ops);
 * ``pad rows``: the engine with ``EngineConfig.pad_rows``: the rows laid out padded to the longest,
   pads in the model's input, so attention gathers and scatters nothing.
+* ``graphs``: the engine with ``EngineConfig.cuda_graphs`` (:mod:`goodspeed.lm.graphs`): each step
+  laid out at fixed shapes (rows, queries and keys rounded up to powers of two) and, on CUDA,
+  replayed as the graph captured for its shape; its ops are then those the host dispatches around
+  the replay. On a CPU the same static steps run eagerly (no capture).
 
 Figures: aten ops a step dispatches (views aside; counted by a ``TorchDispatchMode`` over one
 step), of them the KV commit's, and the median milliseconds of ``VerificationEngine.run_round``
@@ -60,6 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.bench_attention import grouped_masked_attention, masked_attention_as
 from goodspeed.lm.attention import masked_attention
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.kv_slots import SlotKVCache
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.lm.sampling import SamplingParams, process_logits
@@ -69,7 +75,7 @@ from goodspeed.verifier.types import Draft, SparseProbs
 
 SHAPES = ("plain", "chain", "tree-first", "tree-moved")
 BATCHED_Q_ROWS = verify_rows.q_rows_at  # the engine's; "row by row" swaps it out while its step runs
-PATHS = ("engine", "row by row", "GQA SDPA", "pad rows")
+PATHS = ("engine", "row by row", "GQA SDPA", "pad rows", "graphs")
 PROMPT = 32
 
 
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per engine")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled requests with sparse q (see above)")
+    ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), metavar="PATH",
+                    help=f"which engines to run ({', '.join(PATHS)})")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -199,9 +207,12 @@ def main(argv: list[str] | None = None) -> int:
 
     engines = {}
     for s_index, shape in enumerate(shapes):
-        for path in PATHS:
+        for path in args.paths:
+            cuda = args.device.startswith("cuda")
             engine = VerificationEngine(model, EngineConfig(budget=4 * args.rows, policy="fixed", max_draft_len=3, seed=0,
-                                                            pad_rows=path == "pad rows"))
+                                                            pad_rows=path == "pad rows", cuda_graphs=path == "graphs" and cuda))
+            if path == "graphs" and not cuda:  # the same static steps, eagerly
+                engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
             sessions = [engine.join(f"r{i}") for i in range(args.rows)]
             for sid, prompt in zip(sessions, prompts):
                 engine.start_request(sid, prompt, sampling, length)
@@ -267,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         committed = commit_ops(key)
         with OpCounter() as counter:
             step(key)
+        graphs = engines[key][0].graphs
         rows.append({"shape": key[0], "path": key[1], "ops": sum(counter.ops.values()),
-                     "commit_ops": sum(committed.values()), "ms": 1000 * statistics.median(times[key])})
+                     "commit_ops": sum(committed.values()), "ms": 1000 * statistics.median(times[key]),
+                     **({} if graphs is None else {"graph_steps": graphs.steps, "replays": graphs.replays,
+                                                   "captures": graphs.captures, "graph_shapes": graphs.shapes})})
     result = {"target": args.random or args.target, "device": args.device, "rows": args.rows, "steps": args.steps,
               "temperature": args.temperature,
               "torch": torch.__version__,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run (a machine with CUDA torch, transformers and pytest, and
 # no network): the CUDA tests (flash's varlen kernel against each row's attention in float64, packed
-# forwards and whole engine rounds through it against masked SDPA; drafting and local serving with
-# both models on the device, greedy against the target's own and sampled by chi-square),
+# forwards and whole engine rounds through it against masked SDPA; steps captured and replayed as
+# CUDA graphs against the same steps run eagerly; drafting and local serving with both models on
+# the device, greedy against the target's own and sampled by chi-square),
 # bench.bench_varlen and bench.bench_tree_round.
 #   bash bench/gpu_checks.sh [OUTDIR]      # results in OUTDIR (default: gpu-checks/)
 #   BENCH=0 bash bench/gpu_checks.sh ...   # the tests only
@@ -37,7 +38,7 @@ kernel = flash_varlen_kernel()
 print("kernel:", kernel and kernel.name)
 PY
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/test_attention.py tests/lm/test_kv_slots.py \
-    tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
+    tests/lm/test_graphs.py tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/lm/test_sampling.py tests/lm/test_batch_draft.py tests/drafter/test_runner.py \
     tests/verifier/test_local.py tests/verifier/test_local_lossless.py tests/verifier/test_server.py tests/drafter/test_node.py \
     2>&1 | tee "$out/tests_drafting.txt"
@@ -46,9 +47,10 @@ for k in 1 4; do
     timeout 200 python3 -m bench.bench_varlen --repeats 30 --replicas $k --json > "$out/bench_varlen_x$k.json" 2> "$out/bench_varlen_x$k.err"
     echo "bench x$k rc=$?"; tail -5 "$out/bench_varlen_x$k.err"
 done
-# What a step of token trees costs against chains (KV moves, ragged rows), and what folding
-# grouped-query heads saves masked attention against SDPA's math kernel (path "GQA SDPA"), on a
-# random fp32 target of SmolLM2-135M's shape: nothing to carry.
+# What a step of token trees costs against chains (KV moves, ragged rows), what folding
+# grouped-query heads saves masked attention against SDPA's math kernel (path "GQA SDPA"), and
+# what replaying steps as CUDA graphs saves (path "graphs"), on a random fp32 target of
+# SmolLM2-135M's shape: nothing to carry.
 timeout 200 python3 -m bench.bench_tree_round --device cuda --rows 16 --steps 30 --json \
     --random num_hidden_layers=30,hidden_size=576,intermediate_size=1536,num_attention_heads=9,num_key_value_heads=3,vocab_size=49152 \
     > "$out/bench_tree_round.json" 2> "$out/bench_tree_round.err"

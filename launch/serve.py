@@ -14,6 +14,8 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from goodspeed.launch.spec import SpecError, VerifierSpec
 from goodspeed.lm.attention import varlen_missing
 from goodspeed.lm.loading import LoadedModel, load_causal_lm, torch_dtype
@@ -28,7 +30,8 @@ from goodspeed.verifier.tls import server_credentials
 
 def engine_config(opts: VerifierSpec) -> EngineConfig:
     """The engine's settings of a spec; bad ones fail here, before any model loads (``attention
-    = "varlen"`` too, where the device, dtype or torch build cannot give it)."""
+    = "varlen"`` too, where the device, dtype or torch build cannot give it, and ``cuda_graphs``
+    off CUDA)."""
     try:
         config = EngineConfig(**opts.routed("engine"), smoothing=smoothing_of(opts.policy, opts.eta, opts.beta),
                               prefill_chunk=opts.prefill_chunk or None)
@@ -37,6 +40,8 @@ def engine_config(opts: VerifierSpec) -> EngineConfig:
     if config.attention == "varlen" and (need := varlen_missing(opts.device, torch_dtype(opts.dtype))):
         raise SpecError(f"verifier: attention 'varlen' (flash's varlen kernel) needs {need}; device {opts.device}, "
                         f"dtype {opts.dtype}: use 'auto' or 'masked'")
+    if config.cuda_graphs and torch.device(opts.device).type != "cuda":
+        raise SpecError(f"verifier: --cuda-graphs needs a CUDA device, not {opts.device}")
     return config
 
 

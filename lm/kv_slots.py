@@ -28,6 +28,9 @@ buffers flattened in place (:meth:`SlotKVCache.flat_kv`).
 A packed forward may instead lay its rows out padded, pads in the model's input, where the step
 allows it (``pack(pad=True)``, ``EngineConfig.pad_rows``): attention then gathers and scatters
 nothing, two ops a layer a launch-bound device pays for, and the linear layers see the pads.
+:meth:`SlotKVCache.pack_static` lays a step out the same way at fixed shapes (a window from slot 0,
+queries and keys rounded up by the caller), which is what a CUDA graph replays
+(:mod:`goodspeed.lm.graphs`); :attr:`SlotKVCache.generation` tells it when the pool has moved.
 
 Buffers are created under ``torch.inference_mode`` (the engine's forward), so every method that
 moves entries runs in inference mode too. The object implements the two methods transformers' attention layers call on a cache
@@ -81,6 +84,9 @@ class SlotKVCache:
         # Packed forwards: the kernel groups of chains attend through, reading keys in place
         # (goodspeed.lm.attention.varlen_kernel_for; None: masked SDPA for every group).
         self.varlen: VarlenKernel | None = None
+        # Bumped whenever a pool buffer is (re)allocated: what a captured step (goodspeed.lm.graphs)
+        # read and wrote is then gone, and its graphs with it.
+        self.generation = 0
 
     @property
     def capacity(self) -> int:
@@ -142,6 +148,7 @@ class SlotKVCache:
                 if buf is not None:
                     which[i] = buf[:rows, :, :need].clone() if rows else None
         self._capacity = need
+        self.generation += 1
 
     def prepare(self, q_len: int, rows: slice, offset: int = 0) -> int:
         """Set up a forward over the slots ``rows`` (a contiguous window) that writes ``q_len``
@@ -258,19 +265,24 @@ class SlotKVCache:
                    for slot in range(rows.start, rows.stop))
 
     def _pack_padded(self, tokens: list[list[int]], sizes: list[int], parents: list[list[int] | None], rows: slice,
-                     dtype: torch.dtype, device: torch.device | str) -> PackedRows:
+                     dtype: torch.dtype, device: torch.device | str, lengths: list[int] | None = None,
+                     q_len: int | None = None, kv_len: int | None = None) -> PackedRows:
         """:meth:`pack` with every window row padded to the longest: row ``r``'s ``q_len`` tokens
         are its own, then pads (its last token repeated; 0 in an idle row), all written at its
         committed length on, so the pads' entries lie past it and no commit keeps them. One
         attention group whose queries are the forward's tokens as they are: no gather, no
         scatter, which a launch-bound device pays per layer; the linear layers see the pads,
         which a compute-bound one pays. The padded reference forward (:meth:`prepare`) on a
-        ``[1, rows x q_len]`` layout: the same keys under the same mask for every real query."""
-        q_len, lengths = max(sizes), self.lengths[rows]
+        ``[1, rows x q_len]`` layout: the same keys under the same mask for every real query.
+        :meth:`pack_static` sets ``lengths`` (slots past the last one count as empty), ``q_len``
+        and ``kv_len`` itself."""
+        lengths = self.lengths[rows] if lengths is None else lengths
+        q_len = max(sizes) if q_len is None else q_len
         width = len(tokens)
         # Keys up to the longest row's last real token, as in pack(): no query is masked whole (a
         # pad sees its row's prefix, or, in a row with none, its own position, below q_len <= kv_len)
-        kv_len = max(lengths[r] + sizes[r] for r in range(width) if sizes[r])
+        if kv_len is None:
+            kv_len = max(lengths[r] + sizes[r] for r in range(width) if sizes[r])
         mask, positions = build_attention(lengths, parents, q_len, kv_len, dtype, device)
         ids = [t + [t[-1] if t else 0] * (q_len - len(t)) for t in tokens]
         self._rows = rows
@@ -281,7 +293,48 @@ class SlotKVCache:
         total = width * q_len
         group = AttentionGroup(slice(0, width), q_len, kv_len, mask, slice(0, total), None, None, slice(0, total))
         return PackedRows(torch.tensor(ids, dtype=torch.long).view(1, -1).to(device), positions.reshape(1, -1),
-                          (group,), [r * q_len for r in range(width)], sizes, q_len, total, self)
+                          (group,), [r * q_len for r in range(width)], sizes, max(sizes), total, self)
+
+    def pack_static(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
+                    device: torch.device | str, width: int, q_len: int, kv_len: int) -> PackedRows | None:
+        """:meth:`pack` for a step of fixed shapes, as a CUDA graph replays it
+        (:mod:`goodspeed.lm.graphs`): :meth:`_pack_padded`'s layout over the window ``[0, width)``
+        (``rows`` inside it, every other slot idle), ``q_len`` queries a row and ``kv_len`` keys, so
+        the forward's shapes are ``(width, q_len, kv_len)`` whatever its rows bring. Pads are
+        written past each slot's committed length, as in :meth:`_pack_padded`; a window row past
+        the last slot is a pool row no slot holds yet.
+
+        None, with the pool sized for the step, where the step does not fit: a slot of the window
+        with KV buffers of its own, one whose committed entries and ``q_len`` more exceed
+        ``kv_len``, a ``kv_len`` over the pool's capacity, or no pool yet (the first forward makes
+        it). No prompt chunks: callers pack those with :meth:`pack`."""
+        sizes = [len(t) for t in tokens]
+        if rows.stop > width or not any(sizes) or max(sizes) > q_len:
+            raise ValueError(f"a static step of {width} rows x {q_len} queries cannot take rows {rows.start}..{rows.stop - 1} "
+                             f"of up to {max(sizes, default=0)} tokens")
+        self._place({rows.start + r: self.lengths[rows.start + r] + n for r, n in enumerate(sizes) if n})
+        live = range(min(width, self.num_slots))
+        if (any(buf is None for buf in (*self.keys, *self.values)) or any(slot in self._own for slot in live)
+                or kv_len > self._capacity or any(self.lengths[slot] + q_len > kv_len for slot in live)):
+            return None
+        if any(buf.shape[0] < width or buf.shape[2] < self._capacity for buf in (*self.keys, *self.values)):
+            self._resize_pool(width)
+        full: list[list[int]] = [[] for _ in range(width)]
+        tree: list[list[int] | None] = [None] * width
+        full[rows], tree[rows] = tokens, parents
+        lengths = self.lengths[:width] + [0] * (width - len(live))
+        return self._pack_padded(full, [len(t) for t in full], tree, slice(0, width), dtype, device, lengths, q_len, kv_len)
+
+    def pending_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot rows and positions the next forward writes its new keys and values at (one
+        each per token of its layout), as the last :meth:`pack` or :meth:`pack_static` set them."""
+        return self._write_rows, self._write_pos
+
+    def use_writes(self, write_rows: torch.Tensor, write_pos: torch.Tensor) -> None:
+        """Make the next forward write its new keys and values through these index tensors (a
+        captured step's static copies of those :meth:`pack_static` made: equal values, fixed
+        addresses)."""
+        self._write_rows, self._write_pos = write_rows, write_pos
 
     def flat_kv(self, layer: int, own: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """``layer``'s keys and values flattened to ``[positions, 1, head_dim]`` (views, no copy),
@@ -353,6 +406,7 @@ class SlotKVCache:
                     which[layer] = self._grown(buf, slots)
 
     def _grown(self, buf: torch.Tensor, slots: int) -> torch.Tensor:
+        self.generation += 1
         have = buf.shape[0]
         rows = have if slots <= have else max(slots, 2 * have)
         grown = buf.new_zeros((rows, buf.shape[1], self._capacity, buf.shape[3]))
@@ -377,6 +431,7 @@ class SlotKVCache:
         if buf is None:
             _, heads, _, dim = like.shape
             which[layer] = buf = like.new_zeros((slots, heads, self._capacity, dim))
+            self.generation += 1
         elif buf.shape[0] < slots or buf.shape[2] < self._capacity:
             which[layer] = buf = self._grown(buf, slots)
         return buf

@@ -71,6 +71,7 @@ from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
 from goodspeed.lm.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
 from goodspeed.verifier.drafts import draft_depth, validate_draft
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
 from goodspeed.verifier.types import Draft, PrefillStep, RoundResult, RoundTimings, Verdict
@@ -102,6 +103,10 @@ class VerificationEngine:
                              f"(this model: {self.device}, {self.dtype}); use 'auto' or 'masked'")
         self.cache.varlen = flash_varlen_kernel() if wants_varlen and not missing else None
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
+        if self.config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device; this target is on {self.device}")
+        # Steps replayed as CUDA graphs where they fit one (goodspeed.lm.graphs); None: every step eager.
+        self.graphs = StepGraphs(self.model, self.cache) if self.config.cuda_graphs else None
         # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
         # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.
         self.root_seed = resolve_root_seed(self.config.seed)
@@ -164,6 +169,10 @@ class VerificationEngine:
         """How packed forwards attend: the varlen kernel's name for chains, or masked SDPA (and
         whether rows are padded where a step allows it: ``EngineConfig.pad_rows``)."""
         padded = ", rows padded where a step allows" if self.config.pad_rows else ""
+        if self.graphs is not None:
+            return "masked SDPA over padded rows, replayed as CUDA graphs where a step fits one" + (
+                f"; other steps: {self.cache.varlen.name} for chains, masked SDPA for trees{padded}"
+                if self.cache.varlen is not None else padded)
         if self.cache.varlen is None:
             return ("masked SDPA" + padded) if self.config.packed else "masked SDPA (padded forwards)"
         return f"{self.cache.varlen.name} for chains, masked SDPA for trees{padded}"
@@ -515,6 +524,10 @@ class VerificationEngine:
         own with no logits computed; otherwise every row is padded to the longest (the reference
         path)."""
         if self.config.packed:
+            if self.graphs is not None and rows and not solo:  # a step of fixed shapes, replayed where it fits one
+                layout = self.graphs.pack(tokens, parents, window, self.dtype, self.device)
+                if layout is not None:  # its window is [0, W): rows are slots
+                    return self.graphs.logits(layout, [window.start + r for r in rows])
             layout = self.cache.pack(tokens, parents, window, self.dtype, self.device, solo, pad=self.config.pad_rows)
             # Logits only for the tokens someone reads (never a prompt chunk's).
             extra = keep_logits(self.model, max(layout.keep, 1))

@@ -48,6 +48,11 @@ class EngineConfig:
     # linear layers see the pads (goodspeed.lm.kv_slots.SlotKVCache.pack). Off by default: not yet
     # timed on a GPU (docs/BENCHMARKS.md).
     pad_rows: bool = False
+    # Steps replayed as CUDA graphs (goodspeed.lm.graphs), one per shape: rows, queries and keys
+    # rounded up to powers of two, each row padded; steps that do not fit (prompt chunks, a slot
+    # with KV buffers of its own, more than MAX_GRAPH_TOKENS tokens) run eagerly. CUDA only. Off
+    # by default: not yet run on a GPU (docs/BENCHMARKS.md).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
@@ -64,6 +69,8 @@ class EngineConfig:
             raise ValueError("attention 'varlen' needs packed forwards")
         if self.pad_rows and not self.packed:
             raise ValueError("pad_rows needs packed forwards (padded ones pad every row already)")
+        if self.cuda_graphs and not self.packed:
+            raise ValueError("cuda_graphs needs packed forwards")
         make_policy(self.policy)  # unknown names fail here, not on the first round
         if self.smoothing is None:
             object.__setattr__(self, "smoothing", smoothing_of(self.policy))

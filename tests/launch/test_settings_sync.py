@@ -40,7 +40,7 @@ CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy
                http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
                local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
                local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
-               max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True,
+               max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True, cuda_graphs=True,
                async_shares="free")
 
 
@@ -165,7 +165,8 @@ def test_bad_settings_fail_as_spec_errors_before_any_model_loads(monkeypatch):
     for bad, message in ((dict(max_seq_len=1), "max_seq_len"), (dict(budget=-1), "budget"), (dict(drain_timeout_s=-1.0), "drain_timeout_s"),
                          (dict(local_draft="demo:draft-tiny", local_policy="turbospec"), "latency profile"),
                          (dict(attention="varlen"), "'varlen'.*needs a CUDA device"),
-                         (dict(attention="varlen", device="cuda", dtype="float32"), "'varlen'.*needs bfloat16 or float16")):
+                         (dict(attention="varlen", device="cuda", dtype="float32"), "'varlen'.*needs bfloat16 or float16"),
+                         (dict(cuda_graphs=True), "--cuda-graphs needs a CUDA device, not cpu")):
         with pytest.raises(SpecError, match=message):
             asyncio.run(serve.serve(VerifierSpec(**bad)))
 

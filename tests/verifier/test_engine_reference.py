@@ -8,6 +8,7 @@ import torch
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import to_engine_draft
 from goodspeed.lm.attention import REFERENCE_VARLEN
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
 from goodspeed.lm.prefix import prefix_hash
 from goodspeed.lm.sampling import SamplingParams, process_logits
@@ -39,8 +40,10 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(t
 
 # False: the padded reference path; "varlen": packed, chains through the varlen call (its
 # plain-torch reference on CPU; flash's on CUDA), with a pool small enough that slots outgrow it;
-# "pad": packed with the rows padded where a step allows it (EngineConfig.pad_rows).
-@pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False), (1, "varlen"), (2, "pad")])
+# "pad": packed with the rows padded where a step allows it (EngineConfig.pad_rows); "graphs": steps
+# of fixed shapes as CUDA graphs replay them (goodspeed.lm.graphs), run eagerly on CPU.
+@pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False), (1, "varlen"), (2, "pad"),
+                                          (0, "graphs")])
 def test_batched_rounds_equal_reference(seed, packed):
     rng = np.random.default_rng(seed)
     target = tiny_llama(10 + seed)
@@ -51,6 +54,8 @@ def test_batched_rounds_equal_reference(seed, packed):
         engine.cache = SlotKVCache(engine.cache.num_layers, initial_capacity=16)
         engine.slots = SlotTable(engine.cache)
         engine.cache.varlen = REFERENCE_VARLEN
+    if packed == "graphs":
+        engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     sessions = []
     for i in range(5):
         sid = engine.join(f"d{i}")
@@ -83,14 +88,19 @@ def test_batched_rounds_equal_reference(seed, packed):
             runner.apply(v.token_ids, v.num_accepted)
             assert v.committed_length == len(runner.committed)
             assert v.prefix_hash == prefix_hash(runner.committed) == runner.prefix_hash  # incremental = from scratch
+    if packed == "graphs":
+        assert engine.graphs.steps == 6  # every round took the static path
 
 
-@pytest.mark.parametrize("pad_rows", [False, True])
+@pytest.mark.parametrize("pad_rows", [False, True, "graphs"])
 def test_tree_round_equals_reference_tree_walk(pad_rows):
     """A tree draft is verified with an ancestor mask in the same forward as a chain; its logits
-    must equal separate forwards along each root-to-node path (with the rows padded, too)."""
+    must equal separate forwards along each root-to-node path (with the rows padded, too, and in
+    the static steps CUDA graphs replay)."""
     target = tiny_llama(20)
-    engine = VerificationEngine(target, EngineConfig(budget=40, max_draft_len=8, pad_rows=pad_rows))
+    engine = VerificationEngine(target, EngineConfig(budget=40, max_draft_len=8, pad_rows=pad_rows is True))
+    if pad_rows == "graphs":
+        engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     a, b = engine.join("tree"), engine.join("chain")
     engine.start_request(a, [3, 4, 5], SamplingParams(), 50)
     engine.start_request(b, [9] * 11, SamplingParams(), 50)
@@ -122,6 +132,8 @@ def test_tree_round_equals_reference_tree_walk(pad_rows):
     engine.submit(a, Draft(engine.next_round(a), []))
     v2 = engine.run_round().verdicts[a]
     assert v2.token_ids == [argmax_after(seq + v.token_ids[-1:])]
+    if pad_rows == "graphs":
+        assert engine.graphs.steps == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

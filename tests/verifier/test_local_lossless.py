@@ -9,6 +9,7 @@ must fail the same test."""
 import numpy as np
 import pytest
 
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, SimulatedClock
@@ -36,9 +37,12 @@ class ValueRankedTetris(LocalServing):
         return [np.cumsum(np.log(np.array(d.token_probs))) for d in drafts]
 
 
-def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_request_seeds=False, pad_rows=False) -> list[list[int]]:
+def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_request_seeds=False, pad_rows=False,
+             graphs=False) -> list[list[int]]:
     target, draft = models
     engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows))
+    if graphs:  # the target's steps at fixed shapes (goodspeed.lm.graphs): captured on CUDA, eager on CPU
+        engine.graphs = StepGraphs(engine.model, engine.cache, capture=engine.device.type == "cuda")
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
     serving = cls(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
@@ -50,6 +54,8 @@ def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_reque
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
     if policy != "none":
         assert serving.stats()["drafted"] > n  # speculation really happened
+    if graphs:
+        assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)  # every step took the fixed shapes
     return [r.generated for r in serving.finished]
 
 
@@ -67,6 +73,11 @@ def test_every_local_policy_follows_the_target(models, policy):
 def test_padded_rows_keep_sampling_exact(models, policy):
     """The engine's rows padded where a step allows it (EngineConfig.pad_rows): chains and trees."""
     check(models, generate(models, policy, 600, pad_rows=True))
+
+
+def test_graph_steps_keep_sampling_exact(models):
+    """AdaServe's trees and chains in the fixed-shape steps CUDA graphs replay (run eagerly here)."""
+    check(models, generate(models, "adaserve", 600, graphs=True))
 
 
 @pytest.mark.parametrize("policy", ["chain", "tetris"])
@@ -102,3 +113,5 @@ def test_local_policies_on_cuda_keep_sampling_exact(models, policy):
 
     on_gpu = tuple(copy.deepcopy(m).cuda() for m in models)
     check(models, generate(on_gpu, policy, 600))
+    if policy == "adaserve":  # and with the target's steps replayed as CUDA graphs
+        check(models, generate(on_gpu, policy, 600, graphs=True))

@@ -1,0 +1,200 @@
+"""CUDA graphs of the verification engine's steps: a step's target forward replayed in one launch
+instead of dispatched op by op (``EngineConfig.cuda_graphs``, ``goodspeed verifier --cuda-graphs``).
+
+Why. On a GPU a small target's forward is bound by launching kernels from eager PyTorch, not by
+the GPU's arithmetic or memory: SmolLM2-135M's step dispatches about 1,100 aten ops and took
+20-33 ms on an H100 and an H200 in fp32 (docs/BENCHMARKS.md, *Local serving on a GPU* and *Tree
+rows' KV moves*), for about a millisecond of GPU work. A CUDA graph records a step's kernels once
+and replays them all in one launch, as vLLM and SGLang do for their decoding steps. It also takes
+away what a tree step costs over a chain there (its mask, its gather and scatter): a replay costs
+the same whatever ops it holds.
+
+What a graph needs is fixed shapes and fixed addresses. A step is laid out as
+:meth:`SlotKVCache.pack_static <goodspeed.lm.kv_slots.SlotKVCache.pack_static>` makes it: every
+row padded to ``Q`` queries, pads in the model's input, one masked attention group (no gather, no
+scatter), over the slot window ``[0, W)``, with ``K`` keys. ``W`` and ``Q`` are the step's rows
+and longest row rounded up to powers of two (vLLM's batch-size buckets), ``K`` its longest slot
+after the step rounded the same way (at most the pool's capacity), so a handful of graphs serve
+every step, and attention reads at most twice the keys it needs. Per shape ``(W, Q, K)``, :class:`StepGraphs` keeps static input tensors (token ids,
+positions, the additive mask, the rows and positions the KV is written at) and the graph captured
+over them. A step copies its inputs in and replays; the graph writes the step's keys and values
+into the pool in place and leaves the last hidden states in its output tensor. The LM head runs
+after the replay, eagerly, on the rows' real tokens only (vLLM computes logits outside its graphs
+too): a shape's graph then holds ``W x Q`` hidden states, not ``W x Q x V`` logits (311 MB at
+Qwen3's vocabulary of 151,936 in bf16 and 1,024 tokens), and the head's matmul, a small model's
+largest, skips the pads. So a model takes graphs where its logits are its LM head over its
+decoder's output (:func:`decoder_and_head`: Llama, Qwen2/3, Mistral and the demo models; not a
+model that scales or caps its logits after the head). When the pool is reallocated
+(it grows, or gives memory back: :attr:`SlotKVCache.generation`) the graphs, which hold its old
+addresses, are dropped and captured again when their shapes come back.
+
+A shape's first step runs eagerly, which warms it up, on the side stream its capture then uses.
+The capture records the same forward without running it. The forward's first layer folds the mask
+for grouped-query heads into a tensor the other layers reuse
+(:func:`goodspeed.lm.attention.masked_attention`); that fold is cleared before every forward here,
+so the graph records the fold itself, not the warm-up's folded mask.
+
+Exact: a replay runs the eager forward's kernels on the same values, and that forward gives every
+real query the same keys under the same mask as the packed one. Keys past a row's end and pads
+are masked out, each adding exp(finfo.min - max) = 0, so the logits agree up to float rounding
+(``tests/lm/test_graphs.py``). What would break a replay is a forward that syncs with the host, or
+reads a tensor that is not a static input, a weight, the KV pool or its own result: the replay
+would read the capture's stale values. The CPU tests run the forward under a dispatch mode that
+fails on either.
+
+A step that does not fit runs eagerly, as without graphs: a prompt chunk (a row attended on its
+own), a slot with KV buffers of its own, a slot without room for ``Q`` more entries at the pool's
+capacity, more than :data:`MAX_GRAPH_TOKENS` tokens (``W x Q``), a step before the pool exists, a
+step without logits (a whole prompt's prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from goodspeed.lm.attention import PACKED, aligned_mask, with_cache
+from goodspeed.lm.kv_slots import AttentionGroup, PackedRows, SlotKVCache
+
+MAX_GRAPH_TOKENS = 1024  # W x Q: larger steps run eagerly (their launches are a smaller share of their time)
+# Config fields of causal LMs whose logits are more than the LM head's output (Gemma 2/3's soft
+# cap, Cohere's scale, Granite's divisor): their graphs would have to hold the whole model.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``model``'s decoder (``model.model``, what a graph replays) and LM head (``model.lm_head``,
+    run after it): a causal LM whose logits are ``lm_head(model(...).last_hidden_state)``. Raises
+    ValueError, naming what is missing, for one that is not (or may not be)."""
+    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    name = type(model).__name__
+    if not isinstance(decoder, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"cuda_graphs needs a causal LM with a decoder (.model) and a linear LM head (.lm_head); "
+                         f"{name} has {'no .model' if not isinstance(decoder, torch.nn.Module) else 'no linear .lm_head'}")
+    transforms = [f for f in LOGIT_TRANSFORMS if getattr(model.config, f, None) is not None]
+    if transforms:
+        raise ValueError(f"cuda_graphs replays the decoder and runs the LM head after it; {name} transforms its logits "
+                         f"after the head ({', '.join(transforms)})")
+    return decoder, head
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above ``n`` (1 for ``n <= 1``): the rows and queries a step is padded to."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class _Shape:
+    """One shape's static inputs (the layout's tensors, and the KV write indices) and its graph."""
+
+    layout: PackedRows
+    write_rows: torch.Tensor
+    write_pos: torch.Tensor
+    graph: object = None  # torch.cuda.CUDAGraph once captured
+    hidden: torch.Tensor | None = None  # the graph's output: last hidden states [1, W x Q, hidden]
+
+
+class StepGraphs:
+    """The engine's steps as CUDA graphs, one per shape (see the module docstring).
+
+    ``capture=False`` runs each step eagerly over the same static inputs: the layout, the copies
+    and the forward a graph would replay, with no graph. That is how the CPU tests check all of
+    it but the capture; the engine captures on CUDA only."""
+
+    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, capture: bool = True,
+                 max_tokens: int = MAX_GRAPH_TOKENS) -> None:
+        self.decoder, self.head = decoder_and_head(model)
+        self.cache, self.capture, self.max_tokens = cache, capture, max_tokens
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._generation = cache.generation
+        self._stream = self._pool = None
+        self.steps = self.replays = self.captures = 0  # counters: steps run through here, replayed, captured
+
+    @property
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """The ``(W, Q, K)`` shapes with static inputs now (captured ones, on CUDA)."""
+        return list(self._shapes)
+
+    def pack(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
+             device: torch.device | str) -> PackedRows | None:
+        """The step's static layout, its rows, queries and keys rounded up to powers of two; None
+        where it does not fit one (the caller then packs it as usual)."""
+        width, q_len = bucket(rows.stop), bucket(max(len(t) for t in tokens))
+        if width * q_len > self.max_tokens:
+            return None
+        kv_len = bucket(max(self.cache.lengths[:width]) + q_len)
+        return self.cache.pack_static(tokens, parents, rows, dtype, device, width, q_len, min(kv_len, self.cache.capacity))
+
+    @torch.inference_mode()
+    def logits(self, layout: PackedRows, rows: list[int]) -> torch.Tensor:
+        """Logits ``[len(rows), q_len, V]`` of the window rows ``rows`` (slots) of a step
+        :meth:`pack` laid out, as :meth:`PackedRows.padded` gives them (a row's pad positions repeat
+        its last token's): the step replayed (or run), then the LM head on those rows' tokens."""
+        return self.head(layout.padded(self.run(layout), rows))
+
+    @torch.inference_mode()
+    def run(self, layout: PackedRows) -> torch.Tensor:
+        """Last hidden states ``[1, W x Q, hidden]`` of a step :meth:`pack` laid out (on CUDA the
+        graph's output tensor: read it before the next step)."""
+        if self.cache.generation != self._generation:  # the pool moved: every graph points at freed memory
+            self._shapes.clear()
+            self._generation = self.cache.generation
+        group = layout.groups[0]
+        key = (group.rows.stop, group.q_len, group.kv_len)
+        self.steps += 1
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = self._static(layout)
+            return self._first(shape)
+        # The step's inputs into the shape's (its KV rows, arange(W) repeated Q times, are the shape's own)
+        for static, value in ((shape.layout.input_ids, layout.input_ids), (shape.layout.position_ids, layout.position_ids),
+                              (shape.layout.groups[0].mask, group.mask), (shape.write_pos, self.cache.pending_writes()[1])):
+            static.copy_(value, non_blocking=True)
+        if shape.graph is None:
+            return self._forward(shape)
+        shape.graph.replay()
+        self.replays += 1
+        return shape.hidden
+
+    def _static(self, layout: PackedRows) -> _Shape:
+        """Static copies of a step's inputs on its device, and the layout over them (one group, as
+        pack_static's)."""
+        group = layout.groups[0]
+        device = layout.input_ids.device
+        rows, _, q_len, kv_len = group.mask.shape
+        mask = aligned_mask(rows, 1, q_len, kv_len, group.mask.dtype, device).copy_(group.mask)
+        static = PackedRows(layout.input_ids.clone(), layout.position_ids.clone(),
+                            (AttentionGroup(group.rows, group.q_len, group.kv_len, mask, group.tokens, None, None, group.dest),),
+                            layout.starts, layout.sizes, layout.q_len, layout.keep, self.cache)
+        write_rows, write_pos = self.cache.pending_writes()
+        return _Shape(static, write_rows.to(device, copy=True), write_pos.to(device, copy=True))
+
+    def _forward(self, shape: _Shape) -> torch.Tensor:
+        """The step's forward over the static inputs, eagerly (or under capture)."""
+        self.cache.use_writes(shape.write_rows, shape.write_pos)
+        layout = shape.layout
+        layout.groups[0].folds.clear()  # the fold is the forward's own work, recorded with it
+        out = self.decoder(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
+                           **with_cache(self.decoder, self.cache), use_cache=True, **{PACKED: layout})
+        return out.last_hidden_state
+
+    def _first(self, shape: _Shape) -> torch.Tensor:
+        """A shape's first step: eagerly (the step's hidden states), then, on CUDA, captured for the next."""
+        if not self.capture:
+            return self._forward(shape)
+        device = shape.layout.input_ids.device
+        if self._stream is None:
+            self._stream, self._pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):  # warm-up on the stream the capture runs on
+            hidden = self._forward(shape)
+        current.wait_stream(self._stream)
+        hidden.record_stream(current)  # read on the current stream after this
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            shape.hidden = self._forward(shape)
+        shape.graph = graph
+        self.captures += 1
+        return hidden

@@ -1,0 +1,221 @@
+"""Steps of fixed shapes, as CUDA graphs replay them (goodspeed.lm.graphs): on CPU, everything but
+the capture (the layout, the static copies, the forward a graph records), and that the forward
+reads nothing a replay would hold stale; on CUDA, the capture and the replays."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from goodspeed.lm.attention import PACKED, with_cache
+from goodspeed.lm.graphs import StepGraphs, bucket, decoder_and_head
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.types import Draft
+from modelkit import tiny_llama
+
+
+def test_bucket_rounds_up_to_powers_of_two():
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 16, 17)] == [1, 1, 2, 4, 4, 8, 16, 32]
+
+
+def engine_pair(target, captures=(None, False), **config):
+    """The same engine twice, each recording its logits: per engine, steps eager (None) or through
+    StepGraphs, capturing (True) or not (False)."""
+    engines, logits = [], ([], [])
+    for i, capture in enumerate(captures):
+        engine = VerificationEngine(target, EngineConfig(budget=64, max_draft_len=8, seed=0, **config))
+        if capture is not None:
+            engine.graphs = StepGraphs(engine.model, engine.cache, capture=capture)
+        forward = engine._forward
+        engine._forward = lambda *a, _f=forward, _out=logits[i], **k: _out.append(_f(*a, **k)) or _out[-1]
+        engines.append(engine)
+    return engines, logits
+
+
+def drive(engines, rng, rounds, sessions=5, vocab=48, leave_at=None, prompt_len=20):
+    """Random greedy drafts, chains and trees, some drafters idle, into every engine alike; the
+    verdicts of each round must be the same in each."""
+    ids = [[e.join(f"d{i}") for i in range(sessions)] for e in engines]
+    for i in range(sessions):
+        prompt = rng.integers(0, vocab, int(rng.integers(1, prompt_len))).tolist()
+        for e, sids in zip(engines, ids):
+            e.start_request(sids[i], prompt, SamplingParams(), 300)
+    for round_index in range(rounds):
+        if round_index == leave_at:  # a slot is freed: the last one moves into its hole
+            for e, sids in zip(engines, ids):
+                e.leave(sids.pop(0))
+        drafts = {}
+        for i in range(len(ids[0])):
+            if rng.random() < 0.3 or engines[0].prefilling(ids[0][i]):
+                continue
+            n = int(rng.integers(0, 8))
+            tokens = rng.integers(0, vocab, n).tolist()
+            tree = n > 1 and rng.random() < 0.5
+            parents = [int(rng.integers(-1, k)) for k in range(n)] if tree else None
+            drafts[i] = (tokens, parents)
+        verdicts = []
+        for e, sids in zip(engines, ids):
+            for i, (tokens, parents) in drafts.items():
+                e.set_allotment(sids[i], 8)
+                e.submit(sids[i], Draft(e.next_round(sids[i]), tokens, parents=parents))
+            if not drafts and e.has_prefill:
+                e.prefill_step()
+            result = e.run_round() if drafts else None
+            verdicts.append(None if result is None else sorted((k.split("#")[0], v.token_ids) for k, v in result.verdicts.items()))
+        assert all(v == verdicts[0] for v in verdicts), round_index
+
+
+def test_static_steps_give_the_packed_forwards_logits():
+    """Chains, trees and idle rows in steps of several shapes, a slot freed mid-run: the static
+    layout's logits equal the packed forward's (float64: keys past a row's end add exact zeros)."""
+    target = tiny_llama(3)
+    (eager, graphed), (expected, got) = engine_pair(target)
+    drive([eager, graphed], np.random.default_rng(0), rounds=14, leave_at=7)
+    steps = [x for x in got if x is not None]  # the verification steps (whole-prompt prefills have no logits)
+    assert graphed.graphs.steps == len(steps) >= 10  # every one took the static path
+    assert len({q for _, q, _ in graphed.graphs.shapes}) >= 2
+    for a, b in zip(expected, got):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+def test_a_pool_that_moves_drops_every_shape():
+    """The pool grows under the slots: the shapes made over the old buffers are dropped, the ones
+    left were all made over the buffers of now, and the steps agree throughout."""
+    target = tiny_llama(4)
+    (eager, graphed), (expected, got) = engine_pair(target)
+    for engine in (eager, graphed):
+        engine.cache = SlotKVCache(engine.cache.num_layers, initial_capacity=16)
+        engine.slots = SlotTable(engine.cache)
+    graphs = graphed.graphs
+    graphs.cache = graphed.cache
+    made, static = [], graphs._static
+    graphs._static = lambda layout: made.append((layout.groups[0].kv_len, graphed.cache.generation)) or static(layout)
+    drive([eager, graphed], np.random.default_rng(1), rounds=30, sessions=3, prompt_len=6)  # every slot outgrows 16 positions
+    assert graphed.cache.capacity > 16 and made[0][1] < graphed.cache.generation  # shapes were made over old buffers
+    now = [k for k, generation in made if generation == graphed.cache.generation]
+    assert sorted(k for _, _, k in graphs.shapes) == sorted(now) and all(k <= graphed.cache.capacity for k in now)
+    for a, b in zip(expected, got):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+def test_steps_that_fit_no_shape_run_eagerly():
+    """Prompt chunks and steps over MAX_GRAPH_TOKENS take the packed path, and agree."""
+    target = tiny_llama(5)
+    (eager, graphed), (expected, got) = engine_pair(target, prefill_chunk=8)
+    graphed.graphs.max_tokens = 32  # 4 rows of up to 8 tokens
+    drive([eager, graphed], np.random.default_rng(2), rounds=30, sessions=6)
+    assert 0 < graphed.graphs.steps < len(got)  # some steps fit a shape, some did not
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+class ReadsOnly(TorchDispatchMode):
+    """Records what would break a CUDA graph's replays: a sync with the host (``item``, a tensor
+    made from host data, an op whose output size depends on values), or a read of a tensor that is
+    neither one of ``allowed`` (weights, KV pool, static inputs) nor made by the forward itself,
+    which a replay would read as it was at capture."""
+
+    SYNCS = {"aten._local_scalar_dense.default", "aten.lift_fresh.default", "aten.nonzero.default",
+             "aten.masked_select.default", "aten.unique.default"}
+
+    def __init__(self, allowed):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in allowed}
+        self.problems = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func) in self.SYNCS:
+            self.problems.append(f"{func}: a host sync")
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in self.known:
+                self.problems.append(f"{func} reads a {tuple(t.shape)} tensor made before the forward")
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.known.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def static_inputs(engine):
+    model, cache = engine.model, engine.cache
+    shapes = engine.graphs._shapes.values()
+    return [*model.parameters(), *model.buffers(), *(b for b in (*cache.keys, *cache.values) if b is not None),
+            *(t for s in shapes for t in (s.layout.input_ids, s.layout.position_ids, s.layout.groups[0].mask,
+                                          s.write_rows, s.write_pos))]
+
+
+def test_a_steps_forward_reads_only_what_a_replay_refreshes():
+    """The forward a graph records syncs nothing with the host and reads only the weights, the KV
+    pool, the shape's static inputs and its own results; the negative control, the same forward
+    with the first layer's folded mask left from the step before, is caught."""
+    target = tiny_llama(6)
+    (_, graphed), _ = engine_pair(target)
+    rng = np.random.default_rng(3)
+    drive([graphed], rng, rounds=4)  # shapes made, the pool allocated
+    graphs = graphed.graphs
+    forward = graphs._forward
+    seen = []
+
+    def checked(shape):
+        with ReadsOnly(static_inputs(graphed)) as mode:
+            out = forward(shape)
+        seen.append(mode.problems)
+        return out
+    graphs._forward = checked
+    drive([graphed], rng, rounds=6)
+    assert seen and all(p == [] for p in seen), seen
+    # Negative control: keep the fold the last forward made (a replay would read that step's mask).
+    shape = next(iter(graphs._shapes.values()))
+    layout = shape.layout
+    graphed.cache.use_writes(shape.write_rows, shape.write_pos)
+    with ReadsOnly(static_inputs(graphed)) as mode, torch.inference_mode():
+        graphs.decoder(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
+                       **with_cache(graphs.decoder, graphed.cache), use_cache=True, **{PACKED: layout})
+    assert layout.groups[0].folds and any("made before the forward" in p for p in mode.problems)
+
+
+def test_a_model_whose_logits_are_not_its_heads_output_is_refused():
+    """Graphs replay the decoder and run the LM head after it: a model without that split, or
+    one that transforms its logits after the head, is refused by name."""
+    model = tiny_llama(0)
+    assert decoder_and_head(model) == (model.model, model.lm_head)
+    with pytest.raises(ValueError, match="LlamaModel has no .model"):
+        decoder_and_head(model.model)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM transforms its logits after the head \(final_logit_softcapping\)"):
+        StepGraphs(model, SlotKVCache(2), capture=False)
+
+
+def test_cuda_graphs_are_refused_off_cuda_and_without_packed_forwards():
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device; this target is on cpu"):
+        VerificationEngine(tiny_llama(0), EngineConfig(cuda_graphs=True))
+    with pytest.raises(ValueError, match="cuda_graphs needs packed forwards"):
+        EngineConfig(cuda_graphs=True, packed=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_replayed_steps_equal_eager_ones(dtype):
+    """On CUDA: each shape captured once and replayed after; the replays' logits equal the same
+    static steps run eagerly (the same kernels on the same values), over chains, trees, idle rows
+    and a freed slot, and in fp32 the packed forward's too."""
+    target = tiny_llama(7, hidden=256, heads=4, kv_heads=2, dtype=dtype).cuda()
+    (eager, graphed), (expected, got) = engine_pair(target, captures=(False, True))
+    drive([eager, graphed], np.random.default_rng(4), rounds=24, leave_at=12)
+    graphs = graphed.graphs
+    assert graphs.captures >= len(graphs.shapes) >= 1 and graphs.replays >= 10
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    if dtype == torch.float32:
+        (packed, graphed), (expected, got) = engine_pair(target, captures=(None, True))
+        drive([packed, graphed], np.random.default_rng(5), rounds=12)
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
