@@ -183,18 +183,18 @@ class StepGraphs:
         """A shape's first step: eagerly (the step's hidden states), then, on CUDA, captured for the next."""
         if not self.capture:
             return self._forward(shape)
-        device = shape.layout.input_ids.device
-        if self._stream is None:
-            self._stream, self._pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
-        current = torch.cuda.current_stream(device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):  # warm-up on the stream the capture runs on
-            hidden = self._forward(shape)
-        current.wait_stream(self._stream)
-        hidden.record_stream(current)  # read on the current stream after this
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            shape.hidden = self._forward(shape)
+        with torch.cuda.device(shape.layout.input_ids.device):  # the model's GPU, whichever is current
+            if self._stream is None:
+                self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+            current = torch.cuda.current_stream()
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):  # warm-up on the stream the capture runs on
+                hidden = self._forward(shape)
+            current.wait_stream(self._stream)
+            hidden.record_stream(current)  # read on the current stream after this
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                shape.hidden = self._forward(shape)
         shape.graph = graph
         self.captures += 1
         return hidden

@@ -53,6 +53,10 @@ as the ``q`` rows it travels with, independent of the verifier's draws, and the 
 is exact for it. A request's seeded reproducibility (``seed``) does not survive transit decoding,
 whose rows follow the timing of the link; its distribution does.
 
+CUDA graphs (``EngineConfig.cuda_graphs``, CUDA only): a step with logits and no prompt chunk is
+laid out at fixed shapes and replayed as the graph captured for its shape
+(:mod:`goodspeed.lm.graphs`); the LM head runs after the replay. Other steps run eagerly.
+
 Misuse raises a specific :mod:`goodspeed.verifier.errors` exception before any state changes.
 """
 
@@ -167,12 +171,12 @@ class VerificationEngine:
     @property
     def attention(self) -> str:
         """How packed forwards attend: the varlen kernel's name for chains, or masked SDPA (and
-        whether rows are padded where a step allows it: ``EngineConfig.pad_rows``)."""
+        whether rows are padded where a step allows it: ``EngineConfig.pad_rows``; whether steps
+        are replayed as CUDA graphs: ``EngineConfig.cuda_graphs``)."""
         padded = ", rows padded where a step allows" if self.config.pad_rows else ""
         if self.graphs is not None:
-            return "masked SDPA over padded rows, replayed as CUDA graphs where a step fits one" + (
-                f"; other steps: {self.cache.varlen.name} for chains, masked SDPA for trees{padded}"
-                if self.cache.varlen is not None else padded)
+            others = f"{self.cache.varlen.name} for chains, masked SDPA for trees" if self.cache.varlen else "masked SDPA"
+            return f"CUDA graphs of padded steps (masked SDPA) where a step fits one; other steps: {others}{padded}"
         if self.cache.varlen is None:
             return ("masked SDPA" + padded) if self.config.packed else "masked SDPA (padded forwards)"
         return f"{self.cache.varlen.name} for chains, masked SDPA for trees{padded}"
