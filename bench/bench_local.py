@@ -29,8 +29,9 @@ each shaped as a single cell's output. ``--variants`` also replays each policy i
 (``bench.bench_attention.grouped_masked_attention``: SDPA with ``enable_gqa`` over the rows' own
 mask, on CUDA the math kernel), named ``POLICY [GQA SDPA]``; ``pad``: the engine's rows padded
 where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``; ``graphs``: the
-target's steps replayed as CUDA graphs (``EngineConfig.cuda_graphs``, :mod:`goodspeed.lm.graphs`;
-on a CPU the same fixed-shape steps run eagerly), named ``POLICY [graphs]``. On an accelerator (``--device cuda``) a short replay of 4
+target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
+:mod:`goodspeed.lm.graphs`; on a CPU the same fixed-shape forwards run eagerly), named ``POLICY
+[graphs]``. On an accelerator (``--device cuda``) a short replay of 4
 requests per policy runs first and is discarded, so the first policy timed does not pay for
 kernel selection and allocator growth.
 """
@@ -101,6 +102,8 @@ def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requ
         engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     config = LocalConfig(**{"policy": "none", **policy}, latency=profile, max_requests=max_requests, seed=seed)
     serving = LocalServing(engine, draft.model, config)
+    if variant == "graphs" and not cuda:
+        serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=False)
     with masked_attention_as(grouped_masked_attention if variant == "gqa" else masked_attention):
         summary = summarize(run_trace_local(serving, trace))
     t = serving.totals

@@ -160,9 +160,10 @@ class VerifierSpec:
                                     "(no prompt chunk): tree rows then attend with no gather or scatter, two ops a layer "
                                     "that a launch-bound GPU pays; the linear layers see the pads (14-20%% slower on CPU; "
                                     "not yet timed on a GPU)", to="engine.pad_rows")
-    cuda_graphs: bool = setting(False, "replay the target's steps as CUDA graphs, one per shape of rows, queries and keys "
-                                       "rounded up to powers of two, rows padded (goodspeed.lm.graphs); steps with prompt "
-                                       "chunks or over 1,024 tokens run eagerly; CUDA only (not yet run on a GPU)",
+    cuda_graphs: bool = setting(False, "replay the target's steps (and the local draft's forwards) as CUDA graphs, one per "
+                                       "shape of rows, queries and keys rounded up to powers of two, rows padded "
+                                       "(goodspeed.lm.graphs); steps with prompt chunks or over 1,024 tokens run eagerly; "
+                                       "CUDA only (not yet run on a GPU)",
                                 to="engine.cuda_graphs")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)

@@ -20,6 +20,12 @@ structure the target uses) and every draft step is ONE forward over all requests
   beyond the committed draft KV (node ``k`` at offset ``k``) and attend to the committed prefix
   and their own ancestors only; they are dropped after the step (nothing to roll back).
 
+CUDA graphs (``cuda_graphs=True``, CUDA only; :mod:`goodspeed.lm.graphs`): a forward is laid out
+at fixed shapes (:meth:`~goodspeed.lm.kv_slots.SlotKVCache.prepare_static`: the window from slot
+0, rows, queries and keys rounded up to powers of two) and replayed as the graph captured for its
+shape, the LM head run after it on the positions read; a forward that does not fit one (a long
+catch-up, the first forward) runs eagerly.
+
 Candidate probabilities (tree nodes, and the per-token confidence TETRIS ranks chains by) are the
 request's processed draft distribution (its temperature, top-k, top-p); for greedy requests, whose
 processed distribution is one-hot, the draft's softmax ranks the candidates. Trees hold deterministic candidates: the target verifies them losslessly without
@@ -36,6 +42,7 @@ import torch
 
 from goodspeed.lm.sampling import SamplingParams, check_proposal_top_k, draft_step, process_logits
 from goodspeed.lm.attention import keep_logits, use_gqa_attention, with_cache
+from goodspeed.lm.graphs import StepGraphs, bucket
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
 
@@ -75,10 +82,11 @@ class BatchDraftModel:
     """Batched drafting for a set of requests. Not thread-safe (one thread owns it: the verifier's
     engine thread, or an edge node's drafting thread)."""
 
-    def __init__(self, model: torch.nn.Module, proposal_top_k: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, proposal_top_k: int = 0, cuda_graphs: bool = False) -> None:
         """``proposal_top_k``: sampled chains come from only the draft distribution's ``k`` most
         likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all, as local
-        serving, whose ``q`` never travels, uses it)."""
+        serving, whose ``q`` never travels, uses it). ``cuda_graphs``: forwards replayed as CUDA
+        graphs where they fit one (the module docstring; CUDA only)."""
         self.model = model.eval()
         self.proposal_top_k = check_proposal_top_k(proposal_top_k)
         use_gqa_attention(self.model)
@@ -87,6 +95,9 @@ class BatchDraftModel:
         self.vocab_size = int(model.config.vocab_size)
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
         self.slots = SlotTable(self.cache)  # request id -> draft KV slot
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device; this draft model is on {self.device}")
+        self.graphs = StepGraphs(self.model, self.cache) if cuda_graphs else None  # None: every forward eager
         self.forwards = 0  # draft forward passes so far (for reports)
         # Called after every forward with (context tokens, batched tokens): a simulated clock
         # charges the forward's modeled cost here.
@@ -125,6 +136,13 @@ class BatchDraftModel:
         first, last = slots[0], slots[-1]
         width = last - first + 1
         q_len = max(len(t) for t in tokens.values())
+        if self.graphs is not None:
+            out = self._static_forward(tokens, parents, offset, scratch_anc, last_only, stacked, last, q_len)
+            if out is not None:
+                self.forwards += 1
+                if self.on_forward is not None:  # the forward as the eager path charges it
+                    self.on_forward(sum(self.cache.lengths[first : last + 1]) + offset * width, width * q_len)
+                return out
         ids = torch.zeros(width, q_len, dtype=torch.long)
         row_parents: list[list[int] | None] = [None] * width
         for key, toks in tokens.items():
@@ -155,6 +173,42 @@ class BatchDraftModel:
         if stacked:
             return out.logits.index_select(0, torch.tensor([self.slots.slot(key) - first for key in tokens], device=out.logits.device))
         return {key: out.logits[self.slots.slot(key) - first, : len(toks)] for key, toks in tokens.items()}
+
+    @torch.inference_mode()
+    def _static_forward(self, tokens, parents, offset, scratch_anc, last_only, stacked, last, q_len):
+        """:meth:`_forward`'s result through :attr:`graphs`: the window ``[0, W)``, rows, queries and
+        keys rounded up to powers of two, pads (token 0) in idle rows and past each row's tokens,
+        written past each slot's committed length plus ``offset`` as in the eager forward; the LM
+        head on the positions read. None where the forward fits no shape."""
+        width, q_pad = bucket(last + 1), bucket(q_len)
+        if width * q_pad > self.graphs.max_tokens:
+            return None
+        kv_len = min(bucket(max(self.cache.lengths[:width]) + offset + q_pad), self.cache.capacity)
+        if not self.cache.prepare_static(q_pad, width, offset, kv_len):
+            return None
+        ids = torch.zeros(width, q_pad, dtype=torch.long)
+        row_parents: list[list[int] | None] = [None] * width
+        for key, toks in tokens.items():
+            r = self.slots.slot(key)
+            ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            if parents is not None:
+                row_parents[r] = parents[key]
+        lengths = self.cache.lengths[:width] + [0] * (width - min(width, self.cache.num_slots))
+        if scratch_anc is None:
+            mask, positions = build_attention(lengths, row_parents, q_pad, kv_len, self.dtype, self.device)
+        else:
+            mask, positions = self._beam_attention(lengths, tokens, 0, width, q_pad, offset, kv_len, scratch_anc)
+        hidden = self.graphs.run(ids.to(self.device), positions, mask)
+        rows = hidden.index_select(0, torch.tensor([self.slots.slot(k) for k in tokens], device=hidden.device))
+        head = self.graphs.head
+        if last_only:  # each key's last token
+            ends = torch.tensor([len(t) - 1 for t in tokens.values()], device=hidden.device)
+            logits = head(rows[torch.arange(len(tokens), device=hidden.device), ends])
+            return {key: logits[i][None] for i, key in enumerate(tokens)}
+        logits = head(rows[:, :q_len])  # [keys, q_len, V]
+        if stacked:
+            return logits
+        return {key: logits[i, : len(toks)] for i, (key, toks) in enumerate(tokens.items())}
 
     def _beam_attention(self, lengths, tokens, first, width, q_len, offset, kv_len, scratch_anc):
         allowed = torch.zeros(width, q_len, kv_len, dtype=torch.bool)

@@ -1,5 +1,7 @@
 """CUDA graphs of the verification engine's steps: a step's target forward replayed in one launch
-instead of dispatched op by op (``EngineConfig.cuda_graphs``, ``goodspeed verifier --cuda-graphs``).
+instead of dispatched op by op (``EngineConfig.cuda_graphs``, ``goodspeed verifier --cuda-graphs``),
+and of a batched draft model's forwards (:class:`goodspeed.lm.batch_draft.BatchDraftModel`, local
+serving's draft under the same flag).
 
 Why. On a GPU a small target's forward is bound by launching kernels from eager PyTorch, not by
 the GPU's arithmetic or memory: SmolLM2-135M's step dispatches about 1,100 aten ops and took
@@ -10,23 +12,26 @@ away what a tree step costs over a chain there (its mask, its gather and scatter
 the same whatever ops it holds.
 
 What a graph needs is fixed shapes and fixed addresses. A step is laid out as
-:meth:`SlotKVCache.pack_static <goodspeed.lm.kv_slots.SlotKVCache.pack_static>` makes it: every
-row padded to ``Q`` queries, pads in the model's input, one masked attention group (no gather, no
-scatter), over the slot window ``[0, W)``, with ``K`` keys. ``W`` and ``Q`` are the step's rows
-and longest row rounded up to powers of two (vLLM's batch-size buckets), ``K`` its longest slot
-after the step rounded the same way (at most the pool's capacity), so a handful of graphs serve
-every step, and attention reads at most twice the keys it needs. Per shape ``(W, Q, K)``, :class:`StepGraphs` keeps static input tensors (token ids,
-positions, the additive mask, the rows and positions the KV is written at) and the graph captured
-over them. A step copies its inputs in and replays; the graph writes the step's keys and values
-into the pool in place and leaves the last hidden states in its output tensor. The LM head runs
-after the replay, eagerly, on the rows' real tokens only (vLLM computes logits outside its graphs
-too): a shape's graph then holds ``W x Q`` hidden states, not ``W x Q x V`` logits (311 MB at
-Qwen3's vocabulary of 151,936 in bf16 and 1,024 tokens), and the head's matmul, a small model's
-largest, skips the pads. So a model takes graphs where its logits are its LM head over its
+:meth:`SlotKVCache.pack_static <goodspeed.lm.kv_slots.SlotKVCache.pack_static>` makes it: every row
+padded to ``Q`` queries, pads in the model's input, one masked attention group (no gather, no
+scatter), over the slot window ``[0, W)``, with ``K`` keys. ``W`` and ``Q`` are the step's rows and
+longest row rounded up to powers of two (vLLM's batch-size buckets), ``K`` its longest slot after
+the step rounded the same way (at most the pool's capacity), so a handful of graphs serve every
+step, and attention reads at most twice the keys it needs. A draft model's padded forward is laid
+out the same way by :meth:`SlotKVCache.prepare_static
+<goodspeed.lm.kv_slots.SlotKVCache.prepare_static>` (``[W, Q]`` inputs, its beam search's scratch
+entries included in ``K``). Per shape ``(W, Q, K)``, :class:`StepGraphs` keeps static input tensors
+(token ids, positions, the additive mask, the rows and positions the KV is written at) and the
+graph captured over them. A step copies its inputs in and replays; the graph writes the step's keys
+and values into the pool in place and leaves the last hidden states in its output tensor. The LM
+head runs after the replay, eagerly, on the rows' real tokens only (vLLM computes logits outside
+its graphs too): a shape's graph then holds ``W x Q`` hidden states, not ``W x Q x V`` logits (311
+MB at Qwen3's vocabulary of 151,936 in bf16 and 1,024 tokens), and the head's matmul, a small
+model's largest, skips the pads. So a model takes graphs where its logits are its LM head over its
 decoder's output (:func:`decoder_and_head`: Llama, Qwen2/3, Mistral and the demo models; not a
-model that scales or caps its logits after the head). When the pool is reallocated
-(it grows, or gives memory back: :attr:`SlotKVCache.generation`) the graphs, which hold its old
-addresses, are dropped and captured again when their shapes come back.
+model that scales or caps its logits after the head). When the pool is reallocated (it grows, or
+gives memory back: :attr:`SlotKVCache.generation`) the graphs, which hold its old addresses, are
+dropped and captured again when their shapes come back.
 
 A shape's first step runs eagerly, which warms it up, on the side stream its capture then uses.
 The capture records the same forward without running it. The forward's first layer folds the mask
@@ -86,27 +91,33 @@ def bucket(n: int) -> int:
 
 @dataclass
 class _Shape:
-    """One shape's static inputs (the layout's tensors, and the KV write indices) and its graph."""
+    """One shape's static inputs (the forward's, and the KV write indices) and its graph."""
 
-    layout: PackedRows
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor  # [W, 1, Q, K] additive
     write_rows: torch.Tensor
     write_pos: torch.Tensor
+    layout: PackedRows | None  # the engine's packed layout over these tensors; None: a batch forward
     graph: object = None  # torch.cuda.CUDAGraph once captured
-    hidden: torch.Tensor | None = None  # the graph's output: last hidden states [1, W x Q, hidden]
+    hidden: torch.Tensor | None = None  # the graph's output: last hidden states
 
 
 class StepGraphs:
-    """The engine's steps as CUDA graphs, one per shape (see the module docstring).
+    """A model's forwards at fixed shapes as CUDA graphs, one per shape (see the module
+    docstring): the engine's packed steps (:meth:`pack`, :meth:`logits`) and a draft model's
+    batch forwards (:meth:`run` with ``[W, Q]`` inputs after :meth:`SlotKVCache.prepare_static
+    <goodspeed.lm.kv_slots.SlotKVCache.prepare_static>`).
 
     ``capture=False`` runs each step eagerly over the same static inputs: the layout, the copies
     and the forward a graph would replay, with no graph. That is how the CPU tests check all of
-    it but the capture; the engine captures on CUDA only."""
+    it but the capture; the engine and the draft model capture on CUDA only."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, capture: bool = True,
                  max_tokens: int = MAX_GRAPH_TOKENS) -> None:
         self.decoder, self.head = decoder_and_head(model)
         self.cache, self.capture, self.max_tokens = cache, capture, max_tokens
-        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._shapes: dict[tuple, _Shape] = {}
         self._generation = cache.generation
         self._stream = self._pool = None
         self.steps = self.replays = self.captures = 0  # counters: steps run through here, replayed, captured
@@ -114,12 +125,12 @@ class StepGraphs:
     @property
     def shapes(self) -> list[tuple[int, int, int]]:
         """The ``(W, Q, K)`` shapes with static inputs now (captured ones, on CUDA)."""
-        return list(self._shapes)
+        return [shape for shape, _ in self._shapes]
 
     def pack(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
              device: torch.device | str) -> PackedRows | None:
-        """The step's static layout, its rows, queries and keys rounded up to powers of two; None
-        where it does not fit one (the caller then packs it as usual)."""
+        """The engine's step laid out at fixed shapes, its rows, queries and keys rounded up to
+        powers of two; None where it does not fit one (the caller then packs it as usual)."""
         width, q_len = bucket(rows.stop), bucket(max(len(t) for t in tokens))
         if width * q_len > self.max_tokens:
             return None
@@ -131,25 +142,30 @@ class StepGraphs:
         """Logits ``[len(rows), q_len, V]`` of the window rows ``rows`` (slots) of a step
         :meth:`pack` laid out, as :meth:`PackedRows.padded` gives them (a row's pad positions repeat
         its last token's): the step replayed (or run), then the LM head on those rows' tokens."""
-        return self.head(layout.padded(self.run(layout), rows))
+        group = layout.groups[0]
+        hidden = self.run(layout.input_ids, layout.position_ids, group.mask, layout)
+        return self.head(layout.padded(hidden, rows))
 
     @torch.inference_mode()
-    def run(self, layout: PackedRows) -> torch.Tensor:
-        """Last hidden states ``[1, W x Q, hidden]`` of a step :meth:`pack` laid out (on CUDA the
-        graph's output tensor: read it before the next step)."""
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+            layout: PackedRows | None = None) -> torch.Tensor:
+        """Last hidden states of a forward at fixed shapes (on CUDA the graph's output tensor: read
+        it before the next step): the engine's packed ``[1, W x Q]`` step (``layout``, from
+        :meth:`pack`) or a batch ``[W, Q]`` forward under ``mask`` ``[W, 1, Q, K]``, its KV writes
+        set by :meth:`SlotKVCache.prepare_static <goodspeed.lm.kv_slots.SlotKVCache.prepare_static>`."""
         if self.cache.generation != self._generation:  # the pool moved: every graph points at freed memory
             self._shapes.clear()
             self._generation = self.cache.generation
-        group = layout.groups[0]
-        key = (group.rows.stop, group.q_len, group.kv_len)
+        rows, _, q_len, kv_len = mask.shape
+        key = ((rows, q_len, kv_len), layout is None)
         self.steps += 1
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = self._static(layout)
+            shape = self._shapes[key] = self._static(input_ids, position_ids, mask, layout)
             return self._first(shape)
         # The step's inputs into the shape's (its KV rows, arange(W) repeated Q times, are the shape's own)
-        for static, value in ((shape.layout.input_ids, layout.input_ids), (shape.layout.position_ids, layout.position_ids),
-                              (shape.layout.groups[0].mask, group.mask), (shape.write_pos, self.cache.pending_writes()[1])):
+        for static, value in ((shape.input_ids, input_ids), (shape.position_ids, position_ids), (shape.mask, mask),
+                              (shape.write_pos, self.cache.pending_writes()[1])):
             static.copy_(value, non_blocking=True)
         if shape.graph is None:
             return self._forward(shape)
@@ -157,33 +173,38 @@ class StepGraphs:
         self.replays += 1
         return shape.hidden
 
-    def _static(self, layout: PackedRows) -> _Shape:
-        """Static copies of a step's inputs on its device, and the layout over them (one group, as
-        pack_static's)."""
-        group = layout.groups[0]
-        device = layout.input_ids.device
-        rows, _, q_len, kv_len = group.mask.shape
-        mask = aligned_mask(rows, 1, q_len, kv_len, group.mask.dtype, device).copy_(group.mask)
-        static = PackedRows(layout.input_ids.clone(), layout.position_ids.clone(),
-                            (AttentionGroup(group.rows, group.q_len, group.kv_len, mask, group.tokens, None, None, group.dest),),
-                            layout.starts, layout.sizes, layout.q_len, layout.keep, self.cache)
+    def _static(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                layout: PackedRows | None) -> _Shape:
+        """Static copies of a step's inputs on its device (and, for the engine's, the layout over
+        them: one group, as pack_static's)."""
+        device = input_ids.device
+        rows, _, q_len, kv_len = mask.shape
+        static_mask = aligned_mask(rows, 1, q_len, kv_len, mask.dtype, device).copy_(mask)
+        ids, positions = input_ids.clone(), position_ids.to(device, copy=True)
+        if layout is not None:
+            group = layout.groups[0]
+            layout = PackedRows(ids, positions, (AttentionGroup(group.rows, group.q_len, group.kv_len, static_mask,
+                                                                group.tokens, None, None, group.dest),),
+                                layout.starts, layout.sizes, layout.q_len, layout.keep, self.cache)
         write_rows, write_pos = self.cache.pending_writes()
-        return _Shape(static, write_rows.to(device, copy=True), write_pos.to(device, copy=True))
+        return _Shape(ids, positions, static_mask, write_rows.to(device, copy=True), write_pos.to(device, copy=True), layout)
 
     def _forward(self, shape: _Shape) -> torch.Tensor:
         """The step's forward over the static inputs, eagerly (or under capture)."""
         self.cache.use_writes(shape.write_rows, shape.write_pos)
-        layout = shape.layout
-        layout.groups[0].folds.clear()  # the fold is the forward's own work, recorded with it
-        out = self.decoder(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
-                           **with_cache(self.decoder, self.cache), use_cache=True, **{PACKED: layout})
+        extra = {}
+        if shape.layout is not None:
+            shape.layout.groups[0].folds.clear()  # the fold is the forward's own work, recorded with it
+            extra[PACKED] = shape.layout
+        out = self.decoder(input_ids=shape.input_ids, attention_mask=shape.mask, position_ids=shape.position_ids,
+                           **with_cache(self.decoder, self.cache), use_cache=True, **extra)
         return out.last_hidden_state
 
     def _first(self, shape: _Shape) -> torch.Tensor:
         """A shape's first step: eagerly (the step's hidden states), then, on CUDA, captured for the next."""
         if not self.capture:
             return self._forward(shape)
-        with torch.cuda.device(shape.layout.input_ids.device):  # the model's GPU, whichever is current
+        with torch.cuda.device(shape.input_ids.device):  # the model's GPU, whichever is current
             if self._stream is None:
                 self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
             current = torch.cuda.current_stream()

@@ -325,6 +325,30 @@ class SlotKVCache:
         lengths = self.lengths[:width] + [0] * (width - len(live))
         return self._pack_padded(full, [len(t) for t in full], tree, slice(0, width), dtype, device, lengths, q_len, kv_len)
 
+    def prepare_static(self, q_len: int, width: int, offset: int, kv_len: int) -> bool:
+        """:meth:`prepare` at fixed shapes, as a CUDA graph replays it (:mod:`goodspeed.lm.graphs`):
+        a padded forward over the window ``[0, width)`` writing ``q_len`` positions per slot at its
+        committed length plus ``offset``, attention reading ``kv_len`` keys. A window row past the
+        last slot is a pool row no slot holds yet. False, with nothing set, where the forward does
+        not fit: no pool yet (the first forward makes it), ``kv_len`` over the pool's capacity, or a
+        slot whose entries and this forward's exceed ``kv_len``; the caller then runs
+        :meth:`prepare` as usual."""
+        if self._own:
+            raise RuntimeError("a padded forward cannot take slots with buffers of their own (those come from pack())")
+        live = self.lengths[:width]
+        if (any(buf is None for buf in (*self.keys, *self.values)) or kv_len > self._capacity
+                or any(n + offset + q_len > kv_len for n in live)):
+            return False
+        if any(buf.shape[0] < width or buf.shape[2] < self._capacity for buf in (*self.keys, *self.values)):
+            self._resize_pool(width)
+        lengths = live + [0] * (width - len(live))
+        self._rows = slice(0, width)
+        self._pool_tokens, self._own_writes = None, []
+        self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + offset + torch.arange(q_len)
+        self._write_rows = torch.arange(width).unsqueeze(1).expand_as(self._write_pos)
+        self._kv_len = kv_len
+        return True
+
     def pending_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot rows and positions the next forward writes its new keys and values at (one
         each per token of its layout), as the last :meth:`pack` or :meth:`pack_static` set them."""

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from goodspeed.lm.attention import PACKED, with_cache
+from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs, bucket, decoder_and_head
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
 from goodspeed.lm.sampling import SamplingParams
@@ -94,7 +95,8 @@ def test_a_pool_that_moves_drops_every_shape():
     graphs = graphed.graphs
     graphs.cache = graphed.cache
     made, static = [], graphs._static
-    graphs._static = lambda layout: made.append((layout.groups[0].kv_len, graphed.cache.generation)) or static(layout)
+    graphs._static = lambda ids, positions, mask, layout: made.append((mask.shape[3], graphed.cache.generation)) or static(
+        ids, positions, mask, layout)
     drive([eager, graphed], np.random.default_rng(1), rounds=30, sessions=3, prompt_len=6)  # every slot outgrows 16 positions
     assert graphed.cache.capacity > 16 and made[0][1] < graphed.cache.generation  # shapes were made over old buffers
     now = [k for k, generation in made if generation == graphed.cache.generation]
@@ -120,7 +122,8 @@ class ReadsOnly(TorchDispatchMode):
     """Records what would break a CUDA graph's replays: a sync with the host (``item``, a tensor
     made from host data, an op whose output size depends on values), or a read of a tensor that is
     neither one of ``allowed`` (weights, KV pool, static inputs) nor made by the forward itself,
-    which a replay would read as it was at capture."""
+    which a replay would read as it was at capture. (A ``.tolist()`` or ``.cpu()`` of a CPU tensor
+    dispatches nothing, so those are left to the CUDA test, where a capture refuses them.)"""
 
     SYNCS = {"aten._local_scalar_dense.default", "aten.lift_fresh.default", "aten.nonzero.default",
              "aten.masked_select.default", "aten.unique.default"}
@@ -144,12 +147,25 @@ class ReadsOnly(TorchDispatchMode):
         return out
 
 
-def static_inputs(engine):
-    model, cache = engine.model, engine.cache
-    shapes = engine.graphs._shapes.values()
+def static_inputs(owner):
+    """What a replay may read: the weights, the KV pool, every shape's static inputs (``owner``: an
+    engine or a batch draft model)."""
+    model, cache = owner.model, owner.cache
+    shapes = owner.graphs._shapes.values()
     return [*model.parameters(), *model.buffers(), *(b for b in (*cache.keys, *cache.values) if b is not None),
-            *(t for s in shapes for t in (s.layout.input_ids, s.layout.position_ids, s.layout.groups[0].mask,
-                                          s.write_rows, s.write_pos))]
+            *(t for s in shapes for t in (s.input_ids, s.position_ids, s.mask, s.write_rows, s.write_pos))]
+
+
+def checking(owner, seen):
+    """Run ``owner``'s graph forwards under :class:`ReadsOnly`, each one's findings into ``seen``."""
+    forward = owner.graphs._forward
+
+    def checked(shape):
+        with ReadsOnly(static_inputs(owner)) as mode:
+            out = forward(shape)
+        seen.append(mode.problems)
+        return out
+    owner.graphs._forward = checked
 
 
 def test_a_steps_forward_reads_only_what_a_replay_refreshes():
@@ -161,15 +177,8 @@ def test_a_steps_forward_reads_only_what_a_replay_refreshes():
     rng = np.random.default_rng(3)
     drive([graphed], rng, rounds=4)  # shapes made, the pool allocated
     graphs = graphed.graphs
-    forward = graphs._forward
     seen = []
-
-    def checked(shape):
-        with ReadsOnly(static_inputs(graphed)) as mode:
-            out = forward(shape)
-        seen.append(mode.problems)
-        return out
-    graphs._forward = checked
+    checking(graphed, seen)
     drive([graphed], rng, rounds=6)
     assert seen and all(p == [] for p in seen), seen
     # Negative control: keep the fold the last forward made (a replay would read that step's mask).
@@ -180,6 +189,52 @@ def test_a_steps_forward_reads_only_what_a_replay_refreshes():
         graphs.decoder(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
                        **with_cache(graphs.decoder, graphed.cache), use_cache=True, **{PACKED: layout})
     assert layout.groups[0].folds and any("made before the forward" in p for p in mode.problems)
+
+
+def draft_rounds(drafters, rounds=6, seed=0):
+    """Chains (greedy and sampled) and beam trees from each batch draft model alike, with verdicts
+    applied between rounds and a request leaving midway; every drafter must draft the same."""
+    rng = np.random.default_rng(seed)
+    committed = {"a": list(range(1, 9)), "b": [7, 8], "c": [9, 10, 11], "d": [4]}
+    for d in drafters:
+        for key in committed:
+            d.add(key)
+    for round_index in range(rounds):
+        if round_index == rounds // 2:  # slots move: the last one into the hole
+            del committed["b"]
+            for d in drafters:
+                d.remove("b")
+        params = {k: SamplingParams() if (i + round_index) % 2 else SamplingParams(temperature=1.3)
+                  for i, k in enumerate(committed)}
+        lengths = {k: int(rng.integers(0, 5)) for k in committed}
+        chains = [d.draft_chains(committed, lengths, params, torch.Generator().manual_seed(round_index)) for d in drafters]
+        trees = [d.draft_trees(committed, depth=3, width=2, sampling=params) for d in drafters]
+        for key in committed:
+            for chain, tree in zip(chains[1:], trees[1:]):
+                assert chain[key].token_ids == chains[0][key].token_ids, (round_index, key)
+                assert chain[key].token_probs == pytest.approx(chains[0][key].token_probs, rel=1e-9, abs=1e-12)
+                assert (tree[key].token_ids, tree[key].parents) == (trees[0][key].token_ids, trees[0][key].parents)
+                assert tree[key].path_probs == pytest.approx(trees[0][key].path_probs, rel=1e-9, abs=1e-12)
+        for key in committed:  # a verdict: a prefix of the chain accepted, then a correction
+            accepted = int(rng.integers(0, lengths[key] + 1))
+            before = len(committed[key])
+            committed[key] = committed[key] + chains[0][key].token_ids[:accepted] + [int(rng.integers(0, 48))]
+            for d in drafters:
+                d.rollback(key, before, accepted)
+
+
+def test_draft_forwards_at_fixed_shapes_draft_what_eager_ones_do():
+    """The local draft model's forwards through StepGraphs (catch-up, chain steps, beam levels with
+    scratch entries) draft the same chains, q and trees as eager forwards, and read nothing a
+    replay would hold stale."""
+    model = tiny_llama(8)
+    eager, graphed = BatchDraftModel(model), BatchDraftModel(model)
+    graphed.graphs = StepGraphs(graphed.model, graphed.cache, capture=False)
+    seen = []
+    checking(graphed, seen)
+    draft_rounds([eager, graphed])
+    assert graphed.forwards == eager.forwards and graphed.graphs.steps >= graphed.forwards - 1  # the first made the pool
+    assert len(graphed.graphs.shapes) >= 3 and seen and all(p == [] for p in seen), seen
 
 
 def test_a_model_whose_logits_are_not_its_heads_output_is_refused():
@@ -197,6 +252,8 @@ def test_a_model_whose_logits_are_not_its_heads_output_is_refused():
 def test_cuda_graphs_are_refused_off_cuda_and_without_packed_forwards():
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device; this target is on cpu"):
         VerificationEngine(tiny_llama(0), EngineConfig(cuda_graphs=True))
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device; this draft model is on cpu"):
+        BatchDraftModel(tiny_llama(0), cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs needs packed forwards"):
         EngineConfig(cuda_graphs=True, packed=False)
 
@@ -219,3 +276,14 @@ def test_cuda_replayed_steps_equal_eager_ones(dtype):
         drive([packed, graphed], np.random.default_rng(5), rounds=12)
         for a, b in zip(expected, got):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replayed_draft_forwards_draft_what_eager_ones_do():
+    """On CUDA: the draft model's forwards captured and replayed draft the same as the same
+    fixed-shape forwards run eagerly."""
+    model = tiny_llama(8, hidden=256, heads=4, kv_heads=2, dtype=torch.float32).cuda()
+    eager, graphed = BatchDraftModel(model), BatchDraftModel(model, cuda_graphs=True)
+    eager.graphs = StepGraphs(eager.model, eager.cache, capture=False)
+    draft_rounds([eager, graphed])
+    assert graphed.graphs.captures >= 3 and graphed.graphs.replays >= 10

@@ -46,6 +46,8 @@ def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_reque
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
     serving = cls(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
+    if graphs:  # and the draft's forwards
+        serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=engine.device.type == "cuda")
     for i in range(n):
         serving.submit(PROMPT, SAMPLED, max_new_tokens=4, tpot_slo_ms=None if i % 2 else 12.0,
                        seed=i if per_request_seeds else None)
@@ -54,8 +56,9 @@ def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_reque
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
     if policy != "none":
         assert serving.stats()["drafted"] > n  # speculation really happened
-    if graphs:
-        assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)  # every step took the fixed shapes
+    if graphs:  # every step took the fixed shapes, and the draft's forwards but its first (which makes its KV pool)
+        assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)
+        assert serving.draft.graphs.steps == serving.draft.forwards - 1
     return [r.generated for r in serving.finished]
 
 
@@ -76,7 +79,8 @@ def test_padded_rows_keep_sampling_exact(models, policy):
 
 
 def test_graph_steps_keep_sampling_exact(models):
-    """AdaServe's trees and chains in the fixed-shape steps CUDA graphs replay (run eagerly here)."""
+    """AdaServe's trees and chains in the fixed-shape steps CUDA graphs replay (run eagerly here),
+    its beam search in the draft's fixed-shape forwards."""
     check(models, generate(models, "adaserve", 600, graphs=True))
 
 
