@@ -143,13 +143,7 @@ class BatchDraftModel:
                 if self.on_forward is not None:  # the forward as the eager path charges it
                     self.on_forward(sum(self.cache.lengths[first : last + 1]) + offset * width, width * q_len)
                 return out
-        ids = torch.zeros(width, q_len, dtype=torch.long)
-        row_parents: list[list[int] | None] = [None] * width
-        for key, toks in tokens.items():
-            r = self.slots.slot(key) - first
-            ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            if parents is not None:
-                row_parents[r] = parents[key]
+        ids, row_parents = self._rows(tokens, parents, first, width, q_len)
         window = slice(first, last + 1)
         kv_len = self.cache.prepare(q_len, window, offset)
         lengths = self.cache.lengths[window]
@@ -174,6 +168,19 @@ class BatchDraftModel:
             return out.logits.index_select(0, torch.tensor([self.slots.slot(key) - first for key in tokens], device=out.logits.device))
         return {key: out.logits[self.slots.slot(key) - first, : len(toks)] for key, toks in tokens.items()}
 
+    def _rows(self, tokens: dict[str, list[int]], parents: dict[str, list[int]] | None, first: int, width: int,
+              q_len: int) -> tuple[torch.Tensor, list[list[int] | None]]:
+        """Token ids ``[width, q_len]`` (0 where a row has none) and per-row parents of the window
+        from slot ``first``."""
+        ids = torch.zeros(width, q_len, dtype=torch.long)
+        row_parents: list[list[int] | None] = [None] * width
+        for key, toks in tokens.items():
+            r = self.slots.slot(key) - first
+            ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            if parents is not None:
+                row_parents[r] = parents[key]
+        return ids, row_parents
+
     @torch.inference_mode()
     def _static_forward(self, tokens, parents, offset, scratch_anc, last_only, stacked, last, q_len):
         """:meth:`_forward`'s result through :attr:`graphs`: the window ``[0, W)``, rows, queries and
@@ -186,13 +193,7 @@ class BatchDraftModel:
         kv_len = min(bucket(max(self.cache.lengths[:width]) + offset + q_pad), self.cache.capacity)
         if not self.cache.prepare_static(q_pad, width, offset, kv_len):
             return None
-        ids = torch.zeros(width, q_pad, dtype=torch.long)
-        row_parents: list[list[int] | None] = [None] * width
-        for key, toks in tokens.items():
-            r = self.slots.slot(key)
-            ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-            if parents is not None:
-                row_parents[r] = parents[key]
+        ids, row_parents = self._rows(tokens, parents, 0, width, q_pad)
         lengths = self.cache.lengths[:width] + [0] * (width - min(width, self.cache.num_slots))
         if scratch_anc is None:
             mask, positions = build_attention(lengths, row_parents, q_pad, kv_len, self.dtype, self.device)
