@@ -14,6 +14,7 @@ from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.launch.spec import PROMPT_SETS, DrafterSpec, LaunchSpec, VerifierSpec
 from goodspeed.lm import real
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, RealClock
@@ -75,8 +76,10 @@ def test_edge_drafters_through_the_engine_match_target_greedy(pair, prompts, ref
     assert accepted > 0.15 * emitted  # the distilled draft really predicts the target (an unrelated one: ~0)
 
 
-@pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar"])
-def test_local_serving_every_policy_matches_target_greedy(pair, prompts, reference, policy):
+def serve_local(pair, prompts, policy, graphs=False):
+    """Local serving of ``prompts`` under ``policy``: request id -> generated tokens, and the
+    serving object. ``graphs``: the target's steps and the draft's forwards at the fixed shapes CUDA
+    graphs replay (run eagerly on CPU)."""
     from goodspeed.scheduler import LatencyModel
 
     target, draft = pair
@@ -85,13 +88,32 @@ def test_local_serving_every_policy_matches_target_greedy(pair, prompts, referen
     engine = VerificationEngine(target.model, EngineConfig(seed=0))
     serving = LocalServing(engine, draft.model, LocalConfig(policy=policy, max_requests=4, budget=12, k=4,
                                                            latency=profile if policy == "turbospec" else None), RealClock())
+    if graphs:
+        engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
+        serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=False)
     ids = [serving.submit(p, max_new_tokens=NEW) for p in prompts]
     for _ in range(10_000):
         if serving.step() is None:
             break
-    by_id = {r.request_id: r for r in serving.finished}
-    for rid, prompt in zip(ids, prompts):
-        assert by_id[rid].generated == reference[tuple(prompt)], (policy, prompt)
+    by_id = {r.request_id: r.generated for r in serving.finished}
+    return [by_id[rid] for rid in ids], serving
+
+
+@pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar"])
+def test_local_serving_every_policy_matches_target_greedy(pair, prompts, reference, policy):
+    outputs, _ = serve_local(pair, prompts, policy)
+    for out, prompt in zip(outputs, prompts):
+        assert out == reference[tuple(prompt)], (policy, prompt)
+
+
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_local_serving_in_fixed_shape_steps_matches_target_greedy(pair, prompts, reference, policy):
+    """SmolLM2 (tied embeddings, 9 / 3 heads) through the steps and draft forwards CUDA graphs
+    replay (lm/graphs.py), run eagerly here: the target's greedy text, every step at fixed shapes."""
+    outputs, serving = serve_local(pair, prompts, policy, graphs=True)
+    for out, prompt in zip(outputs, prompts):
+        assert out == reference[tuple(prompt)], (policy, prompt)
+    assert serving.engine.graphs.steps == serving.totals["steps"] > 0
 
 
 def test_processes_verifier_and_drafters(pair, prompts, reference, tmp_path):
