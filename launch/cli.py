@@ -269,6 +269,9 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                     help="sampled drafts: draw from and send only the draft distribution's K most likely tokens a "
                          "position, K (id, prob) pairs on the wire instead of the vocabulary's floats; lossless "
                          "(the verifier tests against exactly that q); 0: the whole vocabulary (default: %(default)s)")
+    dr.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                    help="replay the node's batched draft forwards (--serve, or --concurrency > 1) as CUDA graphs "
+                         "(goodspeed.lm.graphs); CUDA only; not yet run on a GPU")
     _add_model_args(dr)
 
 

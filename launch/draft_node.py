@@ -27,6 +27,8 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
     if spec.concurrency > 1 and spec.proactive:
         raise SystemExit(f"goodspeed drafter {spec.name}: proactive drafting runs one request at a time; with "
                          "--concurrency > 1 give --no-proactive (the node drafts its requests together instead)")
+    if (why := spec.cuda_graphs_missing()) is not None:
+        raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
     draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
     prompts = load_prompts(spec.prompt_path(), draft.tokenizer)[: spec.max_prompts]
     out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
@@ -86,7 +88,7 @@ def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurre
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=max_concurrency,
         max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
         tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), proposal_top_k=spec.proposal_top_k,
-        on_wait=_say(spec.name))
+        cuda_graphs=spec.cuda_graphs, on_wait=_say(spec.name))
 
 
 def _say(name: str):
@@ -169,6 +171,8 @@ def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: i
         host, port = split_host_port(listen)
     except ValueError as exc:
         raise SystemExit(f"goodspeed drafter: --serve {exc}") from None
+    if (why := spec.cuda_graphs_missing(serve=True)) is not None:
+        raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
     authorize = _api_key_check(api_key_file, host)
     return asyncio.run(_serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s))
 

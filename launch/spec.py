@@ -384,6 +384,9 @@ class DrafterSpec:
     # (goodspeed.lm.sampling.cap_support): k (id, prob) pairs on the wire instead of V floats,
     # still lossless. 0: the whole vocabulary.
     proposal_top_k: int = PROPOSAL_TOP_K
+    # The node's batched drafting (concurrency > 1, or --serve) replays its draft forwards as CUDA
+    # graphs (goodspeed.lm.graphs; CUDA only). A drafter drafting one request at a time has none.
+    cuda_graphs: bool = False
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -393,6 +396,18 @@ class DrafterSpec:
     # How the launcher starts the process (copies, a trimmed prompt file, where it runs, its link):
     # not settings of the draft node itself.
     LAUNCHER = ("count", "max_prompts", "cpus", "link", "num_cpus", "num_gpus", "resources", "node")
+
+    def cuda_graphs_missing(self, serve: bool = False) -> str | None:
+        """Why ``cuda_graphs`` cannot apply to this drafter (``serve``: as ``--serve`` runs it), in
+        words, or None: it needs a CUDA device and the node's batched drafting."""
+        if not self.cuda_graphs:
+            return None
+        if not self.device.startswith("cuda"):
+            return f"needs a CUDA device, not {self.device}"
+        if self.concurrency == 1 and not serve:
+            return ("replays the node's batched drafting (concurrency > 1, or --serve); one request at a time "
+                    "drafts without graphs")
+        return None
 
     @classmethod
     def node_settings(cls) -> list[str]:
@@ -591,6 +606,8 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
             check_proposal_top_k(d.proposal_top_k)
         except ValueError as exc:
             raise SpecError(f"drafter {d.name!r}: {exc}") from None
+        if (why := d.cuda_graphs_missing()) is not None:
+            raise SpecError(f"drafter {d.name!r}: cuda_graphs {why}")
         d.prompt_path()
     if spec.verifier.budget < 0:
         raise SpecError("[verifier] budget must be >= 0")

@@ -7,6 +7,7 @@ import time
 import openai
 import pytest
 
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import NodeThread, ServerThread
@@ -62,16 +63,25 @@ def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(m
     assert metrics["goodspeed:time_to_first_token_seconds_count[]"] == 4
 
 
-def test_concurrent_requests_share_one_devices_sessions(models):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_concurrent_requests_share_one_devices_sessions(models, graphs):
+    """Also with the node's batched draft forwards at the fixed shapes CUDA graphs replay (run
+    eagerly on CPU)."""
     prompts = ["import os", "class A:", "def f(x):", "return None", "while True:"]
-    with verifier(models) as server, node(server, models, name="phone", max_concurrency=2) as edge:
-        texts = complete_concurrently(api_of(edge), "tiny", prompts, 14)
-        engine = server.server.engine
-        devices = {engine.allotments.device_of(sid) for sid in engine.session_ids}
-        joins = server.events("join")
+    with verifier(models) as server:
+        phone = node(server, models, name="phone", max_concurrency=2)
+        drafter = phone.node.drafter
+        if graphs:
+            drafter.graphs = StepGraphs(drafter.model, drafter.cache, capture=False)
+        with phone as edge:
+            texts = complete_concurrently(api_of(edge), "tiny", prompts, 14)
+            engine = server.server.engine
+            devices = {engine.allotments.device_of(sid) for sid in engine.session_ids}
+            joins = server.events("join")
     assert texts == {p: reference(models, p, 14) for p in prompts}
     assert len(joins) == 2  # max_concurrency sessions, reused by the five requests
     assert devices == {"anonymous/phone"}  # one device: one utility term
+    assert (drafter.graphs is not None and drafter.graphs.steps > 0) == graphs
 
 
 def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models):
@@ -155,15 +165,20 @@ def test_the_nodes_health_follows_its_verifier(models):
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_node_and_verifier_serve_the_targets_greedy_decoding(models):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_cuda_node_and_verifier_serve_the_targets_greedy_decoding(models, graphs):
     """An edge node with its draft on a GPU (batched drafting of concurrent requests on the device)
-    against a CUDA verifier, called through the OpenAI client: each completion is the target's own."""
+    against a CUDA verifier, called through the OpenAI client: each completion is the target's own;
+    also with both sides' forwards replayed as CUDA graphs (``cuda_graphs``)."""
     import copy
 
     target, draft, tokenizer = models
     prompts = ["import os", "class A:", "def f(x):", "return None", "while True:"]
-    engine = VerificationEngine(copy.deepcopy(target).cuda(), EngineConfig(budget=8, max_draft_len=6, seed=5))
+    engine = VerificationEngine(copy.deepcopy(target).cuda(), EngineConfig(budget=8, max_draft_len=6, seed=5, cuda_graphs=graphs))
     with ServerThread(engine, round_deadline_ms=500, target_name="tiny") as server, \
-            NodeThread(server.address, copy.deepcopy(draft).cuda(), tokenizer, name="gpu", max_concurrency=3) as edge:
+            NodeThread(server.address, copy.deepcopy(draft).cuda(), tokenizer, name="gpu", max_concurrency=3,
+                       cuda_graphs=graphs) as edge:
         texts = complete_concurrently(api_of(edge), "tiny", prompts, 14)
+        if graphs:
+            assert engine.graphs.replays > 0 and edge.node.drafter.graphs.replays > 0
     assert texts == {p: reference(models, p, 14) for p in prompts}

@@ -178,7 +178,7 @@ DRAFTER_CLI_DEFAULTS = {"name": None, "draft": None, "prompts": None, "max_new_t
 DRAFTER_RUNTIME = {"spec", "verifier", "serve", "max_concurrency", "max_waiting", "api_key_file", "out", "connect_timeout_s", "quiet"}
 DRAFTER_CHANGED = dict(name="edge", draft="demo:other", prompts="/p.jsonl", max_new_tokens=7, temperature=0.7, top_k=5,
                        top_p=0.9, device="cuda:1", dtype="bfloat16", seed=42, token_file="/t", tls_ca="/ca", tls_cert="/c",
-                       tls_key="/k", tls_server_name="host", proactive=True, concurrency=3, proposal_top_k=64)
+                       tls_key="/k", tls_server_name="host", proactive=True, concurrency=3, proposal_top_k=64, cuda_graphs=True)
 
 
 def test_every_drafter_setting_is_a_flag_and_every_other_flag_is_the_nodes_run_time():
@@ -243,3 +243,30 @@ def test_a_bad_drafter_file_is_refused_by_key(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(SpecError, match=match):
         load_drafter_settings(path)
+
+
+def test_drafter_cuda_graphs_are_refused_where_they_cannot_apply_before_a_model_loads(monkeypatch):
+    """--cuda-graphs replays the node's batched drafting on CUDA: off CUDA, or one request at a
+    time without --serve, the node says so before loading anything; a launch spec the same."""
+    from goodspeed.launch import draft_node
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(draft_node, "load_causal_lm", no_load)
+    base = DrafterSpec(name="edge", draft="demo:draft-tiny", prompts="code", proactive=False, cuda_graphs=True)
+    for spec, message in ((dataclasses.replace(base, concurrency=2), "--cuda-graphs needs a CUDA device, not cpu"),
+                          (dataclasses.replace(base, device="cuda"), "one request at a time drafts without graphs")):
+        with pytest.raises(SystemExit, match=message):
+            draft_node.run_drafter(spec, "127.0.0.1:1")
+    assert dataclasses.replace(base, device="cuda").cuda_graphs_missing(serve=True) is None  # --serve batches
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        draft_node.serve_node(base, "127.0.0.1:1", "127.0.0.1:0")
+    from goodspeed.launch.spec import load_spec
+
+    tables = {"verifier": {"target": "demo:target"},
+              "drafters": [{"name": "edge", "draft": "d", "prompts": "code", "device": "cuda", "cuda_graphs": True}]}
+    with pytest.raises(SpecError, match="drafter 'edge': cuda_graphs replays the node's batched drafting"):
+        load_spec("s.toml", tables)
+    tables["drafters"][0]["concurrency"] = 2
+    assert load_spec("s.toml", tables).drafters[0].cuda_graphs
