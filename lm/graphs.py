@@ -161,8 +161,14 @@ class StepGraphs:
         self.steps += 1
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = self._static(input_ids, position_ids, mask, layout)
-            return self._first(shape)
+            shape = self._static(input_ids, position_ids, mask, layout)
+            try:
+                hidden = self._first(shape)
+            except RuntimeError as exc:  # never a shape left half-made, to run eagerly unannounced later
+                raise RuntimeError(f"CUDA graph of shape {key[0]} (rows, queries, keys) failed: {exc}; "
+                                   "run without cuda_graphs (--cuda-graphs) to serve eagerly") from exc
+            self._shapes[key] = shape
+            return hidden
         # The step's inputs into the shape's (its KV rows, arange(W) repeated Q times, are the shape's own)
         for static, value in ((shape.input_ids, input_ids), (shape.position_ids, position_ids), (shape.mask, mask),
                               (shape.write_pos, self.cache.pending_writes()[1])):

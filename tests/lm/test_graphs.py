@@ -147,13 +147,12 @@ class ReadsOnly(TorchDispatchMode):
         return out
 
 
-def static_inputs(owner):
-    """What a replay may read: the weights, the KV pool, every shape's static inputs (``owner``: an
-    engine or a batch draft model)."""
+def static_inputs(owner, shape):
+    """What a replay of ``shape`` may read: the weights, the KV pool, the shape's static inputs
+    (``owner``: an engine or a batch draft model)."""
     model, cache = owner.model, owner.cache
-    shapes = owner.graphs._shapes.values()
     return [*model.parameters(), *model.buffers(), *(b for b in (*cache.keys, *cache.values) if b is not None),
-            *(t for s in shapes for t in (s.input_ids, s.position_ids, s.mask, s.write_rows, s.write_pos))]
+            shape.input_ids, shape.position_ids, shape.mask, shape.write_rows, shape.write_pos]
 
 
 def checking(owner, seen):
@@ -161,7 +160,7 @@ def checking(owner, seen):
     forward = owner.graphs._forward
 
     def checked(shape):
-        with ReadsOnly(static_inputs(owner)) as mode:
+        with ReadsOnly(static_inputs(owner, shape)) as mode:
             out = forward(shape)
         seen.append(mode.problems)
         return out
@@ -185,7 +184,7 @@ def test_a_steps_forward_reads_only_what_a_replay_refreshes():
     shape = next(iter(graphs._shapes.values()))
     layout = shape.layout
     graphed.cache.use_writes(shape.write_rows, shape.write_pos)
-    with ReadsOnly(static_inputs(graphed)) as mode, torch.inference_mode():
+    with ReadsOnly(static_inputs(graphed, shape)) as mode, torch.inference_mode():
         graphs.decoder(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
                        **with_cache(graphs.decoder, graphed.cache), use_cache=True, **{PACKED: layout})
     assert layout.groups[0].folds and any("made before the forward" in p for p in mode.problems)
@@ -235,6 +234,24 @@ def test_draft_forwards_at_fixed_shapes_draft_what_eager_ones_do():
     draft_rounds([eager, graphed])
     assert graphed.forwards == eager.forwards and graphed.graphs.steps >= graphed.forwards - 1  # the first made the pool
     assert len(graphed.graphs.shapes) >= 3 and seen and all(p == [] for p in seen), seen
+
+
+def test_a_shape_whose_first_forward_fails_is_not_kept_to_run_later():
+    """A failed warm-up or capture raises, naming the shape and the way out, and leaves no shape
+    behind that a later step would run eagerly unannounced."""
+    (_, graphed), _ = engine_pair(tiny_llama(9))
+    rng = np.random.default_rng(5)
+    drive([graphed], rng, rounds=2)  # the pool made, and shapes
+    graphs = graphed.graphs
+    graphs._shapes.clear()  # every next step's shape is new
+
+    def failing(shape):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    graphs._first = failing
+    with pytest.raises(RuntimeError, match=r"CUDA graph of shape \(\d+, \d+, \d+\) \(rows, queries, keys\) failed: "
+                                           r"operation not permitted .*; run without cuda_graphs"):
+        drive([graphed], rng, rounds=1, sessions=2)
+    assert graphs.shapes == []
 
 
 def test_a_model_whose_logits_are_not_its_heads_output_is_refused():
