@@ -31,7 +31,8 @@ mask, on CUDA the math kernel), named ``POLICY [GQA SDPA]``; ``pad``: the engine
 where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``; ``graphs``: the
 target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
 :mod:`goodspeed.lm.graphs`; on a CPU the same fixed-shape forwards run eagerly), named ``POLICY
-[graphs]``. On an accelerator (``--device cuda``) a short replay of 4
+[graphs]``; on CUDA its policies plan with a profile measured with graphs (``profile_graphs`` in
+the JSON), while the SLOs stay the eager profile's, as for every variant. On an accelerator (``--device cuda``) a short replay of 4
 requests per policy runs first and is discarded, so the first policy timed does not pay for
 kernel selection and allocator growth.
 """
@@ -94,7 +95,8 @@ VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]"}  
 def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int,
            variant: str | None = None) -> tuple[dict, dict]:
     """One policy over ``trace`` on a fresh engine and local server: (its summary, its outputs).
-    ``variant``: one of ``VARIANTS`` (see the module docstring)."""
+    ``variant``: one of ``VARIANTS`` (see the module docstring). ``profile`` is the latency the
+    policy plans with (the trace's SLOs were set from the eager profile, for every variant alike)."""
     cuda = next(target.model.parameters()).device.type == "cuda"
     engine = VerificationEngine(target.model, EngineConfig(seed=seed, pad_rows=variant == "pad",
                                                            cuda_graphs=variant == "graphs" and cuda))
@@ -168,6 +170,15 @@ def main() -> int:
         print(f"profile {role}: delta {fits[role].delta_s * 1000:.2f} ms, gamma {fits[role].gamma_s_per_batched_token * 1e6:.1f} us/token, "
               f"alpha {fits[role].alpha_s_per_context_token * 1e9:.0f} ns/ctx token (fit error {fit_error(samples, fits[role]):.1%})", file=sys.stderr)
     profile = LatencyProfile(fits["target"], fits["draft"])
+    # The graphs variant plans with what graphed forwards cost (profiled with them, on CUDA); the
+    # SLOs stay the eager profile's, the same for every variant of a cell.
+    profiles = {variant: profile for variant in (None, *args.variants)}
+    if "graphs" in args.variants and target.model.device.type == "cuda":
+        graphed = {role: profile_model(m, repeats=3, cuda_graphs=True)[1] for role, m in (("target", target.model),
+                                                                                          ("draft", draft.model))}
+        profiles["graphs"] = LatencyProfile(graphed["target"], graphed["draft"])
+        print(f"profile with CUDA graphs: target delta {graphed['target'].delta_s * 1000:.2f} ms, "
+              f"draft delta {graphed['draft'].delta_s * 1000:.2f} ms", file=sys.stderr)
     baseline_ms = baseline_tpot_s(profile.target) * 1000
     capacity = capacity_req_s(profile, args.max_requests, args.max_new_tokens)
     print(f"plain decoding's profiled capacity: {capacity:.2f} requests/s", file=sys.stderr)
@@ -176,7 +187,7 @@ def main() -> int:
         warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
         for _, kw in policies:
             for variant in (None, *args.variants):
-                replay(target, draft, profile, warm, kw, args.max_requests, 0, variant)
+                replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant)
     cells = []
     for rate in rates:
         for seed in args.seed:
@@ -188,7 +199,7 @@ def main() -> int:
             runs = [(name, kw, variant) for name, kw in policies for variant in (None, *args.variants)]
             for name, kw, variant in runs:
                 name += VARIANTS[variant] if variant else ""
-                summary, outputs = replay(target, draft, profile, trace, kw, args.max_requests, seed, variant)
+                summary, outputs = replay(target, draft, profiles[variant], trace, kw, args.max_requests, seed, variant)
                 if reference is None:
                     reference = outputs
                 summary["lossless"] = outputs == reference
@@ -198,7 +209,9 @@ def main() -> int:
                       f"SLO {summary['slo_attainment']:.2f} (strict {'-' if strict is None else f'{strict:.2f}'}), "
                       f"ms per iteration {summary['drafting_ms_per_step']:.2f} drafting / {summary['round_ms_per_step']:.2f} round, "
                       f"lossless {summary['lossless']}", file=sys.stderr)
-            cells.append({"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "target": args.target, "draft": args.draft,
+            cells.append({"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(),
+                          **({"profile_graphs": profiles["graphs"].to_dict()} if profiles.get("graphs", profile) is not profile else {}),
+                          "target": args.target, "draft": args.draft,
                           "dtype": args.dtype, "device": str(target.model.device), "threads": torch.get_num_threads(),
                           "requests": args.requests, "rate": rate, "load": rate / capacity, "capacity_req_s": capacity, "seed": seed, "max_new_tokens": args.max_new_tokens,
                           "results": results})
