@@ -158,13 +158,16 @@ def _profile(args: argparse.Namespace) -> int:
     from goodspeed.verifier.local import LatencyProfile
     from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
 
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        print(f"goodspeed profile: --cuda-graphs needs a CUDA device, not {args.device}", file=sys.stderr)
+        return 2
     _ensure_models([args.target, args.draft])
-    result = {"device": args.device, "dtype": args.dtype}
+    result = {"device": args.device, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs}
     fitted = {}
     for role, spec in (("target", args.target), ("draft", args.draft)):
         model = load_causal_lm(spec, dtype=args.dtype, device=args.device).model
         log = (lambda line, role=role: print(f"  {role} {line}", file=sys.stderr)) if not args.quiet else None
-        samples, fitted[role] = profile_model(model, repeats=args.repeats, progress=log)
+        samples, fitted[role] = profile_model(model, repeats=args.repeats, progress=log, cuda_graphs=args.cuda_graphs)
         result[f"{role}_samples"] = samples
         result[f"{role}_model_name"] = spec
         print(f"{role} {spec}: T = {fitted[role].alpha_s_per_context_token:.3e} s x N_context + "
@@ -542,6 +545,8 @@ def _add_serving_parsers(sub) -> None:
     prof.add_argument("--out", default="latency-profile.json")
     prof.add_argument("--repeats", type=POSITIVE_INT, default=5, help="timed forwards per grid point (median)")
     prof.add_argument("--quiet", action="store_true")
+    prof.add_argument("--cuda-graphs", action="store_true",
+                      help="time forwards replayed as CUDA graphs, as a verifier with --cuda-graphs serves (CUDA only)")
     _add_model_args(prof)
     prof.set_defaults(func=_profile)
     lg = sub.add_parser("loadgen", help="Poisson arrivals with strict/moderate/relaxed TPOT SLOs against a verifier's local serving")

@@ -87,6 +87,7 @@ def test_concurrency_needs_proactive_drafting_off(models):
     (["loadgen", "--verifier", "h:1", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     (["loadgen", "--verifier", "h:1", "--rate", "0"], "argument --rate: must be > 0.0, got 0"),
     (["profile", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    (["profile", "--cuda-graphs"], "goodspeed profile: --cuda-graphs needs a CUDA device, not cpu"),
 ])
 def test_the_cli_says_what_is_wrong_with_its_input(argv, said, capsys):
     """Neither of two exclusive inputs, or both (the message says which), or an address that is
