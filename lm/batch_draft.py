@@ -42,7 +42,7 @@ import torch
 
 from goodspeed.lm.sampling import SamplingParams, check_proposal_top_k, draft_step, process_logits
 from goodspeed.lm.attention import keep_logits, use_gqa_attention, with_cache
-from goodspeed.lm.graphs import StepGraphs, bucket
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
 
 
@@ -187,14 +187,12 @@ class BatchDraftModel:
         keys rounded up to powers of two, pads (token 0) in idle rows and past each row's tokens,
         written past each slot's committed length plus ``offset`` as in the eager forward; the LM
         head on the positions read. None where the forward fits no shape."""
-        width, q_pad = bucket(last + 1), bucket(q_len)
-        if width * q_pad > self.graphs.max_tokens:
+        shape = self.graphs.shape_for(last, q_len, offset)
+        if shape is None or not self.cache.prepare_static(shape[1], shape[0], offset, shape[2]):
             return None
-        kv_len = min(bucket(max(self.cache.lengths[:width]) + offset + q_pad), self.cache.capacity)
-        if not self.cache.prepare_static(q_pad, width, offset, kv_len):
-            return None
+        width, q_pad, kv_len = shape
         ids, row_parents = self._rows(tokens, parents, 0, width, q_pad)
-        lengths = self.cache.lengths[:width] + [0] * (width - min(width, self.cache.num_slots))
+        lengths = self.cache.window_lengths(width)
         if scratch_anc is None:
             mask, positions = build_attention(lengths, row_parents, q_pad, kv_len, self.dtype, self.device)
         else:

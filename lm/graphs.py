@@ -127,15 +127,22 @@ class StepGraphs:
         """The ``(W, Q, K)`` shapes with static inputs now (captured ones, on CUDA)."""
         return [shape for shape, _ in self._shapes]
 
+    def shape_for(self, last_slot: int, q_len: int, offset: int = 0) -> tuple[int, int, int] | None:
+        """The shape ``(W, Q, K)`` of a forward whose rows end at slot ``last_slot``, writing ``q_len``
+        tokens a row at each slot's committed length plus ``offset``: rows, queries and the keys
+        the longest slot then holds rounded up to powers of two, the keys at most the pool's
+        capacity. None over :attr:`max_tokens` (``W x Q``)."""
+        width, q_pad = bucket(last_slot + 1), bucket(q_len)
+        if width * q_pad > self.max_tokens:
+            return None
+        return width, q_pad, min(bucket(max(self.cache.lengths[:width]) + offset + q_pad), self.cache.capacity)
+
     def pack(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
              device: torch.device | str) -> PackedRows | None:
-        """The engine's step laid out at fixed shapes, its rows, queries and keys rounded up to
-        powers of two; None where it does not fit one (the caller then packs it as usual)."""
-        width, q_len = bucket(rows.stop), bucket(max(len(t) for t in tokens))
-        if width * q_len > self.max_tokens:
-            return None
-        kv_len = bucket(max(self.cache.lengths[:width]) + q_len)
-        return self.cache.pack_static(tokens, parents, rows, dtype, device, width, q_len, min(kv_len, self.cache.capacity))
+        """The engine's step laid out at fixed shapes (:meth:`shape_for`); None where it does not
+        fit one (the caller then packs it as usual)."""
+        shape = self.shape_for(rows.stop - 1, max(len(t) for t in tokens))
+        return None if shape is None else self.cache.pack_static(tokens, parents, rows, dtype, device, *shape)
 
     @torch.inference_mode()
     def logits(self, layout: PackedRows, rows: list[int]) -> torch.Tensor:

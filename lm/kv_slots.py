@@ -313,17 +313,13 @@ class SlotKVCache:
             raise ValueError(f"a static step of {width} rows x {q_len} queries cannot take rows {rows.start}..{rows.stop - 1} "
                              f"of up to {max(sizes, default=0)} tokens")
         self._place({rows.start + r: self.lengths[rows.start + r] + n for r, n in enumerate(sizes) if n})
-        live = range(min(width, self.num_slots))
-        if (any(buf is None for buf in (*self.keys, *self.values)) or any(slot in self._own for slot in live)
-                or kv_len > self._capacity or any(self.lengths[slot] + q_len > kv_len for slot in live)):
+        if any(slot in self._own for slot in range(min(width, self.num_slots))) or not self._static_room(width, q_len, kv_len):
             return None
-        if any(buf.shape[0] < width or buf.shape[2] < self._capacity for buf in (*self.keys, *self.values)):
-            self._resize_pool(width)
         full: list[list[int]] = [[] for _ in range(width)]
         tree: list[list[int] | None] = [None] * width
         full[rows], tree[rows] = tokens, parents
-        lengths = self.lengths[:width] + [0] * (width - len(live))
-        return self._pack_padded(full, [len(t) for t in full], tree, slice(0, width), dtype, device, lengths, q_len, kv_len)
+        return self._pack_padded(full, [len(t) for t in full], tree, slice(0, width), dtype, device,
+                                 self.window_lengths(width), q_len, kv_len)
 
     def prepare_static(self, q_len: int, width: int, offset: int, kv_len: int) -> bool:
         """:meth:`prepare` at fixed shapes, as a CUDA graph replays it (:mod:`goodspeed.lm.graphs`):
@@ -335,18 +331,30 @@ class SlotKVCache:
         :meth:`prepare` as usual."""
         if self._own:
             raise RuntimeError("a padded forward cannot take slots with buffers of their own (those come from pack())")
-        live = self.lengths[:width]
-        if (any(buf is None for buf in (*self.keys, *self.values)) or kv_len > self._capacity
-                or any(n + offset + q_len > kv_len for n in live)):
+        if not self._static_room(width, offset + q_len, kv_len):
             return False
-        if any(buf.shape[0] < width or buf.shape[2] < self._capacity for buf in (*self.keys, *self.values)):
-            self._resize_pool(width)
-        lengths = live + [0] * (width - len(live))
         self._rows = slice(0, width)
         self._pool_tokens, self._own_writes = None, []
-        self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + offset + torch.arange(q_len)
+        self._write_pos = torch.tensor(self.window_lengths(width), dtype=torch.long).unsqueeze(1) + offset + torch.arange(q_len)
         self._write_rows = torch.arange(width).unsqueeze(1).expand_as(self._write_pos)
         self._kv_len = kv_len
+        return True
+
+    def window_lengths(self, width: int) -> list[int]:
+        """Committed entries of the slots ``0 .. width - 1``, a row past the last slot counting as
+        empty (the window of a step at fixed shapes)."""
+        return self.lengths[:width] + [0] * max(0, width - self.num_slots)
+
+    def _static_room(self, width: int, new: int, kv_len: int) -> bool:
+        """Whether a forward at fixed shapes over ``[0, width)`` can write ``new`` entries past every
+        slot's committed ones within ``kv_len`` keys of the pool as it is (made, ``kv_len`` within
+        its capacity); if so, the pool is given ``width`` rows at its capacity (one reallocation
+        at most, before any capture)."""
+        bufs = (*self.keys, *self.values)
+        if any(buf is None for buf in bufs) or kv_len > self._capacity or any(n + new > kv_len for n in self.lengths[:width]):
+            return False
+        if any(buf.shape[0] < width or buf.shape[2] < self._capacity for buf in bufs):
+            self._resize_pool(width)
         return True
 
     def pending_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
