@@ -160,8 +160,7 @@ class SlotKVCache:
         lengths = self.lengths[rows]
         self._rows = rows
         self._pool_tokens, self._own_writes = None, []
-        self._write_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + offset + torch.arange(q_len)
-        self._write_rows = torch.arange(rows.start, rows.stop).unsqueeze(1).expand_as(self._write_pos)
+        self._write_rows, self._write_pos = window_writes(lengths, rows.start, q_len, offset)
         self._kv_len = max(lengths) + offset + q_len
         while self._kv_len > self._capacity:
             self._capacity *= 2
@@ -287,8 +286,7 @@ class SlotKVCache:
         ids = [t + [t[-1] if t else 0] * (q_len - len(t)) for t in tokens]
         self._rows = rows
         self._pool_tokens, self._own_writes = None, []
-        self._write_rows = torch.arange(rows.start, rows.stop).repeat_interleave(q_len).unsqueeze(0)
-        self._write_pos = (torch.tensor(lengths).unsqueeze(1) + torch.arange(q_len)).view(1, -1)
+        self._write_rows, self._write_pos = (t.view(1, -1) for t in window_writes(lengths, rows.start, q_len))
         self._kv_len = kv_len
         total = width * q_len
         group = AttentionGroup(slice(0, width), q_len, kv_len, mask, slice(0, total), None, None, slice(0, total))
@@ -335,8 +333,7 @@ class SlotKVCache:
             return False
         self._rows = slice(0, width)
         self._pool_tokens, self._own_writes = None, []
-        self._write_pos = torch.tensor(self.window_lengths(width), dtype=torch.long).unsqueeze(1) + offset + torch.arange(q_len)
-        self._write_rows = torch.arange(width).unsqueeze(1).expand_as(self._write_pos)
+        self._write_rows, self._write_pos = window_writes(self.window_lengths(width), 0, q_len, offset)
         self._kv_len = kv_len
         return True
 
@@ -618,6 +615,16 @@ class SlotTable:
             self.keys[slot] = self.keys[moved]
             self._slot_of[self.keys[slot]] = slot
         self.keys.pop()
+
+
+def window_writes(lengths: list[int], first: int, q_len: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a padded forward over the window of slots ``first, first + 1, ...`` (committed
+    ``lengths``) writes its ``q_len`` entries a row: slots and positions ``[rows, q_len]``, each row's
+    at its committed length plus ``offset`` (in numpy, handed to torch without a copy: no torch op
+    dispatched for host-side indices)."""
+    pos = np.asarray(lengths, dtype=np.int64)[:, None] + (offset + np.arange(q_len, dtype=np.int64))
+    slots = np.repeat(np.arange(first, first + len(lengths), dtype=np.int64)[:, None], q_len, axis=1)
+    return torch.from_numpy(slots), torch.from_numpy(pos)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
