@@ -4,7 +4,7 @@
 # forwards and whole engine rounds through it against masked SDPA; steps captured and replayed as
 # CUDA graphs against the same steps run eagerly; drafting and local serving with both models on
 # the device, greedy against the target's own and sampled by chi-square),
-# bench.bench_varlen and bench.bench_tree_round.
+# bench.bench_varlen, bench.bench_tree_round and bench.bench_drafting.
 #   bash bench/gpu_checks.sh [OUTDIR]      # results in OUTDIR (default: gpu-checks/)
 #   BENCH=0 bash bench/gpu_checks.sh ...   # the tests only
 #   WHEELS=DIR bash bench/gpu_checks.sh ... # first install DIR's wheels (no deps) for this run only:
@@ -55,6 +55,16 @@ timeout 200 python3 -m bench.bench_tree_round --device cuda --rows 16 --steps 30
     --random num_hidden_layers=30,hidden_size=576,intermediate_size=1536,num_attention_heads=9,num_key_value_heads=3,vocab_size=49152 \
     > "$out/bench_tree_round.json" 2> "$out/bench_tree_round.err"
 echo "bench tree round rc=$?"; tail -2 "$out/bench_tree_round.err"
+# One request's drafting on the device: the growing cache, the slot cache eager, and the slot's
+# forwards replayed as CUDA graphs (goodspeed drafter --cuda-graphs), for the real draft's shape and
+# an edge draft of Qwen3-0.6B's layer shapes.
+for shape in num_hidden_layers=4,hidden_size=128,intermediate_size=384,num_attention_heads=2,num_key_value_heads=1,vocab_size=49152 \
+             num_hidden_layers=28,hidden_size=1024,intermediate_size=3072,num_attention_heads=16,num_key_value_heads=8,vocab_size=151936; do
+    layers=${shape%%,*}; layers=${layers#*=}
+    timeout 150 python3 -m bench.bench_drafting --device cuda --random "$shape" --kv growing slot graphs --rounds 30 \
+        > "$out/bench_drafting_${layers}layers.txt" 2>&1
+    echo "bench drafting ${layers} layers rc=$?"; tail -4 "$out/bench_drafting_${layers}layers.txt"
+done
 python3 - "$out" <<'PY'
 import json, sys
 for row in json.load(open(f"{sys.argv[1]}/bench_tree_round.json"))["cells"]:

@@ -16,6 +16,15 @@ pre-drafted token was sampled from ``q`` given exactly the text the verifier the
 the drafter's own random stream, and travels with that ``q`` — the verifier verifies it as any
 other draft. The continuation (:attr:`DraftRunner.ahead`) holds at most ``S + 1 + K`` tokens, its
 KV at most as many positions.
+
+The KV is a transformers ``DynamicCache`` (:class:`GrowingDraftKV`), the fewest ops a forward:
+rollback crops it. With ``cuda_graphs`` (CUDA only; :mod:`goodspeed.lm.graphs`) it is one slot of a
+:class:`~goodspeed.lm.batch_draft.BatchDraftModel` (:class:`SlotDraftKV`), the structure batched
+drafting and the target use, whose forwards take fixed shapes: a one-token draft step, which an
+edge device repeats ``S`` times a round, is replayed as one graph. Eagerly on a launch-bound GPU,
+a 4-layer draft's forward took 3.7-4.2 ms (docs/BENCHMARKS.md). Eagerly on a CPU the slot's mask
+and index bookkeeping cost more than the growing cache's (docs/BENCHMARKS.md, *One request's
+drafting at fixed shapes*), so it is used for graphs only.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from goodspeed.lm.attention import keep_logits, with_cache
+from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
                                    sample_from)
@@ -55,21 +65,80 @@ class DraftOutput:
         return "dense", self.probs
 
 
+class GrowingDraftKV:
+    """One request's draft KV as a transformers ``DynamicCache``: each forward appends, rollback crops."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+
+    def crop(self, length: int) -> None:
+        """Keep at most ``length`` cached positions."""
+        if self.length > length:
+            self.cache.crop(length - self.length)
+
+    def logits_after(self, tokens: list[int]) -> torch.Tensor:
+        """The logits after feeding ``tokens``. The LM head runs at the last position only: a
+        prompt's first feed would otherwise project every prompt position onto the vocabulary
+        (1,000 tokens x 151,936 float32 logits is 608 MB)."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, **with_cache(self.model, self.cache), use_cache=True, **keep_logits(self.model, 1))
+        return out.logits[0, -1]
+
+
+class SlotDraftKV:
+    """One request's draft KV as one slot of a :class:`~goodspeed.lm.batch_draft.BatchDraftModel`:
+    forwards at fixed shapes where they fit one (replayed as CUDA graphs when its ``graphs`` are
+    on), rollback sets the slot's length."""
+
+    KEY = "request"
+
+    def __init__(self, drafter: BatchDraftModel) -> None:
+        self.drafter = drafter
+        drafter.add(self.KEY)
+
+    @property
+    def length(self) -> int:
+        return self.drafter.cached_length(self.KEY)
+
+    def reset(self) -> None:
+        self.crop(0)
+
+    def crop(self, length: int) -> None:
+        if self.length > length:
+            self.drafter.cache.truncate(self.drafter.slots.slot(self.KEY), length)
+
+    def logits_after(self, tokens: list[int]) -> torch.Tensor:
+        return self.drafter.feed({self.KEY: tokens})[self.KEY]
+
+
 class DraftRunner:
     """One drafter's model state for one request at a time."""
 
-    def __init__(self, model: torch.nn.Module, proposal_top_k: int = PROPOSAL_TOP_K) -> None:
+    def __init__(self, model: torch.nn.Module, proposal_top_k: int = PROPOSAL_TOP_K, cuda_graphs: bool = False) -> None:
         """``proposal_top_k``: sampled drafts come from, and send, only the draft distribution's
-        ``k`` most likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all)."""
+        ``k`` most likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all).
+        ``cuda_graphs``: draft forwards replayed as CUDA graphs where they fit one (CUDA only;
+        the KV is then a :class:`SlotDraftKV`)."""
         self.model = model.eval()
         self.proposal_top_k = check_proposal_top_k(proposal_top_k)
         self.device = next(model.parameters()).device
+        self.kv = SlotDraftKV(BatchDraftModel(model, cuda_graphs=True)) if cuda_graphs else GrowingDraftKV(model)
         self.start([])
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """Begin a request (or resynchronise with the verifier's committed tokens)."""
         self.committed = [int(t) for t in prompt_ids]
-        self.cache = DynamicCache()
+        self.kv.reset()
         self._hasher = new_prefix_hasher()
         update_prefix_hasher(self._hasher, self.committed)
         # The speculative continuation after the committed text: tokens and the q rows they were
@@ -86,16 +155,7 @@ class DraftRunner:
 
     @property
     def cached_len(self) -> int:
-        return self.cache.get_seq_length()
-
-    def _logits_after(self, tokens: list[int]) -> torch.Tensor:
-        """The logits after feeding ``tokens``. The LM head runs at the last position only: a
-        prompt's first feed would otherwise project every prompt position onto the vocabulary
-        (1,000 tokens x 151,936 float32 logits is 608 MB)."""
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, **with_cache(self.model, self.cache), use_cache=True, **keep_logits(self.model, 1))
-        return out.logits[0, -1]
+        return self.kv.length
 
     def draft(self, num_tokens: int, sampling: SamplingParams, generator: torch.Generator) -> DraftOutput:
         """Draft ``num_tokens`` tokens after the committed text: the pre-drafted ones first (a
@@ -115,7 +175,7 @@ class DraftRunner:
         two); returns how many."""
         done = 0
         while done < num_tokens and not (stop is not None and stop()):
-            q = draft_proposal(self._logits_after(self._feed()), sampling, self.proposal_top_k)
+            q = draft_proposal(self.kv.logits_after(self._feed()), sampling, self.proposal_top_k)
             token = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
             self.ahead.append(token)
             self._ahead_q.append(q)
@@ -130,25 +190,23 @@ class DraftRunner:
         self._truncate(num_drafted)
         if len(self.ahead) < num_drafted or num_tokens <= 0 or (stop is not None and stop()):
             return 0
-        q = process_logits(self._logits_after(self._feed()).double(), sampling)
+        q = process_logits(self.kv.logits_after(self._feed()).double(), sampling)
         self.ahead.append(int(torch.argmax(q).item()))
         self._ahead_q.append(None)
         return self.extend(num_tokens, sampling, generator, stop)
 
     def _feed(self) -> list[int]:
         """The tokens to feed before sampling the next continuation token (all but cached)."""
-        pending = len(self.committed) + len(self.ahead) - 1
-        if self.cached_len > pending:
-            self.cache.crop(pending - self.cached_len)
+        if not self.committed:
+            raise ValueError("nothing to draft after: start() the request with its prompt first")
+        self.kv.crop(len(self.committed) + len(self.ahead) - 1)
         start = self.cached_len  # O(new tokens): the committed text is not copied
         return self.committed[start:] + self.ahead[max(0, start - len(self.committed)) :]
 
     def _truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` continuation tokens (and no KV past them)."""
         del self.ahead[num_tokens:], self._ahead_q[num_tokens:]
-        keep = len(self.committed) + max(0, len(self.ahead) - 1)
-        if self.cached_len > keep:
-            self.cache.crop(keep - self.cached_len)
+        self.kv.crop(len(self.committed) + max(0, len(self.ahead) - 1))
 
     def apply(self, emitted: Sequence[int], num_accepted: int) -> bool:
         """Append the verdict's tokens; keep cached KV only for committed tokens, and the
@@ -159,9 +217,7 @@ class DraftRunner:
         if hit:
             del self.ahead[: len(emitted)], self._ahead_q[: len(emitted)]
         else:
-            keep = min(len(self.committed) + num_accepted, self.cached_len)
-            if keep < self.cached_len:
-                self.cache.crop(keep - self.cached_len)
+            self.kv.crop(len(self.committed) + num_accepted)
             self.ahead, self._ahead_q = [], []
         self.committed.extend(emitted)
         update_prefix_hasher(self._hasher, emitted)

@@ -273,8 +273,8 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                          "position, K (id, prob) pairs on the wire instead of the vocabulary's floats; lossless "
                          "(the verifier tests against exactly that q); 0: the whole vocabulary (default: %(default)s)")
     dr.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-                    help="replay the node's batched draft forwards (--serve, or --concurrency > 1) as CUDA graphs "
-                         "(goodspeed.lm.graphs); CUDA only; not yet run on a GPU")
+                    help="replay the node's draft forwards (one request's at a time, or its batched drafting with "
+                         "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.graphs); CUDA only; not yet run on a GPU")
     _add_model_args(dr)
 
 

@@ -55,7 +55,7 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, ou
         token=read_token(spec.token_file), tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name),
         proactive=spec.proactive, on_wait=_say(spec.name),
     )
-    client = DrafterClient(config, DraftRunner(draft.model, spec.proposal_top_k))
+    client = DrafterClient(config, DraftRunner(draft.model, spec.proposal_top_k, cuda_graphs=spec.cuda_graphs))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
         print(f"drafter {spec.name}: root seed {client.root_seed}", file=sys.stderr)
     try:
@@ -171,7 +171,7 @@ def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: i
         host, port = split_host_port(listen)
     except ValueError as exc:
         raise SystemExit(f"goodspeed drafter: --serve {exc}") from None
-    if (why := spec.cuda_graphs_missing(serve=True)) is not None:
+    if (why := spec.cuda_graphs_missing()) is not None:
         raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
     authorize = _api_key_check(api_key_file, host)
     return asyncio.run(_serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s))

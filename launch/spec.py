@@ -384,8 +384,8 @@ class DrafterSpec:
     # (goodspeed.lm.sampling.cap_support): k (id, prob) pairs on the wire instead of V floats,
     # still lossless. 0: the whole vocabulary.
     proposal_top_k: int = PROPOSAL_TOP_K
-    # The node's batched drafting (concurrency > 1, or --serve) replays its draft forwards as CUDA
-    # graphs (goodspeed.lm.graphs; CUDA only). A drafter drafting one request at a time has none.
+    # The node's draft forwards replayed as CUDA graphs (goodspeed.lm.graphs; CUDA only): one
+    # request's at a time, or its batched drafting (concurrency > 1, or --serve).
     cuda_graphs: bool = False
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
@@ -397,16 +397,10 @@ class DrafterSpec:
     # not settings of the draft node itself.
     LAUNCHER = ("count", "max_prompts", "cpus", "link", "num_cpus", "num_gpus", "resources", "node")
 
-    def cuda_graphs_missing(self, serve: bool = False) -> str | None:
-        """Why ``cuda_graphs`` cannot apply to this drafter (``serve``: as ``--serve`` runs it), in
-        words, or None: it needs a CUDA device and the node's batched drafting."""
-        if not self.cuda_graphs:
-            return None
-        if not self.device.startswith("cuda"):
+    def cuda_graphs_missing(self) -> str | None:
+        """Why ``cuda_graphs`` cannot apply to this drafter, in words, or None: it needs a CUDA device."""
+        if self.cuda_graphs and not self.device.startswith("cuda"):
             return f"needs a CUDA device, not {self.device}"
-        if self.concurrency == 1 and not serve:
-            return ("replays the node's batched drafting (concurrency > 1, or --serve); one request at a time "
-                    "drafts without graphs")
         return None
 
     @classmethod

@@ -1,8 +1,10 @@
 """A draft model drafting for many requests at once: batched chains and beam-search trees.
 
-Two callers: the verifier's local serving (:mod:`goodspeed.verifier.local`) drafts for every
-request of its continuous batch, and an edge node serving several requests
-(:mod:`goodspeed.drafter.node`) drafts for its requests together. Either way the draft model keeps
+Three callers: the verifier's local serving (:mod:`goodspeed.verifier.local`) drafts for every
+request of its continuous batch, an edge node serving several requests
+(:mod:`goodspeed.drafter.node`) drafts for its requests together, and an edge drafter drafting one
+request at a time with CUDA graphs (:class:`goodspeed.drafter.runner.SlotDraftKV`) keeps its one
+request in a slot. Either way the draft model keeps
 its KV in a :class:`~goodspeed.lm.kv_slots.SlotKVCache` (one slot per request, the same
 structure the target uses) and every draft step is ONE forward over all requests.
 
@@ -172,14 +174,14 @@ class BatchDraftModel:
               q_len: int) -> tuple[torch.Tensor, list[list[int] | None]]:
         """Token ids ``[width, q_len]`` (0 where a row has none) and per-row parents of the window
         from slot ``first``."""
-        ids = torch.zeros(width, q_len, dtype=torch.long)
+        ids = np.zeros((width, q_len), dtype=np.int64)  # numpy: no torch op a row (a small draft's step is overhead-bound)
         row_parents: list[list[int] | None] = [None] * width
         for key, toks in tokens.items():
             r = self.slots.slot(key) - first
-            ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            ids[r, : len(toks)] = toks
             if parents is not None:
                 row_parents[r] = parents[key]
-        return ids, row_parents
+        return torch.from_numpy(ids), row_parents
 
     @torch.inference_mode()
     def _static_forward(self, tokens, parents, offset, scratch_anc, last_only, stacked, last, q_len):
@@ -234,8 +236,15 @@ class BatchDraftModel:
             if self.cache.lengths[slot] > pending:  # drafts fed earlier and not yet rolled back
                 self.cache.truncate(slot, pending)
             feed[key] = [int(t) for t in toks[self.cache.lengths[slot] :]]
-        logits = self._forward(feed, last_only=True)
-        for key, toks in feed.items():
+        return self.feed(feed)
+
+    def feed(self, tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Feed each key's ``tokens`` (at least one) after its cached entries, in one forward, and
+        commit them to its draft KV; returns the logits ``[V]`` after each key's last token."""
+        if any(not toks for toks in tokens.values()):
+            raise ValueError("every key fed needs at least one token")
+        logits = self._forward(tokens, last_only=True)
+        for key, toks in tokens.items():
             slot = self.slots.slot(key)
             self.cache.commit(slot, self.cache.lengths[slot], list(range(len(toks))))
         return {key: lg[-1] for key, lg in logits.items()}

@@ -1,7 +1,8 @@
 """CUDA graphs of the verification engine's steps: a step's target forward replayed in one launch
 instead of dispatched op by op (``EngineConfig.cuda_graphs``, ``goodspeed verifier --cuda-graphs``),
-and of a batched draft model's forwards (:class:`goodspeed.lm.batch_draft.BatchDraftModel`, local
-serving's draft under the same flag).
+and of a batched draft model's forwards (:class:`goodspeed.lm.batch_draft.BatchDraftModel`: local
+serving's draft under the same flag, and an edge node's drafting, one request at a time through
+:class:`goodspeed.drafter.runner.DraftRunner` or batched, under ``goodspeed drafter --cuda-graphs``).
 
 Why. On a GPU a small target's forward is bound by launching kernels from eager PyTorch, not by
 the GPU's arithmetic or memory: SmolLM2-135M's step dispatches about 1,100 aten ops and took

@@ -2,8 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from goodspeed.drafter.runner import DraftRunner
+from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
+from goodspeed.lm.batch_draft import BatchDraftModel
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams, process_logits
+from graphkit import checking
 from modelkit import tiny_llama
 
 
@@ -150,6 +153,80 @@ def test_a_capped_proposal_is_sampled_from_and_sent_as_its_sparse_support():
     assert whole.draft(2, SamplingParams(), torch.Generator()).q_to_send(SamplingParams()) == ("none", None)
     with pytest.raises(ValueError, match="proposal_top_k"):
         DraftRunner(model, proposal_top_k=-1)
+
+
+def static_drafter(runner):
+    """Give ``runner`` a slot of a batch draft model whose forwards go through StepGraphs without
+    capturing (what ``cuda_graphs`` runs, the capture apart); returns that draft model."""
+    drafter = BatchDraftModel(runner.model)
+    drafter.graphs = StepGraphs(drafter.model, drafter.cache, capture=False)
+    runner.kv = SlotDraftKV(drafter)
+    return drafter
+
+
+def same_rounds(runners, sampling, rounds, seed=2, atol=1e-10):
+    """Rounds of drafts, proactive drafting and verdicts (hits and misses) into every runner alike;
+    each must draft the same tokens and q, pre-draft the same continuation and agree on hits."""
+    rng = np.random.default_rng(seed)
+    for runner in runners:
+        runner.start([1, 2, 3])
+    first = runners[0]
+    for round_index in range(rounds):
+        s, k, draw = int(rng.integers(0, 6)), int(rng.integers(0, 4)), int(rng.integers(1 << 30))
+        outs = [r.draft(s, sampling, torch.Generator().manual_seed(draw)) for r in runners]
+        made = [r.predraft(s, k, sampling, torch.Generator().manual_seed(draw + 1)) for r in runners]
+        for out, runner, n in zip(outs[1:], runners[1:], made[1:]):
+            assert out.token_ids == outs[0].token_ids, round_index
+            torch.testing.assert_close(out.probs.cpu(), outs[0].probs.cpu(), rtol=0, atol=atol)
+            assert (n, runner.ahead) == (made[0], first.ahead), round_index
+        m = int(rng.integers(0, s + 1))
+        if m == s and made[0] and rng.random() < 0.5:  # all accepted, the bonus guessed: a hit
+            emitted = first.ahead[: s + 1]
+        else:
+            emitted = outs[0].token_ids[:m] + [int(rng.integers(0, 48))]
+        hits = [r.apply(emitted, m) for r in runners]
+        assert len(set(hits)) == 1 and all(r.committed == first.committed for r in runners), round_index
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=5)])
+def test_fixed_shape_forwards_draft_what_eager_ones_do(sampling):
+    """One request at a time through StepGraphs (``capture=False``: the slot KV, the layout, the
+    copies and the forward a CUDA graph records): the same tokens, q, pre-drafts and hits as eager
+    forwards over a growing cache, every
+    forward after the first (which makes the KV pool) at a fixed shape, and nothing read that a
+    replay would hold stale."""
+    model = tiny_llama(1)
+    eager, graphed = DraftRunner(model), DraftRunner(model)  # eager: a growing DynamicCache
+    drafter = static_drafter(graphed)
+    seen = []
+    checking(drafter, seen)
+    same_rounds([eager, graphed], sampling, rounds=16)
+    assert drafter.graphs.steps == drafter.forwards - 1 > 20
+    assert len(drafter.graphs.shapes) >= 2 and seen and all(p == [] for p in seen), seen
+
+
+def test_a_runner_with_cuda_graphs_is_refused_off_cuda():
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device; this draft model is on cpu"):
+        DraftRunner(tiny_llama(0), cuda_graphs=True)
+
+
+def test_drafting_before_a_prompt_is_refused():
+    runner = DraftRunner(tiny_llama(0))
+    with pytest.raises(ValueError, match=r"start\(\) the request with its prompt first"):
+        runner.draft(2, SamplingParams(), torch.Generator())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=5)])
+def test_a_cuda_runner_with_graphs_drafts_what_eager_fixed_shapes_draft(sampling):
+    """On CUDA: one-request drafting captured and replayed drafts what the same fixed-shape forwards
+    run eagerly draft (fp32: a capture may pick other cuBLAS kernels than eager runs)."""
+    model = tiny_llama(1, hidden=256, heads=4, kv_heads=2, dtype=torch.float32).cuda()
+    eager, graphed = DraftRunner(model), DraftRunner(model, cuda_graphs=True)
+    static_drafter(eager)
+    same_rounds([eager, graphed], sampling, rounds=16, atol=1e-5)
+    graphs = graphed.kv.drafter.graphs
+    assert graphs.captures >= 2 and graphs.replays >= 20
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

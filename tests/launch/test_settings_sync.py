@@ -245,28 +245,28 @@ def test_a_bad_drafter_file_is_refused_by_key(tmp_path, text, match):
         load_drafter_settings(path)
 
 
-def test_drafter_cuda_graphs_are_refused_where_they_cannot_apply_before_a_model_loads(monkeypatch):
-    """--cuda-graphs replays the node's batched drafting on CUDA: off CUDA, or one request at a
-    time without --serve, the node says so before loading anything; a launch spec the same."""
+def test_drafter_cuda_graphs_are_refused_off_cuda_before_a_model_loads(monkeypatch):
+    """--cuda-graphs replays the node's draft forwards on CUDA (one request at a time, batched or
+    --serve): off CUDA the node says so before loading anything; a launch spec the same."""
     from goodspeed.launch import draft_node
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
     monkeypatch.setattr(draft_node, "load_causal_lm", no_load)
-    base = DrafterSpec(name="edge", draft="demo:draft-tiny", prompts="code", proactive=False, cuda_graphs=True)
-    for spec, message in ((dataclasses.replace(base, concurrency=2), "--cuda-graphs needs a CUDA device, not cpu"),
-                          (dataclasses.replace(base, device="cuda"), "one request at a time drafts without graphs")):
-        with pytest.raises(SystemExit, match=message):
+    base = DrafterSpec(name="edge", draft="demo:draft-tiny", prompts="code", cuda_graphs=True)
+    for spec in (base, dataclasses.replace(base, concurrency=2, proactive=False)):
+        with pytest.raises(SystemExit, match="--cuda-graphs needs a CUDA device, not cpu"):
             draft_node.run_drafter(spec, "127.0.0.1:1")
-    assert dataclasses.replace(base, device="cuda").cuda_graphs_missing(serve=True) is None  # --serve batches
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         draft_node.serve_node(base, "127.0.0.1:1", "127.0.0.1:0")
+    for concurrency in (1, 2):
+        assert dataclasses.replace(base, device="cuda", concurrency=concurrency).cuda_graphs_missing() is None
     from goodspeed.launch.spec import load_spec
 
     tables = {"verifier": {"target": "demo:target"},
-              "drafters": [{"name": "edge", "draft": "d", "prompts": "code", "device": "cuda", "cuda_graphs": True}]}
-    with pytest.raises(SpecError, match="drafter 'edge': cuda_graphs replays the node's batched drafting"):
+              "drafters": [{"name": "edge", "draft": "d", "prompts": "code", "device": "cpu", "cuda_graphs": True}]}
+    with pytest.raises(SpecError, match="drafter 'edge': cuda_graphs needs a CUDA device, not cpu"):
         load_spec("s.toml", tables)
-    tables["drafters"][0]["concurrency"] = 2
+    tables["drafters"][0]["device"] = "cuda"
     assert load_spec("s.toml", tables).drafters[0].cuda_graphs

@@ -1,0 +1,55 @@
+"""What a CUDA graph's replay would get wrong, checked on any device: forwards run under a dispatch
+mode that records host syncs and reads of tensors a replay would hold stale."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class ReadsOnly(TorchDispatchMode):
+    """Records what would break a CUDA graph's replays: a sync with the host (``item``, a tensor
+    made from host data, an op whose output size depends on values), or a read of a tensor that is
+    neither one of ``allowed`` (weights, KV pool, static inputs) nor made by the forward itself,
+    which a replay would read as it was at capture. (A ``.tolist()`` or ``.cpu()`` of a CPU tensor
+    dispatches nothing, so those are left to the CUDA test, where a capture refuses them.)"""
+
+    SYNCS = {"aten._local_scalar_dense.default", "aten.lift_fresh.default", "aten.nonzero.default",
+             "aten.masked_select.default", "aten.unique.default"}
+
+    def __init__(self, allowed):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in allowed}
+        self.problems = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func) in self.SYNCS:
+            self.problems.append(f"{func}: a host sync")
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in self.known:
+                self.problems.append(f"{func} reads a {tuple(t.shape)} tensor made before the forward")
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.known.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def static_inputs(owner, shape):
+    """What a replay of ``shape`` may read: the weights, the KV pool, the shape's static inputs
+    (``owner``: an engine or a batch draft model)."""
+    model, cache = owner.model, owner.cache
+    return [*model.parameters(), *model.buffers(), *(b for b in (*cache.keys, *cache.values) if b is not None),
+            shape.input_ids, shape.position_ids, shape.mask, shape.write_rows, shape.write_pos]
+
+
+def checking(owner, seen):
+    """Run ``owner``'s graph forwards under :class:`ReadsOnly`, each one's findings into ``seen``."""
+    forward = owner.graphs._forward
+
+    def checked(shape):
+        with ReadsOnly(static_inputs(owner, shape)) as mode:
+            out = forward(shape)
+        seen.append(mode.problems)
+        return out
+    owner.graphs._forward = checked
