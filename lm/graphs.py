@@ -50,7 +50,8 @@ fails on either.
 
 A step that does not fit runs eagerly, as without graphs: a prompt chunk (a row attended on its
 own), a slot with KV buffers of its own, a slot without room for ``Q`` more entries at the pool's
-capacity, more than :data:`MAX_GRAPH_TOKENS` tokens (``W x Q``), a step before the pool exists, a
+capacity, more than :data:`MAX_GRAPH_TOKENS` tokens (``W x Q``) or :data:`MAX_GRAPH_QUERIES` queries a
+row (a draft model's catch-up of a prompt), a step before the pool exists, a
 step without logits (a whole prompt's prefill).
 """
 
@@ -64,6 +65,9 @@ from goodspeed.lm.attention import PACKED, aligned_mask, with_cache
 from goodspeed.lm.kv_slots import AttentionGroup, PackedRows, SlotKVCache
 
 MAX_GRAPH_TOKENS = 1024  # W x Q: larger steps run eagerly (their launches are a smaller share of their time)
+# Q: a row of more queries is a prompt (a drafter's catch-up of a new or resynchronised request),
+# run once at its size and compute-bound: eagerly, as vLLM runs prefills, not captured per length.
+MAX_GRAPH_QUERIES = 64
 # Config fields of causal LMs whose logits are more than the LM head's output (Gemma 2/3's soft
 # cap, Cohere's scale, Granite's divisor): their graphs would have to hold the whole model.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -115,9 +119,9 @@ class StepGraphs:
     it but the capture; the engine and the draft model capture on CUDA only."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, capture: bool = True,
-                 max_tokens: int = MAX_GRAPH_TOKENS) -> None:
+                 max_tokens: int = MAX_GRAPH_TOKENS, max_queries: int = MAX_GRAPH_QUERIES) -> None:
         self.decoder, self.head = decoder_and_head(model)
-        self.cache, self.capture, self.max_tokens = cache, capture, max_tokens
+        self.cache, self.capture, self.max_tokens, self.max_queries = cache, capture, max_tokens, max_queries
         self._shapes: dict[tuple, _Shape] = {}
         self._generation = cache.generation
         self._stream = self._pool = None
@@ -132,9 +136,9 @@ class StepGraphs:
         """The shape ``(W, Q, K)`` of a forward whose rows end at slot ``last_slot``, writing ``q_len``
         tokens a row at each slot's committed length plus ``offset``: rows, queries and the keys
         the longest slot then holds rounded up to powers of two, the keys at most the pool's
-        capacity. None over :attr:`max_tokens` (``W x Q``)."""
+        capacity. None over :attr:`max_tokens` (``W x Q``) or :attr:`max_queries` (``Q``)."""
         width, q_pad = bucket(last_slot + 1), bucket(q_len)
-        if width * q_pad > self.max_tokens:
+        if width * q_pad > self.max_tokens or q_pad > self.max_queries:
             return None
         return width, q_pad, min(bucket(max(self.cache.lengths[:width]) + offset + q_pad), self.cache.capacity)
 

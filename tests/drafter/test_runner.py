@@ -4,7 +4,7 @@ import torch
 
 from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
 from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import StepGraphs
+from goodspeed.lm.graphs import MAX_GRAPH_QUERIES, StepGraphs
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from graphkit import checking
 from modelkit import tiny_llama
@@ -203,6 +203,25 @@ def test_fixed_shape_forwards_draft_what_eager_ones_do(sampling):
     same_rounds([eager, graphed], sampling, rounds=16)
     assert drafter.graphs.steps == drafter.forwards - 1 > 20
     assert len(drafter.graphs.shapes) >= 2 and seen and all(p == [] for p in seen), seen
+
+
+def test_a_prompts_catch_up_runs_eagerly_and_draft_steps_at_fixed_shapes():
+    """A resynchronised request's prompt (more than MAX_GRAPH_QUERIES tokens in one row) is fed in
+    an eager forward, not captured at its length; the draft steps after it take fixed shapes, and
+    draft what the growing cache drafts."""
+    model = tiny_llama(1)
+    eager, graphed = DraftRunner(model), DraftRunner(model)
+    drafter = static_drafter(graphed)
+    prompts = [[1, 2, 3], [int(t) % 48 for t in range(5, 111)]]  # the second: 106 tokens, 128 queries padded
+    for prompt in prompts:
+        before = (drafter.forwards, drafter.graphs.steps)
+        outs = []
+        for runner in (eager, graphed):
+            runner.start(prompt)
+            outs.append(runner.draft(3, SamplingParams(), torch.Generator()).token_ids)
+        assert outs[0] == outs[1]
+        assert (drafter.forwards - before[0], drafter.graphs.steps - before[1]) == (3, 2)  # the feed eager, two steps static
+    assert all(q <= MAX_GRAPH_QUERIES for _, q, _ in drafter.graphs.shapes)
 
 
 def test_a_runner_with_cuda_graphs_is_refused_off_cuda():
