@@ -192,9 +192,8 @@ def same_rounds(runners, sampling, rounds, seed=2, atol=1e-10):
 def test_fixed_shape_forwards_draft_what_eager_ones_do(sampling):
     """One request at a time through StepGraphs (``capture=False``: the slot KV, the layout, the
     copies and the forward a CUDA graph records): the same tokens, q, pre-drafts and hits as eager
-    forwards over a growing cache, every
-    forward after the first (which makes the KV pool) at a fixed shape, and nothing read that a
-    replay would hold stale."""
+    forwards over a growing cache, every forward after the first (which makes the KV pool) at a
+    fixed shape, and nothing read that a replay would hold stale."""
     model = tiny_llama(1)
     eager, graphed = DraftRunner(model), DraftRunner(model)  # eager: a growing DynamicCache
     drafter = static_drafter(graphed)
