@@ -69,10 +69,19 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
         assert common and all(runs[0][k] == runs[1][k] for k in common), drafter
     # GoodSpeed maximises sum_i log xbar_i; on drafters this different it must not lose to Fixed-S.
     assert report["goodspeed"]["utility"] >= report["fixed"]["utility"]
-    # A policy can be rerun alone; the other's data stays and the report is rebuilt from both.
+
+
+@pytest.mark.slow  # a third experiment run; the default suite runs the two above
+def test_a_policy_rerun_alone_keeps_the_others_data(model_dirs, tmp_path):
+    """A policy can be rerun alone; the other's data stays and the report is rebuilt from both."""
+    settings = ExperimentSettings(name="tiny", policies=("goodspeed", "fixed"), rounds=8)
+    out = tmp_path / "out"
+    assert run_experiment(settings, spec_for(model_dirs, tmp_path), out, log=lambda *a: None)["failed"] == []
     before = (out / "goodspeed" / "rounds.jsonl").read_text()
+    fixed_before = (out / "fixed" / "rounds.jsonl").read_text()
     run_experiment(settings, spec_for(model_dirs, tmp_path), out, only=("fixed",), log=lambda *a: None)
     assert (out / "goodspeed" / "rounds.jsonl").read_text() == before
+    assert (out / "fixed" / "rounds.jsonl").read_text() != fixed_before  # rerun: new timings at least
     assert set(json.loads((out / "report.json").read_text())) == {"goodspeed", "fixed"}
 
 

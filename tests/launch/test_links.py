@@ -182,6 +182,7 @@ def test_launch_with_an_edge_link_is_lossless_and_reports_receive_time(tmp_path)
     assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.startswith("gs")]
 
 
+@pytest.mark.slow  # the default suite: a launch's receive times under a link (above), and the report's column (test_experiment)
 @pytest.mark.skipif(not _supported(), reason="needs root and network namespaces")
 def test_experiment_reports_each_drafters_receive_time_under_its_link(tmp_path):
     import json
