@@ -23,8 +23,9 @@ rollback crops it. With ``cuda_graphs`` (CUDA only; :mod:`goodspeed.lm.graphs`) 
 drafting and the target use, whose forwards take fixed shapes: a one-token draft step, which an
 edge device repeats ``S`` times a round, is replayed as one graph. Eagerly on a launch-bound GPU,
 a 4-layer draft's forward took 3.7-4.2 ms (docs/BENCHMARKS.md). Eagerly on a CPU the slot's mask
-and index bookkeeping cost more than the growing cache's (docs/BENCHMARKS.md, *One request's
-drafting at fixed shapes*), so it is used for graphs only.
+and index bookkeeping cost more than the growing cache's, up to 2-4K positions of the SmolLM2
+draft; beyond, the growing cache's copy of the whole KV every forward costs more
+(docs/BENCHMARKS.md, *One request's drafting at fixed shapes*). The slot is used for graphs only.
 """
 
 from __future__ import annotations
