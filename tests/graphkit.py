@@ -5,6 +5,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
+from goodspeed.lm.batch_draft import BatchDraftModel
+from goodspeed.lm.graphs import StepGraphs
+
 
 class ReadsOnly(TorchDispatchMode):
     """Records what would break a CUDA graph's replays: a sync with the host (``item``, a tensor
@@ -53,3 +57,19 @@ def checking(owner, seen):
         seen.append(mode.problems)
         return out
     owner.graphs._forward = checked
+
+
+def static_drafter(runner: DraftRunner) -> BatchDraftModel:
+    """Give ``runner`` a slot of a batch draft model whose forwards go through StepGraphs without
+    capturing (what ``cuda_graphs`` runs, the capture apart); returns that draft model."""
+    drafter = BatchDraftModel(runner.model)
+    drafter.graphs = StepGraphs(drafter.model, drafter.cache, capture=False)
+    runner.kv = SlotDraftKV(drafter)
+    return drafter
+
+
+def static_runner(model) -> DraftRunner:
+    """A runner drafting through :func:`static_drafter`'s fixed-shape forwards."""
+    runner = DraftRunner(model)
+    static_drafter(runner)
+    return runner

@@ -42,14 +42,14 @@ class ServerThread:
         return [e for e in lines if kind is None or e["event"] == kind]
 
 
-def run_clients(address, drafts, prompts, max_new, sampling=None):
+def run_clients(address, drafts, prompts, max_new, sampling=None, runner=DraftRunner):
     """One DrafterClient thread per draft (default seeds: fresh OS entropy), each generating its
-    prompts; returns each client's outputs."""
+    prompts with ``runner(draft)``; returns each client's outputs."""
     outputs = {}
 
     def work(i, draft):
         config = DrafterConfig(address, f"d{i}", max_new_tokens=max_new, **({} if sampling is None else {"sampling": sampling}))
-        client = DrafterClient(config, DraftRunner(draft))
+        client = DrafterClient(config, runner(draft))
         client.wait_until_serving()
         client.join()
         outputs[i] = [client.generate(str(k), p).token_ids for k, p in enumerate(prompts[i])]

@@ -2,11 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import MAX_GRAPH_QUERIES, StepGraphs
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.lm.graphs import MAX_GRAPH_QUERIES
 from goodspeed.lm.sampling import SamplingParams, process_logits
-from graphkit import checking
+from graphkit import checking, static_drafter
 from modelkit import tiny_llama
 
 
@@ -153,15 +152,6 @@ def test_a_capped_proposal_is_sampled_from_and_sent_as_its_sparse_support():
     assert whole.draft(2, SamplingParams(), torch.Generator()).q_to_send(SamplingParams()) == ("none", None)
     with pytest.raises(ValueError, match="proposal_top_k"):
         DraftRunner(model, proposal_top_k=-1)
-
-
-def static_drafter(runner):
-    """Give ``runner`` a slot of a batch draft model whose forwards go through StepGraphs without
-    capturing (what ``cuda_graphs`` runs, the capture apart); returns that draft model."""
-    drafter = BatchDraftModel(runner.model)
-    drafter.graphs = StepGraphs(drafter.model, drafter.cache, capture=False)
-    runner.kv = SlotDraftKV(drafter)
-    return drafter
 
 
 def same_rounds(runners, sampling, rounds, seed=2, atol=1e-10):

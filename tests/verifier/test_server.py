@@ -388,6 +388,32 @@ def test_cuda_verifier_and_drafters_through_grpc(models, rounds):
     check_sampled_through_grpc(rounds, "cuda")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs CUDA"))])
+def test_a_drafter_at_fixed_shapes_through_grpc_gives_the_targets_greedy_text(models, device):
+    """An edge drafter drafting one request at a time through fixed-shape forwards (goodspeed
+    drafter --cuda-graphs; proactive drafting on, the client's default): on CUDA captured and
+    replayed, against a verifier on the same GPU; on CPU the same forwards run without capture.
+    Its greedy outputs are the target's own."""
+    import copy
+
+    from goodspeed.drafter.runner import DraftRunner
+    from graphkit import static_runner
+
+    target, drafts = models
+    made = []
+
+    def runner(model):
+        made.append(static_runner(model) if device == "cpu" else DraftRunner(model, cuda_graphs=True))
+        return made[-1]
+    engine = VerificationEngine(copy.deepcopy(target).to(device), EngineConfig(budget=10, max_draft_len=6))
+    with ServerThread(engine, rounds="async", round_deadline_ms=500) as server:
+        outputs = run_clients(server.address, [copy.deepcopy(drafts[0]).to(device)], [PROMPTS], max_new=14, runner=runner)
+    assert outputs[0] == [greedy_reference(target, p, 14) for p in PROMPTS]
+    graphs = made[0].kv.drafter.graphs
+    assert graphs.steps > 10 and (device == "cpu" or graphs.replays > 0)
+
+
 def test_a_port_that_cannot_be_had_stops_the_daemon_with_its_reason(models):
     """Not a port, or a port in use: the server refuses to start and names the address; it never
     falls back to another port (the HTTP front's port: test_http_front.py)."""
