@@ -132,7 +132,6 @@ class DraftRunner:
         the KV is then a :class:`SlotDraftKV`)."""
         self.model = model.eval()
         self.proposal_top_k = check_proposal_top_k(proposal_top_k)
-        self.device = next(model.parameters()).device
         self.kv = SlotDraftKV(BatchDraftModel(model, cuda_graphs=True)) if cuda_graphs else GrowingDraftKV(model)
         self.start([])
 

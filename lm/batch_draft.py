@@ -138,13 +138,19 @@ class BatchDraftModel:
         first, last = slots[0], slots[-1]
         width = last - first + 1
         q_len = max(len(t) for t in tokens.values())
+        out = None
         if self.graphs is not None:
             out = self._static_forward(tokens, parents, offset, scratch_anc, last_only, stacked, last, q_len)
-            if out is not None:
-                self.forwards += 1
-                if self.on_forward is not None:  # the forward as the eager path charges it
-                    self.on_forward(sum(self.cache.lengths[first : last + 1]) + offset * width, width * q_len)
-                return out
+        if out is None:
+            out = self._eager_forward(tokens, parents, offset, scratch_anc, last_only, stacked, first, last, q_len)
+        self.forwards += 1
+        if self.on_forward is not None:  # the window's context and batched tokens, whichever way it ran
+            self.on_forward(sum(self.cache.lengths[first : last + 1]) + offset * width, width * q_len)
+        return out
+
+    def _eager_forward(self, tokens, parents, offset, scratch_anc, last_only, stacked, first, last, q_len):
+        """:meth:`_forward`'s result, the window ``[first, last]`` run as it is."""
+        width = last - first + 1
         ids, row_parents = self._rows(tokens, parents, first, width, q_len)
         window = slice(first, last + 1)
         kv_len = self.cache.prepare(q_len, window, offset)
@@ -161,9 +167,6 @@ class BatchDraftModel:
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions,
                              **with_cache(self.model, self.cache), use_cache=True, **keep)
-        self.forwards += 1
-        if self.on_forward is not None:
-            self.on_forward(sum(lengths) + offset * width, width * q_len)
         if last_only:
             return {key: out.logits[self.slots.slot(key) - first, column[len(toks) - 1]][None] for key, toks in tokens.items()}
         if stacked:
