@@ -32,7 +32,10 @@ where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``;
 target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
 :mod:`goodspeed.lm.graphs`; on a CPU the same fixed-shape forwards run eagerly), named ``POLICY
 [graphs]``; on CUDA its policies plan with a profile measured with graphs (``profile_graphs`` in
-the JSON), while the SLOs stay the eager profile's, as for every variant. On an accelerator (``--device cuda``) a short replay of 4
+the JSON), while the SLOs stay the eager profile's, as for every variant. ``--cuda-graphs`` makes
+graphs the base run instead: every policy under its bare name replays CUDA graphs, and the profile
+it plans with, the SLOs and ``--load``'s capacity are all measured with graphs (the eager profile
+is kept in the JSON as ``profile_eager``): the goal measured on the configuration a GPU would serve. On an accelerator (``--device cuda``) a short replay of 4
 requests per policy runs first and is discarded, so the first policy timed does not pay for
 kernel selection and allocator growth.
 """
@@ -144,6 +147,9 @@ def main() -> int:
                     help="also run each policy with: gqa, masked attention as before 2026-11-26 (SDPA with enable_gqa); "
                          "pad, the engine's rows padded (EngineConfig.pad_rows); graphs, the target's steps as CUDA "
                          "graphs (EngineConfig.cuda_graphs; eagerly on a CPU)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="every policy replays its steps as CUDA graphs (the graphs variant as the base run), and the "
+                         "profile it plans with, the SLOs and --load's capacity are measured with graphs (on CUDA)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.rate is None and args.load is None:
@@ -172,13 +178,18 @@ def main() -> int:
     profile = LatencyProfile(fits["target"], fits["draft"])
     # The graphs variant plans with what graphed forwards cost (profiled with them, on CUDA); the
     # SLOs stay the eager profile's, the same for every variant of a cell.
-    profiles = {variant: profile for variant in (None, *args.variants)}
-    if "graphs" in args.variants and target.model.device.type == "cuda":
+    base = "graphs" if args.cuda_graphs else None  # what a policy's own run (its bare name) replays with
+    variants = [v for v in args.variants if v != base]
+    profiles = {variant: profile for variant in (None, *variants)}
+    if "graphs" in (base, *variants) and target.model.device.type == "cuda":
         graphed = {role: profile_model(m, repeats=3, cuda_graphs=True)[1] for role, m in (("target", target.model),
                                                                                           ("draft", draft.model))}
         profiles["graphs"] = LatencyProfile(graphed["target"], graphed["draft"])
         print(f"profile with CUDA graphs: target delta {graphed['target'].delta_s * 1000:.2f} ms, "
               f"draft delta {graphed['draft'].delta_s * 1000:.2f} ms", file=sys.stderr)
+    eager = profile
+    if base:  # the base runs, their SLOs and the load plan with the graphed profile
+        profile = profiles[None] = profiles.pop("graphs", profile)
     baseline_ms = baseline_tpot_s(profile.target) * 1000
     capacity = capacity_req_s(profile, args.max_requests, args.max_new_tokens)
     print(f"plain decoding's profiled capacity: {capacity:.2f} requests/s", file=sys.stderr)
@@ -186,8 +197,8 @@ def main() -> int:
     if target.model.device.type != "cpu":  # kernel selection and allocator growth, off the clock
         warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
         for _, kw in policies:
-            for variant in (None, *args.variants):
-                replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant)
+            for variant in (None, *variants):
+                replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant or base)
     cells = []
     for rate in rates:
         for seed in args.seed:
@@ -196,10 +207,10 @@ def main() -> int:
             print(f"trace: {args.requests} requests, Poisson {rate:.2f}/s (load {rate / capacity:.2f}), seed {seed}, "
                   f"{args.max_new_tokens} new tokens each, SLO classes strict {baseline_ms:.2f} / moderate {2.4 * baseline_ms:.2f} / relaxed {8 * baseline_ms:.2f} ms", file=sys.stderr)
             results, reference = {}, None
-            runs = [(name, kw, variant) for name, kw in policies for variant in (None, *args.variants)]
+            runs = [(name, kw, variant) for name, kw in policies for variant in (None, *variants)]
             for name, kw, variant in runs:
                 name += VARIANTS[variant] if variant else ""
-                summary, outputs = replay(target, draft, profiles[variant], trace, kw, args.max_requests, seed, variant)
+                summary, outputs = replay(target, draft, profiles[variant], trace, kw, args.max_requests, seed, variant or base)
                 if reference is None:
                     reference = outputs
                 summary["lossless"] = outputs == reference
@@ -209,8 +220,9 @@ def main() -> int:
                       f"SLO {summary['slo_attainment']:.2f} (strict {'-' if strict is None else f'{strict:.2f}'}), "
                       f"ms per iteration {summary['drafting_ms_per_step']:.2f} drafting / {summary['round_ms_per_step']:.2f} round, "
                       f"lossless {summary['lossless']}", file=sys.stderr)
-            cells.append({"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(),
+            cells.append({"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "cuda_graphs": args.cuda_graphs,
                           **({"profile_graphs": profiles["graphs"].to_dict()} if profiles.get("graphs", profile) is not profile else {}),
+                          **({"profile_eager": eager.to_dict()} if eager is not profile else {}),
                           "target": args.target, "draft": args.draft,
                           "dtype": args.dtype, "device": str(target.model.device), "threads": torch.get_num_threads(),
                           "requests": args.requests, "rate": rate, "load": rate / capacity, "capacity_req_s": capacity, "seed": seed, "max_new_tokens": args.max_new_tokens,

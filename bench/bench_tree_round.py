@@ -260,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         inner = engine.cache.commit_many
         counted: Counter = Counter()
 
-        def counting(commits):
+        def counting(commits, **kw):
             with OpCounter() as counter:
-                inner(commits)
+                inner(commits, **kw)
             counted.update(counter.ops)
         engine.cache.commit_many = counting
         return counted

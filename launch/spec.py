@@ -163,7 +163,7 @@ class VerifierSpec:
     cuda_graphs: bool = setting(False, "replay the target's steps (and the local draft's forwards) as CUDA graphs, one per "
                                        "shape of rows, queries and keys rounded up to powers of two, rows padded "
                                        "(goodspeed.lm.graphs); steps with prompt chunks or over 1,024 tokens run eagerly; "
-                                       "CUDA only (not yet run on a GPU)",
+                                       "CUDA only (on an H200 a step cost 2.4-5.5x less: docs/BENCHMARKS.md)",
                                 to="engine.cuda_graphs")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)

@@ -64,6 +64,7 @@ import torch
 from goodspeed.lm.attention import PACKED, aligned_mask, with_cache
 from goodspeed.lm.kv_slots import AttentionGroup, PackedRows, SlotKVCache
 
+MIN_GRAPH_MOVES = 8  # a step's KV moves are padded to a power of two at least this (StepGraphs.move)
 MAX_GRAPH_TOKENS = 1024  # W x Q: larger steps run eagerly (their launches are a smaller share of their time)
 # Q: a row of more queries is a prompt (a drafter's catch-up of a new or resynchronised request),
 # run once at its size and compute-bound: eagerly, as vLLM runs prefills, not captured per length.
@@ -108,6 +109,15 @@ class _Shape:
     hidden: torch.Tensor | None = None  # the graph's output: last hidden states
 
 
+@dataclass
+class _Moves:
+    """One size of a step's KV moves: their static ``[3, N]`` indices (slots, destinations,
+    sources) and the graph of :meth:`SlotKVCache.move_pooled` over them."""
+
+    index: torch.Tensor
+    graph: object = None
+
+
 class StepGraphs:
     """A model's forwards at fixed shapes as CUDA graphs, one per shape (see the module
     docstring): the engine's packed steps (:meth:`pack`, :meth:`logits`) and a draft model's
@@ -123,6 +133,7 @@ class StepGraphs:
         self.decoder, self.head = decoder_and_head(model)
         self.cache, self.capture, self.max_tokens, self.max_queries = cache, capture, max_tokens, max_queries
         self._shapes: dict[tuple, _Shape] = {}
+        self._moves: dict[int, _Moves] = {}  # moves a step (padded) -> their static indices and graph
         self._generation = cache.generation
         self._stream = self._pool = None
         self.steps = self.replays = self.captures = 0  # counters: steps run through here, replayed, captured
@@ -165,9 +176,7 @@ class StepGraphs:
         it before the next step): the engine's packed ``[1, W x Q]`` step (``layout``, from
         :meth:`pack`) or a batch ``[W, Q]`` forward under ``mask`` ``[W, 1, Q, K]``, its KV writes
         set by :meth:`SlotKVCache.prepare_static <goodspeed.lm.kv_slots.SlotKVCache.prepare_static>`."""
-        if self.cache.generation != self._generation:  # the pool moved: every graph points at freed memory
-            self._shapes.clear()
-            self._generation = self.cache.generation
+        self._current()
         rows, _, q_len, kv_len = mask.shape
         key = ((rows, q_len, kv_len), layout is None)
         self.steps += 1
@@ -190,6 +199,63 @@ class StepGraphs:
         shape.graph.replay()
         self.replays += 1
         return shape.hidden
+
+    def _current(self) -> None:
+        """Drop every graph if the pool was reallocated since they were captured: they point at freed memory."""
+        if self.cache.generation != self._generation:
+            self._shapes.clear()
+            self._moves.clear()
+            self._generation = self.cache.generation
+
+    @torch.inference_mode()
+    def move(self, moves: list[tuple[int, int, int]]) -> None:
+        """A step's KV moves ``(slot, dst, src)`` in the pool (tree rows whose accepted path is not
+        their first nodes; the ``mover`` of :meth:`SlotKVCache.commit_many
+        <goodspeed.lm.kv_slots.SlotKVCache.commit_many>`), replayed as one graph of
+        :meth:`SlotKVCache.move_pooled <goodspeed.lm.kv_slots.SlotKVCache.move_pooled>`. Eagerly
+        that is one gather and one scatter for each layer's keys and values, 121 ops a step on
+        SmolLM2-135M's 30 layers, which cost a tree step on the H200 as much as its replayed
+        forward's other ops together (docs/BENCHMARKS.md, *CUDA graphs on the H200*). The list is
+        padded to a power of two (at least :data:`MIN_GRAPH_MOVES`) by repeating its last move,
+        which writes the same entry again with the same value, so a few graphs serve every step."""
+        self._current()
+        size = max(bucket(len(moves)), MIN_GRAPH_MOVES)
+        index = torch.tensor(moves + moves[-1:] * (size - len(moves)), dtype=torch.long).T
+        entry = self._moves.get(size)
+        if entry is None:
+            entry = _Moves(index.to(self.cache.keys[0].device))
+            self._first_moves(entry)
+            self._moves[size] = entry
+            return
+        entry.index.copy_(index, non_blocking=True)
+        if entry.graph is None:
+            self.cache.move_pooled(entry.index)
+        else:
+            entry.graph.replay()
+            self.replays += 1
+
+    def _first_moves(self, entry: "_Moves") -> None:
+        """A move size's first step: eagerly, then, on CUDA, captured for the next (as :meth:`_first`)."""
+        if not self.capture:
+            self.cache.move_pooled(entry.index)
+            return
+        try:
+            with torch.cuda.device(entry.index.device):
+                if self._stream is None:
+                    self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+                current = torch.cuda.current_stream()
+                self._stream.wait_stream(current)
+                with torch.cuda.stream(self._stream):
+                    self.cache.move_pooled(entry.index)
+                current.wait_stream(self._stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                    self.cache.move_pooled(entry.index)
+        except RuntimeError as exc:
+            raise RuntimeError(f"CUDA graph of {entry.index.shape[1]} KV moves failed: {exc}; "
+                               "run without cuda_graphs (--cuda-graphs) to serve eagerly") from exc
+        entry.graph = graph
+        self.captures += 1
 
     def _static(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 layout: PackedRows | None) -> _Shape:

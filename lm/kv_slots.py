@@ -40,6 +40,7 @@ moves entries runs in inference mode too. The object implements the two methods 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -502,13 +503,16 @@ class SlotKVCache:
         self.commit_many([(slot, base, kept)])
 
     @torch.inference_mode()
-    def commit_many(self, commits: list[tuple[int, int, list[int]]]) -> None:
+    def commit_many(self, commits: list[tuple[int, int, list[int]]],
+                    mover: Callable[[list[tuple[int, int, int]]], None] | None = None) -> None:
         """:meth:`commit` for several ``(slot, base, kept)`` at once: every pool slot's moves (a tree
         row whose accepted path is not its first nodes) go in one gather and one scatter per layer's
         keys and values, with one host -> device copy of their indices, whatever the number of rows.
         Row by row, a step of trees cost a few ops per layer per row that moved, which is what a
         launch-bound GPU pays for (docs/BENCHMARKS.md, *Tree rows' KV moves*). A slot with buffers
-        of its own moves in them, on its own."""
+        of its own moves in them, on its own. ``mover``: what makes the pool's moves, given as
+        ``(slot, dst, src)`` positions (:meth:`goodspeed.lm.graphs.StepGraphs.move` replays them as
+        a CUDA graph); default :meth:`move_pooled` on their indices."""
         pooled: list[tuple[int, int, int]] = []  # (slot, dst, src) positions
         for slot, base, kept in commits:
             moves = [(base + d, base + s) for d, s in enumerate(kept) if d != s]
@@ -520,13 +524,23 @@ class SlotKVCache:
                         buf[0, :, dst.to(buf.device)] = buf[0, :, src.to(buf.device)]
             else:
                 pooled += [(slot, d, s) for d, s in moves]
-        if pooled:
-            bufs = [buf for buf in (*self.keys, *self.values) if buf is not None]
-            index = torch.tensor(pooled, dtype=torch.long).T.to(bufs[0].device) if bufs else None
-            for buf in bufs:
-                buf[index[0], :, index[1]] = buf[index[0], :, index[2]]
+        if pooled and self.keys[0] is not None:
+            if mover is not None:
+                mover(pooled)
+            else:
+                self.move_pooled(torch.tensor(pooled, dtype=torch.long).T.to(self.keys[0].device))
         for slot, base, kept in commits:
             self.lengths[slot] = base + len(kept)
+
+    def move_pooled(self, index: torch.Tensor) -> None:
+        """Copy every layer's pool entries ``(index[0], index[2])`` to ``(index[0], index[1])``
+        (slots, destination and source positions; ``[3, N]`` on the pool's device): one gather and one
+        scatter per layer's keys and values, every source read before any destination is written. A
+        move listed twice writes the same entry twice (how :meth:`StepGraphs.move
+        <goodspeed.lm.graphs.StepGraphs.move>` pads a list to a graph's size)."""
+        for buf in (*self.keys, *self.values):
+            if buf is not None:
+                buf[index[0], :, index[1]] = buf[index[0], :, index[2]]
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` committed entries."""

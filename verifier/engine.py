@@ -423,7 +423,8 @@ class VerificationEngine:
                 given[row.input.key] = torch.rand(row.input.draft.num_tokens + 1, generator=generator, dtype=torch.float64).numpy()
         checked = self.row_verifier.verify([r.input for r in rows], logits, given) if rows else []
         # Every row's KV at once: a step of trees moves accepted paths in one op per layer, not per row.
-        self.cache.commit_many([(row.slot, self.cache.lengths[row.slot], out.kept) for row, out in zip(rows, checked)])
+        self.cache.commit_many([(row.slot, self.cache.lengths[row.slot], out.kept) for row, out in zip(rows, checked)],
+                               mover=self.graphs.move if self.graphs is not None else None)
         outcomes = []
         for row, out in zip(rows, checked):
             if row.transit:

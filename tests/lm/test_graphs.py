@@ -106,6 +106,49 @@ def test_a_pool_that_moves_drops_every_shape():
             torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
 
+def kv_pair(device: str, layers: int = 3, slots: int = 6):
+    """Two pools of the same random KV: one to move eagerly, one through StepGraphs.move."""
+    gen = torch.Generator().manual_seed(0)
+    pool = [torch.randn(slots, 2, 32, 4, generator=gen).to(device) for _ in range(2 * layers)]
+    caches = []
+    for _ in range(2):
+        cache = SlotKVCache(num_layers=layers, initial_capacity=32)
+        for _ in range(slots):
+            cache.add_slot()
+        cache.keys, cache.values = [b.clone() for b in pool[:layers]], [b.clone() for b in pool[layers:]]
+        cache.lengths[:] = [3, 5, 2, 4, 6, 1]
+        caches.append(cache)
+    return caches
+
+
+def assert_same_pool(a: SlotKVCache, b: SlotKVCache) -> None:
+    for mine, theirs in zip((*a.keys, *a.values), (*b.keys, *b.values)):
+        assert torch.equal(mine, theirs)
+
+
+def test_kv_moves_padded_to_a_graph_size_move_what_unpadded_ones_do():
+    """A step's KV moves through StepGraphs.move, padded to 8 or 16 by repeating the last (on CPU
+    run eagerly over the static indices): the pool ends as the eager moves leave it, step after
+    step, one static index tensor per size; the pool reallocated drops them."""
+    eager, graphed = kv_pair("cpu")
+    graphs = StepGraphs(tiny_llama(3), graphed, capture=False)
+    steps = [
+        [(0, 3, [0, 2]), (2, 2, [0, 3, 5])],  # 3 moves -> 8
+        [(1, 5, [0, 2, 4]), (3, 4, [0, 1, 4]), (4, 6, [0, 2, 3, 7])],  # 5 moves -> 8, a new list in the same indices
+        [(0, 5, [0, 3, 4, 6]), (1, 7, [0, 2]), (2, 5, [0, 4, 5, 6]), (3, 7, [1, 2, 3, 4]), (5, 1, [0, 3, 5])],  # 15 -> 16
+        [(4, 9, [0])],  # no move: nothing to run
+    ]
+    for commits in steps:
+        eager.commit_many(commits)
+        graphed.commit_many(commits, mover=graphs.move)
+        assert eager.lengths == graphed.lengths
+        assert_same_pool(eager, graphed)
+    assert sorted(graphs._moves) == [8, 16]
+    graphed._resize_pool(12)
+    graphs.move([(0, 1, 2)])
+    assert sorted(graphs._moves) == [8]
+
+
 def test_steps_that_fit_no_shape_run_eagerly():
     """Prompt chunks and steps over MAX_GRAPH_TOKENS take the packed path, and agree."""
     target = tiny_llama(5)
@@ -243,6 +286,21 @@ def test_cuda_replayed_steps_equal_eager_ones(dtype):
         drive([packed, graphed], np.random.default_rng(5), rounds=12)
         for a, b in zip(expected, got):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replayed_kv_moves_move_what_eager_ones_do():
+    """On CUDA: a step's KV moves captured once per size and replayed over new indices leave the
+    pool as the eager moves do."""
+    eager, graphed = kv_pair("cuda")
+    graphs = StepGraphs(tiny_llama(3).cuda(), graphed)
+    for commits in ([(0, 3, [0, 2]), (2, 2, [0, 3, 5])], [(1, 5, [0, 2, 4]), (3, 4, [0, 1, 4])],
+                    [(4, 6, [0, 2, 3, 7]), (0, 5, [1, 2])], [(5, 1, [0, 3, 5]), (2, 5, [0, 4, 5, 6])]):
+        eager.commit_many(commits)
+        graphed.commit_many(commits, mover=graphs.move)
+        torch.cuda.synchronize()
+        assert_same_pool(eager, graphed)
+    assert graphs.captures == 1 and graphs.replays == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
