@@ -1,7 +1,7 @@
 """An edge drafter's own work a round, one request at a time: what its device spends between verdicts.
 
     python -m bench.bench_drafting [--draft real:smollm2-135m-draft | --random KEY=VALUE,...] [--prefixes 64 1024]
-                                   [--kv growing slot [graphs]] [--draft-len 4] [--rounds 40]
+                                   [--kv growing slot [graphs] [compiled]] [--draft-len 4] [--rounds 40]
                                    [--threads 2] [--device cpu] [--json]
 
 A round of :class:`goodspeed.drafter.runner.DraftRunner`, as ``goodspeed drafter`` runs it: apply
@@ -14,7 +14,10 @@ back): ``2 S + 1`` one-token forwards a round. The runner's draft KV (``--kv``):
   what a drafter runs without ``--cuda-graphs``);
 * ``slot``: one slot of a batch draft model (:class:`~goodspeed.drafter.runner.SlotDraftKV`),
   forwards eager;
-* ``graphs`` (CUDA only): the slot's forwards replayed as CUDA graphs (``--cuda-graphs``).
+* ``graphs`` (CUDA only): the slot's forwards replayed as CUDA graphs (``--cuda-graphs``);
+* ``compiled``: the slot's forwards through a decoder compiled by ``torch.compile``
+  (``--torch-compile``; its graphs compiled in the warm-up rounds, or in a timed one that meets a
+  new shape).
 
 Each variant has its own runner on the same model, prompt, verdicts and draws; their rounds
 alternate (the order flipping every round), so a drift of the machine lands on all of them.
@@ -46,15 +49,15 @@ from goodspeed.lm.sampling import SamplingParams
 
 ACCEPTED = 2  # drafts accepted a round (then one correction token)
 WARMUP = 3
-KVS = ("growing", "slot", "graphs")
+KVS = ("growing", "slot", "graphs", "compiled")
 
 
 def runner_for(model: torch.nn.Module, kv: str) -> DraftRunner:
     if kv == "graphs":
         return DraftRunner(model, cuda_graphs=True)
     runner = DraftRunner(model)
-    if kv == "slot":
-        runner.kv = SlotDraftKV(BatchDraftModel(model))
+    if kv in ("slot", "compiled"):
+        runner.kv = SlotDraftKV(BatchDraftModel(model, torch_compile=kv == "compiled"))
     return runner
 
 

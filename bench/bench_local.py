@@ -31,13 +31,17 @@ mask, on CUDA the math kernel), named ``POLICY [GQA SDPA]``; ``pad``: the engine
 where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``; ``graphs``: the
 target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
 :mod:`goodspeed.lm.graphs`; on a CPU the same fixed-shape forwards run eagerly), named ``POLICY
-[graphs]``; on CUDA its policies plan with a profile measured with graphs (``profile_graphs`` in
+[graphs]``; ``compile``: those steps and forwards through decoders compiled by
+``torch.compile`` (``EngineConfig.torch_compile``; on CUDA captured as graphs too), named ``POLICY
+[compiled]``, planning with the graphs' profile; on CUDA the graphs variant's policies plan with a profile measured with graphs (``profile_graphs`` in
 the JSON), while the SLOs stay the eager profile's, as for every variant. ``--cuda-graphs`` makes
 graphs the base run instead: every policy under its bare name replays CUDA graphs, and the profile
 it plans with, the SLOs and ``--load``'s capacity are all measured with graphs (the eager profile
 is kept in the JSON as ``profile_eager``): the goal measured on the configuration a GPU would serve. On an accelerator (``--device cuda``) a short replay of 4
 requests per policy runs first and is discarded, so the first policy timed does not pay for
-kernel selection and allocator growth.
+kernel selection and allocator growth. With ``compile`` that variant warms up on any device with a
+whole trace of its own (``--requests`` at the first rate, another seed), whose replays compile
+the decoders' graphs at the shapes a loaded batch reaches, as a server's warm-up would.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
 
 
-VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]"}  # --variants: name -> suffix of the policy's name
+VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]", "compile": " [compiled]"}  # --variants: name -> suffix of the policy's name
 
 
 def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int,
@@ -102,7 +106,8 @@ def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requ
     policy plans with (the trace's SLOs were set from the eager profile, for every variant alike)."""
     cuda = next(target.model.parameters()).device.type == "cuda"
     engine = VerificationEngine(target.model, EngineConfig(seed=seed, pad_rows=variant == "pad",
-                                                           cuda_graphs=variant == "graphs" and cuda))
+                                                           cuda_graphs=variant in ("graphs", "compile") and cuda,
+                                                           torch_compile=variant == "compile"))
     if variant == "graphs" and not cuda:  # the same fixed-shape steps, eagerly
         engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     config = LocalConfig(**{"policy": "none", **policy}, latency=profile, max_requests=max_requests, seed=seed)
@@ -146,7 +151,8 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=[], choices=sorted(VARIANTS),
                     help="also run each policy with: gqa, masked attention as before 2026-11-26 (SDPA with enable_gqa); "
                          "pad, the engine's rows padded (EngineConfig.pad_rows); graphs, the target's steps as CUDA "
-                         "graphs (EngineConfig.cuda_graphs; eagerly on a CPU)")
+                         "graphs (EngineConfig.cuda_graphs; eagerly on a CPU); compile, those steps through a decoder "
+                         "compiled by torch.compile (EngineConfig.torch_compile; captured on CUDA)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="every policy replays its steps as CUDA graphs (the graphs variant as the base run), and the "
                          "profile it plans with, the SLOs and --load's capacity are measured with graphs (on CUDA)")
@@ -181,12 +187,14 @@ def main() -> int:
     base = "graphs" if args.cuda_graphs else None  # what a policy's own run (its bare name) replays with
     variants = [v for v in args.variants if v != base]
     profiles = {variant: profile for variant in (None, *variants)}
-    if "graphs" in (base, *variants) and target.model.device.type == "cuda":
+    if {"graphs", "compile"} & {base, *variants} and target.model.device.type == "cuda":
         graphed = {role: profile_model(m, repeats=3, cuda_graphs=True)[1] for role, m in (("target", target.model),
                                                                                           ("draft", draft.model))}
         profiles["graphs"] = LatencyProfile(graphed["target"], graphed["draft"])
         print(f"profile with CUDA graphs: target delta {graphed['target'].delta_s * 1000:.2f} ms, "
               f"draft delta {graphed['draft'].delta_s * 1000:.2f} ms", file=sys.stderr)
+    if "compile" in variants:  # plans as the graphs do (its own profile would compile every shape of the grid)
+        profiles["compile"] = profiles.get("graphs", profile)
     eager = profile
     if base:  # the base runs, their SLOs and the load plan with the graphed profile
         profile = profiles[None] = profiles.pop("graphs", profile)
@@ -194,11 +202,19 @@ def main() -> int:
     capacity = capacity_req_s(profile, args.max_requests, args.max_new_tokens)
     print(f"plain decoding's profiled capacity: {capacity:.2f} requests/s", file=sys.stderr)
     rates = args.rate or [load * capacity for load in args.load]
-    if target.model.device.type != "cpu":  # kernel selection and allocator growth, off the clock
+    # Kernel selection and allocator growth on an accelerator, and torch.compile's first graphs
+    # anywhere: off the clock, as a server's warm-up would have them.
+    if target.model.device.type != "cpu" or "compile" in variants:
         warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
+        # Compiling wants the shapes a loaded batch reaches (rows, beam levels), not 4 requests'.
+        compile_warm = make_trace(code_prompts(target.tokenizer, 64, 1000), args.requests, rates[0], baseline_ms,
+                                  args.max_new_tokens, seed=1000)
         for _, kw in policies:
             for variant in (None, *variants):
-                replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant or base)
+                if variant == "compile":
+                    replay(target, draft, profiles[variant], compile_warm, kw, args.max_requests, 0, variant)
+                elif target.model.device.type != "cpu":
+                    replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant or base)
     cells = []
     for rate in rates:
         for seed in args.seed:

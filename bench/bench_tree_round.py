@@ -17,7 +17,7 @@ accepts a known path. Four shapes of draft, greedy, ``--rows`` requests each:
   the position after the root (:meth:`goodspeed.lm.kv_slots.SlotKVCache.commit_many`) in every
   row with more than one child.
 
-Each shape runs once per path (``--paths``, all five by default), on engines of its own whose steps
+Each shape runs once per path (``--paths``, all six by default), on engines of its own whose steps
 alternate:
 
 * ``engine``: the engine as it is;
@@ -33,6 +33,9 @@ alternate:
   laid out at fixed shapes (rows, queries and keys rounded up to powers of two) and, on CUDA,
   replayed as the graph captured for its shape; its ops are then those the host dispatches around
   the replay. On a CPU the same static steps run eagerly (no capture).
+* ``compiled``: ``graphs`` with ``EngineConfig.torch_compile`` too: the static steps through a
+  decoder compiled by ``torch.compile`` (each shape compiled on its first step, before the timed
+  ones), captured on CUDA, run compiled on a CPU.
 
 Figures: aten ops a step dispatches (views aside; counted by a ``TorchDispatchMode`` over one
 step), of them the KV commit's, and the median milliseconds of ``VerificationEngine.run_round``
@@ -75,7 +78,7 @@ from goodspeed.verifier.types import Draft, SparseProbs
 
 SHAPES = ("plain", "chain", "tree-first", "tree-moved")
 BATCHED_Q_ROWS = verify_rows.q_rows_at  # the engine's; "row by row" swaps it out while its step runs
-PATHS = ("engine", "row by row", "GQA SDPA", "pad rows", "graphs")
+PATHS = ("engine", "row by row", "GQA SDPA", "pad rows", "graphs", "compiled")
 PROMPT = 32
 
 
@@ -210,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.paths:
             cuda = args.device.startswith("cuda")
             engine = VerificationEngine(model, EngineConfig(budget=4 * args.rows, policy="fixed", max_draft_len=3, seed=0,
-                                                            pad_rows=path == "pad rows", cuda_graphs=path == "graphs" and cuda))
+                                                            pad_rows=path == "pad rows",
+                                                            cuda_graphs=path in ("graphs", "compiled") and cuda,
+                                                            torch_compile=path == "compiled"))
             if path == "graphs" and not cuda:  # the same static steps, eagerly
                 engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
             sessions = [engine.join(f"r{i}") for i in range(args.rows)]
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.start_request(sid, prompt, sampling, length)
             if path == "row by row":
                 cache = engine.cache
-                cache.commit_many = lambda commits, cache=cache: commit_row_by_row(cache, commits)
+                cache.commit_many = lambda commits, mover=None, cache=cache: commit_row_by_row(cache, commits)
                 sampled_row_by_row(engine.row_verifier)
             # the same drafts for every path: one stream per shape
             engines[shape, path] = (engine, sessions, [0] * args.rows, np.random.default_rng(s_index))

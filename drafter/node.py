@@ -76,6 +76,7 @@ class NodeConfig:
     tls: ClientTLS | None = None
     proposal_top_k: int = PROPOSAL_TOP_K  # sampled drafts' q capped to this many tokens a position (lm.sampling.cap_support)
     cuda_graphs: bool = False  # the batched draft forwards replayed as CUDA graphs (goodspeed.lm.graphs; CUDA only)
+    torch_compile: bool = False  # the batched draft forwards through a compiled decoder (goodspeed.lm.graphs.compiled)
     on_wait: Callable[[str], None] | None = field(default=None, compare=False)  # as DrafterConfig.on_wait
 
     def __post_init__(self) -> None:
@@ -181,7 +182,8 @@ class EdgeNode:
         self.requests = RequestMetrics(self.registry)
         self.spec = SpecDecodeMetrics(self.registry)
         self.node_metrics = DrafterMetrics(self.registry)
-        self.drafter = BatchDraftModel(draft_model, config.proposal_top_k, cuda_graphs=config.cuda_graphs)
+        self.drafter = BatchDraftModel(draft_model, config.proposal_top_k, cuda_graphs=config.cuda_graphs,
+                                       torch_compile=config.torch_compile)
         self.root_seed = resolve_root_seed(config.seed)
         self.metadata = bearer_metadata(config.token)
         self.model_ids: tuple[str, ...] = ()

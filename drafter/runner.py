@@ -25,7 +25,10 @@ edge device repeats ``S`` times a round, is replayed as one graph. Eagerly on a 
 a 4-layer draft's forward took 3.7-4.2 ms (docs/BENCHMARKS.md). Eagerly on a CPU the slot's mask
 and index bookkeeping cost more than the growing cache's, up to 2-4K positions of the SmolLM2
 draft; beyond, the growing cache's copy of the whole KV every forward costs more
-(docs/BENCHMARKS.md, *One request's drafting at fixed shapes*). The slot is used for graphs only.
+(docs/BENCHMARKS.md, *One request's drafting at fixed shapes*). The slot is used for graphs, and
+with ``torch_compile``: its fixed shapes let ``torch.compile`` specialise a handful of graphs, and
+compiled, a round on this project's CPU cost 0.89-0.97x the growing cache's (docs/BENCHMARKS.md,
+*torch.compile of the fixed-shape steps*).
 """
 
 from __future__ import annotations
@@ -125,14 +128,17 @@ class SlotDraftKV:
 class DraftRunner:
     """One drafter's model state for one request at a time."""
 
-    def __init__(self, model: torch.nn.Module, proposal_top_k: int = PROPOSAL_TOP_K, cuda_graphs: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, proposal_top_k: int = PROPOSAL_TOP_K, cuda_graphs: bool = False,
+                 torch_compile: bool = False) -> None:
         """``proposal_top_k``: sampled drafts come from, and send, only the draft distribution's
         ``k`` most likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all).
         ``cuda_graphs``: draft forwards replayed as CUDA graphs where they fit one (CUDA only;
-        the KV is then a :class:`SlotDraftKV`)."""
+        the KV is then a :class:`SlotDraftKV`). ``torch_compile``: the slot's forwards through a
+        decoder compiled by ``torch.compile`` (any device; the KV is a :class:`SlotDraftKV` too)."""
         self.model = model.eval()
         self.proposal_top_k = check_proposal_top_k(proposal_top_k)
-        self.kv = SlotDraftKV(BatchDraftModel(model, cuda_graphs=True)) if cuda_graphs else GrowingDraftKV(model)
+        self.kv = (SlotDraftKV(BatchDraftModel(model, cuda_graphs=cuda_graphs, torch_compile=torch_compile))
+                   if cuda_graphs or torch_compile else GrowingDraftKV(model))
         self.start([])
 
     def start(self, prompt_ids: Sequence[int]) -> None:

@@ -162,12 +162,13 @@ def _profile(args: argparse.Namespace) -> int:
         print(f"goodspeed profile: --cuda-graphs needs a CUDA device, not {args.device}", file=sys.stderr)
         return 2
     _ensure_models([args.target, args.draft])
-    result = {"device": args.device, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs}
+    result = {"device": args.device, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs, "torch_compile": args.torch_compile}
     fitted = {}
     for role, spec in (("target", args.target), ("draft", args.draft)):
         model = load_causal_lm(spec, dtype=args.dtype, device=args.device).model
         log = (lambda line, role=role: print(f"  {role} {line}", file=sys.stderr)) if not args.quiet else None
-        samples, fitted[role] = profile_model(model, repeats=args.repeats, progress=log, cuda_graphs=args.cuda_graphs)
+        samples, fitted[role] = profile_model(model, repeats=args.repeats, progress=log, cuda_graphs=args.cuda_graphs,
+                                               torch_compile=args.torch_compile)
         result[f"{role}_samples"] = samples
         result[f"{role}_model_name"] = spec
         print(f"{role} {spec}: T = {fitted[role].alpha_s_per_context_token:.3e} s x N_context + "
@@ -275,6 +276,11 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
                     help="replay the node's draft forwards (one request's at a time, or its batched drafting with "
                          "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.graphs); CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x (docs/BENCHMARKS.md)")
+    dr.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
+                    help="run the node's draft forwards at fixed shapes through a decoder compiled by torch.compile "
+                         "(goodspeed.lm.graphs; the first forwards compile a handful of graphs, seconds to tens of "
+                         "seconds each on a CPU); any device; on this project's CPU a round of one request's drafting "
+                         "cost 0.89-0.97x the eager one's (docs/BENCHMARKS.md)")
     _add_model_args(dr)
 
 
@@ -547,6 +553,9 @@ def _add_serving_parsers(sub) -> None:
     prof.add_argument("--quiet", action="store_true")
     prof.add_argument("--cuda-graphs", action="store_true",
                       help="time forwards replayed as CUDA graphs, as a verifier with --cuda-graphs serves (CUDA only)")
+    prof.add_argument("--torch-compile", action="store_true",
+                      help="time forwards at fixed shapes through a decoder compiled by torch.compile, as a verifier "
+                           "with --torch-compile serves (the warm-up forwards compile first)")
     _add_model_args(prof)
     prof.set_defaults(func=_profile)
     lg = sub.add_parser("loadgen", help="Poisson arrivals with strict/moderate/relaxed TPOT SLOs against a verifier's local serving")

@@ -55,7 +55,8 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, ou
         token=read_token(spec.token_file), tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name),
         proactive=spec.proactive, on_wait=_say(spec.name),
     )
-    client = DrafterClient(config, DraftRunner(draft.model, spec.proposal_top_k, cuda_graphs=spec.cuda_graphs))
+    client = DrafterClient(config, DraftRunner(draft.model, spec.proposal_top_k, cuda_graphs=spec.cuda_graphs,
+                                                         torch_compile=spec.torch_compile))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
         print(f"drafter {spec.name}: root seed {client.root_seed}", file=sys.stderr)
     try:
@@ -88,7 +89,7 @@ def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurre
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=max_concurrency,
         max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
         tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), proposal_top_k=spec.proposal_top_k,
-        cuda_graphs=spec.cuda_graphs, on_wait=_say(spec.name))
+        cuda_graphs=spec.cuda_graphs, torch_compile=spec.torch_compile, on_wait=_say(spec.name))
 
 
 def _say(name: str):

@@ -165,6 +165,11 @@ class VerifierSpec:
                                        "(goodspeed.lm.graphs); steps with prompt chunks or over 1,024 tokens run eagerly; "
                                        "CUDA only (on an H200 a step cost 2.4-5.5x less: docs/BENCHMARKS.md)",
                                 to="engine.cuda_graphs")
+    torch_compile: bool = setting(False, "run the target's steps (and the local draft's forwards) at the same fixed shapes "
+                                         "through a decoder compiled by torch.compile (inductor; the first steps compile a "
+                                         "handful of graphs, tens of seconds each on a CPU); any device; with --cuda-graphs the graphs "
+                                         "record the compiled kernels (not yet run on a GPU)",
+                                  to="engine.torch_compile")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)
     seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and name "
@@ -387,6 +392,9 @@ class DrafterSpec:
     # The node's draft forwards replayed as CUDA graphs (goodspeed.lm.graphs; CUDA only): one
     # request's at a time, or its batched drafting (concurrency > 1, or --serve).
     cuda_graphs: bool = False
+    # The node's draft forwards at fixed shapes through a decoder compiled by torch.compile
+    # (goodspeed.lm.graphs.compiled), any device; with cuda_graphs the graphs record its kernels.
+    torch_compile: bool = False
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0

@@ -84,11 +84,14 @@ class BatchDraftModel:
     """Batched drafting for a set of requests. Not thread-safe (one thread owns it: the verifier's
     engine thread, or an edge node's drafting thread)."""
 
-    def __init__(self, model: torch.nn.Module, proposal_top_k: int = 0, cuda_graphs: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, proposal_top_k: int = 0, cuda_graphs: bool = False,
+                 torch_compile: bool = False) -> None:
         """``proposal_top_k``: sampled chains come from only the draft distribution's ``k`` most
         likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all, as local
         serving, whose ``q`` never travels, uses it). ``cuda_graphs``: forwards replayed as CUDA
-        graphs where they fit one (the module docstring; CUDA only)."""
+        graphs where they fit one (the module docstring; CUDA only). ``torch_compile``: forwards
+        at fixed shapes where they fit one, through a decoder compiled by ``torch.compile`` (any
+        device; :class:`goodspeed.lm.graphs.StepGraphs`)."""
         self.model = model.eval()
         self.proposal_top_k = check_proposal_top_k(proposal_top_k)
         use_gqa_attention(self.model)
@@ -99,7 +102,9 @@ class BatchDraftModel:
         self.slots = SlotTable(self.cache)  # request id -> draft KV slot
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device; this draft model is on {self.device}")
-        self.graphs = StepGraphs(self.model, self.cache) if cuda_graphs else None  # None: every forward eager
+        # None: every forward eager at its own shape
+        self.graphs = (StepGraphs(self.model, self.cache, capture=cuda_graphs, torch_compile=torch_compile)
+                       if cuda_graphs or torch_compile else None)
         self.forwards = 0  # draft forward passes so far (for reports)
         # Called after every forward with (context tokens, batched tokens): a simulated clock
         # charges the forward's modeled cost here.

@@ -48,6 +48,15 @@ reads a tensor that is not a static input, a weight, the KV pool or its own resu
 would read the capture's stale values. The CPU tests run the forward under a dispatch mode that
 fails on either.
 
+The same fixed-shape steps can also run through the decoder compiled by ``torch.compile``
+(``EngineConfig.torch_compile``, ``goodspeed verifier --torch-compile``; :func:`compiled`): inductor
+fuses the layers' elementwise work (norms, rotary embeddings, activations, residuals) into a few
+kernels, on any device. The fixed shapes keep the compiles few: a graph specialised to the first
+shape, then one with the dimensions that changed symbolic. With CUDA graphs the capture records the
+compiled kernels. The logits agree with eager ones to float32 rounding, not
+exactly: transformers' Llama normalises and builds its rotary tables in float32 whatever the
+model's dtype, and fused kernels round those in another order (``tests/lm/test_graphs.py``).
+
 A step that does not fit runs eagerly, as without graphs: a prompt chunk (a row attended on its
 own), a slot with KV buffers of its own, a slot without room for ``Q`` more entries at the pool's
 capacity, more than :data:`MAX_GRAPH_TOKENS` tokens (``W x Q``) or :data:`MAX_GRAPH_QUERIES` queries a
@@ -64,6 +73,10 @@ import torch
 from goodspeed.lm.attention import PACKED, aligned_mask, with_cache
 from goodspeed.lm.kv_slots import AttentionGroup, PackedRows, SlotKVCache
 
+# torch.compile: dynamo keeps this many compiled graphs of one forward before it runs new shapes
+# uncompiled. Its default of 8 is shared by every model whose decoder has the same forward (a
+# target and its draft); StepGraphs(torch_compile=True) raises it to this.
+COMPILED_SHAPES = 64
 MIN_GRAPH_MOVES = 8  # a step's KV moves are padded to a power of two at least this (StepGraphs.move)
 MAX_GRAPH_TOKENS = 1024  # W x Q: larger steps run eagerly (their launches are a smaller share of their time)
 # Q: a row of more queries is a prompt (a drafter's catch-up of a new or resynchronised request),
@@ -88,6 +101,21 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
         raise ValueError(f"cuda_graphs replays the decoder and runs the LM head after it; {name} transforms its logits "
                          f"after the head ({', '.join(transforms)})")
     return decoder, head
+
+
+def compiled(decoder: torch.nn.Module) -> torch.nn.Module:
+    """``decoder`` compiled by ``torch.compile`` with dynamo's automatic dynamic shapes: the first
+    shape is compiled specialised, and a dimension seen at a second size is recompiled symbolic,
+    so rows, queries and keys take a handful of graphs in all rather than one a shape (3 over four
+    key buckets in a measured run; docs/BENCHMARKS.md). Each compile happens on the forward that
+    needs it, tens of seconds on a CPU; dynamo is allowed :data:`COMPILED_SHAPES` graphs."""
+    import torch._dynamo
+
+    for limit in ("recompile_limit", "cache_size_limit"):  # the name since torch 2.7, and before it
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), COMPILED_SHAPES))
+            break
+    return torch.compile(decoder)
 
 
 def bucket(n: int) -> int:
@@ -129,8 +157,15 @@ class StepGraphs:
     it but the capture; the engine and the draft model capture on CUDA only."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, capture: bool = True,
-                 max_tokens: int = MAX_GRAPH_TOKENS, max_queries: int = MAX_GRAPH_QUERIES) -> None:
+                 max_tokens: int = MAX_GRAPH_TOKENS, max_queries: int = MAX_GRAPH_QUERIES,
+                 torch_compile: bool = False) -> None:
+        """``capture``: record each shape as a CUDA graph (CUDA only; False: the static steps run
+        eagerly). ``torch_compile``: the decoder compiled by ``torch.compile`` (inductor: fused
+        kernels, a handful of graphs for every shape; :func:`compiled`), on any device; with ``capture`` the
+        compiled kernels are what the graphs record (see the module docstring)."""
         self.decoder, self.head = decoder_and_head(model)
+        if torch_compile:
+            self.decoder = compiled(self.decoder)
         self.cache, self.capture, self.max_tokens, self.max_queries = cache, capture, max_tokens, max_queries
         self._shapes: dict[tuple, _Shape] = {}
         self._moves: dict[int, _Moves] = {}  # moves a step (padded) -> their static indices and graph

@@ -109,8 +109,11 @@ class VerificationEngine:
         self.slots = SlotTable(self.cache)  # session id -> KV slot, for sessions with a request
         if self.config.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device; this target is on {self.device}")
-        # Steps replayed as CUDA graphs where they fit one (goodspeed.lm.graphs); None: every step eager.
-        self.graphs = StepGraphs(self.model, self.cache) if self.config.cuda_graphs else None
+        # Steps at fixed shapes where they fit one (goodspeed.lm.graphs), replayed as CUDA graphs
+        # and / or through a compiled decoder; None: every step packed at its own shape.
+        self.graphs = (StepGraphs(self.model, self.cache, capture=self.config.cuda_graphs,
+                                  torch_compile=self.config.torch_compile)
+                       if self.config.cuda_graphs or self.config.torch_compile else None)
         # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
         # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.
         self.root_seed = resolve_root_seed(self.config.seed)

@@ -272,8 +272,10 @@ class LocalServing:
             raise ValueError(f"draft vocabulary {draft_model.config.vocab_size} != target vocabulary {engine.vocab_size}")
         self.engine, self.config = engine, config
         self.clock = clock or RealClock()
-        # The draft's forwards replayed as CUDA graphs too when the target's are (EngineConfig.cuda_graphs)
-        self.draft = BatchDraftModel(draft_model, cuda_graphs=engine.config.cuda_graphs)
+        # The draft's forwards replayed as CUDA graphs, or compiled, too when the target's are
+        # (EngineConfig.cuda_graphs, EngineConfig.torch_compile)
+        self.draft = BatchDraftModel(draft_model, cuda_graphs=engine.config.cuda_graphs,
+                                     torch_compile=engine.config.torch_compile)
         self.draft.on_forward = lambda ctx, batched: self.clock.charge("draft", ctx, batched)
         root = engine.root_seed if config.seed is None else config.seed
         # The local draft's sampling stream and the policy's (Nightjar's exploration): both

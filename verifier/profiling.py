@@ -33,16 +33,17 @@ def _sync(device: torch.device) -> None:
 
 def profile_model(model: torch.nn.Module, batch_sizes=(1, 2, 4, 8), contexts=(32, 128), query_lens=(1, 2, 4, 8),
                   repeats: int = 5, progress: Callable[[str], None] | None = None,
-                  cuda_graphs: bool = False) -> tuple[list[dict], LatencyModel]:
+                  cuda_graphs: bool = False, torch_compile: bool = False) -> tuple[list[dict], LatencyModel]:
     """Timed forwards over a grid; returns the samples and the fitted eq. (3). ``cuda_graphs``:
     the forwards replayed as CUDA graphs (:mod:`goodspeed.lm.graphs`; the warm-up captures each
-    shape), so the model fits what serving with graphs costs."""
+    shape), so the model fits what serving with graphs costs; ``torch_compile``: through a
+    compiled decoder at fixed shapes (the warm-up compiles each shape), likewise."""
     if repeats < 1 or not batch_sizes or not contexts or not query_lens:
         raise ValueError("need repeats >= 1 and non-empty grids")
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     if max(contexts) + max(query_lens) > max_pos:
         raise ValueError(f"context {max(contexts)} + query {max(query_lens)} exceeds the model's {max_pos} positions")
-    runner = BatchDraftModel(model, cuda_graphs=cuda_graphs)
+    runner = BatchDraftModel(model, cuda_graphs=cuda_graphs, torch_compile=torch_compile)
     vocab = runner.vocab_size
     samples = []
     for b in batch_sizes:

@@ -54,6 +54,11 @@ class EngineConfig:
     # draft model replays its forwards the same way. CUDA only. Off by default until a GPU runs every
     # CUDA test with it on; on an H200 a step cost 2.4-5.5x less (docs/BENCHMARKS.md).
     cuda_graphs: bool = False
+    # The same fixed-shape steps through a decoder compiled by torch.compile (inductor, a handful of
+    # graphs for every shape; goodspeed.lm.graphs.compiled), on any device; with cuda_graphs the
+    # compiled kernels are what the graphs record. Local serving's draft too. Off by default: the
+    # first steps compile (tens of seconds each on a CPU); not yet run on a GPU.
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
@@ -72,6 +77,8 @@ class EngineConfig:
             raise ValueError("pad_rows needs packed forwards (padded ones pad every row already)")
         if self.cuda_graphs and not self.packed:
             raise ValueError("cuda_graphs needs packed forwards")
+        if self.torch_compile and not self.packed:
+            raise ValueError("torch_compile needs packed forwards")
         make_policy(self.policy)  # unknown names fail here, not on the first round
         if self.smoothing is None:
             object.__setattr__(self, "smoothing", smoothing_of(self.policy))

@@ -194,6 +194,19 @@ def test_fixed_shape_forwards_draft_what_eager_ones_do(sampling):
     assert len(drafter.graphs.shapes) >= 2 and seen and all(p == [] for p in seen), seen
 
 
+@pytest.mark.slow  # compiles each shape (about 24 s cold here); test_graphs' compiled engine test is in the default suite
+def test_compiled_forwards_draft_what_eager_ones_do():
+    """DraftRunner(torch_compile=True): the slot's fixed-shape forwards through a decoder compiled
+    by torch.compile draft the same tokens, pre-drafts and hits as eager forwards over a growing
+    cache, q to float32 rounding (transformers' Llama norms in float32, which fused kernels round
+    in another order), every forward after the first at a fixed shape."""
+    model = tiny_llama(1)
+    eager, compiled = DraftRunner(model), DraftRunner(model, torch_compile=True)
+    same_rounds([eager, compiled], SamplingParams(temperature=1.0, top_k=5), rounds=6, atol=1e-5)
+    drafter = compiled.kv.drafter
+    assert drafter.graphs.steps == drafter.forwards - 1 > 10
+
+
 def test_a_prompts_catch_up_runs_eagerly_and_draft_steps_at_fixed_shapes():
     """A resynchronised request's prompt (more than MAX_GRAPH_QUERIES tokens in one row) is fed in
     an eager forward, not captured at its length; the draft steps after it take fixed shapes, and

@@ -40,7 +40,7 @@ CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy
                http_host="0.0.0.0", auth_tokens="/t", tls_cert="/c", tls_key="/k", tls_client_ca="/ca", insecure=True,
                local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
                local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
-               max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True, cuda_graphs=True,
+               max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True, cuda_graphs=True, torch_compile=True,
                async_shares="free")
 
 
@@ -178,7 +178,8 @@ DRAFTER_CLI_DEFAULTS = {"name": None, "draft": None, "prompts": None, "max_new_t
 DRAFTER_RUNTIME = {"spec", "verifier", "serve", "max_concurrency", "max_waiting", "api_key_file", "out", "connect_timeout_s", "quiet"}
 DRAFTER_CHANGED = dict(name="edge", draft="demo:other", prompts="/p.jsonl", max_new_tokens=7, temperature=0.7, top_k=5,
                        top_p=0.9, device="cuda:1", dtype="bfloat16", seed=42, token_file="/t", tls_ca="/ca", tls_cert="/c",
-                       tls_key="/k", tls_server_name="host", proactive=True, concurrency=3, proposal_top_k=64, cuda_graphs=True)
+                       tls_key="/k", tls_server_name="host", proactive=True, concurrency=3, proposal_top_k=64, cuda_graphs=True,
+                       torch_compile=True)
 
 
 def test_every_drafter_setting_is_a_flag_and_every_other_flag_is_the_nodes_run_time():

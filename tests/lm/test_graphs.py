@@ -149,6 +149,63 @@ def test_kv_moves_padded_to_a_graph_size_move_what_unpadded_ones_do():
     assert sorted(graphs._moves) == [8]
 
 
+def compiled_pair(seed: int):
+    """An eager engine and one whose fixed-shape steps run through a compiled decoder, each
+    recording its logits."""
+    (eager, compiled), logits = engine_pair(tiny_llama(seed), captures=(None, None))
+    compiled.graphs = StepGraphs(compiled.model, compiled.cache, capture=False, torch_compile=True)
+    return (eager, compiled), logits
+
+
+def assert_float32_close(expected, got):
+    """The compiled logits against eager ones. The tolerance is float32's, not float64's:
+    transformers' Llama computes its RMSNorm and rotary tables in float32 whatever the model's
+    dtype, and inductor fuses those ops in another order than eager kernels do."""
+    assert len(expected) == len(got)
+    for a, b in zip(expected, got):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_step_gives_the_packed_forwards_logits():
+    """EngineConfig.torch_compile: a step of a chain and a tree at fixed shapes through a decoder
+    compiled by torch.compile gives the packed forward's logits and the same verdicts, compiled in
+    one graph (no break)."""
+    from torch._dynamo.utils import counters
+
+    (eager, compiled), (expected, got) = compiled_pair(11)
+    before, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    verdicts = []
+    for engine in (eager, compiled):
+        sids = [engine.join(f"d{i}") for i in range(2)]
+        for i, sid in enumerate(sids):
+            engine.start_request(sid, [1 + i, 2, 3, 4, 5], SamplingParams(), 20)
+        for sid, (tokens, parents) in zip(sids, (([7, 8, 9], None), ([7, 8, 9], [-1, -1, 0]))):
+            engine.set_allotment(sid, 8)
+            engine.submit(sid, Draft(engine.next_round(sid), tokens, parents=parents))
+        result = engine.run_round()
+        verdicts.append(sorted((k.split("#")[0], v.token_ids) for k, v in result.verdicts.items()))
+    assert verdicts[0] == verdicts[1] and compiled.graphs.steps == 1
+    assert counters["stats"]["unique_graphs"] - before == 1 and sum(counters["graph_break"].values()) == breaks
+    assert_float32_close(expected, got)
+
+
+@pytest.mark.slow  # compiles several graphs (about 40 s cold here)
+def test_compiled_steps_over_many_shapes_take_few_graphs():
+    """Rounds of chains, trees and idle rows over a freed slot: the compiled steps give the
+    packed forward's logits and verdicts, and the shapes take fewer graphs than there are shapes
+    (dynamo recompiles a dimension seen at a second size as symbolic)."""
+    from torch._dynamo.utils import counters
+
+    (eager, compiled), (expected, got) = compiled_pair(12)
+    before = counters["stats"]["unique_graphs"]
+    drive([eager, compiled], np.random.default_rng(6), rounds=16, sessions=4, prompt_len=8, leave_at=8)
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert 1 <= graphs < len(compiled.graphs.shapes), (graphs, compiled.graphs.shapes)
+    assert_float32_close(expected, got)
+
+
 def test_steps_that_fit_no_shape_run_eagerly():
     """Prompt chunks and steps over MAX_GRAPH_TOKENS take the packed path, and agree."""
     target = tiny_llama(5)
@@ -286,6 +343,19 @@ def test_cuda_replayed_steps_equal_eager_ones(dtype):
         drive([packed, graphed], np.random.default_rng(5), rounds=12)
         for a, b in zip(expected, got):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_steps_captured_equal_eager_ones():
+    """On CUDA: steps through the compiled decoder (EngineConfig.torch_compile), captured as CUDA
+    graphs, give the eager static steps' logits to fp32's rounding and the same verdicts."""
+    target = tiny_llama(7, hidden=256, heads=4, kv_heads=2, dtype=torch.float32).cuda()
+    (eager, compiled), (expected, got) = engine_pair(target, captures=(False, True))
+    compiled.graphs = StepGraphs(compiled.model, compiled.cache, torch_compile=True)
+    drive([eager, compiled], np.random.default_rng(4), rounds=12, leave_at=6)
+    assert compiled.graphs.captures >= len(compiled.graphs.shapes) >= 1 and compiled.graphs.replays >= 5
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

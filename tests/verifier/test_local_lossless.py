@@ -38,9 +38,9 @@ class ValueRankedTetris(LocalServing):
 
 
 def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_request_seeds=False, pad_rows=False,
-             graphs=False) -> list[list[int]]:
+             graphs=False, torch_compile=False) -> list[list[int]]:
     target, draft = models
-    engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows))
+    engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows, torch_compile=torch_compile))
     if graphs:  # the target's steps at fixed shapes (goodspeed.lm.graphs): captured on CUDA, eager on CPU
         engine.graphs = StepGraphs(engine.model, engine.cache, capture=engine.device.type == "cuda")
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
@@ -56,7 +56,7 @@ def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_reque
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
     if policy != "none":
         assert serving.stats()["drafted"] > n  # speculation really happened
-    if graphs:  # every step took the fixed shapes, and the draft's forwards but its first (which makes its KV pool)
+    if graphs or torch_compile:  # every step took the fixed shapes, and the draft's forwards but its first (which makes its KV pool)
         assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)
         assert serving.draft.graphs.steps == serving.draft.forwards - 1
     return [r.generated for r in serving.finished]
@@ -82,6 +82,13 @@ def test_graph_steps_keep_sampling_exact(models):
     """AdaServe's trees and chains in the fixed-shape steps CUDA graphs replay (run eagerly here),
     its beam search in the draft's fixed-shape forwards."""
     check(models, generate(models, "adaserve", 600, graphs=True))
+
+
+@pytest.mark.slow  # compiling each shape of both models; the compiled engine and runner have default tests
+def test_compiled_steps_keep_sampling_exact(models):
+    """The same with the target's steps and the draft's forwards through decoders compiled by
+    torch.compile (EngineConfig.torch_compile; the local draft follows the engine's setting)."""
+    check(models, generate(models, "adaserve", 600, torch_compile=True))
 
 
 @pytest.mark.parametrize("policy", ["chain", "tetris"])
