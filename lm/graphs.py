@@ -108,8 +108,18 @@ def compiled(decoder: torch.nn.Module) -> torch.nn.Module:
     shape is compiled specialised, and a dimension seen at a second size is recompiled symbolic,
     so rows, queries and keys take a handful of graphs in all rather than one a shape (3 over four
     key buckets in a measured run; docs/BENCHMARKS.md). Each compile happens on the forward that
-    needs it, tens of seconds on a CPU; dynamo is allowed :data:`COMPILED_SHAPES` graphs."""
+    needs it, tens of seconds on a CPU; dynamo is allowed :data:`COMPILED_SHAPES` graphs. On a CPU
+    inductor builds C++, so a machine without a C++ compiler is refused here, not at the first step."""
     import torch._dynamo
+
+    if next(decoder.parameters()).device.type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception as exc:  # inductor's InvalidCxxCompiler
+            raise ValueError(f"torch_compile on a CPU needs a C++ compiler for inductor ({exc}); install one "
+                             "(Debian: apt-get install g++) or run without --torch-compile") from exc
 
     for limit in ("recompile_limit", "cache_size_limit"):  # the name since torch 2.7, and before it
         if hasattr(torch._dynamo.config, limit):

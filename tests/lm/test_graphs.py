@@ -17,6 +17,20 @@ from graphkit import ReadsOnly, checking, static_inputs
 from modelkit import tiny_llama
 
 
+def cpp_compiler() -> bool:
+    """Whether inductor finds a C++ compiler (torch.compile on a CPU builds C++)."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:
+        return False
+    return True
+
+
+needs_cpp = pytest.mark.skipif(not cpp_compiler(), reason="torch.compile on a CPU needs a C++ compiler (apt-get install g++)")
+
+
 def test_bucket_rounds_up_to_powers_of_two():
     assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 16, 17)] == [1, 1, 2, 4, 4, 8, 16, 32]
 
@@ -168,6 +182,18 @@ def assert_float32_close(expected, got):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_compile_without_a_cpp_compiler_is_refused_on_a_cpu(monkeypatch):
+    from torch._inductor import cpp_builder
+
+    def missing():
+        raise RuntimeError("No working C++ compiler found")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    with pytest.raises(ValueError, match="torch_compile on a CPU needs a C\\+\\+ compiler.*apt-get install g\\+\\+"):
+        VerificationEngine(tiny_llama(0), EngineConfig(torch_compile=True))
+
+
+@needs_cpp
 def test_a_compiled_step_gives_the_packed_forwards_logits():
     """EngineConfig.torch_compile: a step of a chain and a tree at fixed shapes through a decoder
     compiled by torch.compile gives the packed forward's logits and the same verdicts, compiled in
@@ -191,6 +217,7 @@ def test_a_compiled_step_gives_the_packed_forwards_logits():
     assert_float32_close(expected, got)
 
 
+@needs_cpp
 @pytest.mark.slow  # compiles several graphs (about 40 s cold here)
 def test_compiled_steps_over_many_shapes_take_few_graphs():
     """Rounds of chains, trees and idle rows over a freed slot: the compiled steps give the
