@@ -166,8 +166,8 @@ class VerifierSpec:
                                        "CUDA only (on an H200 a step cost 2.4-5.5x less: docs/BENCHMARKS.md)",
                                 to="engine.cuda_graphs")
     torch_compile: bool = setting(False, "run the target's steps (and the local draft's forwards) at the same fixed shapes "
-                                         "through a decoder compiled by torch.compile (inductor; the first steps compile a "
-                                         "handful of graphs, tens of seconds each on a CPU); any device; with --cuda-graphs the graphs "
+                                         "through a decoder compiled by torch.compile (inductor; a handful of graphs, tens "
+                                         "of seconds each on a CPU, compiled in the verifier's warm-up); any device; with --cuda-graphs the graphs "
                                          "record the compiled kernels (not yet run on a GPU)",
                                   to="engine.torch_compile")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")

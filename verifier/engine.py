@@ -238,6 +238,36 @@ class VerificationEngine:
             self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
         return session.source.start(session_id, session.request.remaining)
 
+    # warm_up_steps: (rows, drafted tokens a row) of each synthetic step, rows from the first slot;
+    # requests start in two waves, so the KV pool grows from four slots to eight in between.
+    WARM_UP_PLAN = ((1, 0), (1, 3), (4, 3), (4, 0), (2, 1), (1, 0), (8, 3), (8, 0))
+
+    def warm_up_steps(self) -> int:
+        """Fixed-shape steps (``EngineConfig.cuda_graphs`` / ``torch_compile``) compile and capture
+        their first graphs here, before a drafter's round would wait on them: synthetic requests
+        stepped as :data:`WARM_UP_PLAN` says (one row and several, one query a row and several,
+        keys growing, the pool growing), which meets the cases dynamo specialises (a size of 1)
+        and makes the sizes it saw change symbolic. Returns the steps run; their sessions leave,
+        and nothing of them stays but the graphs. Without fixed-shape steps it does nothing (0)."""
+        if self.graphs is None:
+            return 0
+        sids = [self.join(f"warm-up-{i}") for i in range(8)]
+        try:
+            for rows, drafted in self.WARM_UP_PLAN:
+                for i, sid in enumerate(sids[:rows]):
+                    if self._session(sid).request is None:
+                        self.start_request(sid, [i + 1] * 5, SamplingParams(), 64)
+                while self.has_prefill:
+                    self.prefill_step()
+                for sid in sids[:rows]:
+                    self.set_allotment(sid, max(drafted, 1))
+                    self.submit(sid, Draft(self.next_round(sid), [0] * drafted))
+                self.run_round()
+        finally:
+            for sid in sids:
+                self.leave(sid)
+        return len(self.WARM_UP_PLAN)
+
     @property
     def has_prefill(self) -> bool:
         """Some request's prompt is still being prefilled (chunked prefill)."""

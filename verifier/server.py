@@ -398,11 +398,18 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.log.event("drop", session=session_id, name=drafter.name, reason=reason)
 
     def warm_up(self) -> None:
-        """One tiny request through the engine (thread-safe: runs on the engine thread)."""
+        """One tiny request through the engine, and with fixed-shape steps (CUDA graphs,
+        torch.compile) the engine's warm-up steps, which compile and capture their first graphs
+        (thread-safe: runs on the engine thread)."""
         sid = self.engine.join("warmup")
         self.engine.start_request(sid, [0], SamplingParams(), 2)
         self.engine.run_round()
         self.engine.leave(sid)
+        if self.engine.graphs is not None:
+            t0 = time.perf_counter()
+            steps = self.engine.warm_up_steps()
+            self.log.event("warm_up", steps=steps, graphs=len(self.engine.graphs.shapes),
+                           seconds=round(time.perf_counter() - t0, 3))
 
     def _update_gauges(self) -> None:
         """``num_requests_running`` (edge requests in progress and local requests in the batch)

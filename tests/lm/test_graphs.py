@@ -193,6 +193,40 @@ def test_torch_compile_without_a_cpp_compiler_is_refused_on_a_cpu(monkeypatch):
         VerificationEngine(tiny_llama(0), EngineConfig(torch_compile=True))
 
 
+def test_warm_up_steps_leave_nothing_but_their_shapes():
+    """VerificationEngine.warm_up_steps with fixed-shape steps: the plan's steps run through
+    StepGraphs, their sessions leave with their KV, and the engine then serves
+    as an engine that never warmed up (the same logits and verdicts); without fixed shapes it
+    does nothing."""
+    target = tiny_llama(13)
+    assert VerificationEngine(target, EngineConfig()).warm_up_steps() == 0
+    (eager, graphed), (expected, got) = engine_pair(target)
+    assert graphed.warm_up_steps() == len(VerificationEngine.WARM_UP_PLAN)
+    assert graphed.graphs.steps == len(VerificationEngine.WARM_UP_PLAN)  # (the pool grew: earlier shapes dropped)
+    assert graphed.session_ids == [] and graphed.cache.lengths == [] and not graphed.has_prefill
+    del got[:]
+    drive([eager, graphed], np.random.default_rng(7), rounds=6, sessions=3)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+@needs_cpp
+@pytest.mark.slow  # compiles the warm-up's graphs (about 40 s cold here)
+def test_after_the_warm_up_compiled_steps_compile_nothing_more():
+    """With torch_compile, the warm-up steps meet every case dynamo's guards distinguish in the
+    rounds a server then runs: rows, queries, keys and pool slots of other sizes, trees, a freed
+    slot; no graph is compiled after it."""
+    from torch._dynamo.utils import counters
+
+    (eager, compiled), (expected, got) = compiled_pair(14)
+    compiled.warm_up_steps()
+    before = counters["stats"]["unique_graphs"]
+    del got[:]
+    drive([eager, compiled], np.random.default_rng(8), rounds=24, sessions=6, prompt_len=30, leave_at=12)
+    assert counters["stats"]["unique_graphs"] == before
+    assert_float32_close(expected, got)
+
+
 @needs_cpp
 def test_a_compiled_step_gives_the_packed_forwards_logits():
     """EngineConfig.torch_compile: a step of a chain and a tree at fixed shapes through a decoder
