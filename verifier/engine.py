@@ -71,7 +71,7 @@ import torch
 
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
-from goodspeed.scheduler import DraftAllotments
+from goodspeed.scheduler import DraftAllotments, OwnerSizedAllotments
 from goodspeed.verifier import errors
 from goodspeed.lm.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
 from goodspeed.verifier.drafts import draft_depth, validate_draft
@@ -247,20 +247,26 @@ class VerificationEngine:
         their first graphs here, before a drafter's round would wait on them: synthetic requests
         stepped as :data:`WARM_UP_PLAN` says (one row and several, one query a row and several,
         keys growing, the pool growing), which meets the cases dynamo specialises (a size of 1)
-        and makes the sizes it saw change symbolic. Returns the steps run; their sessions leave,
-        and nothing of them stays but the graphs. Without fixed-shape steps it does nothing (0)."""
-        if self.graphs is None:
+        and makes the sizes it saw change symbolic. The sessions are sized by a book of their own
+        (not the drafters' budget or ``max_drafters``), drafts at most ``max_draft_len``. Returns
+        the steps run; the sessions leave, and nothing of them stays but the graphs. Without
+        fixed-shape steps, or where ``max_seq_len`` leaves no room for the plan, it does nothing
+        (0)."""
+        prompt, new = 5, 4 * len(self.WARM_UP_PLAN) + 1  # a row gains at most 4 tokens a step
+        if self.graphs is None or (self.config.max_seq_len is not None and prompt + new > self.config.max_seq_len):
             return 0
-        sids = [self.join(f"warm-up-{i}") for i in range(8)]
+        source = OwnerSizedAllotments(self.config.smoothing)
+        sids = [self.join(f"warm-up-{i}", source=source) for i in range(8)]
         try:
             for rows, drafted in self.WARM_UP_PLAN:
+                drafted = min(drafted, self.config.max_draft_len)
                 for i, sid in enumerate(sids[:rows]):
                     if self._session(sid).request is None:
-                        self.start_request(sid, [i + 1] * 5, SamplingParams(), 64)
+                        self.start_request(sid, [i + 1] * prompt, SamplingParams(), new)
                 while self.has_prefill:
                     self.prefill_step()
                 for sid in sids[:rows]:
-                    self.set_allotment(sid, max(drafted, 1))
+                    self.set_allotment(sid, drafted)
                     self.submit(sid, Draft(self.next_round(sid), [0] * drafted))
                 self.run_round()
         finally:

@@ -196,10 +196,16 @@ def test_torch_compile_without_a_cpp_compiler_is_refused_on_a_cpu(monkeypatch):
 def test_warm_up_steps_leave_nothing_but_their_shapes():
     """VerificationEngine.warm_up_steps with fixed-shape steps: the plan's steps run through
     StepGraphs, their sessions leave with their KV, and the engine then serves
-    as an engine that never warmed up (the same logits and verdicts); without fixed shapes it
-    does nothing."""
+    as an engine that never warmed up (the same logits and verdicts); the drafters' limits do not
+    bind it (a budget of 1, one drafter, drafts of at most 2); without fixed shapes, or without
+    room under max_seq_len, it does nothing."""
     target = tiny_llama(13)
     assert VerificationEngine(target, EngineConfig()).warm_up_steps() == 0
+    for config, steps in ((EngineConfig(budget=1, max_drafters=1, max_draft_len=2), len(VerificationEngine.WARM_UP_PLAN)),
+                          (EngineConfig(max_seq_len=16), 0)):
+        small = VerificationEngine(target, config)
+        small.graphs = StepGraphs(small.model, small.cache, capture=False)
+        assert small.warm_up_steps() == steps and small.session_ids == []
     (eager, graphed), (expected, got) = engine_pair(target)
     assert graphed.warm_up_steps() == len(VerificationEngine.WARM_UP_PLAN)
     assert graphed.graphs.steps == len(VerificationEngine.WARM_UP_PLAN)  # (the pool grew: earlier shapes dropped)
