@@ -405,7 +405,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.engine.start_request(sid, [0], SamplingParams(), 2)
         self.engine.run_round()
         self.engine.leave(sid)
-        if self.engine.graphs is not None:
+        if self.engine.graphs is not None:  # said first: compiling can take minutes before health turns SERVING
+            self.log.event("warm_up_begin", what="compiling / capturing the fixed-shape steps' first graphs",
+                           torch_compile=self.engine.config.torch_compile, cuda_graphs=self.engine.config.cuda_graphs)
             t0 = time.perf_counter()
             steps = self.engine.warm_up_steps()
             self.log.event("warm_up", steps=steps, graphs=len(self.engine.graphs.shapes),
