@@ -208,7 +208,7 @@ def main() -> int:
         warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
         # Compiling wants the shapes a loaded batch reaches (rows, beam levels), not 4 requests'.
         compile_warm = make_trace(code_prompts(target.tokenizer, 64, 1000), args.requests, rates[0], baseline_ms,
-                                  args.max_new_tokens, seed=1000)
+                                  args.max_new_tokens, seed=1000) if "compile" in variants else None
         for _, kw in policies:
             for variant in (None, *variants):
                 if variant == "compile":

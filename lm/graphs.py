@@ -103,23 +103,30 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return decoder, head
 
 
+def cpp_compiler_missing() -> str | None:
+    """Why inductor cannot build C++ here (what ``torch.compile`` needs on a CPU), or None."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # inductor's InvalidCxxCompiler
+        return str(exc)
+    return None
+
+
 def compiled(decoder: torch.nn.Module) -> torch.nn.Module:
     """``decoder`` compiled by ``torch.compile`` with dynamo's automatic dynamic shapes: the first
     shape is compiled specialised, and a dimension seen at a second size is recompiled symbolic,
-    so rows, queries and keys take a handful of graphs in all rather than one a shape (3 over four
-    key buckets in a measured run; docs/BENCHMARKS.md). Each compile happens on the forward that
-    needs it, tens of seconds on a CPU; dynamo is allowed :data:`COMPILED_SHAPES` graphs. On a CPU
-    inductor builds C++, so a machine without a C++ compiler is refused here, not at the first step."""
+    so rows, queries and keys take a handful of graphs in all rather than one a shape
+    (``tests/lm/test_graphs.py::test_compiled_steps_over_many_shapes_take_few_graphs``). Each
+    compile happens on the forward that needs it, tens of seconds on a CPU; dynamo is allowed
+    :data:`COMPILED_SHAPES` graphs. On a CPU inductor builds C++, so a machine without a C++
+    compiler is refused here, not at the first step."""
     import torch._dynamo
 
-    if next(decoder.parameters()).device.type == "cpu":
-        from torch._inductor import cpp_builder
-
-        try:
-            cpp_builder.get_cpp_compiler()
-        except Exception as exc:  # inductor's InvalidCxxCompiler
-            raise ValueError(f"torch_compile on a CPU needs a C++ compiler for inductor ({exc}); install one "
-                             "(Debian: apt-get install g++) or run without --torch-compile") from exc
+    if next(decoder.parameters()).device.type == "cpu" and (why := cpp_compiler_missing()) is not None:
+        raise ValueError(f"torch_compile on a CPU needs a C++ compiler for inductor ({why}); install one "
+                         "(Debian: apt-get install g++) or run without --torch-compile")
 
     for limit in ("recompile_limit", "cache_size_limit"):  # the name since torch 2.7, and before it
         if hasattr(torch._dynamo.config, limit):
@@ -285,22 +292,10 @@ class StepGraphs:
             self.cache.move_pooled(entry.index)
             return
         try:
-            with torch.cuda.device(entry.index.device):
-                if self._stream is None:
-                    self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
-                current = torch.cuda.current_stream()
-                self._stream.wait_stream(current)
-                with torch.cuda.stream(self._stream):
-                    self.cache.move_pooled(entry.index)
-                current.wait_stream(self._stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                    self.cache.move_pooled(entry.index)
+            _, entry.graph, _ = self._captured(entry.index.device, lambda: self.cache.move_pooled(entry.index))
         except RuntimeError as exc:
             raise RuntimeError(f"CUDA graph of {entry.index.shape[1]} KV moves failed: {exc}; "
                                "run without cuda_graphs (--cuda-graphs) to serve eagerly") from exc
-        entry.graph = graph
-        self.captures += 1
 
     def _static(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 layout: PackedRows | None) -> _Shape:
@@ -333,18 +328,25 @@ class StepGraphs:
         """A shape's first step: eagerly (the step's hidden states), then, on CUDA, captured for the next."""
         if not self.capture:
             return self._forward(shape)
-        with torch.cuda.device(shape.input_ids.device):  # the model's GPU, whichever is current
+        hidden, shape.graph, shape.hidden = self._captured(shape.input_ids.device, lambda: self._forward(shape))
+        return hidden
+
+    def _captured(self, device: torch.device, run):
+        """``run()`` once eagerly on the side stream the capture uses (a warm-up that does the
+        work), then recorded as a CUDA graph over a memory pool shared by this object's graphs:
+        ``(the eager run's result, the graph, the captured run's result)``."""
+        with torch.cuda.device(device):  # the model's GPU, whichever is current
             if self._stream is None:
                 self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
             current = torch.cuda.current_stream()
             self._stream.wait_stream(current)
             with torch.cuda.stream(self._stream):  # warm-up on the stream the capture runs on
-                hidden = self._forward(shape)
+                out = run()
             current.wait_stream(self._stream)
-            hidden.record_stream(current)  # read on the current stream after this
+            if out is not None:
+                out.record_stream(current)  # read on the current stream after this
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                shape.hidden = self._forward(shape)
-        shape.graph = graph
+                captured = run()
         self.captures += 1
-        return hidden
+        return out, graph, captured

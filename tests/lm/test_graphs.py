@@ -8,7 +8,7 @@ import torch
 
 from goodspeed.lm.attention import PACKED, with_cache
 from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import StepGraphs, bucket, decoder_and_head
+from goodspeed.lm.graphs import StepGraphs, bucket, cpp_compiler_missing, decoder_and_head
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -17,18 +17,8 @@ from graphkit import ReadsOnly, checking, static_inputs
 from modelkit import tiny_llama
 
 
-def cpp_compiler() -> bool:
-    """Whether inductor finds a C++ compiler (torch.compile on a CPU builds C++)."""
-    from torch._inductor import cpp_builder
-
-    try:
-        cpp_builder.get_cpp_compiler()
-    except Exception:
-        return False
-    return True
-
-
-needs_cpp = pytest.mark.skipif(not cpp_compiler(), reason="torch.compile on a CPU needs a C++ compiler (apt-get install g++)")
+needs_cpp = pytest.mark.skipif(cpp_compiler_missing() is not None,
+                               reason="torch.compile on a CPU needs a C++ compiler (apt-get install g++)")
 
 
 def test_bucket_rounds_up_to_powers_of_two():
@@ -120,8 +110,10 @@ def test_a_pool_that_moves_drops_every_shape():
             torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
 
-def kv_pair(device: str, layers: int = 3, slots: int = 6):
-    """Two pools of the same random KV: one to move eagerly, one through StepGraphs.move."""
+def kv_pair(device: str):
+    """Two pools of the same random KV (3 layers, 6 slots): one to move eagerly, one through
+    StepGraphs.move."""
+    layers, slots = 3, 6
     gen = torch.Generator().manual_seed(0)
     pool = [torch.randn(slots, 2, 32, 4, generator=gen).to(device) for _ in range(2 * layers)]
     caches = []
@@ -189,6 +181,7 @@ def test_torch_compile_without_a_cpp_compiler_is_refused_on_a_cpu(monkeypatch):
         raise RuntimeError("No working C++ compiler found")
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    assert cpp_compiler_missing() == "No working C++ compiler found"
     with pytest.raises(ValueError, match="torch_compile on a CPU needs a C\\+\\+ compiler.*apt-get install g\\+\\+"):
         VerificationEngine(tiny_llama(0), EngineConfig(torch_compile=True))
 

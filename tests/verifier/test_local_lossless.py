@@ -84,7 +84,7 @@ def test_graph_steps_keep_sampling_exact(models):
     check(models, generate(models, "adaserve", 600, graphs=True))
 
 
-@pytest.mark.slow  # compiling each shape of both models; the compiled engine and runner have default tests
+@pytest.mark.slow  # compiling both models' graphs; the compiled engine has a default test (tests/lm/test_graphs.py)
 def test_compiled_steps_keep_sampling_exact(models):
     """The same with the target's steps and the draft's forwards through decoders compiled by
     torch.compile (EngineConfig.torch_compile; the local draft follows the engine's setting)."""
