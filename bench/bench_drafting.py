@@ -16,8 +16,10 @@ back): ``2 S + 1`` one-token forwards a round. The runner's draft KV (``--kv``):
   forwards eager;
 * ``graphs`` (CUDA only): the slot's forwards replayed as CUDA graphs (``--cuda-graphs``);
 * ``compiled``: the slot's forwards through a decoder compiled by ``torch.compile``
-  (``--torch-compile``; its graphs compiled in the warm-up rounds, or in a timed one that meets a
-  new shape).
+  (``--torch-compile``).
+
+``graphs`` and ``compiled`` first run the runner's warm-up (:meth:`DraftRunner.warm_up
+<goodspeed.drafter.runner.DraftRunner.warm_up>`), as ``goodspeed drafter`` does before it joins.
 
 Each variant has its own runner on the same model, prompt, verdicts and draws; their rounds
 alternate (the order flipping every round), so a drift of the machine lands on all of them.
@@ -53,11 +55,13 @@ KVS = ("growing", "slot", "graphs", "compiled")
 
 
 def runner_for(model: torch.nn.Module, kv: str) -> DraftRunner:
-    if kv == "graphs":
-        return DraftRunner(model, cuda_graphs=True)
+    if kv in ("graphs", "compiled"):  # warmed up as `goodspeed drafter` warms them up before it joins
+        runner = DraftRunner(model, cuda_graphs=kv == "graphs", torch_compile=kv == "compiled")
+        runner.warm_up()
+        return runner
     runner = DraftRunner(model)
-    if kv in ("slot", "compiled"):
-        runner.kv = SlotDraftKV(BatchDraftModel(model, torch_compile=kv == "compiled"))
+    if kv == "slot":
+        runner.kv = SlotDraftKV(BatchDraftModel(model))
     return runner
 
 

@@ -39,9 +39,11 @@ graphs the base run instead: every policy under its bare name replays CUDA graph
 it plans with, the SLOs and ``--load``'s capacity are all measured with graphs (the eager profile
 is kept in the JSON as ``profile_eager``): the goal measured on the configuration a GPU would serve. On an accelerator (``--device cuda``) a short replay of 4
 requests per policy runs first and is discarded, so the first policy timed does not pay for
-kernel selection and allocator growth. With ``compile`` that variant warms up on any device with a
-whole trace of its own (``--requests`` at the first rate, another seed), whose replays compile
-the decoders' graphs at the shapes a loaded batch reaches, as a server's warm-up would.
+kernel selection and allocator growth. With ``compile`` every replay first runs the warm-ups a
+server runs before it serves, off the clock: the engine's
+(:meth:`~goodspeed.verifier.engine.VerificationEngine.warm_up_steps`) and local serving's draft's
+(:meth:`~goodspeed.verifier.local.LocalServing.warm_up`); the summary's ``compiled_graphs`` counts
+the graphs compiled during the trace itself (0: no request waited on a compile).
 """
 
 from __future__ import annotations
@@ -114,8 +116,17 @@ def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requ
     serving = LocalServing(engine, draft.model, config)
     if variant == "graphs" and not cuda:
         serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=False)
+    compiled = None
+    if variant == "compile":  # as a server warms up before it serves, off the clock
+        from torch._dynamo.utils import counters
+
+        engine.warm_up_steps()
+        serving.warm_up()
+        compiled = counters["stats"]["unique_graphs"]
     with masked_attention_as(grouped_masked_attention if variant == "gqa" else masked_attention):
         summary = summarize(run_trace_local(serving, trace))
+    if compiled is not None:
+        summary["compiled_graphs"] = counters["stats"]["unique_graphs"] - compiled
     t = serving.totals
     summary.update(steps=t["steps"], drafting_ms_per_step=1000 * t["drafting_s"] / max(t["steps"], 1),
                    round_ms_per_step=1000 * t["round_s"] / max(t["steps"], 1))
@@ -202,19 +213,13 @@ def main() -> int:
     capacity = capacity_req_s(profile, args.max_requests, args.max_new_tokens)
     print(f"plain decoding's profiled capacity: {capacity:.2f} requests/s", file=sys.stderr)
     rates = args.rate or [load * capacity for load in args.load]
-    # Kernel selection and allocator growth on an accelerator, and torch.compile's first graphs
-    # anywhere: off the clock, as a server's warm-up would have them.
-    if target.model.device.type != "cpu" or "compile" in variants:
+    # Kernel selection and allocator growth on an accelerator: off the clock, as a server's
+    # warm-up would have them (compiling is each compile replay's own warm-up).
+    if target.model.device.type != "cpu":
         warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
-        # Compiling wants the shapes a loaded batch reaches (rows, beam levels), not 4 requests'.
-        compile_warm = make_trace(code_prompts(target.tokenizer, 64, 1000), args.requests, rates[0], baseline_ms,
-                                  args.max_new_tokens, seed=1000) if "compile" in variants else None
         for _, kw in policies:
             for variant in (None, *variants):
-                if variant == "compile":
-                    replay(target, draft, profiles[variant], compile_warm, kw, args.max_requests, 0, variant)
-                elif target.model.device.type != "cpu":
-                    replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant or base)
+                replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant or base)
     cells = []
     for rate in rates:
         for seed in args.seed:
@@ -235,7 +240,9 @@ def main() -> int:
                 print(f"{name}: {summary['throughput_tok_s']:.0f} tok/s, TPOT {summary['tpot_mean_ms']:.2f} ms, "
                       f"SLO {summary['slo_attainment']:.2f} (strict {'-' if strict is None else f'{strict:.2f}'}), "
                       f"ms per iteration {summary['drafting_ms_per_step']:.2f} drafting / {summary['round_ms_per_step']:.2f} round, "
-                      f"lossless {summary['lossless']}", file=sys.stderr)
+                      f"lossless {summary['lossless']}"
+                      + (f", graphs compiled mid-trace {summary['compiled_graphs']}" if "compiled_graphs" in summary else ""),
+                      file=sys.stderr)
             cells.append({"baseline_tpot_ms": baseline_ms, "profile": profile.to_dict(), "cuda_graphs": args.cuda_graphs,
                           **({"profile_graphs": profiles["graphs"].to_dict()} if profiles.get("graphs", profile) is not profile else {}),
                           **({"profile_eager": eager.to_dict()} if eager is not profile else {}),

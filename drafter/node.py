@@ -205,7 +205,13 @@ class EdgeNode:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Reach the verifier (retrying until ``connect_timeout_s``) and join the first session."""
+        """Warm up the draft's fixed-shape forwards (with ``cuda_graphs`` / ``torch_compile``:
+        :meth:`BatchDraftModel.warm_up <goodspeed.lm.batch_draft.BatchDraftModel.warm_up>`), reach
+        the verifier (retrying until ``connect_timeout_s``) and join the first session."""
+        if self.drafter.graphs is not None:
+            if self.config.on_wait is not None:  # compiling can take a minute before the node joins
+                self.config.on_wait("warming up the draft's fixed-shape forwards (compiling / capturing graphs)")
+            await self._call(self.drafter.warm_up, BatchDraftModel.EDGE_WARM_UP_CHAIN)
         self.channel = open_aio_channel(self.config.verifier, self.config.tls)
         self.stub = pb_grpc.VerifierStub(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)

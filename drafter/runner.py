@@ -141,6 +141,16 @@ class DraftRunner:
                    if cuda_graphs or torch_compile else GrowingDraftKV(model))
         self.start([])
 
+    def warm_up(self) -> int:
+        """With fixed-shape forwards (``cuda_graphs`` / ``torch_compile``), compile and capture the
+        draft's first graphs before the first request waits on them
+        (:meth:`BatchDraftModel.warm_up <goodspeed.lm.batch_draft.BatchDraftModel.warm_up>`: chains
+        only, as an edge drafter drafts); the request in progress, if any, is unchanged. Returns
+        the drafting steps run (0 with a growing cache)."""
+        if not isinstance(self.kv, SlotDraftKV):
+            return 0
+        return self.kv.drafter.warm_up(chains=BatchDraftModel.EDGE_WARM_UP_CHAIN)
+
     def start(self, prompt_ids: Sequence[int]) -> None:
         """Begin a request (or resynchronise with the verifier's committed tokens)."""
         self.committed = [int(t) for t in prompt_ids]

@@ -59,6 +59,9 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, ou
                                                          torch_compile=spec.torch_compile))
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
         print(f"drafter {spec.name}: root seed {client.root_seed}", file=sys.stderr)
+    if spec.cuda_graphs or spec.torch_compile:  # compiling can take a minute before the first request
+        _say(spec.name)("warming up the draft's fixed-shape forwards (compiling / capturing graphs)")
+        client.runner.warm_up()
     try:
         client.wait_until_serving()
         client.join()

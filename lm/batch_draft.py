@@ -257,6 +257,63 @@ class BatchDraftModel:
             self.cache.commit(slot, self.cache.lengths[slot], list(range(len(toks))))
         return {key: lg[-1] for key, lg in logits.items()}
 
+    # ------------------------------------------------------------------ warm-up
+
+    # warm_up: (rows, what) of each synthetic drafting step, rows from the first key: requests join
+    # in waves (a new key's prompt caught up beside rows already drafting; the pool growing from
+    # one slot to four to eight), chains accepted whole (a catch-up of two tokens) and in part (of
+    # one), trees one beam wide for one request and as wide as allowed for several; the keys' KV
+    # grows between steps.
+    WARM_UP_PLAN = ((1, "chain"), (1, "tree"), (4, "chain"), (4, "tree"), (2, "chain"), (1, "chain"),
+                    (8, "tree"), (8, "chain"), (3, "tree"), (8, "chain"))
+
+    # The chains an edge drafter's warm-up drafts (its lengths come from the verifier, round by
+    # round; a chain's length only adds steps of one query a row, whatever it is).
+    EDGE_WARM_UP_CHAIN = 4
+
+    def warm_up(self, chains: int = 0, tree: tuple[int, int] | None = None, prompt_len: int = 32) -> int:
+        """Fixed-shape forwards (``cuda_graphs`` / ``torch_compile``) compile and capture their first
+        graphs here, before a request would wait on them: synthetic requests (greedy, prompts of
+        ``prompt_len`` tokens) drafting as :data:`WARM_UP_PLAN` says, chains of ``chains`` tokens
+        (0: no chain steps), trees of ``tree = (depth, width)`` (None: no tree steps), the trees of
+        ``n`` requests ``min(width, n)`` beams wide. Returns the
+        drafting steps run; the synthetic requests leave, and nothing of them stays but the graphs.
+        Without fixed-shape forwards it does nothing (0)."""
+        if self.graphs is None or (chains < 1 and tree is None):
+            return 0
+        if tree is not None and (tree[0] < 1 or tree[1] < 1):
+            raise ValueError("the warm-up tree's depth and width must be >= 1")
+        keys = [f"warm-up-{i}" for i in range(8)]
+        committed = {key: [1 + i] * prompt_len for i, key in enumerate(keys)}
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        steps = 0
+        try:
+            for index, (rows, what) in enumerate(self.WARM_UP_PLAN):
+                now = keys[:rows]
+                for key in now:
+                    if key not in self.slots:
+                        self.add(key)
+                greedy = {key: SamplingParams() for key in now}
+                if what == "chain" and chains >= 1:
+                    drafts = self.draft_chains({k: committed[k] for k in now}, {k: chains for k in now}, greedy, generator)
+                    for i, key in enumerate(now):  # alternately accepted whole and cut after one token
+                        accepted = chains if (i + index) % 2 == 0 else min(1, chains)
+                        before = len(committed[key])
+                        committed[key] = committed[key] + drafts[key].token_ids[:accepted] + [0]
+                        self.rollback(key, before, accepted)
+                elif what == "tree" and tree is not None:
+                    self.draft_trees({k: committed[k] for k in now}, tree[0], min(tree[1], len(now)), greedy)
+                    for key in now:
+                        committed[key] = committed[key] + [0]
+                else:
+                    continue
+                steps += 1
+        finally:
+            for key in keys:
+                if key in self.slots:
+                    self.remove(key)
+        return steps
+
     # ------------------------------------------------------------------ chains
 
     def draft_chains(self, committed: dict[str, Sequence[int]], lengths: dict[str, int], sampling: dict[str, SamplingParams],

@@ -52,7 +52,18 @@ The same fixed-shape steps can also run through the decoder compiled by ``torch.
 (``EngineConfig.torch_compile``, ``goodspeed verifier --torch-compile``; :func:`compiled`): inductor
 fuses the layers' elementwise work (norms, rotary embeddings, activations, residuals) into a few
 kernels, on any device. The fixed shapes keep the compiles few: a graph specialised to the first
-shape, then one with the dimensions that changed symbolic. With CUDA graphs the capture records the
+shape, then one with the dimensions that changed symbolic. Dynamo specialises any size of 1 (its
+0/1 specialisation), so a step of one row, over a pool of one slot, took graphs of their own whose
+other sizes stayed fixed, and the first such step in serving stalled for a compile (local serving's
+draft did, mid-trace). Compiled, rows are therefore padded to at least 2 (the pool then holds at
+least 2 slots), and keys to at least :data:`~goodspeed.lm.attention.MASK_ALIGN`, so every static
+mask is contiguous (a narrower one lies in wider rows, :func:`~goodspeed.lm.attention.aligned_mask`,
+and dynamo guards the strides). Queries are not padded: one query a row (plain decoding, a chain's
+draft step) takes a graph of its own, and padding it would double a compute-bound step's tokens.
+The engine's warm-up (:meth:`~goodspeed.verifier.engine.VerificationEngine.warm_up_steps`) and the
+draft model's (:meth:`~goodspeed.lm.batch_draft.BatchDraftModel.warm_up`) step both kinds as rows,
+keys and the pool grow, which makes each size symbolic before serving (four graphs for the demo
+target, two for its draft). With CUDA graphs the capture records the
 compiled kernels. The logits agree with eager ones to float32 rounding, not
 exactly: transformers' Llama normalises and builds its rotary tables in float32 whatever the
 model's dtype, and fused kernels round those in another order (``tests/lm/test_graphs.py``).
@@ -70,7 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
-from goodspeed.lm.attention import PACKED, aligned_mask, with_cache
+from goodspeed.lm.attention import MASK_ALIGN, PACKED, aligned_mask, with_cache
 from goodspeed.lm.kv_slots import AttentionGroup, PackedRows, SlotKVCache
 
 # torch.compile: dynamo keeps this many compiled graphs of one forward before it runs new shapes
@@ -181,6 +192,7 @@ class StepGraphs:
         kernels, a handful of graphs for every shape; :func:`compiled`), on any device; with ``capture`` the
         compiled kernels are what the graphs record (see the module docstring)."""
         self.decoder, self.head = decoder_and_head(model)
+        self.torch_compile = torch_compile
         if torch_compile:
             self.decoder = compiled(self.decoder)
         self.cache, self.capture, self.max_tokens, self.max_queries = cache, capture, max_tokens, max_queries
@@ -199,11 +211,15 @@ class StepGraphs:
         """The shape ``(W, Q, K)`` of a forward whose rows end at slot ``last_slot``, writing ``q_len``
         tokens a row at each slot's committed length plus ``offset``: rows, queries and the keys
         the longest slot then holds rounded up to powers of two, the keys at most the pool's
-        capacity. None over :attr:`max_tokens` (``W x Q``) or :attr:`max_queries` (``Q``)."""
-        width, q_pad = bucket(last_slot + 1), bucket(q_len)
+        capacity; with ``torch_compile`` rows at least 2 and keys at least
+        :data:`~goodspeed.lm.attention.MASK_ALIGN` (the module docstring). None over
+        :attr:`max_tokens` (``W x Q``) or :attr:`max_queries` (``Q``)."""
+        least, least_keys = (2, MASK_ALIGN) if self.torch_compile else (1, 1)
+        width, q_pad = max(bucket(last_slot + 1), least), bucket(q_len)
         if width * q_pad > self.max_tokens or q_pad > self.max_queries:
             return None
-        return width, q_pad, min(bucket(max(self.cache.lengths[:width]) + offset + q_pad), self.cache.capacity)
+        keys = max(bucket(max(self.cache.lengths[:width]) + offset + q_pad), least_keys)
+        return width, q_pad, min(keys, self.cache.capacity)
 
     def pack(self, tokens: list[list[int]], parents: list[list[int] | None], rows: slice, dtype: torch.dtype,
              device: torch.device | str) -> PackedRows | None:

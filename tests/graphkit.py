@@ -1,6 +1,7 @@
 """What a CUDA graph's replay would get wrong, checked on any device: forwards run under a dispatch
 mode that records host syncs and reads of tensors a replay would hold stale."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -73,3 +74,13 @@ def static_runner(model) -> DraftRunner:
     runner = DraftRunner(model)
     static_drafter(runner)
     return runner
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo with no compiled graph and no size seen: every Llama decoder shares its cache and its
+    automatic-dynamic state (one code object), so a test that counts graphs must not meet another
+    test's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -239,21 +239,26 @@ class VerificationEngine:
         return session.source.start(session_id, session.request.remaining)
 
     # warm_up_steps: (rows, drafted tokens a row) of each synthetic step, rows from the first slot;
-    # requests start in two waves, so the KV pool grows from four slots to eight in between.
+    # requests start in two waves, so the KV pool grows from four slots to eight in between; the
+    # first request's prompt is short and the others' longer, so the keys grow past a power of two
+    # (past the 16 a compiled step reads at least) as the rows do.
+    WARM_UP_PROMPTS = (5, 20)
     WARM_UP_PLAN = ((1, 0), (1, 3), (4, 3), (4, 0), (2, 1), (1, 0), (8, 3), (8, 0))
 
     def warm_up_steps(self) -> int:
         """Fixed-shape steps (``EngineConfig.cuda_graphs`` / ``torch_compile``) compile and capture
         their first graphs here, before a drafter's round would wait on them: synthetic requests
         stepped as :data:`WARM_UP_PLAN` says (one row and several, one query a row and several,
-        keys growing, the pool growing), which meets the cases dynamo specialises (a size of 1)
-        and makes the sizes it saw change symbolic. The sessions are sized by a book of their own
+        keys growing, the pool growing), which makes each size dynamo saw change symbolic (compiled
+        steps are at least 2 rows: :meth:`StepGraphs.shape_for
+        <goodspeed.lm.graphs.StepGraphs.shape_for>`). The sessions are sized by a book of their own
         (not the drafters' budget or ``max_drafters``), drafts at most ``max_draft_len``. Returns
         the steps run; the sessions leave, and nothing of them stays but the graphs. Without
         fixed-shape steps, or where ``max_seq_len`` leaves no room for the plan, it does nothing
         (0)."""
-        prompt, new = 5, 4 * len(self.WARM_UP_PLAN) + 1  # a row gains at most 4 tokens a step
-        if self.graphs is None or (self.config.max_seq_len is not None and prompt + new > self.config.max_seq_len):
+        short, long = self.WARM_UP_PROMPTS
+        new = 4 * len(self.WARM_UP_PLAN) + 1  # a row gains at most 4 tokens a step
+        if self.graphs is None or (self.config.max_seq_len is not None and long + new > self.config.max_seq_len):
             return 0
         source = OwnerSizedAllotments(self.config.smoothing)
         sids = [self.join(f"warm-up-{i}", source=source) for i in range(8)]
@@ -262,7 +267,7 @@ class VerificationEngine:
                 drafted = min(drafted, self.config.max_draft_len)
                 for i, sid in enumerate(sids[:rows]):
                     if self._session(sid).request is None:
-                        self.start_request(sid, [i + 1] * prompt, SamplingParams(), new)
+                        self.start_request(sid, [i + 1] * (short if i == 0 else long), SamplingParams(), new)
                 while self.has_prefill:
                     self.prefill_step()
                 for sid in sids[:rows]:

@@ -356,6 +356,24 @@ class LocalServing:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def warm_up(self) -> int:
+        """With fixed-shape draft forwards (``EngineConfig.cuda_graphs`` / ``torch_compile``), the
+        draft model drafts what this policy drafts (:meth:`LocalPolicy.drafting`) for synthetic
+        requests before any real one (:meth:`BatchDraftModel.warm_up
+        <goodspeed.lm.batch_draft.BatchDraftModel.warm_up>`), so that compiling and capturing its
+        first graphs stalls no request; the engine's own are :meth:`VerificationEngine.warm_up_steps`.
+        Nothing else changes (no request, statistic or policy state). Returns the drafting steps
+        run (0 without fixed shapes or for a policy that drafts nothing)."""
+        if self._active or self._waiting:
+            raise RuntimeError("warm up local serving before it takes requests")
+        chains, tree = self.policy.drafting(self.config)
+        on_forward, self.draft.on_forward = self.draft.on_forward, None  # no clock charged for it
+        forwards = self.draft.forwards
+        try:
+            return self.draft.warm_up(chains=chains, tree=tree)
+        finally:
+            self.draft.on_forward, self.draft.forwards = on_forward, forwards
+
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.config.max_requests:
             req = self._waiting.popleft()
@@ -553,6 +571,13 @@ class LocalPolicy:
     def check(config: LocalConfig) -> None:
         """Raise ``ValueError`` for settings this policy cannot run with."""
 
+    @staticmethod
+    def drafting(config: LocalConfig) -> tuple[int, tuple[int, int] | None]:
+        """What the draft model's warm-up drafts for this policy (:meth:`LocalServing.warm_up`):
+        the longest chain it may draft (0: none) and the deepest, widest tree ``(depth, width)``
+        (None: none)."""
+        return 0, None
+
     def plan(self, reqs: list[LocalRequest]) -> tuple[dict[str, _Plan], int | None]:
         raise NotImplementedError
 
@@ -574,6 +599,10 @@ class FixedChains(LocalPolicy):
 
     name = "chain"
 
+    @staticmethod
+    def drafting(config):
+        return config.k, None
+
     def plan(self, reqs):
         k = self.serving.config.k
         return self.serving._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
@@ -589,6 +618,10 @@ class TurboSpecChains(LocalPolicy):
     def check(config):
         if config.latency is None:
             raise ValueError("the turbospec policy needs a latency profile: run `goodspeed profile` and pass --latency-profile")
+
+    @staticmethod
+    def drafting(config):
+        return config.max_k, None
 
     def plan(self, reqs):
         s, cfg = self.serving, self.serving.config
@@ -613,6 +646,10 @@ class NightjarChains(LocalPolicy):
         if config.max_k < 1:
             raise ValueError("nightjar needs max_k >= 1")
 
+    @staticmethod
+    def drafting(config):
+        return config.max_k, None
+
     def plan(self, reqs):
         s = self.serving
         k = self.bandit.choose_arm(len(reqs), s.rng, prefill_cost_s=s.draft_forward_s)
@@ -629,6 +666,10 @@ class TetrisSelection(LocalPolicy):
 
     name = "tetris"
 
+    @staticmethod
+    def drafting(config):
+        return config.k + config.extra, None
+
     def plan(self, reqs):
         return self.serving._tetris(reqs), None
 
@@ -638,6 +679,10 @@ class AdaServeTrees(LocalPolicy):
     trees under the budget ``B`` (:meth:`LocalServing._adaserve`)."""
 
     name = "adaserve"
+
+    @staticmethod
+    def drafting(config):
+        return 0, (config.max_depth, config.max_width)
 
     def plan(self, reqs):
         return self.serving._adaserve(reqs), None

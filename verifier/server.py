@@ -399,8 +399,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     def warm_up(self) -> None:
         """One tiny request through the engine, and with fixed-shape steps (CUDA graphs,
-        torch.compile) the engine's warm-up steps, which compile and capture their first graphs
-        (thread-safe: runs on the engine thread)."""
+        torch.compile) the engine's warm-up steps and local serving's draft's, which compile and
+        capture their first graphs (thread-safe: runs on the engine thread)."""
         sid = self.engine.join("warmup")
         self.engine.start_request(sid, [0], SamplingParams(), 2)
         self.engine.run_round()
@@ -410,7 +410,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                            torch_compile=self.engine.config.torch_compile, cuda_graphs=self.engine.config.cuda_graphs)
             t0 = time.perf_counter()
             steps = self.engine.warm_up_steps()
-            self.log.event("warm_up", steps=steps, graphs=len(self.engine.graphs.shapes),
+            draft_steps = self.local.warm_up() if self.local is not None else 0
+            self.log.event("warm_up", steps=steps, graphs=len(self.engine.graphs.shapes), draft_steps=draft_steps,
                            seconds=round(time.perf_counter() - t0, 3))
 
     def _update_gauges(self) -> None:

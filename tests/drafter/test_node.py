@@ -7,6 +7,7 @@ import time
 import openai
 import pytest
 
+from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
@@ -66,13 +67,16 @@ def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(m
 @pytest.mark.parametrize("graphs", [False, True])
 def test_concurrent_requests_share_one_devices_sessions(models, graphs):
     """Also with the node's batched draft forwards at the fixed shapes CUDA graphs replay (run
-    eagerly on CPU)."""
+    eagerly on CPU), which the node warms up before it joins."""
     prompts = ["import os", "class A:", "def f(x):", "return None", "while True:"]
+    warmed = []
     with verifier(models) as server:
         phone = node(server, models, name="phone", max_concurrency=2)
         drafter = phone.node.drafter
         if graphs:
             drafter.graphs = StepGraphs(drafter.model, drafter.cache, capture=False)
+        warm_up = drafter.warm_up
+        drafter.warm_up = lambda *a: warmed.append(warm_up(*a)) or warmed[-1]
         with phone as edge:
             texts = complete_concurrently(api_of(edge), "tiny", prompts, 14)
             engine = server.server.engine
@@ -82,6 +86,7 @@ def test_concurrent_requests_share_one_devices_sessions(models, graphs):
     assert len(joins) == 2  # max_concurrency sessions, reused by the five requests
     assert devices == {"anonymous/phone"}  # one device: one utility term
     assert (drafter.graphs is not None and drafter.graphs.steps > 0) == graphs
+    assert warmed == ([sum(what == "chain" for _, what in BatchDraftModel.WARM_UP_PLAN)] if graphs else [])
 
 
 def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models):

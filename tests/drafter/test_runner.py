@@ -2,10 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from goodspeed.drafter.runner import DraftRunner
+from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
+from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import MAX_GRAPH_QUERIES
 from goodspeed.lm.sampling import SamplingParams, process_logits
-from graphkit import checking, static_drafter
+from graphkit import checking, fresh_dynamo, static_drafter  # noqa: F401 (a fixture)
 from modelkit import tiny_llama
 
 
@@ -154,12 +155,13 @@ def test_a_capped_proposal_is_sampled_from_and_sent_as_its_sparse_support():
         DraftRunner(model, proposal_top_k=-1)
 
 
-def same_rounds(runners, sampling, rounds, seed=2, atol=1e-10):
-    """Rounds of drafts, proactive drafting and verdicts (hits and misses) into every runner alike;
-    each must draft the same tokens and q, pre-draft the same continuation and agree on hits."""
+def same_rounds(runners, sampling, rounds, seed=2, atol=1e-10, prompt=(1, 2, 3)):
+    """Rounds of drafts, proactive drafting and verdicts (hits and misses) into every runner alike,
+    from ``prompt``; each must draft the same tokens and q, pre-draft the same continuation and
+    agree on hits."""
     rng = np.random.default_rng(seed)
     for runner in runners:
-        runner.start([1, 2, 3])
+        runner.start(list(prompt))
     first = runners[0]
     for round_index in range(rounds):
         s, k, draw = int(rng.integers(0, 6)), int(rng.integers(0, 4)), int(rng.integers(1 << 30))
@@ -205,6 +207,42 @@ def test_compiled_forwards_draft_what_eager_ones_do():
     same_rounds([eager, compiled], SamplingParams(temperature=1.0, top_k=5), rounds=6, atol=1e-5)
     drafter = compiled.kv.drafter
     assert drafter.graphs.steps == drafter.forwards - 1 > 10
+
+
+def test_the_warm_up_leaves_the_runners_request_as_it_was():
+    """DraftRunner.warm_up with fixed-shape forwards drafts synthetic chains through them (what an
+    edge drafter runs before its first request) and leaves the request in progress as it was: the
+    runner then drafts what a runner that never warmed up does. Over a growing cache it does
+    nothing."""
+    model = tiny_llama(1)
+    assert DraftRunner(model).warm_up() == 0
+    eager, graphed = DraftRunner(model), DraftRunner(model)
+    drafter = static_drafter(graphed)
+    for runner in (eager, graphed):
+        runner.start([1, 2, 3, 4, 5])
+        runner.draft(3, SamplingParams(), torch.Generator())
+    length = graphed.cached_len
+    assert graphed.warm_up() == sum(what == "chain" for _, what in BatchDraftModel.WARM_UP_PLAN)
+    assert graphed.cached_len == length and drafter.slots.keys == [SlotDraftKV.KEY] and drafter.graphs.steps > 0
+    outs = [r.draft(4, SamplingParams(), torch.Generator()).token_ids for r in (eager, graphed)]
+    assert outs[0] == outs[1]
+    same_rounds([eager, graphed], SamplingParams(temperature=1.0, top_k=5), rounds=6)
+
+
+@pytest.mark.slow  # compiles the warm-up's graphs (about 30 s cold here)
+def test_after_its_warm_up_a_compiled_runner_compiles_nothing_more(fresh_dynamo):
+    """DraftRunner(torch_compile=True).warm_up, as an edge drafter runs it before it joins: the
+    rounds of drafts, pre-drafts and verdicts after it, over prompts of 3 and 40 tokens, compile no
+    graph more and draft what eager forwards draft."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(1)
+    eager, compiled = DraftRunner(model), DraftRunner(model, torch_compile=True)
+    assert compiled.warm_up() > 0
+    before = counters["stats"]["unique_graphs"]
+    same_rounds([eager, compiled], SamplingParams(temperature=1.0, top_k=5), rounds=12, atol=1e-5)
+    same_rounds([eager, compiled], SamplingParams(), rounds=6, atol=1e-5, prompt=[int(t) % 48 for t in range(40)])
+    assert counters["stats"]["unique_graphs"] == before
 
 
 def test_a_prompts_catch_up_runs_eagerly_and_draft_steps_at_fixed_shapes():

@@ -13,7 +13,7 @@ from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
-from graphkit import ReadsOnly, checking, static_inputs
+from graphkit import ReadsOnly, checking, fresh_dynamo, static_inputs  # noqa: F401 (a fixture)
 from modelkit import tiny_llama
 
 
@@ -211,7 +211,7 @@ def test_warm_up_steps_leave_nothing_but_their_shapes():
 
 @needs_cpp
 @pytest.mark.slow  # compiles the warm-up's graphs (about 40 s cold here)
-def test_after_the_warm_up_compiled_steps_compile_nothing_more():
+def test_after_the_warm_up_compiled_steps_compile_nothing_more(fresh_dynamo):
     """With torch_compile, the warm-up steps meet every case dynamo's guards distinguish in the
     rounds a server then runs: rows, queries, keys and pool slots of other sizes, trees, a freed
     slot; no graph is compiled after it."""
@@ -227,7 +227,7 @@ def test_after_the_warm_up_compiled_steps_compile_nothing_more():
 
 
 @needs_cpp
-def test_a_compiled_step_gives_the_packed_forwards_logits():
+def test_a_compiled_step_gives_the_packed_forwards_logits(fresh_dynamo):
     """EngineConfig.torch_compile: a step of a chain and a tree at fixed shapes through a decoder
     compiled by torch.compile gives the packed forward's logits and the same verdicts, compiled in
     one graph (no break)."""
@@ -252,7 +252,7 @@ def test_a_compiled_step_gives_the_packed_forwards_logits():
 
 @needs_cpp
 @pytest.mark.slow  # compiles several graphs (about 40 s cold here)
-def test_compiled_steps_over_many_shapes_take_few_graphs():
+def test_compiled_steps_over_many_shapes_take_few_graphs(fresh_dynamo):
     """Rounds of chains, trees and idle rows over a freed slot: the compiled steps give the
     packed forward's logits and verdicts, and the shapes take fewer graphs than there are shapes
     (dynamo recompiles a dimension seen at a second size as symbolic)."""
@@ -344,6 +344,26 @@ def test_draft_forwards_at_fixed_shapes_draft_what_eager_ones_do():
     draft_rounds([eager, graphed])
     assert graphed.forwards == eager.forwards and graphed.graphs.steps >= graphed.forwards - 1  # the first made the pool
     assert len(graphed.graphs.shapes) >= 3 and seen and all(p == [] for p in seen), seen
+
+
+def test_a_draft_models_warm_up_leaves_nothing_but_its_shapes():
+    """BatchDraftModel.warm_up with fixed-shape forwards: the plan's synthetic requests draft
+    chains and trees through StepGraphs and leave with their KV, and the model then drafts what a
+    model that never warmed up does; without fixed shapes, or with nothing to draft, it does
+    nothing, and a tree of no depth is refused."""
+    model = tiny_llama(9)
+    assert BatchDraftModel(model).warm_up(chains=3, tree=(3, 3)) == 0
+    eager, graphed = BatchDraftModel(model), BatchDraftModel(model)
+    graphed.graphs = StepGraphs(graphed.model, graphed.cache, capture=False)
+    assert graphed.warm_up() == 0 and graphed.graphs.steps == 0
+    with pytest.raises(ValueError, match="depth and width must be >= 1"):
+        graphed.warm_up(tree=(0, 2))
+    plan = BatchDraftModel.WARM_UP_PLAN
+    assert graphed.warm_up(chains=2) == sum(what == "chain" for _, what in plan)
+    assert graphed.warm_up(chains=3, tree=(3, 3)) == len(plan)
+    assert max(w for w, _, _ in graphed.graphs.shapes) == 8 and {q for _, q, _ in graphed.graphs.shapes} >= {1, 2, 4, 32}
+    assert graphed.slots.keys == [] and graphed.cache.lengths == []
+    draft_rounds([eager, graphed])
 
 
 def test_a_shape_whose_first_forward_fails_is_not_kept_to_run_later():

@@ -4,6 +4,8 @@ chains miss, and TurboSpec / Nightjar switch speculation off where it cannot pay
 
 import pytest
 
+from goodspeed.lm.batch_draft import BatchDraftModel
+from goodspeed.lm.graphs import StepGraphs, cpp_compiler_missing
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
@@ -11,6 +13,7 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier import local as local_module
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.local import LOCAL_POLICIES, LatencyProfile, LocalConfig, LocalPolicy, LocalServing, SimulatedClock
+from graphkit import fresh_dynamo  # noqa: F401 (a fixture)
 from modelkit import greedy_reference, perturbed, tiny_llama
 
 # Modeled costs (seconds): a target forward of ~10 ms growing with batched tokens, a draft
@@ -314,6 +317,53 @@ def test_local_serving_is_a_draft_source_of_its_own(models):
     for req in serving._active.values():
         assert serving.allotments.allotted(req.session_id) == 6
         assert req.acceptance == serving.allotments.estimator.get(req.session_id).acceptance
+
+
+@pytest.mark.parametrize("policy", LOCAL_POLICIES)
+def test_the_warm_up_drafts_what_the_policy_drafts_and_changes_nothing(models, policy):
+    """LocalServing.warm_up: with fixed-shape draft forwards, the draft model drafts the policy's
+    chains or trees for synthetic requests (LocalPolicy.drafting; nothing for plain decoding); no
+    request, statistic, clock charge or forward count changes, and the outputs stay the target's
+    own. Without fixed shapes it does nothing; once requests are in it is refused."""
+    target, draft = models
+    serving = serve(target, draft, policy, k=3, extra=1)
+    assert serving.warm_up() == 0
+    serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=False)
+    now = serving.clock.now()
+    kind = {"none": None, "adaserve": "tree"}.get(policy, "chain")
+    assert serving.warm_up() == sum(what == kind for _, what in BatchDraftModel.WARM_UP_PLAN)
+    assert (serving.draft.graphs.steps > 0) == (kind is not None)
+    assert serving.draft.forwards == 0 and serving.clock.now() == now and serving.totals["steps"] == 0
+    assert serving.draft.slots.keys == [] and serving.engine.session_ids == []
+    serving.submit(PROMPTS[1], max_new_tokens=12)
+    with pytest.raises(RuntimeError, match="before it takes requests"):
+        serving.warm_up()
+    drain(serving)
+    assert serving.finished[0].generated == greedy_reference(target, PROMPTS[1], 12)
+
+
+@pytest.mark.skipif(cpp_compiler_missing() is not None, reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.slow  # compiles the engine's and the draft's graphs (about a minute cold here)
+@pytest.mark.parametrize("policy", ["adaserve", "chain"])
+def test_after_the_warm_ups_compiled_local_serving_compiles_nothing_more(models, policy, fresh_dynamo):
+    """EngineConfig.torch_compile: after the engine's warm-up steps and local serving's, requests
+    with prompts of 1 to 29 tokens, batches of 1 to 6, trees of up to 24 nodes (or chains) and
+    requests leaving compile no graph more; the outputs are the target's own."""
+    from torch._dynamo.utils import counters
+
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(seed=3, torch_compile=True))
+    serving = LocalServing(engine, draft, LocalConfig(policy=policy, k=3, max_requests=6, budget=24),
+                           SimulatedClock(TARGET_COST, DRAFT_COST))
+    assert engine.warm_up_steps() > 0 and serving.warm_up() > 0
+    before = counters["stats"]["unique_graphs"]
+    prompts = PROMPTS + [list(range(1, 30)), [5] * 17, [7]]
+    ids = [serving.submit(p, max_new_tokens=6 + 2 * i) for i, p in enumerate(prompts)]
+    drain(serving)
+    assert counters["stats"]["unique_graphs"] == before
+    by_id = {r.request_id: r for r in serving.finished}
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        assert by_id[rid].generated == greedy_reference(target, prompt, 6 + 2 * i), rid
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")

@@ -340,6 +340,33 @@ def test_metrics_endpoint_serves_prometheus_text():
     assert 'goodspeed:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 2.0' in body
 
 
+def test_the_warm_up_says_what_it_compiles_the_engines_steps_and_the_local_drafts():
+    """With fixed-shape steps, VerifierService.warm_up logs warm_up_begin, then runs the engine's
+    warm-up steps and local serving's draft's (AdaServe: trees) and logs them in warm_up."""
+    import io
+    import json
+
+    from goodspeed.lm.batch_draft import BatchDraftModel
+    from goodspeed.lm.graphs import StepGraphs
+    from goodspeed.verifier.local import LocalConfig, LocalServing
+    from goodspeed.verifier.observability import JsonLog, Metrics
+    from goodspeed.verifier.server import ServerConfig, VerifierService
+
+    target = tiny_llama(3)
+    engine = VerificationEngine(target, EngineConfig(seed=0))
+    engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
+    local = LocalServing(engine, perturbed(target, 0.3, 1), LocalConfig(policy="adaserve"))
+    local.draft.graphs = StepGraphs(local.draft.model, local.draft.cache, capture=False)
+    stream = io.StringIO()
+    service = VerifierService(engine, ServerConfig(port=0), Metrics(), JsonLog(stream), local=local)
+    service.warm_up()
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [e["event"] for e in events] == ["warm_up_begin", "warm_up"]
+    assert events[1]["steps"] == len(VerificationEngine.WARM_UP_PLAN)
+    assert events[1]["draft_steps"] == sum(what == "tree" for _, what in BatchDraftModel.WARM_UP_PLAN)
+    assert engine.session_ids == [] and local.draft.slots.keys == []
+
+
 @pytest.mark.parametrize("rounds", [pytest.param("sync", marks=pytest.mark.slow), "async"])
 def test_sampled_outputs_follow_the_target_through_grpc(rounds):
     """Real drafter clients over gRPC with default seeds (fresh entropy on both sides), T > 0,
