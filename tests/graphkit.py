@@ -8,7 +8,7 @@ from torch.utils._pytree import tree_leaves
 
 from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
 from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import StepGraphs
+from goodspeed.lm.graphs import StepGraphs, cpp_compiler_missing
 
 
 class ReadsOnly(TorchDispatchMode):
@@ -74,6 +74,11 @@ def static_runner(model) -> DraftRunner:
     runner = DraftRunner(model)
     static_drafter(runner)
     return runner
+
+
+# torch.compile on a CPU: inductor builds C++ (a machine without a compiler refuses the setting)
+needs_cpp = pytest.mark.skipif(cpp_compiler_missing() is not None,
+                               reason="torch.compile on a CPU needs a C++ compiler (apt-get install g++)")
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import MAX_GRAPH_QUERIES
 from goodspeed.lm.sampling import SamplingParams, process_logits
-from graphkit import checking, fresh_dynamo, static_drafter  # noqa: F401 (a fixture)
+from graphkit import checking, fresh_dynamo, needs_cpp, static_drafter  # noqa: F401 (a fixture)
 from modelkit import tiny_llama
 
 
@@ -196,6 +196,7 @@ def test_fixed_shape_forwards_draft_what_eager_ones_do(sampling):
     assert len(drafter.graphs.shapes) >= 2 and seen and all(p == [] for p in seen), seen
 
 
+@needs_cpp
 @pytest.mark.slow  # compiles each shape (about 24 s cold here); test_graphs' compiled engine test is in the default suite
 def test_compiled_forwards_draft_what_eager_ones_do():
     """DraftRunner(torch_compile=True): the slot's fixed-shape forwards through a decoder compiled
@@ -229,6 +230,7 @@ def test_the_warm_up_leaves_the_runners_request_as_it_was():
     same_rounds([eager, graphed], SamplingParams(temperature=1.0, top_k=5), rounds=6)
 
 
+@needs_cpp
 @pytest.mark.slow  # compiles the warm-up's graphs (about 30 s cold here)
 def test_after_its_warm_up_a_compiled_runner_compiles_nothing_more(fresh_dynamo):
     """DraftRunner(torch_compile=True).warm_up, as an edge drafter runs it before it joins: the

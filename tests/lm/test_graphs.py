@@ -13,12 +13,8 @@ from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
-from graphkit import ReadsOnly, checking, fresh_dynamo, static_inputs  # noqa: F401 (a fixture)
+from graphkit import ReadsOnly, checking, fresh_dynamo, needs_cpp, static_inputs  # noqa: F401 (a fixture)
 from modelkit import tiny_llama
-
-
-needs_cpp = pytest.mark.skipif(cpp_compiler_missing() is not None,
-                               reason="torch.compile on a CPU needs a C++ compiler (apt-get install g++)")
 
 
 def test_bucket_rounds_up_to_powers_of_two():

@@ -5,7 +5,7 @@ chains miss, and TurboSpec / Nightjar switch speculation off where it cannot pay
 import pytest
 
 from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import StepGraphs, cpp_compiler_missing
+from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
@@ -13,7 +13,7 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier import local as local_module
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.local import LOCAL_POLICIES, LatencyProfile, LocalConfig, LocalPolicy, LocalServing, SimulatedClock
-from graphkit import fresh_dynamo  # noqa: F401 (a fixture)
+from graphkit import fresh_dynamo, needs_cpp  # noqa: F401 (a fixture)
 from modelkit import greedy_reference, perturbed, tiny_llama
 
 # Modeled costs (seconds): a target forward of ~10 ms growing with batched tokens, a draft
@@ -342,7 +342,7 @@ def test_the_warm_up_drafts_what_the_policy_drafts_and_changes_nothing(models, p
     assert serving.finished[0].generated == greedy_reference(target, PROMPTS[1], 12)
 
 
-@pytest.mark.skipif(cpp_compiler_missing() is not None, reason="torch.compile on a CPU needs a C++ compiler")
+@needs_cpp
 @pytest.mark.slow  # compiles the engine's and the draft's graphs (about a minute cold here)
 @pytest.mark.parametrize("policy", ["adaserve", "chain"])
 def test_after_the_warm_ups_compiled_local_serving_compiles_nothing_more(models, policy, fresh_dynamo):

@@ -14,6 +14,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, SimulatedClock
 from goodspeed.scheduler import LatencyModel
+from graphkit import needs_cpp
 from modelkit import perturbed, tiny_llama
 from statkit import count_first_two, exact_first_two, fits
 
@@ -84,6 +85,7 @@ def test_graph_steps_keep_sampling_exact(models):
     check(models, generate(models, "adaserve", 600, graphs=True))
 
 
+@needs_cpp
 @pytest.mark.slow  # compiling both models' graphs; the compiled engine has a default test (tests/lm/test_graphs.py)
 def test_compiled_steps_keep_sampling_exact(models):
     """The same with the target's steps and the draft's forwards through decoders compiled by
