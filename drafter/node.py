@@ -48,7 +48,7 @@ from goodspeed.api.protocol import ApiError, GenerationRequest
 from goodspeed.api.server import Delta
 from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
-from goodspeed.drafter.runner import DraftOutput
+from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
@@ -210,7 +210,7 @@ class EdgeNode:
         the verifier (retrying until ``connect_timeout_s``) and join the first session."""
         if self.drafter.graphs is not None:
             if self.config.on_wait is not None:  # compiling can take a minute before the node joins
-                self.config.on_wait("warming up the draft's fixed-shape forwards (compiling / capturing graphs)")
+                self.config.on_wait(WARM_UP_NOTICE)
             await self._call(self.drafter.warm_up, BatchDraftModel.EDGE_WARM_UP_CHAIN)
         self.channel = open_aio_channel(self.config.verifier, self.config.tls)
         self.stub = pb_grpc.VerifierStub(self.channel)

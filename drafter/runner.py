@@ -27,8 +27,10 @@ and index bookkeeping cost more than the growing cache's, up to 2-4K positions o
 draft; beyond, the growing cache's copy of the whole KV every forward costs more
 (docs/BENCHMARKS.md, *One request's drafting at fixed shapes*). The slot is used for graphs, and
 with ``torch_compile``: its fixed shapes let ``torch.compile`` specialise a handful of graphs, and
-compiled, a round on this project's CPU cost 0.89-0.97x the growing cache's (docs/BENCHMARKS.md,
-*torch.compile of the fixed-shape steps*).
+compiled, a round on this project's CPU cost 0.88-0.93x the growing cache's with the SmolLM2
+draft and 0.98-1.01x with the demo's tiny one (docs/BENCHMARKS.md, *torch.compile of the
+fixed-shape steps*). Either way :meth:`DraftRunner.warm_up` compiles or captures the first graphs
+before a request waits on them.
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ class SlotDraftKV:
 
     def logits_after(self, tokens: list[int]) -> torch.Tensor:
         return self.drafter.feed({self.KEY: tokens})[self.KEY]
+
+
+# What an edge drafter says before its draft's warm-up (DraftRunner.warm_up, EdgeNode.start)
+WARM_UP_NOTICE = "warming up the draft's fixed-shape forwards (compiling / capturing graphs)"
 
 
 class DraftRunner:

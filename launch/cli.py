@@ -278,9 +278,10 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                          "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.graphs); CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x (docs/BENCHMARKS.md)")
     dr.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                     help="run the node's draft forwards at fixed shapes through a decoder compiled by torch.compile "
-                         "(goodspeed.lm.graphs; the first forwards compile a handful of graphs, seconds to tens of "
-                         "seconds each on a CPU); any device; on this project's CPU a round of one request's drafting "
-                         "cost 0.89-0.97x the eager one's (docs/BENCHMARKS.md)")
+                         "(goodspeed.lm.graphs; a handful of graphs, seconds to tens of seconds each on a CPU, "
+                         "compiled in a warm-up before the node joins); any device; on this project's CPU a round of "
+                         "one request's drafting cost 0.88-0.93x the eager one's with the SmolLM2 draft "
+                         "(docs/BENCHMARKS.md)")
     _add_model_args(dr)
 
 

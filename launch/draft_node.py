@@ -15,7 +15,7 @@ from tqdm import tqdm
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.credentials import client_tls, read_token
 from goodspeed.drafter.prompts import load_prompts
-from goodspeed.drafter.runner import DraftRunner
+from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftRunner
 from goodspeed.launch.spec import DrafterSpec
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.lm.sampling import SamplingParams
@@ -60,7 +60,7 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, ou
     if spec.seed is None:  # say which fresh root was drawn, so the run can be replayed with --seed
         print(f"drafter {spec.name}: root seed {client.root_seed}", file=sys.stderr)
     if spec.cuda_graphs or spec.torch_compile:  # compiling can take a minute before the first request
-        _say(spec.name)("warming up the draft's fixed-shape forwards (compiling / capturing graphs)")
+        _say(spec.name)(WARM_UP_NOTICE)
         client.runner.warm_up()
     try:
         client.wait_until_serving()

@@ -62,11 +62,11 @@ and dynamo guards the strides). Queries are not padded: one query a row (plain d
 draft step) takes a graph of its own, and padding it would double a compute-bound step's tokens.
 The engine's warm-up (:meth:`~goodspeed.verifier.engine.VerificationEngine.warm_up_steps`) and the
 draft model's (:meth:`~goodspeed.lm.batch_draft.BatchDraftModel.warm_up`) step both kinds as rows,
-keys and the pool grow, which makes each size symbolic before serving (four graphs for the demo
-target, two for its draft). With CUDA graphs the capture records the
-compiled kernels. The logits agree with eager ones to float32 rounding, not
-exactly: transformers' Llama normalises and builds its rotary tables in float32 whatever the
-model's dtype, and fused kernels round those in another order (``tests/lm/test_graphs.py``).
+keys and the pool grow, which makes each size symbolic before serving, in a few graphs. With CUDA
+graphs the capture records the compiled kernels. The logits agree with eager ones to float32
+rounding, not exactly: transformers' Llama normalises and builds its rotary tables in float32
+whatever the model's dtype, and fused kernels round those in another order
+(``tests/lm/test_graphs.py``).
 
 A step that does not fit runs eagerly, as without graphs: a prompt chunk (a row attended on its
 own), a slot with KV buffers of its own, a slot without room for ``Q`` more entries at the pool's

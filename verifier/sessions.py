@@ -57,8 +57,9 @@ class EngineConfig:
     # The same fixed-shape steps through a decoder compiled by torch.compile (inductor, a handful of
     # graphs for every shape; goodspeed.lm.graphs.compiled), on any device; with cuda_graphs the
     # compiled kernels are what the graphs record. Local serving's draft too. The verifier's warm-up
-    # compiles the engine's graphs (VerificationEngine.warm_up_steps); the local draft's compile in
-    # its first requests. Off by default: not yet run on a GPU (docs/BENCHMARKS.md).
+    # compiles the engine's graphs (VerificationEngine.warm_up_steps) and the local draft's
+    # (LocalServing.warm_up) before it serves. Off by default: a CPU needs a C++ compiler for it, and
+    # it is not yet run with CUDA graphs on a GPU (docs/BENCHMARKS.md).
     torch_compile: bool = False
 
     def __post_init__(self) -> None:
