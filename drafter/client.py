@@ -33,7 +33,14 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 
 PROTOCOL_VERSION = 1
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# What a retry may cure: the verifier unreachable, or a call it cancelled. This client cancels
+# nothing it sends (its own time limits end as DEADLINE_EXCEEDED), so a CANCELLED call is the
+# verifier's: it stopped with the call in flight, and gRPC cancels what is left when a server's
+# grace period runs out. Repeating a call that did arrive is safe: a repeated SubmitDraft is
+# answered with its round's verdict (``_next_verdict``), and a repeated Join or StartRequest at
+# worst leaves a session behind (FAILED_PRECONDITION: this client joins again), which the
+# verifier evicts once idle.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class DrafterError(RuntimeError):
@@ -98,7 +105,7 @@ class DrafterClient:
     # ------------------------------------------------------------------------- plumbing
 
     def _retry(self, fn, request):
-        """Call ``fn(request)``, retrying UNAVAILABLE with jittered exponential backoff."""
+        """Call ``fn(request)``, retrying ``RETRYABLE`` codes with jittered exponential backoff."""
         for pause in backoff(self.config.connect_timeout_s, cap_s=2.0):
             try:
                 return fn(request, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
