@@ -25,7 +25,9 @@ Policies (``--local-policy``), one :class:`LocalPolicy` subclass each, found by 
 * ``adaserve`` — AdaServe (seeds 000, Alg. 2): beam-search candidate trees with depth and width
   from eqs. (8)-(9), SLO-customized then throughput-optimized node selection under the budget
   ``B``, where ``A(r) = (l + t_spec) / t_TPOT - o`` with ``l`` the time since the request's
-  decoding began, ``o`` its tokens so far and ``t_spec`` the smoothed iteration time;
+  decoding began, ``o`` its tokens so far and ``t_spec`` the smoothed iteration time. When the
+  ``n`` requests' roots take the whole budget (``n >= B``) Alg. 2 can select no node, so the
+  iteration drafts nothing and decodes plainly;
 * ``turbospec`` — TurboSpec (seeds 001, Listing 2): ``k`` (0 included) maximising predicted
   goodput under the profiled latency models, from the requests' smoothed acceptance;
 * ``nightjar`` — Nightjar (seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded with
@@ -522,6 +524,8 @@ class LocalServing:
     def _adaserve(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
         cfg = self.config
         budget = max(cfg.budget, len(reqs))  # every root costs one unit (Alg. 2 line 7)
+        if budget == len(reqs):  # the roots take the whole budget: Alg. 2 selects no node, so none is drafted
+            return {r.request_id: _Plan([]) for r in reqs}
         depth, width = speculation_shape(budget, len(reqs), cfg.max_depth, cfg.max_width)
         trees = self.draft.draft_trees({r.request_id: r.committed for r in reqs}, depth, width,
                                        {r.request_id: r.sampling for r in reqs}, {r.request_id: r.cap for r in reqs})

@@ -86,6 +86,28 @@ def test_adaserve_really_verifies_trees(models):
     assert all(r.generated == greedy_reference(target, p, 12) for r, p in zip(serving.finished, PROMPTS[:2]))
 
 
+def test_adaserve_drafts_nothing_once_the_roots_take_the_whole_budget(models):
+    """``B = 3``: with 3 or more requests every unit of the budget goes to a root (Alg. 2), so no
+    node could be selected and the draft model must not run; with fewer, trees are verified."""
+    target, draft = models
+    serving = serve(target, draft, "adaserve", budget=3, max_requests=4)
+    lengths = [4, 5, 12, 14]
+    ids = [serving.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, lengths)]
+    drafted_with = set()
+    while True:
+        forwards = serving.draft.forwards
+        report = serving.step()
+        if report is None:
+            break
+        if report.requests >= 3:
+            assert serving.draft.forwards == forwards and report.drafted == 0
+        elif report.requests and report.drafted:
+            drafted_with.add(report.requests)
+    assert drafted_with  # the last requests, fewer than B, did draft trees
+    by_id = {r.request_id: r for r in serving.finished}
+    assert [by_id[i].generated for i in ids] == [greedy_reference(target, p, n) for p, n in zip(PROMPTS, lengths)]
+
+
 def test_eos_cancel_and_streaming_callbacks(models):
     target, draft = models
     serving = serve(target, draft, "chain")
