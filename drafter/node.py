@@ -506,8 +506,11 @@ class EdgeNode:
 
 
 def _refusal(what: str, exc: grpc.aio.AioRpcError) -> ApiError:
-    """A verifier's refusal as the HTTP status an application should see."""
+    """A verifier's refusal as the HTTP status an application should see. A call the verifier
+    cancelled is its going away (gRPC cancels what is in flight when a stopping server's grace runs
+    out; the node's own cancellations end its tasks, not its calls), so it is a 503 like UNAVAILABLE."""
     code = exc.code()
     status = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.INVALID_ARGUMENT: 400,
-              grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}.get(code, 502)
+              grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.CANCELLED: 503,
+              grpc.StatusCode.DEADLINE_EXCEEDED: 504}.get(code, 502)
     return ApiError(status, f"the verifier refused {what}: {code.name}: {exc.details()}")

@@ -137,6 +137,19 @@ def test_the_verifiers_refusal_reaches_the_application_as_its_http_status(models
     assert slo.value.body["param"] == "tpot_slo_ms"
 
 
+@pytest.mark.parametrize("code, status", [("UNAVAILABLE", 503), ("CANCELLED", 503), ("RESOURCE_EXHAUSTED", 429),
+                                          ("INVALID_ARGUMENT", 400), ("DEADLINE_EXCEEDED", 504), ("INTERNAL", 502)])
+def test_each_verifier_status_is_the_http_status_an_application_retries_on(code, status):
+    """A verifier that stopped with the node's call in flight answers CANCELLED or UNAVAILABLE
+    (a race inside gRPC): both must say 503, so an application retries either the same way."""
+    import grpc
+
+    from goodspeed.drafter.node import _refusal
+
+    error = _refusal("a round", grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"))
+    assert error.status == status and f"{code}: gone" in error.message
+
+
 def test_an_api_key_guards_the_node(models):
     with verifier(models) as server, node(server, models, api_key="sesame") as edge:
         with pytest.raises(openai.AuthenticationError):
