@@ -239,7 +239,15 @@ def test_ctrl_c_tears_the_cluster_down(ray_cluster, models, tmp_path):
     results_file = tmp_path / "run" / "endless.jsonl"
     deadline = time.monotonic() + 180
     while not (results_file.exists() and results_file.read_text().count("\n") >= 3):  # results are flowing back
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        if proc.poll() is not None or time.monotonic() > deadline:  # fail now: the launch would run 2,000 prompts
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # the launcher stops the cluster's processes
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            out, err = proc.communicate(timeout=30)
+            raise AssertionError(f"no results within 180 s (exit code {proc.returncode}):\n{out}{err}")
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
