@@ -27,6 +27,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -82,10 +83,24 @@ class CandidateTree:
 
     def depth(self) -> int:
         """Depth of the deepest node (root = 0); computed from ``parents``."""
-        depth = np.zeros(self.num_nodes, dtype=np.int64)
-        for k, p in enumerate(self.parents):
-            depth[k] = 1 if p < 0 else depth[p] + 1
-        return int(depth.max(initial=0))
+        return tree_depth(self.parents)
+
+
+class TreeLike(Protocol):
+    """What :func:`select_tree_nodes` reads of a tree: :class:`CandidateTree`'s two fields, as
+    arrays or lists. A :class:`CandidateTree` checks them; a caller that builds valid trees itself
+    (local serving's beam search) may pass them as they are, without the checks' cost."""
+
+    parents: Sequence[int]
+    path_probs: Sequence[float]
+
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """Depth of the deepest node of a tree given by its ``parents`` (parents first; root = 0)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
 
 
 @dataclass(frozen=True)
@@ -101,9 +116,9 @@ class TreeSelection:
 class _Frontier:
     """Nodes of one tree whose parent is selected, best approximated path probability first."""
 
-    def __init__(self, request: int, tree: CandidateTree) -> None:
+    def __init__(self, request: int, tree: TreeLike) -> None:
         self.request, self.tree = request, tree
-        self.children: list[list[int]] = [[] for _ in range(tree.num_nodes + 1)]  # slot 0 = root
+        self.children: list[list[int]] = [[] for _ in range(len(tree.parents) + 1)]  # slot 0 = root
         for k, p in enumerate(tree.parents):
             self.children[p + 1].append(k)
         self.heap: list[tuple[float, int, int]] = []
@@ -123,7 +138,7 @@ class _Frontier:
 
 
 def select_tree_nodes(
-    trees: Sequence[CandidateTree],
+    trees: Sequence[TreeLike],
     need: Sequence[float] | np.ndarray,
     budget: int,
     max_slo_tree_size: int,
@@ -146,7 +161,7 @@ def select_tree_nodes(
         raise ValueError(f"budget {budget} cannot cover the {n} roots")
     if max_slo_tree_size < 1:
         raise ValueError("max_slo_tree_size counts the root, so it must be >= 1")
-    d = np.array([t.depth() for t in trees] if depths is None else depths, dtype=np.float64)
+    d = np.array([tree_depth(t.parents) for t in trees] if depths is None else depths, dtype=np.float64)
     a_cap = np.minimum(a, d + 1.0)
     frontiers = [_Frontier(i, t) for i, t in enumerate(trees)]
     chosen: list[list[int]] = [[] for _ in range(n)]

@@ -3,7 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from goodspeed.scheduler.adaserve import CandidateTree, select_tree_nodes, slo_need, speculation_shape
+from goodspeed.lm.batch_draft import BeamTree
+from goodspeed.scheduler.adaserve import CandidateTree, select_tree_nodes, slo_need, speculation_shape, tree_depth
 
 
 def figure2_trees():
@@ -100,6 +101,19 @@ def test_matches_reference_and_forms_valid_trees_within_budget(inst):
     for tree, nodes in zip(trees, sel.selected):
         chosen = set(nodes.tolist())
         assert all(tree.parents[k] < 0 or tree.parents[k] in chosen for k in chosen)
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances())
+def test_trees_given_as_lists_select_what_candidate_trees_do(inst):
+    """Local serving passes its beam trees' lists as they are (TreeLike), unchecked: the same
+    selection and expected tokens as through CandidateTree, with each tree's depth as default."""
+    trees, need, budget, n_max = inst
+    as_lists = [BeamTree([0] * t.num_nodes, t.parents.tolist(), t.path_probs.tolist(), []) for t in trees]
+    checked, unchecked = (select_tree_nodes(ts, need, budget, n_max) for ts in (trees, as_lists))
+    assert [s.tolist() for s in unchecked.selected] == [s.tolist() for s in checked.selected]
+    assert unchecked.expected_accepted.tolist() == checked.expected_accepted.tolist()
+    assert [tree_depth(t.parents) for t in as_lists] == [t.depth() for t in trees]
 
 
 @settings(max_examples=200, deadline=None)
