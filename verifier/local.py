@@ -522,8 +522,8 @@ class LocalServing:
 
     def _adaserve(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
         cfg = self.config
-        budget = max(cfg.budget, len(reqs))  # every root costs one unit (Alg. 2 line 7)
-        if budget == len(reqs):  # the roots take the whole budget: Alg. 2 selects no node, so none is drafted
+        budget = cfg.budget
+        if len(reqs) >= budget:  # every root costs one unit (Alg. 2 line 7): none is left for a node, so none is drafted
             return {r.request_id: _Plan([]) for r in reqs}
         depth, width = speculation_shape(budget, len(reqs), cfg.max_depth, cfg.max_width)
         trees = self.draft.draft_trees({r.request_id: r.committed for r in reqs}, depth, width,
@@ -531,12 +531,12 @@ class LocalServing:
         now = self.clock.now()
         need = np.zeros(len(reqs))  # no SLO: only the throughput phase grows its tree
         timed = [i for i, r in enumerate(reqs) if r.tpot_slo_s is not None]
-        if timed:  # one array op for every request with an SLO (one each cost ~6 us a request)
+        if timed:  # one array op for every request with an SLO, not one a request
             need[timed] = slo_need([now - reqs[i].decode_start for i in timed], self.t_spec_s,
                                    [reqs[i].tpot_slo_s for i in timed], [len(reqs[i].generated) for i in timed])
         depths = [min(depth, r.cap) for r in reqs]
         # The beam trees as they are: valid by construction (parents first, path probabilities in
-        # (0, 1]), so not re-checked as CandidateTrees (~15 us a request).
+        # (0, 1]), so not re-checked as CandidateTrees.
         chosen = select_tree_nodes([trees[r.request_id] for r in reqs], need, budget, cfg.max_slo_tree_size, depths=depths)
         plans = {}
         for r, nodes in zip(reqs, chosen.selected):

@@ -76,7 +76,12 @@ def test_concurrent_requests_share_one_devices_sessions(models, graphs):
         if graphs:
             drafter.graphs = StepGraphs(drafter.model, drafter.cache, capture=False)
         warm_up = drafter.warm_up
-        drafter.warm_up = lambda *a: warmed.append(warm_up(*a)) or warmed[-1]
+
+        def counted_warm_up(*args):  # the node's warm-up, its drafting steps noted
+            warmed.append(warm_up(*args))
+            return warmed[-1]
+
+        drafter.warm_up = counted_warm_up
         with phone as edge:
             texts = complete_concurrently(api_of(edge), "tiny", prompts, 14)
             engine = server.server.engine
