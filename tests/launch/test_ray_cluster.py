@@ -3,11 +3,12 @@ of two logical nodes with different custom resources, started by the tests on th
 
 import importlib.util
 import json
+import select
 import signal
 import subprocess
 import sys
 import time
-import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,33 +94,31 @@ def test_placement_keys_are_validated():
 requires_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the Ray backend's tests need the cluster extra")
 
 
-# Ray waits a fixed 30 s for a new node's raylet to register. Twice in CI runs the head did not
-# come up and no log said why; the same tests passed alone and in the next full runs: on
-# 2026-11-25 its raylet never started, on 2026-11-26 its GCS server never wrote its port file (an
-# empty session log directory). Up to three heads are tried, for those two failures only (a failed
-# head's processes are Ray's reaper's to clean up at exit).
-RAY_HEAD_ATTEMPTS = 3
+CLUSTER_PROC = Path(__file__).with_name("ray_cluster_proc.py")
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """Two logical nodes on this machine: a 'verifier box' with h100, an 'edge device' with l4."""
-    from ray.cluster_utils import Cluster
+def ray_cluster(tmp_path_factory):
+    """Two logical nodes on this machine: a 'verifier box' with h100, an 'edge device' with l4.
 
-    for attempt in range(1, RAY_HEAD_ATTEMPTS + 1):
-        try:
-            cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-                "num_cpus": 4, "resources": {"h100": 1}, "node_name": "verifier-box", "object_store_memory": 80 * 2**20,
-                "include_dashboard": False})
-            break
-        except Exception as e:
-            startup = "timed out during startup" in str(e) or "Timed out waiting for file" in str(e)
-            if not startup or attempt == RAY_HEAD_ATTEMPTS:
-                raise
-            warnings.warn(f"Ray's head node did not start (attempt {attempt}): {e}")
-    cluster.add_node(num_cpus=8, resources={"l4": 4}, node_name="edge-1", object_store_memory=80 * 2**20)
-    yield cluster.address
-    cluster.shutdown()
+    Started by a process of its own (``ray_cluster_proc.py`` says why), which keeps them up until
+    its stdin closes."""
+    log = tmp_path_factory.mktemp("ray") / "cluster.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(CLUSTER_PROC)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 300)  # three tries of two nodes, 30 s each at most
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the Ray cluster did not start (exit code {proc.returncode}):\n{log.read_text()[-4000:]}")
+    yield json.loads(line)["address"]
+    proc.stdin.close()
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +228,7 @@ def test_ctrl_c_tears_the_cluster_down(ray_cluster, models, tmp_path):
                       [{"name": "endless", "draft": str(paths["draft"]), "prompts": str(long_prompts), "max_new_tokens": 64, "resources": {"l4": 1}}])
     # Ctrl-C as a terminal delivers it, even under a runner started in the background: a shell's `&`
     # ignores SIGINT and an ignored signal stays ignored across exec, so a small Python resets it and
-    # execs the launcher. Not a preexec_fn: this process holds Ray's gRPC threads, and running Python
+    # execs the launcher. Not a preexec_fn: this process holds gRPC threads, and running Python
     # in a forked child before its exec can abort the child (seen once in CI: SIGABRT, "epoll_wait
     # error: Bad file descriptor"); without one the child is spawned and execs at once.
     reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
