@@ -88,6 +88,8 @@ def test_concurrency_needs_proactive_drafting_off(models):
     (["loadgen", "--verifier", "h:1", "--rate", "0"], "argument --rate: must be > 0.0, got 0"),
     (["profile", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     (["profile", "--cuda-graphs"], "goodspeed profile: --cuda-graphs needs a CUDA device, not cpu"),
+    (["drafter", "--verifier", "h:1", "--draft", "demo:no-such-draft", "--prompts", "no-such.jsonl"],
+     "prompts 'no-such.jsonl' is neither a shipped set"),  # said before the (missing) draft would load
 ])
 def test_the_cli_says_what_is_wrong_with_its_input(argv, said, capsys):
     """Neither of two exclusive inputs, or both (the message says which), or an address that is
