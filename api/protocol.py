@@ -5,9 +5,9 @@ Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM'
 refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
-* a feature this server does not implement (``n > 1``, ``logprobs``, penalties, tools, ``echo``,
-  ``best_of``, non-text response formats, several prompts): 400 naming the field, never a silent
-  fallback;
+* a feature this server does not implement (``logprobs``, penalties, tools, ``echo``, ``best_of``,
+  non-text response formats): 400 naming the field, never a silent fallback;
+* more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
 * an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
   400 ``context_length_exceeded``; a full queue: 429.
 """
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from goodspeed.lm.sampling import MIN_TEMPERATURE, SamplingParams
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
 MAX_STOP_CHARS = 256
 
 
@@ -55,7 +56,7 @@ class _Sampling(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; -1 and 0 are off
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices per prompt, each a request of its own
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -90,8 +91,6 @@ class _Sampling(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """400 for features this server does not implement, naming the field."""
-        if self.n != 1:
-            raise ApiError(400, "only n = 1 is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream = true", param="stream_options")
         for name, default in (("logprobs", None), ("top_logprobs", None), ("presence_penalty", 0.0),
@@ -112,22 +111,50 @@ class _Sampling(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _one_or_many(prompt) -> list:
+    """A completion request's prompts: one string, one token-id list, or a list of either."""
+    return [prompt] if isinstance(prompt, str) or (prompt and not isinstance(prompt[0], (str, list))) else list(prompt)
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them (choice order)
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One message for any other shape (pydantic's would name one member of the union)."""
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if not (isinstance(value, str) or ids(value) or (isinstance(value, list) and (
+                all(isinstance(p, str) for p in value) or all(ids(p) for p in value)))):
+            raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
+        return value
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
-        if isinstance(value, list) and (not value or any(isinstance(t, bool) or t < 0 for t in value)):
-            raise ValueError("a token-id prompt holds at least one id, each >= 0")
-        if isinstance(value, str) and not value:
-            raise ValueError("the prompt is empty")
+        if isinstance(value, list) and not value:
+            raise ValueError("no prompt: give a string, a list of token ids, or a list of either")
+        for prompt in _one_or_many(value):
+            if isinstance(prompt, list) and (not prompt or any(t < 0 for t in prompt)):
+                raise ValueError("a token-id prompt holds at least one id, each >= 0")
+            if isinstance(prompt, str) and not prompt:
+                raise ValueError("the prompt is empty")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order (one unless a batch was sent)."""
+        return _one_or_many(self.prompt)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(self.prompts)} prompts x n = {self.n} asks for more than {MAX_CHOICES} choices "
+                                "in one request", param="prompt" if self.n == 1 else "n")
         if self.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo")
         if self.suffix:

@@ -9,6 +9,10 @@ and on an edge node: one event loop serves both protocols, with no extra threads
 cancelled when their client disconnects, and a cancelled stream closes its backend stream, which
 frees the request on the verifier at once.
 
+A batch of prompts or ``n > 1`` asks for several choices: each is a backend request of its own,
+all are admitted together (one refused: the whole request refused, the others cancelled), and their
+pieces are merged into one response or one event stream, each event naming its choice.
+
 A backend (:class:`Backend`) is the verifier's local serving batch
 (:mod:`goodspeed.verifier.http_front`) or an edge node's session pool
 (:mod:`goodspeed.drafter.node`); this module knows neither.
@@ -31,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from goodspeed.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, GenerationRequest, parse_body
 from goodspeed.api.text import TextStream
+from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -128,11 +133,11 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(CompletionRequest, await self._json(request))
         self._check_model(body.model)
-        prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else await self._tokenize(body.prompt)
-        gen = self._generation("cmpl", body, prompt_ids, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        prompts = [list(p) if isinstance(p, list) else await self._tokenize(p) for p in body.prompts]
+        rid, gens = self._generations("cmpl", body, prompts, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
         if body.stream:
-            return await self._stream(request, identity, gen, body, chat=False)
-        return await self._complete(identity, gen, body, chat=False)
+            return await self._stream(request, identity, rid, gens, body, chat=False)
+        return await self._complete(identity, rid, gens, body, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         identity = self._identify(request)
@@ -146,10 +151,10 @@ class OpenAIServer:
         render = functools.partial(tokenizer.apply_chat_template, messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = await self._tokenize(await asyncio.to_thread(render) if size > INLINE_CHARS else render())
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
-        gen = self._generation("chatcmpl", body, prompt_ids, limit)
+        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit)
         if body.stream:
-            return await self._stream(request, identity, gen, body, chat=True)
-        return await self._complete(identity, gen, body, chat=True)
+            return await self._stream(request, identity, rid, gens, body, chat=True)
+        return await self._complete(identity, rid, gens, body, chat=True)
 
     # ---------------------------------------------------------------------- helpers
 
@@ -180,26 +185,62 @@ class OpenAIServer:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.backend.model_ids[0]!r}",
                            param="model", code="model_not_found")
 
-    def _generation(self, kind: str, body, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
-        limit = self.backend.max_model_len
-        if len(prompt_ids) >= limit or len(prompt_ids) + max_tokens > limit:
-            raise ApiError(400, f"this model's context is {limit} tokens; the prompt holds {len(prompt_ids)} and "
-                                f"{max_tokens} more were asked for", param="messages" if kind == "chatcmpl" else "prompt",
-                           code="context_length_exceeded")
+    def _generations(self, kind: str, body, prompts: list[list[int]], max_tokens: int) -> tuple[str, list[GenerationRequest]]:
+        """The response's id and one backend request per choice: ``body.n`` for each prompt, choice
+        ``i * n + j`` the ``j``-th of prompt ``i`` (OpenAI's order). A choice's request id is the
+        response's, suffixed with the choice's index when there are several. Choice ``j > 0`` of a seeded request draws from
+        the seed's stream ``("choice", j)``, so its samples are its own and as reproducible."""
+        limit, n = self.backend.max_model_len, body.n
+        for i, prompt_ids in enumerate(prompts):
+            if len(prompt_ids) >= limit or len(prompt_ids) + max_tokens > limit:
+                which = f"prompt {i} holds" if len(prompts) > 1 else "the prompt holds"
+                raise ApiError(400, f"this model's context is {limit} tokens; {which} {len(prompt_ids)} and "
+                                    f"{max_tokens} more were asked for", param="messages" if kind == "chatcmpl" else "prompt",
+                               code="context_length_exceeded")
         eos = self.backend.tokenizer.eos_token_id
-        return GenerationRequest(
-            request_id=f"{kind}-{secrets.token_hex(12)}", prompt_ids=prompt_ids, max_tokens=max_tokens,
+        base, many = f"{kind}-{secrets.token_hex(12)}", len(prompts) * n > 1
+        return base, [GenerationRequest(
+            request_id=f"{base}-{i * n + j}" if many else base, prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=body.sampling(), eos_token_ids=() if body.ignore_eos or eos is None else (int(eos),),
-            seed=body.seed, tpot_slo_ms=body.tpot_slo_ms)
+            seed=body.seed if body.seed is None or j == 0 else stream_seed(body.seed, "choice", str(j)) % (1 << ROOT_SEED_BITS),
+            tpot_slo_ms=body.tpot_slo_ms) for i, prompt_ids in enumerate(prompts) for j in range(n)]
 
-    def _envelope(self, gen: GenerationRequest, chat: bool, created: int) -> dict:
-        return {"id": gen.request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+    def _envelope(self, rid: str, chat: bool, created: int) -> dict:
+        return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": self.backend.model_ids[0]}
 
     @staticmethod
-    def _usage(gen: GenerationRequest, completion_tokens: int) -> dict:
-        return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": completion_tokens,
-                "total_tokens": len(gen.prompt_ids) + completion_tokens}
+    def _usage(gens: list[GenerationRequest], n: int, texts: list[TextStream]) -> dict:
+        """Each prompt's tokens once (whatever ``n``), every choice's completion tokens."""
+        prompt = sum(len(g.prompt_ids) for g in gens[::n])
+        completion = sum(t.consumed for t in texts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def _open_all(self, gens: list[GenerationRequest], identity: str) -> list:
+        """Every choice's backend stream, or none. The choices are admitted concurrently (on an edge
+        node a choice may wait for a session, which an earlier choice of the same request frees);
+        a refusal (queue full, ...) raises its 4xx after cancelling the others' admissions and
+        closing the streams already opened, which cancels their requests."""
+        if len(gens) == 1:
+            return [await self.backend.open(gens[0], identity)]
+        tasks = [asyncio.ensure_future(self.backend.open(gen, identity)) for gen in gens]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()
+            return [task.result() for task in tasks]
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._close_all([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
+            raise
+
+    @staticmethod
+    async def _close_all(streams: list) -> None:
+        for deltas in streams:
+            await deltas.aclose()
 
     @staticmethod
     async def _pieces(deltas, text: TextStream):
@@ -224,36 +265,81 @@ class OpenAIServer:
         finally:
             await deltas.aclose()
 
-    async def _complete(self, identity: str, gen: GenerationRequest, body, chat: bool) -> web.Response:
-        text, pieces, reason = TextStream(self.backend.tokenizer, body.stop_strings), [], None
-        deltas = await self.backend.open(gen, identity)  # a refusal (queue full, ...) raises its 4xx here
-        try:
-            async with contextlib.aclosing(self._pieces(deltas, text)) as runs:
+    async def _choices(self, streams: list, texts: list[TextStream]):
+        """Yield ``(choice index, new text, finish_reason or None)`` from every choice's stream as
+        its pieces come. A choice that fails raises here; closing this generator (the callers do, in
+        a ``finally``) stops every choice's task, and each task's :meth:`_pieces` closes its stream."""
+        if len(streams) == 1:
+            async with contextlib.aclosing(self._pieces(streams[0], texts[0])) as runs:
                 async for piece, reason in runs:
-                    pieces.append(piece)
-        finally:
-            await deltas.aclose()  # also when cancelled before the first piece
-        content = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": reason}
-                  if chat else {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
-        return web.json_response({
-            "id": gen.request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.backend.model_ids[0], "choices": [choice], "usage": self._usage(gen, text.consumed)})
+                    yield 0, piece, reason
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
 
-    async def _stream(self, request: web.Request, identity: str, gen: GenerationRequest, body, chat: bool) -> web.StreamResponse:
-        """Admit the request (a refusal is still a plain 4xx), send the headers at once (so the
-        first token's chunk is all that is left on its path), then one event per new text."""
-        text = TextStream(self.backend.tokenizer, body.stop_strings)
-        deltas = await self.backend.open(gen, identity)
-        runs = self._pieces(deltas, text)
-        envelope = self._envelope(gen, chat, int(time.time()))
+        async def pump(i: int) -> None:
+            try:
+                async with contextlib.aclosing(self._pieces(streams[i], texts[i])) as runs:
+                    async for piece, reason in runs:
+                        queue.put_nowait((i, piece, reason))
+                queue.put_nowait((i, end, None))
+            except Exception as exc:  # said by the consumer; a cancelled pump has nothing to say
+                queue.put_nowait((i, exc, None))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            running = len(tasks)
+            while running:
+                i, piece, reason = await queue.get()
+                if piece is end:
+                    running -= 1
+                elif isinstance(piece, Exception):
+                    raise piece
+                else:
+                    yield i, piece, reason
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _complete(self, identity: str, rid: str, gens: list[GenerationRequest], body, chat: bool) -> web.Response:
+        texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
+        pieces: list[list[str]] = [[] for _ in gens]
+        reasons: list[str | None] = [None] * len(gens)
+        streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
+        runs = self._choices(streams, texts)
+        try:
+            async for i, piece, reason in runs:
+                pieces[i].append(piece)
+                reasons[i] = reason
+        finally:
+            await runs.aclose()
+            await self._close_all(streams)  # also when cancelled before the first piece
+        contents = ["".join(p) for p in pieces]
+        choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": None, "finish_reason": r}
+                   if chat else {"index": i, "text": c, "logprobs": None, "finish_reason": r}
+                   for i, (c, r) in enumerate(zip(contents, reasons))]
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.backend.model_ids[0], "choices": choices,
+            "usage": self._usage(gens, body.n, texts)})
+
+    async def _stream(self, request: web.Request, identity: str, rid: str, gens: list[GenerationRequest], body,
+                      chat: bool) -> web.StreamResponse:
+        """Admit every choice (a refusal is still a plain 4xx), send the headers at once (so the
+        first token's chunk is all that is left on its path), then one event per new text of a
+        choice, which the event's ``index`` names."""
+        texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
+        streams = await self._open_all(gens, identity)
+        runs = self._choices(streams, texts)
+        envelope = self._envelope(rid, chat, int(time.time()))
         usage = {"usage": None} if body.include_usage else {}
 
-        def chunk(piece: str, reason: str | None, role: bool = False) -> dict:
+        def chunk(i: int, piece: str, reason: str | None, role: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
-                return {**envelope, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}], **usage}
-            return {**envelope, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}], **usage}
+                return {**envelope, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}], **usage}
+            return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": None, "finish_reason": reason}], **usage}
 
         try:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -264,18 +350,17 @@ class OpenAIServer:
 
             try:
                 if chat:
-                    await send(chunk("", None, role=True))
-                async for piece, reason in runs:
-                    await send(chunk(piece, reason))
-            except ApiError as exc:  # the request failed after the headers went out: say so in the stream
+                    for i in range(len(gens)):
+                        await send(chunk(i, "", None, role=True))
+                async for i, piece, reason in runs:
+                    await send(chunk(i, piece, reason))
+            except ApiError as exc:  # a choice failed after the headers went out: say so in the stream
                 await send(exc.body())
         finally:
             await runs.aclose()
-            await deltas.aclose()  # also when cancelled before the first piece
+            await self._close_all(streams)  # also when cancelled before the first piece
         if body.include_usage:
-            await send({**envelope, "choices": [], "usage": self._usage(gen, text.consumed)})
+            await send({**envelope, "choices": [], "usage": self._usage(gens, body.n, texts)})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-

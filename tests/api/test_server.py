@@ -44,7 +44,14 @@ def refusal(call, **kwargs):
     (dict(max_tokens=-1), "max_tokens"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(top_p=0), "top_p"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=129), "n"),  # OpenAI's cap
+    (dict(prompt=["x"] * 65, n=2), "n"),  # 130 choices
+    (dict(prompt=["x"] * 129), "prompt"),
+    (dict(prompt=["x", 5]), "prompt"),
+    (dict(prompt=[[1, 2], []]), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=["x", ""]), "prompt"),
     (dict(seed=-5), "seed"),
     (dict(logprobs=3), "logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty"),
@@ -55,7 +62,7 @@ def refusal(call, **kwargs):
     (dict(extra_body={"ignore_eos": "yes please"}), "ignore_eos"),
 ])
 def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
-    status, body = refusal(api.completions.create, model="tiny", prompt="x", **kwargs)
+    status, body = refusal(api.completions.create, model="tiny", **{"prompt": "x", **kwargs})
     assert status == 400 and body["type"] == "invalid_request_error" and body["param"] == param
 
 
@@ -86,6 +93,8 @@ def test_a_prompt_past_the_context_is_400_context_length_exceeded(api, server):
     assert status == 400 and body["code"] == "context_length_exceeded"
     status, body = refusal(api.completions.create, model="tiny", prompt=[1, 2, 300], max_tokens=4)  # id past V = 300
     assert status == 400 and "token" in body["message"]
+    status, body = refusal(api.completions.create, model="tiny", prompt=[[1, 2], [1] * 127], max_tokens=4)  # the second
+    assert status == 400 and body["code"] == "context_length_exceeded" and "prompt 1 holds 127" in body["message"]
 
 
 def post(server, path, data: bytes):

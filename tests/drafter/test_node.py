@@ -64,6 +64,30 @@ def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(m
     assert metrics["goodspeed:time_to_first_token_seconds_count[]"] == 4
 
 
+def test_a_batch_of_prompts_through_a_node_waits_for_sessions_and_equals_the_targets_greedy_decoding(models):
+    """Four choices on a node of two sessions: two wait for a session, none is lost."""
+    prompts = ["import os", "class A:"]
+    with verifier(models) as server, node(server, models, max_concurrency=2) as edge:
+        out = api_of(edge).completions.create(model="tiny", prompt=prompts, n=2, max_tokens=12, **GREEDY)
+    assert [c.text for c in out.choices] == [reference(models, p, 12) for p in prompts for _ in range(2)]
+    assert out.usage.completion_tokens == 48
+
+
+def test_a_batch_the_node_cannot_queue_is_refused_whole_and_leaves_nothing_behind(models):
+    """One session, one waiting place, three choices: 429, and the two admitted are cancelled."""
+    with verifier(models) as server, node(server, models, max_concurrency=1, max_waiting=1) as edge:
+        api = api_of(edge)
+        with pytest.raises(openai.RateLimitError, match="already waiting"):
+            api.completions.create(model="tiny", prompt="import os", n=3, max_tokens=200, **GREEDY)
+        after = api.completions.create(model="tiny", prompt="import os", max_tokens=12, **GREEDY)
+        metrics = metric_samples(edge.port)
+        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+    assert after.choices[0].text == reference(models, "import os", 12)
+    assert metrics["goodspeed:num_requests_running[]"] == 0 and metrics["goodspeed:num_requests_waiting[]"] == 0
+    assert metrics["goodspeed:request_success_total[('finished_reason', 'length')]"] == 1  # only the one after
+    assert busy == []  # the admitted choice's KV slot is free again (the request after it ran on the same session)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_concurrent_requests_share_one_devices_sessions(models, graphs):
     """Also with the node's batched draft forwards at the fixed shapes CUDA graphs replay (run
@@ -94,23 +118,25 @@ def test_concurrent_requests_share_one_devices_sessions(models, graphs):
     assert warmed == ([sum(what == "chain" for _, what in BatchDraftModel.WARM_UP_PLAN)] if graphs else [])
 
 
-def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models):
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models, n):
+    """Every choice's request, when the response had several."""
     with verifier(models) as server, node(server, models) as edge:
         api = api_of(edge)
-        stream = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=400, stream=True, **GREEDY)
+        stream = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=400, n=n, stream=True, **GREEDY)
         first = next(iter(stream))
         stream.close()  # the application disconnects mid-stream
         for _ in range(500):  # bounded: until the node has told the verifier
-            if server.events("finish"):
+            if len(server.events("finish")) == n:
                 break
             time.sleep(0.01)
         finish = server.events("finish")
         metrics = metric_samples(edge.port)
         busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
     assert first.choices[0].text is not None
-    assert len(finish) == 1 and finish[0]["committed_tokens"] < 3 + 400  # ended early, by FinishRequest
-    assert busy == []  # its KV slot is free
-    assert metrics["goodspeed:request_success_total[('finished_reason', 'abort')]"] == 1
+    assert len(finish) == n and all(f["committed_tokens"] < 3 + 400 for f in finish)  # ended early, by FinishRequest
+    assert busy == []  # their KV slots are free
+    assert metrics["goodspeed:request_success_total[('finished_reason', 'abort')]"] == n
     assert metrics["goodspeed:num_requests_running[]"] == 0
 
 

@@ -116,6 +116,55 @@ def test_a_seed_makes_a_sampled_request_reproducible(models):
     assert first != other  # 24 tokens sampled at T = 1 from a 300-token vocabulary
 
 
+def test_a_batch_of_prompts_with_n_choices_each_comes_back_in_openais_order(models):
+    """Choice ``i * n + j`` is prompt ``i``'s ``j``-th; each is the target's greedy decoding, whole
+    and streamed (events interleave across choices, each naming its index)."""
+    tokenizer = models[2]
+    prompts = ["import os", "class A:", "def f(x):"]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    expected = [reference_text(models, i, 10)[1] for i in ids for _ in range(2)]
+    messages = [{"role": "user", "content": "sort a list"}]
+    with front(models) as server:
+        api = client(server)
+        whole = api.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=10, **GREEDY)
+        by_ids = api.completions.create(model="tiny", prompt=ids, n=2, max_tokens=10, **GREEDY)
+        chunks = list(api.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=10, stream=True,
+                                             stream_options={"include_usage": True}, **GREEDY))
+        chat = api.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=8, **GREEDY)
+        chat_chunks = list(api.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=8, stream=True, **GREEDY))
+        leftover = server.server.engine.session_ids
+    for out in (whole, by_ids):
+        assert [c.index for c in out.choices] == list(range(6)) and [c.text for c in out.choices] == expected
+        assert {c.finish_reason for c in out.choices} == {"length"}
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (sum(map(len, ids)), 60)  # each prompt counted once
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(6)]
+    assert streamed == expected and len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 60
+    assert sum(c.choices[0].finish_reason == "length" for c in chunks if c.choices) == 6
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    assert [c.choices[0].delta.role for c in chat_chunks[:2]] == ["assistant", "assistant"]
+    assert ["".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices[0].index == i) for i in range(2)] == \
+        [chat.choices[0].message.content] * 2
+    assert leftover == []
+
+
+def test_n_sampled_choices_are_distinct_and_a_seed_reproduces_them(models):
+    with front(models) as server:
+        api = client(server)
+
+        def sample(**kwargs):
+            out = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=1.0,
+                                         extra_body={"ignore_eos": True}, **kwargs)
+            return [c.text for c in out.choices]
+
+        seeded, again, alone = sample(n=3, seed=7), sample(n=3, seed=7), sample(seed=7)
+    assert seeded == again
+    assert len(set(seeded)) == 3  # 24 tokens sampled at T = 1 from a 300-token vocabulary
+    # choice 0 is the seed's own request: chain k = 3 gives three requests their drafts within the
+    # budget of 12, so each runs the schedule it runs alone
+    assert seeded[0] == alone[0]
+
+
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
     tokenizer = models[2]
     prompts = ["import os", "class A:", "def f(x):", "return None"]
