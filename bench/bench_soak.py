@@ -32,11 +32,12 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_local import code_prompts, load_demo_pair
+from bench.bench_local import code_prompts, load_pair
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.credentials import ClientTLS
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.certs import init_certs
+from goodspeed.launch.local import _pinned
 from goodspeed.verifier.auth import add_token
 
 CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
@@ -60,9 +61,8 @@ def start_verifier(port: int, log_path: Path, secure: dict | None) -> subprocess
                  "--round-deadline-ms", "500", "--idle-timeout-s", "120", "--seed", "0"]
     if secure:
         cmd += ["--tls-cert", secure["cert"], "--tls-key", secure["key"], "--tls-client-ca", secure["ca"], "--auth-tokens", secure["tokens"]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), env=env,
-                            preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    cmd, keywords = _pinned(cmd, (0,))  # CPU 0, one thread; no preexec_fn (see launch.local)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), **keywords)
 
 
 def wait_serving(log_path: Path, timeout_s: float = 120) -> None:
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
-    pair = load_demo_pair("draft-tiny")
+    pair = load_pair("target", "draft-tiny")
     if pair is None:
         return 1
     torch.set_num_threads(1)

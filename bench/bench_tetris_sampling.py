@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from bench.bench_local import code_prompts, load_demo_pair
+from bench.bench_local import code_prompts, load_pair
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing, _Plan
@@ -92,7 +92,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    pair = load_demo_pair(args.draft)
+    pair = load_pair("target", args.draft)
     if pair is None:
         return 1
     torch.set_num_threads(args.threads)
