@@ -79,7 +79,7 @@ from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
 from goodspeed.verifier.types import Draft, PrefillStep, RoundResult, RoundTimings, Verdict
-from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier
+from goodspeed.verifier.verify_rows import MAX_TOP_LOGPROBS, RowInput, RowOutcome, RowVerifier, committed_logprobs
 
 
 class VerificationEngine:
@@ -214,22 +214,27 @@ class VerificationEngine:
         max_new_tokens: int,
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> int:
         """Prefill the prompt into a fresh KV slot; returns the draft length for the first round.
         With chunked prefill (``EngineConfig.prefill_chunk``) a prompt of more than one token is
         queued instead and ``None`` returned: the steps prefill it, and the step that completes it
         lists the session in ``started`` with its first draft length. ``seed``: the request's
         accept/correction uniforms come from its own stream (reproducible per request) instead of
-        the engine's shared one."""
+        the engine's shared one. ``logprobs``: its verdicts carry each token's log-probability under
+        the target and that many of the most probable tokens at each position (0 to
+        :data:`~goodspeed.verifier.verify_rows.MAX_TOP_LOGPROBS`)."""
         session = self._session(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
         self.check_request(prompt, max_new_tokens)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.MalformedDraftError(f"logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
         slot = self.slots.add(session_id)
         generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids),
-                                  generator=generator)
+                                  generator=generator, logprobs=logprobs)
         if len(prompt) > 1 and self.config.prefill_chunk is not None:
             self._prefilling.append(session_id)
             return None
@@ -351,7 +356,7 @@ class VerificationEngine:
         self.slots.remove(session.session_id)
         session.source.end(session.session_id)
         session.request, session.pending = None, None
-        session.decoded, session.decoded_end = [], None
+        session.decoded, session.decoded_end, session.decoded_logprobs = [], None, []
 
     def set_allotment(self, session_id: str, num_tokens: int) -> None:
         """Override the session's draft length for its next round: for callers that choose lengths
@@ -387,7 +392,7 @@ class VerificationEngine:
         tokens decoded in transit so far are no longer ahead of it."""
         committed = self.committed(session_id)
         session = self._sessions[session_id]
-        session.decoded = []
+        session.decoded, session.decoded_logprobs = [], []
         return committed, session.round_index, session.source.allotted(session_id)
 
     def allotment(self, session_id: str) -> int:
@@ -466,16 +471,17 @@ class VerificationEngine:
             if generator is not None and row.input.key not in given:
                 given[row.input.key] = torch.rand(row.input.draft.num_tokens + 1, generator=generator, dtype=torch.float64).numpy()
         checked = self.row_verifier.verify([r.input for r in rows], logits, given) if rows else []
+        logprobs = self._logprobs(rows, logits, checked)
         # Every row's KV at once: a step of trees moves accepted paths in one op per layer, not per row.
         self.cache.commit_many([(row.slot, self.cache.lengths[row.slot], out.kept) for row, out in zip(rows, checked)],
                                mover=self.graphs.move if self.graphs is not None else None)
         outcomes = []
-        for row, out in zip(rows, checked):
+        for row, out, lps in zip(rows, checked, logprobs):
             if row.transit:
-                self._apply_transit(row, out)
+                self._apply_transit(row, out, lps)
             else:
-                outcomes.append(self._apply(row, out))
-        outcomes += [(row, [], 0, row.session.decoded_end) for row in settled]
+                outcomes.append(self._apply(row, out, lps))
+        outcomes += [(row, [], 0, row.session.decoded_end, []) for row in settled]
         t3 = time.perf_counter()
         for row in rows:  # before scheduling: the time-aware policy reads it
             if periods and row.input.key in periods and not row.transit:
@@ -596,7 +602,19 @@ class VerificationEngine:
             )
         return out.logits[rows] if rows else None
 
-    def _apply(self, row: Row, outcome: RowOutcome) -> tuple:
+    @staticmethod
+    def _logprobs(rows: list[Row], logits: torch.Tensor | None, checked: list[RowOutcome]) -> list[list]:
+        """Each row's emitted tokens' :class:`TokenLogprob` where its request asked for them
+        (``[]`` elsewhere): the logits at the kept positions are those the emitted tokens follow."""
+        wanted = [(i, out.kept[: len(out.emitted)], out.emitted, row.session.request.logprobs)
+                  for i, (row, out) in enumerate(zip(rows, checked)) if row.session.request.logprobs is not None]
+        out: list[list] = [[] for _ in rows]
+        if wanted:
+            for (i, *_), lps in zip(wanted, committed_logprobs(logits, wanted)):
+                out[i] = lps
+        return out
+
+    def _apply(self, row: Row, outcome: RowOutcome, logprobs: list) -> tuple:
         """Commit the verified tokens (already in the KV slot: ``run_round``) to the request; end
         finished requests."""
         session, request = row.session, row.session.request
@@ -604,9 +622,9 @@ class VerificationEngine:
         request.commit(emitted)
         accepted = len(outcome.kept) - 1
         session.source.observe(session.session_id, outcome.ratios, accepted)
-        return row, emitted, accepted, reason
+        return row, emitted, accepted, reason, logprobs[: len(emitted)]
 
-    def _apply_transit(self, row: Row, outcome: RowOutcome) -> None:
+    def _apply_transit(self, row: Row, outcome: RowOutcome, logprobs: list) -> None:
         """Commit a transit row's token (the target's next one, already in the KV slot:
         ``run_round``) to the request; a request that ends here is told with the session's next
         verdict."""
@@ -614,11 +632,12 @@ class VerificationEngine:
         emitted, session.decoded_end = _until_end(request, outcome.emitted[:1])
         request.commit(emitted)
         session.decoded += emitted
+        session.decoded_logprobs += logprobs[: len(emitted)]
 
     def _schedule(self, outcomes: list[tuple]) -> dict[str, Verdict]:
         """Next round's draft lengths, from each source's book (eq. (5) or the configured baseline
         for the engine's own), then the verdicts."""
-        finished = {row.session.session_id for row, _, _, reason in outcomes if reason}
+        finished = {row.session.session_id for row, _, _, reason, _ in outcomes if reason}
         for sid in finished:
             self._sessions[sid].source.end(sid)  # its allotment returns to the pool before the others share it
         by_source: dict[int, tuple[DraftAllotments, list[Session]]] = {}
@@ -629,13 +648,14 @@ class VerificationEngine:
             source.schedule([s.session_id for s in participants], [source.cap(s.request.remaining) for s in participants],
                             self.round_index)
         verdicts = {}
-        for row, emitted, accepted, reason in outcomes:
-            verdicts[row.session.session_id] = self._verdict(row, emitted, accepted, reason)
+        for row, emitted, accepted, reason, logprobs in outcomes:
+            verdicts[row.session.session_id] = self._verdict(row, emitted, accepted, reason, logprobs)
         return verdicts
 
-    def _verdict(self, row: Row, emitted: list[int], accepted: int, reason: str | None) -> Verdict:
+    def _verdict(self, row: Row, emitted: list[int], accepted: int, reason: str | None, logprobs: list) -> Verdict:
         session = row.session
         committed = session.request.committed
+        wants_logprobs = session.request.logprobs is not None
         est = session.source.estimator.get(session.session_id)
         decoded = session.decoded
         if decoded:  # the text grew in transit first: the drafter keeps what equals its draft
@@ -655,11 +675,12 @@ class VerificationEngine:
             finish_reason=reason,
             acceptance=est.acceptance,
             goodput=est.goodput,
+            logprobs=tuple(session.decoded_logprobs + logprobs) if wants_logprobs else None,
         )
         session.last_draft, session.last_verdict = row.draft, verdict
         session.round_index += 1
         session.pending = None
-        session.decoded, session.decoded_end = [], None
+        session.decoded, session.decoded_end, session.decoded_logprobs = [], None, []
         if reason:
             self._end_request(session)
         return verdict

@@ -72,6 +72,7 @@ from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel, subtree
 from goodspeed.verifier.types import Draft, RoundResult
+from goodspeed.verifier.verify_rows import MAX_TOP_LOGPROBS
 
 
 # ------------------------------------------------------------------------------------- clocks
@@ -179,6 +180,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     summary: dict | None = None  # the last event: the request's statistics (LocalRequest.summary)
+    logprobs: list | None = None  # TokenLogprob of each of token_ids, for a request that asked for them
 
 
 @dataclass
@@ -192,10 +194,12 @@ class LocalRequest:
     on_event: Callable[[TokenEvent], None] | None
     arrival: float
     seed: int | None = None
+    logprobs: int | None = None  # each token's log-probability and this many top ones (Verdict.logprobs)
     session_id: str | None = None
     decode_start: float | None = None  # clock time the prefill finished
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)  # TokenLogprob of each generated token, if asked for
     finish_reason: str | None = None
     finished_at: float | None = None
     drafted: int = 0  # draft tokens sent for verification
@@ -303,14 +307,18 @@ class LocalServing:
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 64,
                eos_token_ids: Sequence[int] = (), tpot_slo_ms: float | None = None,
                on_event: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
-               seed: int | None = None) -> str:
+               seed: int | None = None, logprobs: int | None = None) -> str:
         """Queue a request (validated now, so a bad one fails here); returns its id. ``seed``: the
         request's draft sampling and its accept/correction uniforms come from streams of its own,
-        so the same request with the same seed and draft lengths gives the same output."""
+        so the same request with the same seed and draft lengths gives the same output.
+        ``logprobs``: its events carry each token's log-probability under the target and that many
+        top ones (:meth:`VerificationEngine.start_request`)."""
         prompt = [int(t) for t in prompt_ids]
         self.engine.check_request(prompt, max_new_tokens)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.MalformedDraftError(f"logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
         if len(self._waiting) >= self.config.max_waiting:
             raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry later")
         rid = request_id or f"local-{next(self._ids)}"
@@ -320,7 +328,7 @@ class LocalServing:
             seed = resolve_root_seed(seed)
         self._waiting.append(LocalRequest(
             rid, prompt, sampling, int(max_new_tokens), tuple(int(t) for t in eos_token_ids),
-            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now(), seed=seed))
+            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now(), seed=seed, logprobs=logprobs))
         return rid
 
     def cancel(self, request_id: str) -> bool:
@@ -381,7 +389,7 @@ class LocalServing:
             req.session_id = self.engine.join(f"local:{req.request_id}", source=self.allotments)
             try:
                 length = self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens,
-                                                   req.eos_token_ids, seed=req.seed)
+                                                   req.eos_token_ids, seed=req.seed, logprobs=req.logprobs)
             except errors.EngineError as exc:
                 self.engine.leave(req.session_id)
                 self._finish(req, f"error: {exc}")
@@ -444,13 +452,16 @@ class LocalServing:
             if plan.parents is None and plan.token_ids:
                 self.draft.rollback(req.request_id, len(req.committed), verdict.num_accepted)
             req.commit(verdict.token_ids, now)
+            if verdict.logprobs is not None:
+                req.token_logprobs.extend(verdict.logprobs)
             req.drafted += verdict.num_drafted
             req.accepted += verdict.num_accepted
             req.acceptance = verdict.acceptance
             accepted += verdict.num_accepted
             emitted += len(verdict.token_ids)
             if req.on_event is not None:
-                req.on_event(TokenEvent(req.request_id, list(verdict.token_ids), [now] * len(verdict.token_ids)))
+                req.on_event(TokenEvent(req.request_id, list(verdict.token_ids), [now] * len(verdict.token_ids),
+                                        logprobs=None if verdict.logprobs is None else list(verdict.logprobs)))
             if verdict.finished:
                 self._release(req, verdict.finish_reason)
         duration = now - started

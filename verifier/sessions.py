@@ -97,6 +97,7 @@ class Request:
     eos_token_ids: frozenset[int]
     hasher: object = field(default_factory=new_prefix_hasher)  # BLAKE2b of ``committed`` so far
     generator: object = None  # torch.Generator of a seeded request's uniforms; None: the engine's stream
+    logprobs: int | None = None  # verdicts carry each token's log-probability and this many top ones; None: none
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
@@ -123,6 +124,7 @@ class Session:
     transit: bool = False  # it reads verdicts carrying tokens decoded while its draft was in transit
     decoded: list[int] = field(default_factory=list)  # tokens decoded in transit since its last verdict
     decoded_end: str | None = None  # "eos" / "length": its request ended in transit (told with the next verdict)
+    decoded_logprobs: list = field(default_factory=list)  # TokenLogprob of ``decoded``, if its request asked
 
 
 @dataclass

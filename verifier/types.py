@@ -40,6 +40,16 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of a committed token, from its raw logits (before temperature,
+    top-k and top-p: vLLM's default), and the ``top`` most probable tokens at that position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most probable first
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The verifier's answer to one draft."""
 
@@ -56,6 +66,7 @@ class Verdict:
     acceptance: float  # alpha_hat after this round (eq. 3)
     goodput: float  # X after this round (eq. 4)
     num_transit: int = 0  # leading token_ids the verifier decoded while the draft was in transit
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids, for a request that asked for them
 
 
 @dataclass(frozen=True)

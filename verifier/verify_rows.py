@@ -22,7 +22,7 @@ import torch
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
 from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
-from goodspeed.verifier.types import Draft
+from goodspeed.verifier.types import Draft, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,34 @@ class RowVerifier:
         res = verify_tree(p, torch.tensor(row.tokens[1:]), list(row.draft.parents), u, q)
         kept = [0] + [node + 1 for node in res.accepted_nodes]
         return RowOutcome(kept, [row.tokens[k] for k in kept[1:]] + [res.next_token], res.tested_ratios)
+
+
+MAX_TOP_LOGPROBS = 20  # the most top log-probabilities a request may ask for (vLLM's default max_logprobs)
+
+
+def committed_logprobs(logits: torch.Tensor, wanted: Sequence[tuple[int, Sequence[int], Sequence[int], int]]) -> list[list[TokenLogprob]]:
+    """The target's log-probabilities of committed tokens, read off a step's logits: ``wanted[i] =
+    (row, positions, tokens, top)`` asks, for each ``tokens[j]``, its log-probability under the
+    distribution at ``logits[row, positions[j]]`` (the position whose next token it is) and the
+    ``top`` most probable tokens there. Raw logits (no temperature, top-k or top-p: vLLM's default
+    ``raw_logprobs``), log-softmax in float32; one pass over the vocabulary for every asked
+    position of the step, one copy to the host. Reads the logits only: verification is untouched."""
+    flat = [(row, pos) for row, positions, _, _ in wanted for pos in positions]
+    if not flat:
+        return [[] for _ in wanted]
+    device = logits.device
+    rows = torch.tensor([r for r, _ in flat], device=device)
+    positions = torch.tensor([p for _, p in flat], device=device)
+    logprobs = torch.log_softmax(logits[rows, positions].float(), dim=-1)
+    tokens = torch.tensor([t for _, _, toks, _ in wanted for t in toks], device=device)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top = max(k for *_, k in wanted)
+    top_values, top_ids = (logprobs.topk(top, dim=-1) if top else (None, None))
+    top_values = top_values.tolist() if top else None
+    top_ids = top_ids.tolist() if top else None
+    out, i = [], 0
+    for _, positions, toks, k in wanted:
+        out.append([TokenLogprob(int(t), chosen[i + j], tuple(zip(top_ids[i + j][:k], top_values[i + j][:k])) if k else ())
+                    for j, t in enumerate(toks)])
+        i += len(positions)
+    return out

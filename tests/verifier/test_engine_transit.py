@@ -164,9 +164,9 @@ def test_a_transit_step_that_looks_at_its_token_is_caught(sampled_models, monkey
     target, draft = sampled_models
     apply = VerificationEngine._apply_transit
 
-    def picky(self, row, outcome):
+    def picky(self, row, outcome, logprobs):
         if outcome.emitted[0] != 0:  # token 0: as if the row never ran (its KV entry is not kept either)
-            apply(self, row, outcome)
+            apply(self, row, outcome, logprobs)
 
     monkeypatch.setattr(VerificationEngine, "_apply_transit", picky)
     sampling = SamplingParams(temperature=1.0)
