@@ -5,8 +5,9 @@ Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM'
 refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
-* a feature this server does not implement (``logprobs``, penalties, tools, ``echo``, ``best_of``,
-  non-text response formats): 400 naming the field, never a silent fallback;
+* a feature this server does not implement (penalties, tools, ``echo``, ``best_of``, non-text
+  response formats): 400 naming the field, never a silent fallback; more than
+  :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
 * more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
 * an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
   400 ``context_length_exceeded``; a full queue: 429.
@@ -20,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from goodspeed.lm.sampling import MIN_TEMPERATURE, SamplingParams
+from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
@@ -65,8 +66,6 @@ class _Sampling(BaseModel):
     tpot_slo_ms: Annotated[float, Field(gt=0)] | None = None  # AdaServe's per-request SLO (verifier only)
     user: str | None = None  # accepted for logs, as OpenAI's
     # Refused unless left at their defaults (see :meth:`refuse_unsupported`).
-    logprobs: Any = None
-    top_logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -93,7 +92,7 @@ class _Sampling(BaseModel):
         """400 for features this server does not implement, naming the field."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream = true", param="stream_options")
-        for name, default in (("logprobs", None), ("top_logprobs", None), ("presence_penalty", 0.0),
+        for name, default in (("presence_penalty", 0.0),
                               ("frequency_penalty", 0.0), ("logit_bias", None), ("best_of", None)):
             value = getattr(self, name)
             if value not in (default, False, {}) or (name == "best_of" and value not in (None, 1)):
@@ -118,6 +117,7 @@ def _one_or_many(prompt) -> list:
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them (choice order)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top ones besides each token's own
     echo: bool = False
     suffix: str | None = None
 
@@ -144,6 +144,10 @@ class CompletionRequest(_Sampling):
             if isinstance(prompt, str) and not prompt:
                 raise ValueError("the prompt is empty")
         return value
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -185,6 +189,8 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
@@ -198,6 +204,12 @@ class ChatCompletionRequest(_Sampling):
                            param="response_format")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -230,6 +242,7 @@ class GenerationRequest:
     eos_token_ids: tuple[int, ...]
     seed: int | None = None
     tpot_slo_ms: float | None = None
+    logprobs: int | None = None  # each token's log-probability and this many top ones; None: none
 
     def __post_init__(self) -> None:
         if self.tpot_slo_ms is not None and not (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0):

@@ -13,6 +13,10 @@ A batch of prompts or ``n > 1`` asks for several choices: each is a backend requ
 all are admitted together (one refused: the whole request refused, the others cancelled), and their
 pieces are merged into one response or one event stream, each event naming its choice.
 
+``logprobs`` (chat: ``logprobs`` / ``top_logprobs``): the backend's deltas carry each token's
+:class:`~goodspeed.lm.sampling.TokenLogprob` (the target's, read off the verifying step's logits),
+formatted here as OpenAI's objects, trimmed with the text at a stop string.
+
 A backend (:class:`Backend`) is the verifier's local serving batch
 (:mod:`goodspeed.verifier.http_front`) or an edge node's session pool
 (:mod:`goodspeed.drafter.node`); this module knows neither.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import secrets
 import time
@@ -52,6 +57,7 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None
     error: ApiError | None = None  # with finish_reason "error: ...": what the client is told
+    logprobs: list | None = None  # TokenLogprob of each of token_ids, for a request that asked for them
 
 
 class Backend(Protocol):
@@ -203,7 +209,26 @@ class OpenAIServer:
             request_id=f"{base}-{i * n + j}" if many else base, prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=body.sampling(), eos_token_ids=() if body.ignore_eos or eos is None else (int(eos),),
             seed=body.seed if body.seed is None or j == 0 else stream_seed(body.seed, "choice", str(j)) % (1 << ROOT_SEED_BITS),
-            tpot_slo_ms=body.tpot_slo_ms) for i, prompt_ids in enumerate(prompts) for j in range(n)]
+            tpot_slo_ms=body.tpot_slo_ms, logprobs=body.requested_logprobs) for i, prompt_ids in enumerate(prompts) for j in range(n)]
+
+    def _logprobs(self, logprobs: list, chat: bool, offset: int) -> dict:
+        """A choice's (or a chunk's) ``logprobs`` object: chat's ``{"content": [{token, logprob,
+        bytes, top_logprobs}]}``, or completions' ``{tokens, token_logprobs, top_logprobs,
+        text_offset}`` (each token's text from ``offset``; ``top_logprobs`` maps text to
+        log-probability and includes the chosen token, as vLLM's). A token's text is its own decode."""
+        decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
+        if chat:
+            def entry(token_id: int, logprob: float) -> dict:
+                text = decode([token_id])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in logprobs]}
+        tokens = [decode([lp.token_id]) for lp in logprobs]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{**{decode([t]): v for t, v in lp.top}, text: lp.logprob} for text, lp in zip(tokens, logprobs)],
+                "text_offset": offsets}
 
     def _envelope(self, rid: str, chat: bool, created: int) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -243,60 +268,79 @@ class OpenAIServer:
             await deltas.aclose()
 
     @staticmethod
-    async def _pieces(deltas, text: TextStream):
-        """Yield ``(new text, finish_reason or None)`` from an opened backend stream until the end;
-        the backend stream is always closed, which cancels the request if it did not finish."""
+    async def _pieces(deltas, text: TextStream, logprobs: list | None):
+        """Yield ``(new text, finish_reason or None, log-probabilities)`` from an opened backend
+        stream until the end: with ``logprobs`` (a list this fills with every token's
+        :class:`TokenLogprob`), those of the tokens consumed since the last yield (a stop string
+        ends consumption; text held back still has its tokens' here), else None. The backend
+        stream is always closed, which cancels the request if it did not finish."""
+        sent = 0
+
+        def new() -> list | None:
+            nonlocal sent
+            if logprobs is None:
+                return None
+            out, sent = logprobs[sent : text.consumed], text.consumed
+            return out
+
         try:
             async for delta in deltas:
+                if logprobs is not None and delta.token_ids:
+                    if delta.logprobs is None or len(delta.logprobs) != len(delta.token_ids):
+                        raise ApiError(502, "the verifier sent tokens without the log-probabilities asked for "
+                                            "(is it older than this node?)")
+                    logprobs.extend(delta.logprobs)
                 # inline: a step's few tokens decode in a window of a few tokens (microseconds)
                 piece = text.push(delta.token_ids) if delta.token_ids else ""
                 if text.stopped:
-                    yield piece, "stop"
+                    yield piece, "stop", new()
                     return
                 if delta.finished:
                     if delta.error is not None:
                         raise delta.error
                     if delta.finish_reason not in ("eos", "length"):
                         raise ApiError(500, f"generation failed: {delta.finish_reason}")
-                    yield piece + text.finish(), _finish_reason(text, delta.finish_reason)
+                    yield piece + text.finish(), _finish_reason(text, delta.finish_reason), new()
                     return
                 if piece:
-                    yield piece, None
+                    yield piece, None, new()
         finally:
             await deltas.aclose()
 
-    async def _choices(self, streams: list, texts: list[TextStream]):
-        """Yield ``(choice index, new text, finish_reason or None)`` from every choice's stream as
-        its pieces come. A choice that fails raises here; closing this generator (the callers do, in
-        a ``finally``) stops every choice's task, and each task's :meth:`_pieces` closes its stream."""
+    async def _choices(self, streams: list, texts: list[TextStream], logprobs: list[list] | None):
+        """Yield ``(choice index, new text, finish_reason or None, log-probabilities or None)`` from
+        every choice's stream as its pieces come (:meth:`_pieces`; ``logprobs[i]``: choice ``i``'s
+        list to fill, or None when not asked for). A choice that fails raises here; closing this
+        generator (the callers do, in a ``finally``) stops every choice's task, and each task's
+        :meth:`_pieces` closes its stream."""
         if len(streams) == 1:
-            async with contextlib.aclosing(self._pieces(streams[0], texts[0])) as runs:
-                async for piece, reason in runs:
-                    yield 0, piece, reason
+            async with contextlib.aclosing(self._pieces(streams[0], texts[0], logprobs and logprobs[0])) as runs:
+                async for piece, reason, lps in runs:
+                    yield 0, piece, reason, lps
             return
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
 
         async def pump(i: int) -> None:
             try:
-                async with contextlib.aclosing(self._pieces(streams[i], texts[i])) as runs:
-                    async for piece, reason in runs:
-                        queue.put_nowait((i, piece, reason))
-                queue.put_nowait((i, end, None))
+                async with contextlib.aclosing(self._pieces(streams[i], texts[i], logprobs and logprobs[i])) as runs:
+                    async for piece, reason, lps in runs:
+                        queue.put_nowait((i, piece, reason, lps))
+                queue.put_nowait((i, end, None, None))
             except Exception as exc:  # said by the consumer; a cancelled pump has nothing to say
-                queue.put_nowait((i, exc, None))
+                queue.put_nowait((i, exc, None, None))
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
         try:
             running = len(tasks)
             while running:
-                i, piece, reason = await queue.get()
+                i, piece, reason, lps = await queue.get()
                 if piece is end:
                     running -= 1
                 elif isinstance(piece, Exception):
                     raise piece
                 else:
-                    yield i, piece, reason
+                    yield i, piece, reason, lps
         finally:
             for task in tasks:
                 task.cancel()
@@ -306,19 +350,23 @@ class OpenAIServer:
         texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
         pieces: list[list[str]] = [[] for _ in gens]
         reasons: list[str | None] = [None] * len(gens)
+        received = None if gens[0].logprobs is None else [[] for _ in gens]
+        kept: list[list] = [[] for _ in gens]
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
-        runs = self._choices(streams, texts)
+        runs = self._choices(streams, texts, received)
         try:
-            async for i, piece, reason in runs:
+            async for i, piece, reason, lps in runs:
                 pieces[i].append(piece)
                 reasons[i] = reason
+                kept[i] += lps or []
         finally:
             await runs.aclose()
             await self._close_all(streams)  # also when cancelled before the first piece
         contents = ["".join(p) for p in pieces]
-        choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": None, "finish_reason": r}
-                   if chat else {"index": i, "text": c, "logprobs": None, "finish_reason": r}
-                   for i, (c, r) in enumerate(zip(contents, reasons))]
+        logprobs = [None if received is None else self._logprobs(kept[i], chat, 0) for i in range(len(gens))]
+        choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": lp, "finish_reason": r}
+                   if chat else {"index": i, "text": c, "logprobs": lp, "finish_reason": r}
+                   for i, (c, r, lp) in enumerate(zip(contents, reasons, logprobs))]
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.backend.model_ids[0], "choices": choices,
@@ -330,16 +378,22 @@ class OpenAIServer:
         first token's chunk is all that is left on its path), then one event per new text of a
         choice, which the event's ``index`` names."""
         texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
+        received = None if gens[0].logprobs is None else [[] for _ in gens]
+        offsets = [0] * len(gens)  # completions' text_offset: characters of each choice's tokens so far
         streams = await self._open_all(gens, identity)
-        runs = self._choices(streams, texts)
+        runs = self._choices(streams, texts, received)
         envelope = self._envelope(rid, chat, int(time.time()))
         usage = {"usage": None} if body.include_usage else {}
 
-        def chunk(i: int, piece: str, reason: str | None, role: bool = False) -> dict:
+        def chunk(i: int, piece: str, reason: str | None, lps: list | None = None, role: bool = False) -> dict:
+            logprobs = None
+            if lps is not None:
+                logprobs = self._logprobs(lps, chat, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
-                return {**envelope, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}], **usage}
-            return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": None, "finish_reason": reason}], **usage}
+                return {**envelope, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}], **usage}
+            return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": reason}], **usage}
 
         try:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -352,8 +406,8 @@ class OpenAIServer:
                 if chat:
                     for i in range(len(gens)):
                         await send(chunk(i, "", None, role=True))
-                async for i, piece, reason in runs:
-                    await send(chunk(i, piece, reason))
+                async for i, piece, reason, lps in runs:
+                    await send(chunk(i, piece, reason, lps))
             except ApiError as exc:  # a choice failed after the headers went out: say so in the stream
                 await send(exc.body())
         finally:

@@ -52,7 +52,7 @@ from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
-from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenLogprob, check_proposal_top_k
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
@@ -380,6 +380,8 @@ class EdgeNode:
                 max_new_tokens=req.gen.max_tokens - req.generated, eos_token_ids=list(req.gen.eos_token_ids))
             if req.gen.seed is not None:
                 message.seed = req.gen.seed
+            if req.gen.logprobs is not None:
+                message.logprobs = req.gen.logprobs
             try:
                 reply = await self.stub.StartRequest(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
@@ -417,7 +419,8 @@ class EdgeNode:
                 if len(req.committed) != verdict.committed_length or req.hasher.hexdigest() != verdict.prefix_hash:
                     raise ApiError(502, "a verdict does not match this node's text (committed length or prefix hash)")
                 req.in_progress = not verdict.finished
-                req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None))
+                req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None,
+                                         logprobs=_logprobs(verdict) if req.gen.logprobs is not None else None))
                 if verdict.finished:
                     reason = finished_reason(verdict.finish_reason)
                     return
@@ -503,6 +506,14 @@ class EdgeNode:
             for job in jobs:
                 if not job.future.done():
                     job.future.set_result(drafts[job.request.key])
+
+
+def _logprobs(verdict: pb.Verdict) -> list[TokenLogprob] | None:
+    """A verdict's log-probabilities, one per token; None when it carries none (a verifier older
+    than ``StartRequestRequest.logprobs``, which the HTTP layer then reports)."""
+    if len(verdict.logprobs) != len(verdict.token_ids):
+        return None
+    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in verdict.logprobs]
 
 
 def _refusal(what: str, exc: grpc.aio.AioRpcError) -> ApiError:

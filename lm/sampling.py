@@ -21,6 +21,18 @@ import torch
 # Below this (and above 0) ``logits / temperature`` overflows float32 to inf and the softmax to NaN
 # (1e-45, a float32 subnormal, did); vLLM treats such temperatures as greedy, we refuse them.
 MIN_TEMPERATURE = 1e-5
+# The most top log-probabilities a request may ask for with its tokens' own (vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of a committed token, from its raw logits (before temperature,
+    top-k and top-p: vLLM's default), and the ``top`` most probable tokens at that position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most probable first
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = await self._owned(request.session_id, context)
         sampling = sampling_from_pb(request.sampling)
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids),
-                request.seed if request.HasField("seed") else None)
+                request.seed if request.HasField("seed") else None, request.logprobs if request.HasField("logprobs") else None)
         started = time.perf_counter()
         kv_tokens = len(request.prompt_ids) + request.max_new_tokens
         self.usage.admit_request(drafter.identity, kv_tokens)
@@ -340,7 +340,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def open_local(self, who: Identity, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                          eos: tuple[int, ...], tpot_slo_ms: float | None, request_id: str | None = None,
-                         seed: int | None = None) -> "LocalStream":
+                         seed: int | None = None, logprobs: int | None = None) -> "LocalStream":
         """Admit a local-serving request for ``who`` (gRPC Generate and the HTTP front); raises
         :class:`errors.EngineError` if refused. The stream yields its :class:`TokenEvent` s;
         closing it before the last one cancels the request at once."""
@@ -355,7 +355,7 @@ class VerifierService(pb_grpc.VerifierServicer):
 
         try:
             rid = await self.call(functools.partial(
-                self.local.submit, prompt_ids, sampling, max_new_tokens, eos, tpot_slo_ms, on_event, request_id, seed))
+                self.local.submit, prompt_ids, sampling, max_new_tokens, eos, tpot_slo_ms, on_event, request_id, seed, logprobs))
         except errors.EngineError:
             self.usage.close_stream(who.name, kv_tokens)
             raise

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from goodspeed.lm.sampling import TokenLogprob
+
 
 @dataclass(frozen=True)
 class SparseProbs:
@@ -37,16 +39,6 @@ class Draft:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The target's log-probability of a committed token, from its raw logits (before temperature,
-    top-k and top-p: vLLM's default), and the ``top`` most probable tokens at that position."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most probable first
 
 
 @dataclass(frozen=True)

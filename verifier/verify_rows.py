@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, process_logits
 from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
 from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
-from goodspeed.verifier.types import Draft, TokenLogprob
+from goodspeed.verifier.types import Draft
 
 
 @dataclass(frozen=True)
@@ -128,9 +128,6 @@ class RowVerifier:
         res = verify_tree(p, torch.tensor(row.tokens[1:]), list(row.draft.parents), u, q)
         kept = [0] + [node + 1 for node in res.accepted_nodes]
         return RowOutcome(kept, [row.tokens[k] for k in kept[1:]] + [res.next_token], res.tested_ratios)
-
-
-MAX_TOP_LOGPROBS = 20  # the most top log-probabilities a request may ask for (vLLM's default max_logprobs)
 
 
 def committed_logprobs(logits: torch.Tensor, wanted: Sequence[tuple[int, Sequence[int], Sequence[int], int]]) -> list[list[TokenLogprob]]:

@@ -53,7 +53,8 @@ def refusal(call, **kwargs):
     (dict(prompt=[]), "prompt"),
     (dict(prompt=["x", ""]), "prompt"),
     (dict(seed=-5), "seed"),
-    (dict(logprobs=3), "logprobs"),
+    (dict(logprobs=21), "logprobs"),  # 20 top log-probabilities at most, as vLLM's default
+    (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),  # chat's field, not completions'
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(echo=True), "echo"),
@@ -73,6 +74,8 @@ def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     (dict(messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(messages=MESSAGES, response_format={"type": "json_object"}), "response_format"),
     (dict(messages=MESSAGES, max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),
+    (dict(messages=MESSAGES, top_logprobs=2), "top_logprobs"),  # needs logprobs = true
+    (dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
 ])
 def test_bad_chat_bodies_are_400(api, kwargs, param):
     status, body = refusal(api.chat.completions.create, model="tiny", **kwargs)

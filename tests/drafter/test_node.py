@@ -6,6 +6,7 @@ import time
 
 import openai
 import pytest
+import torch
 
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs
@@ -62,6 +63,50 @@ def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(m
     assert metrics["goodspeed:generation_tokens_total[]"] == 20 + 20 + 16 + 16
     assert metrics["goodspeed:request_success_total[('finished_reason', 'length')]"] == 4
     assert metrics["goodspeed:time_to_first_token_seconds_count[]"] == 4
+
+
+def test_logprobs_through_a_node_are_the_verifiers(models):
+    """The verifier sends each token's log-probabilities with its verdicts; the node's API gives
+    them as the verifier's own front does: the target's."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    generated = greedy_reference(models[0], prompt_ids, 20)
+    with torch.no_grad():
+        logits = models[0](torch.tensor([prompt_ids + generated])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : -1]
+    expected = rows.gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1).tolist()
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        whole = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, logprobs=1, **GREEDY)
+        chunks = list(api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                                  logprobs=True, stream=True, **GREEDY))
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in generated]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert all(max(top.values()) == pytest.approx(row.max().item(), abs=1e-4) for top, row in zip(lp.top_logprobs, rows))
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(content) == 6 and all(e.top_logprobs == [] for e in content)
+
+
+def test_a_verifier_that_sends_no_logprobs_is_a_502_not_a_silent_gap(models, monkeypatch):
+    """A verifier older than StartRequestRequest.logprobs ignores it; the node says so."""
+    import goodspeed.verifier.round_loop as round_loop
+
+    def old_verdict(verdict):
+        message = verdict_to_pb(verdict)
+        del message.logprobs[:]
+        return message
+
+    from goodspeed.verifier.serde import verdict_to_pb
+
+    monkeypatch.setattr(round_loop, "verdict_to_pb", old_verdict)
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        with pytest.raises(openai.APIStatusError, match="without the log-probabilities") as refused:
+            api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, logprobs=0, **GREEDY)
+        plain = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, **GREEDY)
+    assert refused.value.status_code == 502
+    assert plain.choices[0].text == reference(models, "def f(x):", 8)
 
 
 def test_a_batch_of_prompts_through_a_node_waits_for_sessions_and_equals_the_targets_greedy_decoding(models):

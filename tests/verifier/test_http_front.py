@@ -5,6 +5,7 @@ import asyncio
 
 import openai
 import pytest
+import torch
 
 from goodspeed.verifier.auth import add_token
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -163,6 +164,63 @@ def test_n_sampled_choices_are_distinct_and_a_seed_reproduces_them(models):
     # choice 0 is the seed's own request: chain k = 3 gives three requests their drafts within the
     # budget of 12, so each runs the schedule it runs alone
     assert seeded[0] == alone[0]
+
+
+def target_logprobs(models, prompt_ids, generated):
+    """The target's log-probabilities of ``generated`` after ``prompt_ids``, and its log-softmax rows."""
+    with torch.no_grad():
+        logits = models[0](torch.tensor([prompt_ids + generated])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
+    return rows.gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1).tolist(), rows
+
+
+def test_logprobs_are_the_targets_whole_streamed_and_in_chat(models):
+    """Completions' ``logprobs: 2`` and chat's ``logprobs`` / ``top_logprobs``: one entry per
+    generated token, each the target's log-probability of it (and its top ones); the stream's
+    chunks carry the same entries, with text offsets that continue across chunks."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ids, text = reference_text(models, prompt_ids, 16)
+    expected, rows = target_logprobs(models, prompt_ids, ids)
+    messages = [{"role": "user", "content": "sort a list"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    with front(models) as server:
+        api = client(server)
+        whole = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, logprobs=2, **GREEDY)
+        chunks = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, logprobs=2, stream=True, **GREEDY))
+        chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, logprobs=True, top_logprobs=2, **GREEDY)
+        plain = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, **GREEDY)
+    lp = whole.choices[0].logprobs
+    assert whole.choices[0].text == text and plain.choices[0].logprobs is None
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+    for top, row, token, logprob in zip(lp.top_logprobs, rows, lp.tokens, lp.token_logprobs):
+        # the two most probable and the chosen one, keyed by text (two ids with one text share a key)
+        assert top[token] == logprob and len(top) <= 3
+        assert max(top.values()) == pytest.approx(row.max().item(), abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    content = chat.choices[0].logprobs.content
+    chat_generated, _ = reference_text(models, chat_ids, 8)
+    assert len(content) == chat.usage.completion_tokens == 8
+    assert [e.logprob for e in content] == pytest.approx(target_logprobs(models, chat_ids, chat_generated)[0], abs=1e-4)
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+
+
+def test_logprobs_stop_with_the_text_at_a_stop_string(models):
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    _, text = reference_text(models, prompt_ids, 200)
+    stop = text[5:8]
+    with front(models) as server:
+        out = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=200, stop=[stop], logprobs=0, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == out.usage.completion_tokens < 200  # the tokens consumed up to the stop string
+    assert all(len(top) == 1 for top in lp.top_logprobs)  # logprobs = 0: the chosen token's alone
 
 
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
