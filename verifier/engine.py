@@ -69,7 +69,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments, OwnerSizedAllotments
 from goodspeed.verifier import errors
@@ -79,7 +79,7 @@ from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row, Session
 from goodspeed.verifier.types import Draft, PrefillStep, RoundResult, RoundTimings, Verdict
-from goodspeed.verifier.verify_rows import MAX_TOP_LOGPROBS, RowInput, RowOutcome, RowVerifier, committed_logprobs
+from goodspeed.verifier.verify_rows import RowInput, RowOutcome, RowVerifier, committed_logprobs
 
 
 class VerificationEngine:
@@ -223,7 +223,7 @@ class VerificationEngine:
         accept/correction uniforms come from its own stream (reproducible per request) instead of
         the engine's shared one. ``logprobs``: its verdicts carry each token's log-probability under
         the target and that many of the most probable tokens at each position (0 to
-        :data:`~goodspeed.verifier.verify_rows.MAX_TOP_LOGPROBS`)."""
+        :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS`)."""
         session = self._session(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")

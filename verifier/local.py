@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import (
     LatencyModel,
@@ -72,7 +72,6 @@ from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel, subtree
 from goodspeed.verifier.types import Draft, RoundResult
-from goodspeed.verifier.verify_rows import MAX_TOP_LOGPROBS
 
 
 # ------------------------------------------------------------------------------------- clocks
