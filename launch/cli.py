@@ -346,13 +346,6 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
         parser.error(problem)
     if args.max_new_tokens < 1:  # a --spec file's value: argparse checks only the flag's
         parser.error(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if args.prompts is not None:  # before the draft loads: a real one takes seconds
-        from goodspeed.launch.spec import SpecError, prompt_set_path
-
-        try:
-            prompt_set_path(args.prompts, f"drafter {args.name!r}")
-        except SpecError as exc:
-            parser.error(str(exc))
     return DrafterSpec(**{name: getattr(args, name) for name in DrafterSpec.node_settings()}), args
 
 

@@ -29,8 +29,9 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
                          "--concurrency > 1 give --no-proactive (the node drafts its requests together instead)")
     if (why := spec.cuda_graphs_missing()) is not None:
         raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
+    prompt_path = spec.prompt_path()  # before the draft loads (seconds for a real one): a missing file is said at once
     draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
-    prompts = load_prompts(spec.prompt_path(), draft.tokenizer)[: spec.max_prompts]
+    prompts = load_prompts(prompt_path, draft.tokenizer)[: spec.max_prompts]
     out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
     try:
         if spec.concurrency > 1:
