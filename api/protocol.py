@@ -1,8 +1,9 @@
 """The OpenAI API's request bodies, validated, and its error objects.
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
-``top_k``, ``ignore_eos``; ours: ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every
-refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
+``top_k``, ``ignore_eos``, ``stop_token_ids``; ours: ``tpot_slo_ms``, AdaServe's per-request
+latency SLO). Every refusal is a 4xx with OpenAI's error object
+``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
 * a feature this server does not implement (penalties, tools, ``echo``, ``best_of``, non-text
@@ -26,6 +27,7 @@ from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingPar
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 class ApiError(Exception):
@@ -63,6 +65,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     ignore_eos: bool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's
     tpot_slo_ms: Annotated[float, Field(gt=0)] | None = None  # AdaServe's per-request SLO (verifier only)
     user: str | None = None  # accepted for logs, as OpenAI's
     # Refused unless left at their defaults (see :meth:`refuse_unsupported`).

@@ -204,10 +204,12 @@ class OpenAIServer:
                                     f"{max_tokens} more were asked for", param="messages" if kind == "chatcmpl" else "prompt",
                                code="context_length_exceeded")
         eos = self.backend.tokenizer.eos_token_id
+        # vLLM's stop_token_ids end the text like EOS (kept as a token; in the text unless special)
+        stops = tuple(dict.fromkeys(([] if body.ignore_eos or eos is None else [int(eos)]) + list(body.stop_token_ids or ())))
         base, many = f"{kind}-{secrets.token_hex(12)}", len(prompts) * n > 1
         return base, [GenerationRequest(
             request_id=f"{base}-{i * n + j}" if many else base, prompt_ids=prompt_ids, max_tokens=max_tokens,
-            sampling=body.sampling(), eos_token_ids=() if body.ignore_eos or eos is None else (int(eos),),
+            sampling=body.sampling(), eos_token_ids=stops,
             seed=body.seed if body.seed is None or j == 0 else stream_seed(body.seed, "choice", str(j)) % (1 << ROOT_SEED_BITS),
             tpot_slo_ms=body.tpot_slo_ms, logprobs=body.requested_logprobs) for i, prompt_ids in enumerate(prompts) for j in range(n)]
 

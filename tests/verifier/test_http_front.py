@@ -223,6 +223,24 @@ def test_logprobs_stop_with_the_text_at_a_stop_string(models):
     assert all(len(top) == 1 for top in lp.top_logprobs)  # logprobs = 0: the chosen token's alone
 
 
+def test_stop_token_ids_end_the_text_like_eos(models):
+    """vLLM's ``stop_token_ids``: the first of them ends the text (kept, as EOS is), finish_reason stop."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ids, _ = reference_text(models, prompt_ids, 40)
+    stop_id = ids[len(ids) // 2]
+    end = ids.index(stop_id) + 1  # its first occurrence
+    with front(models) as server:
+        api = client(server)
+        out = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model="tiny", prompt=PROMPT, extra_body={"stop_token_ids": [-1]})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == end
+    assert out.choices[0].text == tokenizer.decode(ids[:end], skip_special_tokens=True)
+    assert refused.value.body["param"].startswith("stop_token_ids")
+
+
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
     tokenizer = models[2]
     prompts = ["import os", "class A:", "def f(x):", "return None"]
