@@ -41,6 +41,7 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/test_attention
     tests/lm/test_graphs.py tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/lm/test_sampling.py tests/lm/test_batch_draft.py tests/drafter/test_runner.py \
     tests/verifier/test_local.py tests/verifier/test_local_lossless.py tests/verifier/test_server.py tests/drafter/test_node.py \
+    tests/verifier/test_logprobs.py \
     2>&1 | tee "$out/tests_drafting.txt"
 [ "${BENCH:-1}" = 0 ] && exit 0
 for k in 1 4; do

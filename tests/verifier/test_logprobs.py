@@ -106,3 +106,23 @@ def test_tokens_decoded_in_transit_carry_theirs_too(models):
     assert [lp.token_id for lp in verdict.logprobs] == verdict.token_ids == generated
     assert torch.allclose(torch.tensor([lp.logprob for lp in verdict.logprobs]),
                           expected.gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1), atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_logprobs_are_the_targets_also_from_replayed_steps(models, graphs):
+    """On the device, the steps eager or replayed as CUDA graphs (their logits are the graph's
+    output buffer, read before the next replay): the same log-probabilities as the CPU target's."""
+    import copy
+
+    target, draft = models
+    engine = VerificationEngine(copy.deepcopy(target).cuda(), EngineConfig(seed=11, cuda_graphs=graphs))
+    serving = LocalServing(engine, copy.deepcopy(draft).cuda(), LocalConfig(policy="chain", k=3, seed=11))
+    for i, prompt in enumerate(PROMPTS):
+        serving.submit(prompt, SamplingParams(temperature=1.0), max_new_tokens=12, request_id=f"r{i}", logprobs=TOP)
+    while serving.has_work:
+        serving.step()
+    for req in serving.finished:
+        expected = reference(target, req.prompt_ids, req.generated)
+        got = torch.tensor([lp.logprob for lp in req.token_logprobs])
+        assert torch.allclose(got, expected.gather(1, torch.tensor(req.generated).unsqueeze(1)).squeeze(1), atol=1e-3)
