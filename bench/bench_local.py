@@ -33,7 +33,8 @@ target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.
 :mod:`goodspeed.lm.graphs`; on a CPU the same fixed-shape forwards run eagerly), named ``POLICY
 [graphs]``; ``compile``: those steps and forwards through decoders compiled by
 ``torch.compile`` (``EngineConfig.torch_compile``; on CUDA captured as graphs too), named ``POLICY
-[compiled]``, planning with the graphs' profile; on CUDA the graphs variant's policies plan with a profile measured with graphs (``profile_graphs`` in
+[compiled]``, planning with the graphs' profile; ``logprobs``: every request asks for its tokens'
+log-probabilities and the top 5 (the OpenAI API's ``logprobs``), named ``POLICY [logprobs 5]``; on CUDA the graphs variant's policies plan with a profile measured with graphs (``profile_graphs`` in
 the JSON), while the SLOs stay the eager profile's, as for every variant. ``--cuda-graphs`` makes
 graphs the base run instead: every policy under its bare name replays CUDA graphs, and the profile
 it plans with, the SLOs and ``--load``'s capacity are all measured with graphs (the eager profile
@@ -98,7 +99,8 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer(s, add_special_tokens=False)["input_ids"][-32:] for s in snippets]
 
 
-VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]", "compile": " [compiled]"}  # --variants: name -> suffix of the policy's name
+VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]", "compile": " [compiled]",
+            "logprobs": " [logprobs 5]"}  # --variants: name -> suffix of the policy's name
 
 
 def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int,
@@ -124,7 +126,7 @@ def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requ
         serving.warm_up()
         compiled = counters["stats"]["unique_graphs"]
     with masked_attention_as(grouped_masked_attention if variant == "gqa" else masked_attention):
-        summary = summarize(run_trace_local(serving, trace))
+        summary = summarize(run_trace_local(serving, trace, logprobs=5 if variant == "logprobs" else None))
     if compiled is not None:
         summary["compiled_graphs"] = counters["stats"]["unique_graphs"] - compiled
     t = serving.totals
@@ -163,7 +165,9 @@ def main() -> int:
                     help="also run each policy with: gqa, masked attention as before 2026-11-26 (SDPA with enable_gqa); "
                          "pad, the engine's rows padded (EngineConfig.pad_rows); graphs, the target's steps as CUDA "
                          "graphs (EngineConfig.cuda_graphs; eagerly on a CPU); compile, those steps through a decoder "
-                         "compiled by torch.compile (EngineConfig.torch_compile; captured on CUDA)")
+                         "compiled by torch.compile (EngineConfig.torch_compile; captured on CUDA); logprobs, every "
+                         "request asking for its tokens' log-probabilities and the top 5 (what the OpenAI API's "
+                         "logprobs costs)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="every policy replays its steps as CUDA graphs (the graphs variant as the base run), and the "
                          "profile it plans with, the SLOs and --load's capacity are measured with graphs (on CUDA)")

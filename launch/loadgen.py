@@ -91,9 +91,11 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def run_trace_local(serving, trace: Sequence[TraceItem], sampling: SamplingParams = SamplingParams(), progress=None) -> list[dict]:
+def run_trace_local(serving, trace: Sequence[TraceItem], sampling: SamplingParams = SamplingParams(), progress=None,
+                    logprobs: int | None = None) -> list[dict]:
     """Replay ``trace`` on a :class:`LocalServing` under its own clock (real or simulated):
-    requests are submitted when their arrival time comes, the batch steps in between."""
+    requests are submitted when their arrival time comes, the batch steps in between.
+    ``logprobs``: every request asks for its tokens' log-probabilities and that many top ones."""
     clock = serving.clock
     t0 = clock.now()
     pending = sorted(trace, key=lambda it: it.arrival_s)
@@ -101,7 +103,8 @@ def run_trace_local(serving, trace: Sequence[TraceItem], sampling: SamplingParam
     while i < len(pending) or serving.has_work:
         while i < len(pending) and pending[i].arrival_s <= clock.now() - t0:
             it = pending[i]
-            rid = serving.submit(it.prompt_ids, sampling, it.max_new_tokens, tpot_slo_ms=it.tpot_slo_ms, request_id=it.request_id)
+            rid = serving.submit(it.prompt_ids, sampling, it.max_new_tokens, tpot_slo_ms=it.tpot_slo_ms, request_id=it.request_id,
+                                 logprobs=logprobs)
             meta[rid] = it
             i += 1
         if not serving.has_work:
