@@ -34,8 +34,9 @@ target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.
 [graphs]``; ``compile``: those steps and forwards through decoders compiled by
 ``torch.compile`` (``EngineConfig.torch_compile``; on CUDA captured as graphs too), named ``POLICY
 [compiled]``, planning with the graphs' profile; ``logprobs``: every request asks for its tokens'
-log-probabilities and the top 5 (the OpenAI API's ``logprobs``), named ``POLICY [logprobs 5]``; on CUDA the graphs variant's policies plan with a profile measured with graphs (``profile_graphs`` in
-the JSON), while the SLOs stay the eager profile's, as for every variant. ``--cuda-graphs`` makes
+log-probabilities and the top 5 (the OpenAI API's ``logprobs``), named ``POLICY [logprobs 5]``;
+on CUDA the graphs variant's policies plan with a profile measured with graphs (``profile_graphs``
+in the JSON), while the SLOs stay the eager profile's, as for every variant. ``--cuda-graphs`` makes
 graphs the base run instead: every policy under its bare name replays CUDA graphs, and the profile
 it plans with, the SLOs and ``--load``'s capacity are all measured with graphs (the eager profile
 is kept in the JSON as ``profile_eager``): the goal measured on the configuration a GPU would serve. On an accelerator (``--device cuda``) a short replay of 4

@@ -228,9 +228,7 @@ class VerificationEngine:
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
-        self.check_request(prompt, max_new_tokens)
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise errors.MalformedDraftError(f"logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
+        self.check_request(prompt, max_new_tokens, logprobs)
         slot = self.slots.add(session_id)
         generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids),
@@ -335,14 +333,16 @@ class VerificationEngine:
             started[sid] = session.source.start(sid, session.request.remaining)
         return started
 
-    def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
-        """Raise the error a request with this prompt and length would get (nothing changes)."""
+    def check_request(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None) -> None:
+        """Raise the error a request with this prompt, length and ``logprobs`` would get (nothing changes)."""
         if not prompt:
             raise errors.MalformedDraftError("the prompt must hold at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise errors.InvalidTokenError(f"prompt token ids must lie in [0, {self.vocab_size})")
         if max_new_tokens < 1:
             raise errors.MalformedDraftError("max_new_tokens must be >= 1")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.MalformedDraftError(f"logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
         if len(prompt) >= self.max_seq_len:
             raise errors.PromptTooLongError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len}")
         if len(prompt) + max_new_tokens > self.max_seq_len:

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import (
     LatencyModel,
@@ -313,11 +313,9 @@ class LocalServing:
         ``logprobs``: its events carry each token's log-probability under the target and that many
         top ones (:meth:`VerificationEngine.start_request`)."""
         prompt = [int(t) for t in prompt_ids]
-        self.engine.check_request(prompt, max_new_tokens)
+        self.engine.check_request(prompt, max_new_tokens, logprobs)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise errors.MalformedDraftError(f"logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
         if len(self._waiting) >= self.config.max_waiting:
             raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry later")
         rid = request_id or f"local-{next(self._ids)}"

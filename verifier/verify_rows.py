@@ -135,8 +135,9 @@ def committed_logprobs(logits: torch.Tensor, wanted: Sequence[tuple[int, Sequenc
     (row, positions, tokens, top)`` asks, for each ``tokens[j]``, its log-probability under the
     distribution at ``logits[row, positions[j]]`` (the position whose next token it is) and the
     ``top`` most probable tokens there. Raw logits (no temperature, top-k or top-p: vLLM's default
-    ``raw_logprobs``), log-softmax in float32; one pass over the vocabulary for every asked
-    position of the step, one copy to the host. Reads the logits only: verification is untouched."""
+    ``raw_logprobs``), log-softmax in float32: one log-softmax and one top-k over the vocabulary
+    for every asked position of the step at once, their results brought to the host as lists.
+    Reads the logits only: verification is untouched."""
     flat = [(row, pos) for row, positions, _, _ in wanted for pos in positions]
     if not flat:
         return [[] for _ in wanted]

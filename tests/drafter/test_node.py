@@ -91,13 +91,12 @@ def test_logprobs_through_a_node_are_the_verifiers(models):
 def test_a_verifier_that_sends_no_logprobs_is_a_502_not_a_silent_gap(models, monkeypatch):
     """A verifier older than StartRequestRequest.logprobs ignores it; the node says so."""
     import goodspeed.verifier.round_loop as round_loop
+    from goodspeed.verifier.serde import verdict_to_pb
 
     def old_verdict(verdict):
         message = verdict_to_pb(verdict)
         del message.logprobs[:]
         return message
-
-    from goodspeed.verifier.serde import verdict_to_pb
 
     monkeypatch.setattr(round_loop, "verdict_to_pb", old_verdict)
     with verifier(models) as server, node(server, models) as edge:
