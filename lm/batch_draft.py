@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, check_proposal_top_k, draft_step, process_logits
+from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits, check_proposal_top_k, draft_step, process_logits
 from goodspeed.lm.attention import keep_logits, use_gqa_attention, with_cache
 from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
@@ -317,10 +317,14 @@ class BatchDraftModel:
     # ------------------------------------------------------------------ chains
 
     def draft_chains(self, committed: dict[str, Sequence[int]], lengths: dict[str, int], sampling: dict[str, SamplingParams],
-                     generator: torch.Generator | Mapping[str, torch.Generator]) -> dict[str, ChainDraft]:
+                     generator: torch.Generator | Mapping[str, torch.Generator],
+                     histories: Mapping[str, TokenHistory | None] | None = None) -> dict[str, ChainDraft]:
         """Draft ``lengths[key]`` tokens after each request's committed tokens (all in one batch
         per step); keys with length 0 are left alone. ``generator``: one sampling stream for all
-        keys, or one per key (seeded requests)."""
+        keys, or one per key (seeded requests). A request whose settings bias or penalise logits
+        drafts from the draft's logits adjusted the same way (``histories[key]``: its text, the
+        committed tokens; each step adds the tokens drafted before it), which keeps its acceptance
+        where the target's adjusted distribution moves; exactness never depends on it."""
         streams = generator if isinstance(generator, Mapping) else {k: generator for k in lengths}
         active = {k: n for k, n in lengths.items() if n > 0}
         out = {k: ChainDraft([], torch.zeros(0, self.vocab_size), []) for k in lengths if k not in active}
@@ -334,8 +338,14 @@ class BatchDraftModel:
             now = [key for key in active if step < active[key]]
             # One uniform per request, drawn in key order from its stream (as a request drafting alone would).
             uniforms = torch.cat([torch.rand(1, generator=streams[key], dtype=torch.float64) for key in now])
-            q, tokens, conf = draft_step(torch.stack([last[key] for key in now]), [sampling[key] for key in now],
-                                         self.proposal_top_k, uniforms)
+            logits = torch.stack([last[key] for key in now])
+            adjusted = [j for j, key in enumerate(now) if sampling[key].adjusts_logits]
+            if adjusted:  # in place on the stacked copy (float32 at least)
+                work = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+                logits = adjust_logits(work[:, None], adjusted, [sampling[now[j]] for j in adjusted],
+                                       [(histories or {}).get(now[j]) for j in adjusted],
+                                       [[drafted[now[j]]] for j in adjusted])[:, 0]
+            q, tokens, conf = draft_step(logits, [sampling[key] for key in now], self.proposal_top_k, uniforms)
             for j, key in enumerate(now):
                 drafted[key].append(tokens[j])
                 probs[key].append(q[j])

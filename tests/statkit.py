@@ -43,12 +43,33 @@ def fits(counts: np.ndarray, exact: np.ndarray) -> tuple[bool, str]:
     return stat < crit, f"chi2 {stat:.1f} (critical {crit:.1f}, dof {dof}), TV {tv:.4f}, n {int(counts.sum())}"
 
 
+def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """``logits [V]`` with the request's logit bias and penalties, written out densely from their
+    definitions in vLLM's order (bias; repetition over prompt and output; frequency and presence
+    over the output): the reference the sparse :func:`goodspeed.lm.sampling.adjust_logits` is
+    tested against."""
+    x = logits.clone()
+    vocab = x.shape[-1]
+    for token, bias in sampling.logit_bias:
+        x[token] += bias
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).to(x.dtype)
+    seen = counts > 0
+    if prompt:
+        seen = seen | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=vocab) > 0)
+    rep = sampling.repetition_penalty
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(x.dtype)
+
+
 def exact_first_two(model, prompt: list[int], sampling: SamplingParams, eos: int | None = None) -> np.ndarray:
-    """``[V, V + 1]``: P(first token a, second token b) under ``model``'s own sampling; column V
-    holds P(a) when ``a`` is ``eos`` (the request ends there, no second token)."""
+    """``[V, V + 1]``: P(first token a, second token b) under ``model``'s own sampling (its logit
+    bias and penalties by :func:`reference_adjust`); column V holds P(a) when ``a`` is ``eos`` (the
+    request ends there, no second token)."""
     with torch.inference_mode():
         def dist(seq):
             logits = model(input_ids=torch.tensor([seq])).logits[0, -1].double()
+            if sampling.adjusts_logits:
+                logits = reference_adjust(logits, sampling, prompt, seq[len(prompt):])
             return process_logits(logits, sampling).numpy()
 
         first = dist(prompt)

@@ -215,6 +215,7 @@ class VerificationEngine:
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         logprobs: int | None = None,
+        generated: int = 0,
     ) -> int:
         """Prefill the prompt into a fresh KV slot; returns the draft length for the first round.
         With chunked prefill (``EngineConfig.prefill_chunk``) a prompt of more than one token is
@@ -223,16 +224,18 @@ class VerificationEngine:
         accept/correction uniforms come from its own stream (reproducible per request) instead of
         the engine's shared one. ``logprobs``: its verdicts carry each token's log-probability under
         the target and that many of the most probable tokens at each position (0 to
-        :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS`)."""
+        :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS`). ``generated``: the prompt's last tokens that
+        are the request's output already (a request resumed from its verified text), which its
+        penalties count as output (:func:`~goodspeed.lm.sampling.adjust_logits`)."""
         session = self._session(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
-        self.check_request(prompt, max_new_tokens, logprobs)
+        self.check_request(prompt, max_new_tokens, logprobs, sampling, generated)
         slot = self.slots.add(session_id)
         generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids),
-                                  generator=generator, logprobs=logprobs)
+                                  generator=generator, logprobs=logprobs, generated=generated)
         if len(prompt) > 1 and self.config.prefill_chunk is not None:
             self._prefilling.append(session_id)
             return None
@@ -333,8 +336,10 @@ class VerificationEngine:
             started[sid] = session.source.start(sid, session.request.remaining)
         return started
 
-    def check_request(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None) -> None:
-        """Raise the error a request with this prompt, length and ``logprobs`` would get (nothing changes)."""
+    def check_request(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None,
+                      sampling: SamplingParams | None = None, generated: int = 0) -> None:
+        """Raise the error a request with this prompt, length, ``logprobs``, sampling settings and
+        resumed output would get (nothing changes)."""
         if not prompt:
             raise errors.MalformedDraftError("the prompt must hold at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -343,6 +348,10 @@ class VerificationEngine:
             raise errors.MalformedDraftError("max_new_tokens must be >= 1")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise errors.MalformedDraftError(f"logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
+        if sampling is not None and sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
+            raise errors.InvalidTokenError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
+        if not 0 <= generated <= len(prompt):
+            raise errors.MalformedDraftError(f"generated must lie in 0..{len(prompt)} (the prompt's length), got {generated}")
         if len(prompt) >= self.max_seq_len:
             raise errors.PromptTooLongError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len}")
         if len(prompt) + max_new_tokens > self.max_seq_len:
@@ -520,13 +529,15 @@ class VerificationEngine:
                     waiting.append((slot, session))
                 continue
             if session.decoded_end is not None:
-                settled.append(Row(session, slot, RowInput(session_id, [], submitted, session.request.sampling), None))
+                settled.append(Row(session, slot, RowInput(session_id, [], submitted, session.request.sampling,
+                                                           session.request.history), None))
                 continue
             draft = after_decoded(submitted, session.decoded)
             pending_token = session.request.committed[-1]
             parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
             tokens = [pending_token, *map(int, draft.token_ids)]
-            rows.append(Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling), parents,
+            rows.append(Row(session, slot, RowInput(session_id, tokens, draft, session.request.sampling, session.request.history),
+                            parents,
                             submitted=None if draft is submitted else submitted))
         if waiting:
             rows += self._transit_rows(rows, waiting)
@@ -541,7 +552,7 @@ class VerificationEngine:
         for slot, session in sorted(chosen, key=lambda w: w[0]):
             empty = Draft(session.round_index, [])
             out.append(Row(session, slot, RowInput(session.session_id, [session.request.committed[-1]], empty,
-                                                   session.request.sampling), None, transit=True))
+                                                   session.request.sampling, session.request.history), None, transit=True))
         return out
 
     def transit_room(self) -> tuple[str, ...]:

@@ -39,6 +39,12 @@ candidates are deterministic and verified as point masses; TurboSpec and Nightja
 before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
 policy's sampled output against the target's exact distribution.
 
+Penalties and logit bias (:func:`goodspeed.lm.sampling.adjust_logits`): the engine verifies every
+position against the target's logits adjusted by the text before it; the chains drafted here
+adjust the draft's logits the same way (each request's :class:`~goodspeed.lm.sampling.TokenHistory`),
+which keeps acceptance up. AdaServe's beam trees rank by the draft's unadjusted distribution:
+exact all the same, their nodes are point masses.
+
 Time comes from a :class:`RealClock` in serving, or a :class:`SimulatedClock` that charges every
 forward its cost under given latency models, which makes SLO experiments exact and repeatable.
 """
@@ -55,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import SamplingParams, TokenHistory
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import (
     LatencyModel,
@@ -206,15 +212,19 @@ class LocalRequest:
     acceptance: float | None = None  # smoothed acceptance (eq. 3), as its last verdict carried it
     committed: list[int] = field(init=False)  # prompt + generated, kept in step (not rebuilt per use)
     generator: torch.Generator | None = field(init=False)  # a seeded request's draft stream
+    history: TokenHistory | None = field(init=False)  # what its draft's penalties read, if it has any
 
     def __post_init__(self) -> None:
         self.committed = list(self.prompt_ids) + self.generated
         self.generator = None if self.seed is None else torch_generator(self.seed, "request", "draft")
+        self.history = TokenHistory(self.prompt_ids, self.generated) if self.sampling.adjusts_logits else None
 
     def commit(self, tokens: list[int], at: float) -> None:
         self.generated.extend(tokens)
         self.committed.extend(tokens)
         self.token_times.extend([at] * len(tokens))
+        if self.history is not None:
+            self.history.extend(tokens)
 
     @property
     def cap(self) -> int:
@@ -313,7 +323,7 @@ class LocalServing:
         ``logprobs``: its events carry each token's log-probability under the target and that many
         top ones (:meth:`VerificationEngine.start_request`)."""
         prompt = [int(t) for t in prompt_ids]
-        self.engine.check_request(prompt, max_new_tokens, logprobs)
+        self.engine.check_request(prompt, max_new_tokens, logprobs, sampling)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
         if len(self._waiting) >= self.config.max_waiting:
@@ -489,7 +499,8 @@ class LocalServing:
     def _draft_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]):
         return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths,
                                        {r.request_id: r.sampling for r in reqs},
-                                       {r.request_id: r.generator or self.generator for r in reqs})
+                                       {r.request_id: r.generator or self.generator for r in reqs},
+                                       {r.request_id: r.history for r in reqs})
 
     def _chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, _Plan]:
         return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in self._draft_chains(reqs, lengths).items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import SamplingParams, TokenHistory
 from goodspeed.lm.seeding import resolve_root_seed
 from goodspeed.scheduler import DraftAllotments, SmoothingConfig, make_policy, smoothing_of
 from goodspeed.verifier.types import Draft, Verdict
@@ -98,9 +98,16 @@ class Request:
     hasher: object = field(default_factory=new_prefix_hasher)  # BLAKE2b of ``committed`` so far
     generator: object = None  # torch.Generator of a seeded request's uniforms; None: the engine's stream
     logprobs: int | None = None  # verdicts carry each token's log-probability and this many top ones; None: none
+    # The last ``generated`` tokens of the prompt are output already (a request resumed from its
+    # verified text): its penalties count them as output, not as prompt.
+    generated: int = 0
+    history: TokenHistory | None = None  # what its penalties read; None unless its sampling adjusts logits
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
+        if self.sampling.adjusts_logits:
+            split = self.prompt_len - self.generated
+            self.history = TokenHistory(self.committed[:split], self.committed[split:])
 
     @property
     def remaining(self) -> int:
@@ -109,6 +116,8 @@ class Request:
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
         update_prefix_hasher(self.hasher, tokens)  # O(new tokens) per round
+        if self.history is not None:
+            self.history.extend(tokens)
 
 
 @dataclass

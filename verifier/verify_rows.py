@@ -9,6 +9,11 @@ Rows are grouped so the common cases cost a few batched tensor operations per ro
 * greedy trees: one argmax, then a walk down the children on the host (:func:`verify_greedy_trees`);
 * sampled trees: logits processing for every row in one pass and one copy to the host, then the
   recursive multi-candidate walk (:func:`verify_tree`) one row at a time.
+
+Rows whose requests bias or penalise logits have them adjusted first, on a copy
+(:func:`~goodspeed.lm.sampling.adjust_logits`): each position by the text before it, the row's
+drafted tokens included, so every group above verifies against the distribution plain decoding
+with those settings samples from (the greedy groups take the adjusted argmax).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, process_logits
+from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenHistory, TokenLogprob, adjust_logits, process_logits
 from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
 from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
 from goodspeed.verifier.types import Draft
@@ -31,6 +36,20 @@ class RowInput:
     tokens: list[int]  # the pending token, then the drafted tokens
     draft: Draft
     sampling: SamplingParams
+    history: TokenHistory | None = None  # the request's text, pending token included, for its penalties
+
+
+def draft_paths(tokens: Sequence[int], parents: Sequence[int] | None) -> list[list[int]]:
+    """For each position of a row (its pending token, then each drafted token), the drafted tokens
+    the text holds before the token that position predicts: a chain's first ``j``, a tree node's
+    ancestors and the node itself, root first. ``tokens`` are the drafted tokens; ``parents`` the
+    tree's (``-1``: the root) or None for a chain."""
+    if parents is None:
+        return [list(tokens[:j]) for j in range(len(tokens) + 1)]
+    paths: list[list[int]] = [[]]
+    for node, parent in enumerate(parents):
+        paths.append(paths[parent + 1] + [int(tokens[node])])
+    return paths
 
 
 @dataclass(frozen=True)
@@ -45,7 +64,13 @@ class RowVerifier:
         self.vocab_size, self.device, self.work_dtype, self.generator = vocab_size, device, work_dtype, generator
 
     def verify(self, rows: Sequence[RowInput], logits: torch.Tensor, given: dict[str, np.ndarray]) -> list[RowOutcome]:
-        """``logits [len(rows), q_len, V]`` in row order; ``given[key]``: uniforms for that row."""
+        """``logits [len(rows), q_len, V]`` in row order; ``given[key]``: uniforms for that row.
+        ``logits`` are not changed."""
+        adjusted = [i for i, r in enumerate(rows) if r.sampling.adjusts_logits]
+        if adjusted:
+            logits = adjust_logits(logits.to(self.work_dtype, copy=True), adjusted, [rows[i].sampling for i in adjusted],
+                                   [rows[i].history for i in adjusted],
+                                   [draft_paths(rows[i].tokens[1:], rows[i].draft.parents) for i in adjusted])
         out: list[RowOutcome | None] = [None] * len(rows)
         greedy = [i for i, r in enumerate(rows) if r.draft.parents is None and r.sampling.greedy]
         sampled = [i for i, r in enumerate(rows) if r.draft.parents is None and not r.sampling.greedy]

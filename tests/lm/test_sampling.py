@@ -146,3 +146,119 @@ def test_draft_step_on_cuda_is_the_cpus(dtype):
         assert torch.allclose(q.cpu(), want_q, atol=1e-6), cap
         assert tokens == want_tokens, cap
         assert confidence == pytest.approx(want_confidence, rel=1e-5), cap
+
+
+# ------------------------------------------------------------------ min-p, logit bias, penalties
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_probable():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs)
+    # min_p 0.25: keep p >= 0.125 -> {0.5, 0.3, 0.15}
+    kept = process_logits(logits, SamplingParams(temperature=1.0, min_p=0.25))
+    assert kept.tolist() == pytest.approx((torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95).tolist())
+    # applied on the temperature-scaled distribution, before top-k and top-p (vLLM's order):
+    # T = 0.5 squares the probabilities, 0.25 / 0.09 / 0.0225 / 0.0025; min_p 0.1 keeps the first two
+    hot = process_logits(logits, SamplingParams(temperature=0.5, min_p=0.1))
+    assert (hot > 0).tolist() == [True, True, False, False]
+    # top-p on what min-p kept: {0.5, 0.3, 0.15} renormalised, 0.5 / 0.95 < 0.6 so two tokens stay
+    both = process_logits(logits, SamplingParams(temperature=1.0, min_p=0.25, top_p=0.6))
+    assert both.tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    # greedy ignores it; min_p 0 changes nothing
+    assert process_logits(logits, SamplingParams(min_p=0.9)).tolist() == [1.0, 0, 0, 0]
+    assert torch.equal(process_logits(logits, SamplingParams(temperature=1.0, min_p=0.0)),
+                       process_logits(logits, SamplingParams(temperature=1.0)))
+
+
+def test_min_p_rows_in_one_batch_are_each_their_own():
+    logits = torch.randn(4, 3, 50, dtype=torch.float64)
+    params = [SamplingParams(temperature=1.0, min_p=0.3), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=1.2, min_p=0.05, top_k=10), SamplingParams()]
+    batch = process_logits(logits, params)
+    for i, prm in enumerate(params):
+        assert torch.equal(batch[i], process_logits(logits[i], prm))
+    row = logits[0, 0]
+    assert ((batch[0, 0] > 0) == (torch.softmax(row, -1) >= 0.3 * torch.softmax(row, -1).max())).all()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(min_p=-0.1), dict(min_p=1.5), dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+    dict(repetition_penalty=0.0), dict(repetition_penalty=float("inf")), dict(presence_penalty=float("nan")),
+    dict(logit_bias=((3, 101.0),)), dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((4, 1.0), (2, 1.0))),
+    dict(logit_bias=((2, 1.0), (2, 2.0))), dict(logit_bias=tuple((i, 1.0) for i in range(2000))),
+])
+def test_bad_adjustments(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_adjusts_logits_only_when_something_is_on():
+    assert not SamplingParams(temperature=1.0, min_p=0.2).adjusts_logits
+    assert SamplingParams(logit_bias=((1, 0.5),)).adjusts_logits and not SamplingParams(logit_bias=((1, 0.5),)).penalized
+    for kwargs in (dict(presence_penalty=0.1), dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1)):
+        assert SamplingParams(**kwargs).penalized and SamplingParams(**kwargs).adjusts_logits
+
+
+ADJUSTING = [
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.4),
+    SamplingParams(temperature=0.8, repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias=((0, 3.0), (7, -2.5))),
+    SamplingParams(logit_bias=((5, 100.0),)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_trees(dtype):
+    """Each adjusted row and position against the dense reference (tests/statkit.py) with the text
+    that position follows: the history, then a chain's first ``j`` drafted tokens or a tree node's
+    path. Rows that adjust nothing and positions past the paths are left alone."""
+    from goodspeed.lm.sampling import TokenHistory, adjust_logits
+    from goodspeed.verifier.verify_rows import draft_paths
+    from statkit import reference_adjust
+
+    g = torch.Generator().manual_seed(3)
+    vocab, q = 12, 5
+    logits = torch.randn(len(ADJUSTING) + 1, q, vocab, generator=g, dtype=dtype) * 3
+    prompt, output = [1, 2, 2, 9], [4, 4, 3, 11]
+    drafts = {0: ([4, 6, 6, 1], None), 1: ([3, 8, 3, 4], [-1, 0, -1, 2]), 2: ([7, 7], None), 3: ([], None)}
+    rows = [0, 1, 2, 3]
+    histories = [TokenHistory(prompt, output) for _ in rows]
+    histories[3] = None  # a request that only biases needs no text
+    paths = [draft_paths(*drafts[r]) for r in rows]
+    adjusted = adjust_logits(logits.clone(), rows, ADJUSTING, histories, paths)
+    for r in rows:
+        for j in range(q):
+            if j < len(paths[r]):
+                text = ([], []) if histories[r] is None else (prompt, output + paths[r][j])
+                want = reference_adjust(logits[r, j], ADJUSTING[r], *text)
+                assert torch.allclose(adjusted[r, j], want, rtol=1e-6, atol=1e-6), (r, j)
+            else:
+                assert torch.equal(adjusted[r, j], logits[r, j])
+    assert torch.equal(adjusted[4], logits[4])
+    assert draft_paths([3, 8, 3, 4], [-1, 0, -1, 2]) == [[], [3], [3, 8], [3], [3, 4]]
+
+
+def test_adjusted_greedy_is_the_adjusted_argmax():
+    from goodspeed.lm.sampling import TokenHistory, adjust_logits
+
+    logits = torch.tensor([[[2.0, 1.9, 0.5, -1.0]]])
+    sampling = SamplingParams(repetition_penalty=1.2)
+    out = adjust_logits(logits.clone(), [0], [sampling], [TokenHistory([0])], [[[]]])
+    assert out[0, 0].tolist() == pytest.approx([2.0 / 1.2, 1.9, 0.5, -1.0])
+    assert process_logits(out[0, 0], sampling).tolist() == [0.0, 1.0, 0.0, 0.0]
+    biased = SamplingParams(logit_bias=((3, 5.0),))
+    assert process_logits(adjust_logits(logits.clone(), [0], [biased], [None], [[[]]])[0, 0], biased).tolist() == [0, 0, 0, 1.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adjust_logits_on_cuda_is_the_cpus():
+    from goodspeed.lm.sampling import TokenHistory, adjust_logits
+    from goodspeed.verifier.verify_rows import draft_paths
+
+    logits = torch.randn(len(ADJUSTING), 4, 300, generator=torch.Generator().manual_seed(5)) * 3
+    histories = [TokenHistory([1, 2, 2, 9], [4, 4, 3, 11]) for _ in ADJUSTING]
+    paths = [draft_paths([4, 6, 1], None), draft_paths([3, 8, 4], [-1, 0, 0]), draft_paths([7, 7, 7], None), draft_paths([], None)]
+    rows = list(range(len(ADJUSTING)))
+    on_cpu = adjust_logits(logits.clone(), rows, ADJUSTING, histories, paths)
+    on_gpu = adjust_logits(logits.cuda(), rows, ADJUSTING, histories, paths)
+    assert torch.allclose(on_gpu.cpu(), on_cpu, rtol=1e-6, atol=1e-6)

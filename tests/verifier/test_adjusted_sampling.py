@@ -1,0 +1,244 @@
+"""Logit bias, penalties and min-p stay lossless on every path: the engine's chains (edge drafts,
+delayed drafts decoded in transit) and trees, and local serving's policies, greedy and sampled.
+
+Greedy output must equal the target's own greedy decoding with the same settings, each step's
+logits adjusted by the text before it (``statkit.reference_adjust``, the definitions written out
+densely); sampled output must follow the target's adjusted distribution (the joint distribution of
+the first two tokens, chi-square at p = 0.001, as ``test_lossless``). The drafts here adjust
+nothing (edge runners) or adjust their own logits (local serving's chains): exactness holds for
+either. A verifier that forgets the drafted tokens in the text a position follows must fail the
+sampled test (power check)."""
+
+import pytest
+import torch
+
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.batch_draft import BatchDraftModel
+from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits
+from goodspeed.scheduler import LatencyModel
+from goodspeed.verifier import verify_rows
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError
+from goodspeed.verifier.local import LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.types import Draft
+from modelkit import perturbed, tiny_llama
+from statkit import count_first_two, exact_first_two, fits, reference_adjust
+
+V = 6
+PROMPT = [1, 2, 3]
+PENALTIES = SamplingParams(temperature=1.0, presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.6)
+BIAS_MIN_P = SamplingParams(temperature=0.9, min_p=0.15, logit_bias=((0, 1.5), (4, -2.0)))
+GREEDY = {
+    "repetition": SamplingParams(repetition_penalty=1.5),
+    "presence-frequency": SamplingParams(presence_penalty=1.2, frequency_penalty=0.7),
+    "bias": SamplingParams(logit_bias=((3, 2.5), (10, -100.0))),
+}
+TARGET_COST, DRAFT_COST = LatencyModel(1e-6, 2e-4, 0.010), LatencyModel(1e-7, 2e-5, 0.001)
+
+
+@pytest.fixture(scope="module")
+def small():
+    target = tiny_llama(4, vocab=V, init=0.08)
+    return target, perturbed(target, 1.0, 5)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """A 48-token vocabulary: long greedy outputs repeat tokens, so the penalties change them."""
+    target = tiny_llama(7, vocab=48)
+    return target, perturbed(target, 0.3, 8)
+
+
+def adjusted_greedy(model, prompt, sampling, max_new_tokens):
+    """The target's own greedy decoding with ``sampling``'s adjustments (no cache, every step
+    from scratch)."""
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = reference_adjust(model(input_ids=torch.tensor([seq])).logits[0, -1], sampling, prompt, seq[len(prompt):])
+            seq.append(int(torch.argmax(logits)))
+    return seq[len(prompt):]
+
+
+def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, drafters=4):
+    """``prompts`` over ``drafters`` in-process edge drafters in one engine; outputs in prompt order
+    per drafter. ``transit``: every other draft is delayed a step and the engine decodes meanwhile."""
+    engine = VerificationEngine(target, EngineConfig(budget=8 * drafters, max_draft_len=4, transit_tokens=2 if transit else 0))
+    ds = [InProcessDrafter(f"d{i}", DraftRunner(draft), prompts[i::drafters], sampling, max_new_tokens, transit=transit)
+          for i in range(drafters)]
+    results = run_inprocess(engine, ds, delay=(lambda d: d.round_index % 2) if transit else None)
+    return [out for d in ds for out in d.outputs], results
+
+
+def run_local(target, draft, sampling, policy, prompts, max_new_tokens):
+    engine = VerificationEngine(target, EngineConfig())
+    config = LocalConfig(policy=policy, k=2, extra=2, budget=24, max_requests=8, max_waiting=len(prompts))
+    serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
+    for i, prompt in enumerate(prompts):
+        serving.submit(prompt, sampling, max_new_tokens=max_new_tokens, tpot_slo_ms=None if i % 2 else 12.0)
+    while serving.step() is not None:
+        pass
+    assert len(serving.finished) == len(prompts)
+    if policy != "none":
+        assert serving.stats()["drafted"] > len(prompts)
+    return [r.generated for r in sorted(serving.finished, key=lambda r: int(r.request_id.split("-")[1]))], serving
+
+
+# ------------------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("name", sorted(GREEDY))
+def test_greedy_edge_chains_are_the_targets_adjusted_greedy_decoding(wide, name):
+    target, draft = wide
+    sampling = GREEDY[name]
+    prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9]]
+    outputs, results = run_edge(target, draft, sampling, prompts, 24)
+    want = [adjusted_greedy(target, p, sampling, 24) for p in prompts]
+    assert sorted(outputs) == sorted(want)
+    assert sum(v.num_accepted for r in results for v in r.verdicts.values()) > 0
+    plain = [adjusted_greedy(target, p, SamplingParams(), 24) for p in prompts]
+    assert want != plain, "the setting must change the output, or this test shows nothing"
+
+
+def test_greedy_with_transit_decoding_is_exact(wide):
+    target, draft = wide
+    sampling = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5)
+    prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9]]
+    outputs, results = run_edge(target, draft, sampling, prompts, 20, transit=True)
+    assert sorted(outputs) == sorted(adjusted_greedy(target, p, sampling, 20) for p in prompts)
+    assert sum(r.transit_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve"])
+def test_greedy_local_serving_is_exact_for_every_policy(wide, policy):
+    target, draft = wide
+    sampling = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias=((4, 1.0),))
+    prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9], [11, 12, 13]]
+    outputs, _ = run_local(target, draft, sampling, policy, prompts, 16)
+    assert outputs == [adjusted_greedy(target, p, sampling, 16) for p in prompts]
+
+
+def test_greedy_trees_through_the_engine_are_exact(wide):
+    """Deterministic trees (the target's own adjusted greedy path among the nodes, plus decoys) on
+    a penalised request: each position is adjusted by its own node's path. The decoys come first
+    and are the path's next tokens, so a position adjusted by the nodes before it in the draft
+    (as if the tree were a chain) would penalise the very token it should emit."""
+    target, _ = wide
+    sampling = SamplingParams(repetition_penalty=1.6, frequency_penalty=0.8)
+    prompt = [3, 3, 4, 3]
+    want = adjusted_greedy(target, prompt, sampling, 12)
+    engine = VerificationEngine(target, EngineConfig(budget=32, max_draft_len=8))
+    sid = engine.join("tree")
+    engine.start_request(sid, prompt, sampling, max_new_tokens=12)
+    out = []
+    while len(out) < 12:
+        i = len(out)
+        right = want[i:i + 3] + [(want[-1] + 1) % 48] * 2
+        # nodes: 0 a decoy (right[1]) and 1 right[0] under the root; 2 a decoy (right[2]) and 3 right[1] under node 1
+        tokens, parents = [right[1], right[0], right[2], right[1]], [-1, -1, 1, 1]
+        n = min(len(tokens), 12 - i - 1)
+        tokens, parents = tokens[:n], parents[:n]
+        engine.set_allotment(sid, len(tokens))
+        engine.submit(sid, Draft(engine.next_round(sid), tokens, parents=parents if tokens else None))
+        verdict = engine.run_round().verdicts[sid]
+        out += verdict.token_ids
+        if verdict.finished:
+            break
+    assert out == want
+
+
+def test_a_resumed_request_counts_its_output_as_output(wide):
+    """A request resumed from its verified text (an edge node's repair) says how many of its prompt
+    tokens are output (``generated``): presence and frequency penalties count them, so it goes on
+    as the uninterrupted request would. Counted as prompt instead, the output differs."""
+    target, _ = wide
+    sampling = SamplingParams(presence_penalty=1.5, frequency_penalty=1.0)
+    prompt = [2, 5, 2]
+    whole = adjusted_greedy(target, prompt, sampling, 20)
+    engine = VerificationEngine(target, EngineConfig(budget=8))
+
+    def continuation(generated):
+        sid = engine.join(f"resume-{generated}")
+        engine.start_request(sid, prompt + whole[:8], sampling, max_new_tokens=12, generated=generated)
+        out = []
+        while True:
+            engine.set_allotment(sid, 0)
+            engine.submit(sid, Draft(engine.next_round(sid), []))
+            verdict = engine.run_round().verdicts[sid]
+            out += verdict.token_ids
+            if verdict.finished:
+                engine.leave(sid)
+                return out
+
+    assert continuation(8) == whole[8:]
+    assert continuation(0) != whole[8:]
+    sid = engine.join("bad")
+    with pytest.raises(MalformedDraftError):
+        engine.start_request(sid, prompt, sampling, max_new_tokens=4, generated=4)
+    with pytest.raises(InvalidTokenError):
+        engine.start_request(sid, prompt, SamplingParams(logit_bias=((48, 1.0),)), max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------- sampled
+
+
+@pytest.mark.parametrize("sampling", [PENALTIES, BIAS_MIN_P], ids=["penalties", "bias-min-p"])
+def test_sampled_edge_chains_follow_the_adjusted_target(small, sampling):
+    target, draft = small
+    outputs, results = run_edge(target, draft, sampling, [PROMPT] * 800, 3, drafters=8)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
+    assert ok, msg
+    verdicts = [v for r in results for v in r.verdicts.values()]
+    assert sum(v.num_accepted for v in verdicts) > 300 and sum(v.num_accepted < v.num_drafted for v in verdicts) > 300
+
+
+def test_a_verifier_that_forgets_the_drafted_text_is_caught(small, monkeypatch):
+    """Power check: every position adjusted by the committed text alone (the drafted tokens before
+    it left out) must fail the same test."""
+    monkeypatch.setattr(verify_rows, "draft_paths", lambda tokens, parents: [[] for _ in range(len(tokens) + 1)])
+    target, draft = small
+    outputs, _ = run_edge(target, draft, PENALTIES, [PROMPT] * 800, 3, drafters=8)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
+    assert not ok, msg
+
+
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_sampled_local_serving_follows_the_adjusted_target(small, policy):
+    target, draft = small
+    outputs, _ = run_local(target, draft, PENALTIES, policy, [PROMPT] * 600, 4)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
+    assert ok, msg
+
+
+# ------------------------------------------------------------------------------------- drafting
+
+
+def test_chain_drafts_adjust_the_drafts_logits_by_their_own_text(wide):
+    """Local serving's and an edge node's chains: each drafted token is the draft's adjusted argmax
+    after the committed text and the tokens drafted before it (greedy), so the draft proposes what
+    the adjusted target would; a request without a history biases only."""
+    _, draft = wide
+    sampling = SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, logit_bias=((6, 3.0),))
+    prompt, output = [4, 4, 9], [9, 12]
+    batch = BatchDraftModel(draft)
+    batch.add("a")
+    chains = batch.draft_chains({"a": prompt + output}, {"a": 6}, {"a": sampling}, torch.Generator().manual_seed(0),
+                                {"a": TokenHistory(prompt, output)})
+    seq = prompt + output
+    with torch.inference_mode():
+        for token in chains["a"].token_ids:
+            logits = reference_adjust(draft(input_ids=torch.tensor([seq])).logits[0, -1], sampling, prompt, seq[len(prompt):])
+            assert token == int(torch.argmax(logits))
+            seq.append(token)
+    plain = BatchDraftModel(draft)
+    plain.add("a")
+    unadjusted = plain.draft_chains({"a": prompt + output}, {"a": 6}, {"a": SamplingParams()}, torch.Generator().manual_seed(0))
+    assert chains["a"].token_ids != unadjusted["a"].token_ids
+
+
+def test_adjust_logits_leaves_rows_that_adjust_nothing_alone():
+    logits = torch.randn(2, 3, 10)
+    out = adjust_logits(logits.clone(), [0, 1], [SamplingParams(temperature=1.0, min_p=0.3), SamplingParams()],
+                        [None, None], [[[]] * 3, [[]] * 3])
+    assert torch.equal(out, logits)
