@@ -1,13 +1,13 @@
 """The OpenAI API's request bodies, validated, and its error objects.
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
-``top_k``, ``ignore_eos``, ``stop_token_ids``; ours: ``tpot_slo_ms``, AdaServe's per-request
-latency SLO). Every refusal is a 4xx with OpenAI's error object
+``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``; ours:
+``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
-* a feature this server does not implement (penalties, tools, ``echo``, ``best_of``, non-text
-  response formats): 400 naming the field, never a silent fallback; more than
+* a feature this server does not implement (tools, ``echo``, ``best_of``, non-text response
+  formats): 400 naming the field, never a silent fallback; more than
   :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
 * more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
 * an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
+from goodspeed.lm.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_TEMPERATURE,
+                                   SamplingParams)
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
@@ -59,6 +60,7 @@ class _Sampling(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; -1 and 0 are off
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0  # vLLM's extension; 0 is off
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices per prompt, each a request of its own
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,11 +70,13 @@ class _Sampling(BaseModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's
     tpot_slo_ms: Annotated[float, Field(gt=0)] | None = None  # AdaServe's per-request SLO (verifier only)
     user: str | None = None  # accepted for logs, as OpenAI's
-    # Refused unless left at their defaults (see :meth:`refuse_unsupported`).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-    best_of: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0  # vLLM's extension; 1 is off
+    # token id (as a string, OpenAI's JSON) -> bias added to its logit
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
+    best_of: int | None = None  # refused unless 1 (see :meth:`refuse_unsupported`)
 
     @field_validator("temperature")
     @classmethod
@@ -91,22 +95,32 @@ class _Sampling(BaseModel):
             raise ValueError(f"stop strings must hold 1 to {MAX_STOP_CHARS} characters")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:  # "-1", " 1", "1.0" are not token ids
+                raise ValueError(f"keys are token ids (integers in [0, 2^31) as strings), got {key[:32]!r}")
+        return value
+
     def refuse_unsupported(self) -> None:
         """400 for features this server does not implement, naming the field."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream = true", param="stream_options")
-        for name, default in (("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0), ("logit_bias", None), ("best_of", None)):
-            value = getattr(self, name)
-            if value not in (default, False, {}) or (name == "best_of" and value not in (None, 1)):
-                raise ApiError(400, f"{name} is not supported by this server", param=name)
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported by this server", param="best_of")
 
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=max(0, self.top_k), top_p=self.top_p)
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():  # "7" and "007" name one token: the later one wins
+            bias[int(key)] = value
+        return SamplingParams(temperature=self.temperature, top_k=max(0, self.top_k), top_p=self.top_p, min_p=self.min_p,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted(bias.items())))
 
     @property
     def include_usage(self) -> bool:

@@ -52,7 +52,7 @@ from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
-from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenLogprob, check_proposal_top_k
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, check_proposal_top_k
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
@@ -170,6 +170,7 @@ class _DraftJob:
     length: int
     committed: list[int]
     future: asyncio.Future
+    history: TokenHistory | None = None  # the text its penalties read, when its sampling adjusts logits
 
 
 class EdgeNode:
@@ -377,7 +378,8 @@ class EdgeNode:
             req.session = await self._acquire()
             message = pb.StartRequestRequest(
                 session_id=req.session.session_id, prompt_ids=req.committed, sampling=sampling_to_pb(req.gen.sampling),
-                max_new_tokens=req.gen.max_tokens - req.generated, eos_token_ids=list(req.gen.eos_token_ids))
+                max_new_tokens=req.gen.max_tokens - req.generated, eos_token_ids=list(req.gen.eos_token_ids),
+                generated=req.generated)
             if req.gen.seed is not None:
                 message.seed = req.gen.seed
             if req.gen.logprobs is not None:
@@ -391,6 +393,9 @@ class EdgeNode:
                 await self._discard(session)
                 continue
             req.in_progress, req.length, req.round_index = True, reply.draft_length, reply.round_index
+            if req.gen.sampling.extended and not reply.extended_sampling:
+                raise ApiError(502, "the verifier does not apply min_p, penalties or logit_bias (a version older than "
+                                    "them): this request needs them; upgrade the verifier or leave them out")
             return
         raise ApiError(502, f"the verifier dropped this node's sessions {MAX_REPAIRS + 1} times in a row")
 
@@ -479,7 +484,11 @@ class EdgeNode:
     async def _draft(self, req: _Request, length: int) -> ChainDraft:
         """Queue the request for the next batched drafting call and wait for its draft."""
         future = asyncio.get_running_loop().create_future()
-        self._jobs.append(_DraftJob(req, length, list(req.committed), future))
+        history = None
+        if req.gen.sampling.adjusts_logits:  # as the verifier splits it: prompt, then everything generated
+            split = len(req.committed) - req.generated
+            history = TokenHistory(req.committed[:split], req.committed[split:])
+        self._jobs.append(_DraftJob(req, length, list(req.committed), future, history))
         self._jobs_ready.set()
         return await future
 
@@ -496,7 +505,8 @@ class EdgeNode:
             try:
                 drafts = await self._call(
                     self.drafter.draft_chains, {j.request.key: j.committed for j in jobs}, {j.request.key: j.length for j in jobs},
-                    {j.request.key: j.request.gen.sampling for j in jobs}, {j.request.key: j.request.generator for j in jobs})
+                    {j.request.key: j.request.gen.sampling for j in jobs}, {j.request.key: j.request.generator for j in jobs},
+                    {j.request.key: j.history for j in jobs})
             except Exception as exc:  # a device error: every request in the batch fails, the node goes on
                 for job in jobs:
                     if not job.future.done():

@@ -8,7 +8,12 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                            logit_bias=dict(params.logit_bias))
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
+    return msg
 
 
 def draft_to_pb(session_id: str, round_index: int, out: DraftOutput, sampling: SamplingParams) -> pb.DraftRequest:

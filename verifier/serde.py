@@ -15,7 +15,10 @@ from goodspeed.verifier.types import Draft, SparseProbs, Verdict
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     try:
-        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0)
+        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, min_p=msg.min_p,
+                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                              repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+                              logit_bias=tuple(sorted(msg.logit_bias.items())))
     except ValueError as exc:
         raise MalformedDraftError(str(exc)) from None
 

@@ -232,7 +232,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = await self._owned(request.session_id, context)
         sampling = sampling_from_pb(request.sampling)
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids),
-                request.seed if request.HasField("seed") else None, request.logprobs if request.HasField("logprobs") else None)
+                request.seed if request.HasField("seed") else None, request.logprobs if request.HasField("logprobs") else None,
+                request.generated)
         started = time.perf_counter()
         kv_tokens = len(request.prompt_ids) + request.max_new_tokens
         self.usage.admit_request(drafter.identity, kv_tokens)
@@ -252,7 +253,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self._update_gauges()
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
-        return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id))
+        return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id),
+                                    extended_sampling=True)
 
     async def _abandon_start(self, session_id: str, identity: str, kv_tokens: int) -> None:
         self.rounds.forget(session_id)

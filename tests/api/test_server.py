@@ -55,7 +55,14 @@ def refusal(call, **kwargs):
     (dict(seed=-5), "seed"),
     (dict(logprobs=21), "logprobs"),  # 20 top log-probabilities at most, as vLLM's default
     (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),  # chat's field, not completions'
-    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),  # OpenAI's range, -2 to 2
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(logit_bias={"7": 101}), "logit_bias.7"),
+    (dict(logit_bias={"-1": 1}), "logit_bias"),
+    (dict(logit_bias={"seven": 1}), "logit_bias"),
+    (dict(best_of=2), "best_of"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(echo=True), "echo"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
@@ -96,6 +103,8 @@ def test_a_prompt_past_the_context_is_400_context_length_exceeded(api, server):
     assert status == 400 and body["code"] == "context_length_exceeded"
     status, body = refusal(api.completions.create, model="tiny", prompt=[1, 2, 300], max_tokens=4)  # id past V = 300
     assert status == 400 and "token" in body["message"]
+    status, body = refusal(api.completions.create, model="tiny", prompt=[1, 2], max_tokens=4, logit_bias={"300": 5})
+    assert status == 400 and "logit_bias" in body["message"]
     status, body = refusal(api.completions.create, model="tiny", prompt=[[1, 2], [1] * 127], max_tokens=4)  # the second
     assert status == 400 and body["code"] == "context_length_exceeded" and "prompt 1 holds 127" in body["message"]
 

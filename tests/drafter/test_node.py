@@ -10,10 +10,12 @@ import torch
 
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import NodeThread, ServerThread
 from modelkit import chat_pair, greedy_reference
+from statkit import reference_adjust
 
 @pytest.fixture(scope="module")
 def models():
@@ -182,6 +184,59 @@ def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models, n):
     assert busy == []  # their KV slots are free
     assert metrics["goodspeed:request_success_total[('finished_reason', 'abort')]"] == n
     assert metrics["goodspeed:num_requests_running[]"] == 0
+
+
+def test_penalties_through_a_node_are_the_targets_adjusted_greedy_decoding_across_a_repair(models):
+    """Penalties and a logit bias travel to the verifier, which verifies against the adjusted
+    target; when the verifier drops the session mid-request, the node resumes it and says how much
+    of its new prompt is output, so the penalties go on counting it: the text is the target's own
+    adjusted greedy decoding throughout."""
+    tokenizer, target = models[2], models[0]
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    settings = dict(presence_penalty=1.0, frequency_penalty=0.6, logit_bias={"17": 2.0},
+                    extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    sampling = SamplingParams(presence_penalty=1.0, frequency_penalty=0.6, repetition_penalty=1.3, logit_bias=((17, 2.0),))
+    seq = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(40):
+            logits = reference_adjust(target(input_ids=torch.tensor([seq])).logits[0, -1].double(), sampling, prompt_ids,
+                                      seq[len(prompt_ids):])
+            seq.append(int(torch.argmax(logits)))
+    want = tokenizer.decode(seq[len(prompt_ids):], skip_special_tokens=True)
+    assert want != reference(models, prompt_ids, 40)
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        stream = api.completions.create(model="tiny", prompt=prompt_ids, max_tokens=40, stream=True, temperature=0, **settings)
+        chunks = iter(stream)
+        pieces = [next(chunks).choices[0].text]
+        session = next(s for s, d in server.server.service._drafters.items() if d.in_request)
+        server.run(server.server.service.drop(session, "dropped by the test"))
+        pieces += [c.choices[0].text for c in chunks]
+        joins = server.events("join")
+    assert "".join(pieces) == want
+    assert len(joins) == 2
+
+
+def test_a_verifier_that_ignores_penalties_is_a_502_not_a_silent_change(models, monkeypatch):
+    """A verifier older than the penalties leaves StartRequestReply.extended_sampling false."""
+    from goodspeed.verifier.server import VerifierService
+
+    start = VerifierService.StartRequest
+
+    async def old_start(self, request, context):
+        reply = await start(self, request, context)
+        reply.ClearField("extended_sampling")
+        return reply
+
+    monkeypatch.setattr(VerifierService, "StartRequest", old_start)
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        with pytest.raises(openai.APIStatusError, match="min_p, penalties or logit_bias") as refused:
+            api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, presence_penalty=0.5, **GREEDY)
+        plain = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, **GREEDY)
+        running = sum(d.in_request for d in server.server.service._drafters.values())
+    assert refused.value.status_code == 502 and running == 0
+    assert plain.choices[0].text == reference(models, "def f(x):", 8)
 
 
 def test_a_session_the_verifier_drops_mid_request_is_repaired_losslessly(models):

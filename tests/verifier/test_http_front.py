@@ -7,12 +7,14 @@ import openai
 import pytest
 import torch
 
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.auth import add_token
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import ServerThread
 from modelkit import chat_pair, greedy_reference
+from statkit import reference_adjust
 
 PROMPT = "def decode(self, s):"
 
@@ -239,6 +241,29 @@ def test_stop_token_ids_end_the_text_like_eos(models):
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == end
     assert out.choices[0].text == tokenizer.decode(ids[:end], skip_special_tokens=True)
     assert refused.value.body["param"].startswith("stop_token_ids")
+
+
+def test_logit_bias_and_penalties_reach_local_serving(models):
+    """A bias of 100 on one token makes it the greedy output at every position; penalties give the
+    target's own adjusted greedy decoding (every path of it: test_adjusted_sampling)."""
+    target, _, tokenizer = models
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    sampling = SamplingParams(presence_penalty=2.0, repetition_penalty=1.2)
+    seq = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = reference_adjust(target(input_ids=torch.tensor([seq])).logits[0, -1], sampling, prompt_ids, seq[len(prompt_ids):])
+            seq.append(int(torch.argmax(logits)))
+    want = tokenizer.decode(seq[len(prompt_ids):], skip_special_tokens=True)
+    assert want != reference_text(models, prompt_ids, 12)[1]
+    with front(models) as server:
+        api = client(server)
+        biased = api.completions.create(model="tiny", prompt=prompt_ids, max_tokens=8, logit_bias={"42": 100}, logprobs=0,
+                                        **GREEDY)
+        penalised = api.completions.create(model="tiny", prompt=prompt_ids, max_tokens=12, presence_penalty=2.0,
+                                           extra_body={"ignore_eos": True, "repetition_penalty": 1.2}, temperature=0)
+    assert biased.choices[0].logprobs.tokens == [tokenizer.decode([42])] * 8
+    assert penalised.choices[0].text == want
 
 
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
