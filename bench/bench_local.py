@@ -4,6 +4,7 @@ real pair.
     python -m bench.bench_local [--requests 48] [--rate 40 [20 ...] | --load 0.4 [0.2 ...]] [--seed 0 [1 ...]] [--max-new-tokens 32]
                                 [--draft draft-small] [--target demo:target] [--dtype float32]
                                 [--device cpu] [--threads N] [--policies none,adaserve ...] [--variants gqa pad graphs] [--json]
+                                [--repetition-penalty R] [--presence-penalty P] [--frequency-penalty F]
 
 Needs the demo models (`goodspeed models build-demo`), or for ``--target real:smollm2-135m
 --draft real:smollm2-135m-draft`` the real pair (`goodspeed models get smollm2-135m`). A bare
@@ -35,6 +36,9 @@ target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.
 ``torch.compile`` (``EngineConfig.torch_compile``; on CUDA captured as graphs too), named ``POLICY
 [compiled]``, planning with the graphs' profile; ``logprobs``: every request asks for its tokens'
 log-probabilities and the top 5 (the OpenAI API's ``logprobs``), named ``POLICY [logprobs 5]``;
+``raw-draft``: with a penalty given (``--repetition-penalty``, ``--presence-penalty``,
+``--frequency-penalty``: every request's, greedy), chains are drafted without it while the target
+applies it (what the draft's own adjustment buys in acceptance), named ``POLICY [raw draft]``;
 on CUDA the graphs variant's policies plan with a profile measured with graphs (``profile_graphs``
 in the JSON), while the SLOs stay the eager profile's, as for every variant. ``--cuda-graphs`` makes
 graphs the base run instead: every policy under its bare name replays CUDA graphs, and the profile
@@ -51,6 +55,7 @@ the graphs compiled during the trace itself (0: no request waited on a compile).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -62,6 +67,7 @@ from goodspeed.lm.attention import masked_attention
 from goodspeed.lm.corpus import load_corpus, prompt_snippets
 from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.loading import ModelLoadError, load_causal_lm
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
@@ -101,14 +107,27 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
 
 
 VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]", "compile": " [compiled]",
-            "logprobs": " [logprobs 5]"}  # --variants: name -> suffix of the policy's name
+            "logprobs": " [logprobs 5]", "raw-draft": " [raw draft]"}  # --variants: name -> suffix of the policy's name
+
+
+class RawDraftServing(LocalServing):
+    """Local serving whose chains are drafted without the requests' penalties and logit bias (the
+    ``raw-draft`` variant): the target still applies them, so the output is the same; what the
+    draft's own adjustment buys is the acceptance this loses."""
+
+    def _draft_chains(self, reqs, lengths):
+        plain = {r.request_id: dataclasses.replace(r.sampling, presence_penalty=0.0, frequency_penalty=0.0,
+                                                   repetition_penalty=1.0, logit_bias=()) for r in reqs}
+        return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths, plain,
+                                       {r.request_id: r.generator or self.generator for r in reqs})
 
 
 def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int,
-           variant: str | None = None) -> tuple[dict, dict]:
+           variant: str | None = None, sampling: SamplingParams = SamplingParams()) -> tuple[dict, dict]:
     """One policy over ``trace`` on a fresh engine and local server: (its summary, its outputs).
     ``variant``: one of ``VARIANTS`` (see the module docstring). ``profile`` is the latency the
-    policy plans with (the trace's SLOs were set from the eager profile, for every variant alike)."""
+    policy plans with (the trace's SLOs were set from the eager profile, for every variant alike).
+    ``sampling``: every request's settings."""
     cuda = next(target.model.parameters()).device.type == "cuda"
     engine = VerificationEngine(target.model, EngineConfig(seed=seed, pad_rows=variant == "pad",
                                                            cuda_graphs=variant in ("graphs", "compile") and cuda,
@@ -116,7 +135,7 @@ def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requ
     if variant == "graphs" and not cuda:  # the same fixed-shape steps, eagerly
         engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     config = LocalConfig(**{"policy": "none", **policy}, latency=profile, max_requests=max_requests, seed=seed)
-    serving = LocalServing(engine, draft.model, config)
+    serving = (RawDraftServing if variant == "raw-draft" else LocalServing)(engine, draft.model, config)
     if variant == "graphs" and not cuda:
         serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=False)
     compiled = None
@@ -127,7 +146,7 @@ def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requ
         serving.warm_up()
         compiled = counters["stats"]["unique_graphs"]
     with masked_attention_as(grouped_masked_attention if variant == "gqa" else masked_attention):
-        summary = summarize(run_trace_local(serving, trace, logprobs=5 if variant == "logprobs" else None))
+        summary = summarize(run_trace_local(serving, trace, sampling, logprobs=5 if variant == "logprobs" else None))
     if compiled is not None:
         summary["compiled_graphs"] = counters["stats"]["unique_graphs"] - compiled
     t = serving.totals
@@ -168,7 +187,11 @@ def main() -> int:
                          "graphs (EngineConfig.cuda_graphs; eagerly on a CPU); compile, those steps through a decoder "
                          "compiled by torch.compile (EngineConfig.torch_compile; captured on CUDA); logprobs, every "
                          "request asking for its tokens' log-probabilities and the top 5 (what the OpenAI API's "
-                         "logprobs costs)")
+                         "logprobs costs); raw-draft, chains drafted without the requests' penalties (the target "
+                         "applies them)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's (greedy; 1: off)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="every request's (greedy; 0: off)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's (greedy; 0: off)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="every policy replays its steps as CUDA graphs (the graphs variant as the base run), and the "
                          "profile it plans with, the SLOs and --load's capacity are measured with graphs (on CUDA)")
@@ -185,6 +208,13 @@ def main() -> int:
         if unknown or "none" not in wanted:
             ap.error(f"--policies: unknown {unknown}" if unknown else "--policies must include none (the lossless reference)")
         policies = [(n, kw) for n, kw in POLICIES + NAMED_ONLY if n in wanted]
+    try:
+        sampling = SamplingParams(repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if "raw-draft" in args.variants and not sampling.adjusts_logits:
+        ap.error("--variants raw-draft needs a penalty (--repetition-penalty, --presence-penalty or --frequency-penalty)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     pair = load_pair(args.target, args.draft, args.dtype, args.device)
@@ -224,7 +254,7 @@ def main() -> int:
         warm = make_trace(code_prompts(target.tokenizer, 4, 0), 4, 1000.0, baseline_ms, args.max_new_tokens, seed=0)
         for _, kw in policies:
             for variant in (None, *variants):
-                replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant or base)
+                replay(target, draft, profiles[variant], warm, kw, args.max_requests, 0, variant or base, sampling)
     cells = []
     for rate in rates:
         for seed in args.seed:
@@ -236,7 +266,8 @@ def main() -> int:
             runs = [(name, kw, variant) for name, kw in policies for variant in (None, *variants)]
             for name, kw, variant in runs:
                 name += VARIANTS[variant] if variant else ""
-                summary, outputs = replay(target, draft, profiles[variant], trace, kw, args.max_requests, seed, variant or base)
+                summary, outputs = replay(target, draft, profiles[variant], trace, kw, args.max_requests, seed, variant or base,
+                                          sampling)
                 if reference is None:
                     reference = outputs
                 summary["lossless"] = outputs == reference
@@ -253,6 +284,7 @@ def main() -> int:
                           **({"profile_eager": eager.to_dict()} if eager is not profile else {}),
                           "target": args.target, "draft": args.draft,
                           "dtype": args.dtype, "device": str(target.model.device), "threads": torch.get_num_threads(),
+                          "sampling": dataclasses.asdict(sampling),
                           "requests": args.requests, "rate": rate, "load": rate / capacity, "capacity_req_s": capacity, "seed": seed, "max_new_tokens": args.max_new_tokens,
                           "results": results})
             if not args.json:
