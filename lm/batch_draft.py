@@ -338,13 +338,7 @@ class BatchDraftModel:
             now = [key for key in active if step < active[key]]
             # One uniform per request, drawn in key order from its stream (as a request drafting alone would).
             uniforms = torch.cat([torch.rand(1, generator=streams[key], dtype=torch.float64) for key in now])
-            logits = torch.stack([last[key] for key in now])
-            adjusted = [j for j, key in enumerate(now) if sampling[key].adjusts_logits]
-            if adjusted:  # in place on the stacked copy (float32 at least)
-                work = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-                logits = adjust_logits(work[:, None], adjusted, [sampling[now[j]] for j in adjusted],
-                                       [(histories or {}).get(now[j]) for j in adjusted],
-                                       [[drafted[now[j]]] for j in adjusted])[:, 0]
+            logits = _adjusted(torch.stack([last[key] for key in now]), now, [drafted[key] for key in now], sampling, histories)
             q, tokens, conf = draft_step(logits, [sampling[key] for key in now], self.proposal_top_k, uniforms)
             for j, key in enumerate(now):
                 drafted[key].append(tokens[j])
@@ -383,9 +377,13 @@ class BatchDraftModel:
         return torch.stack([cls._ranking(row, s) for row, s in zip(logits, sampling)])
 
     def draft_trees(self, committed: dict[str, Sequence[int]], depth: int, width: int, sampling: dict[str, SamplingParams],
-                    max_depths: dict[str, int] | None = None) -> dict[str, BeamTree]:
+                    max_depths: dict[str, int] | None = None,
+                    histories: Mapping[str, TokenHistory | None] | None = None) -> dict[str, BeamTree]:
         """Beam search of ``width`` and ``depth`` for every request (``max_depths[key]`` caps one
-        request's depth, e.g. by its remaining tokens); zero-probability candidates are dropped."""
+        request's depth, e.g. by its remaining tokens); zero-probability candidates are dropped.
+        A request whose settings bias or penalise logits ranks each beam's candidates by the
+        draft's logits adjusted by its text (``histories[key]``) and the beam's path, as
+        :meth:`draft_chains` does."""
         if depth < 1 or width < 1:
             raise ValueError("depth and width must be >= 1")
         caps = {k: min(depth, (max_depths or {}).get(k, depth)) for k in committed}
@@ -398,8 +396,8 @@ class BatchDraftModel:
         # children for every key at once: one ranking and one top-k over the stacked rows, read
         # back in one copy (row by row, a launch-bound GPU paid a few ops and two syncs a request).
         beams: dict[str, list[int]] = {}
-        top = torch.topk(self._rankings(torch.stack([last[key] for key in active]), [sampling[key] for key in active]),
-                         min(width, self.vocab_size), dim=-1)
+        roots = _adjusted(torch.stack([last[key] for key in active]), active, [[] for _ in active], sampling, histories)
+        top = torch.topk(self._rankings(roots, [sampling[key] for key in active]), min(width, self.vocab_size), dim=-1)
         for key, values, indices in zip(active, top.values.tolist(), top.indices.tolist()):
             beams[key] = [_add_node(trees[key], tok, -1, p) for p, tok in zip(values, indices) if p > 0]
         scratch: dict[str, dict[int, int]] = {k: {} for k in active}  # node -> its scratch offset
@@ -430,13 +428,43 @@ class BatchDraftModel:
             keys, rows, vocab = logits.shape
             base = torch.tensor([[trees[key].path_probs[n] for n in beams[key]] + [0.0] * (rows - len(beams[key]))
                                  for key in grow], dtype=torch.float64).to(logits.device)
-            rankings = self._rankings(logits.reshape(keys * rows, vocab), [sampling[key] for key in grow for _ in range(rows)])
+            flat_keys, flat_paths = [], []  # each beam's key and path; a pad row's key is None
+            for key in grow:
+                for i in range(rows):
+                    real = i < len(beams[key])
+                    flat_keys.append(key if real else None)
+                    flat_paths.append(_path(trees[key], beams[key][i]) if real else [])
+            flat = _adjusted(logits.reshape(keys * rows, vocab), flat_keys, flat_paths, sampling, histories)
+            rankings = self._rankings(flat, [sampling[key] for key in grow for _ in range(rows)])
             cand = (base.unsqueeze(2) * rankings.view(keys, rows, vocab)).view(keys, rows * vocab)
             top = torch.topk(cand, min(width, rows * vocab), dim=-1)
             for key, values, indices in zip(grow, top.values.tolist(), top.indices.tolist()):
                 nodes = beams[key]
                 beams[key] = [_add_node(trees[key], idx % vocab, nodes[idx // vocab], p) for p, idx in zip(values, indices) if p > 0]
         return trees
+
+
+def _adjusted(logits: torch.Tensor, keys: Sequence[str | None], paths: Sequence[Sequence[int]],
+              sampling: Mapping[str, SamplingParams], histories: Mapping[str, TokenHistory | None] | None) -> torch.Tensor:
+    """``logits [n, V]`` (a fresh tensor, changed in place where it is float32 or wider) with row
+    ``i`` adjusted by its request's bias and penalties (:func:`~goodspeed.lm.sampling.adjust_logits`)
+    for the text ``histories[keys[i]]`` plus ``paths[i]`` (the tokens drafted since); rows of keys
+    that adjust nothing, and ``None`` keys, as they are."""
+    chosen = [i for i, key in enumerate(keys) if key is not None and sampling[key].adjusts_logits]
+    if not chosen:
+        return logits
+    work = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return adjust_logits(work[:, None], chosen, [sampling[keys[i]] for i in chosen],
+                         [(histories or {}).get(keys[i]) for i in chosen], [[paths[i]] for i in chosen])[:, 0]
+
+
+def _path(tree: BeamTree, node: int) -> list[int]:
+    """The tokens from the root's child down to ``node``, inclusive."""
+    tokens = []
+    while node >= 0:
+        tokens.append(tree.token_ids[node])
+        node = tree.parents[node]
+    return tokens[::-1]
 
 
 def _add_node(tree: BeamTree, token: int, parent: int, path_prob: float) -> int:

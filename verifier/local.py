@@ -40,10 +40,10 @@ before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`
 policy's sampled output against the target's exact distribution.
 
 Penalties and logit bias (:func:`goodspeed.lm.sampling.adjust_logits`): the engine verifies every
-position against the target's logits adjusted by the text before it; the chains drafted here
-adjust the draft's logits the same way (each request's :class:`~goodspeed.lm.sampling.TokenHistory`),
-which keeps acceptance up. AdaServe's beam trees rank by the draft's unadjusted distribution:
-exact all the same, their nodes are point masses.
+position against the target's logits adjusted by the text before it; the chains and AdaServe's
+beam trees drafted here adjust the draft's logits the same way (each request's
+:class:`~goodspeed.lm.sampling.TokenHistory`, plus the chain or the beam's path), which keeps
+acceptance up; exactness never depends on it.
 
 Time comes from a :class:`RealClock` in serving, or a :class:`SimulatedClock` that charges every
 forward its cost under given latency models, which makes SLO experiments exact and repeatable.
@@ -496,11 +496,15 @@ class LocalServing:
 
     # ---------------------------------------------------------------- policies
 
+    def _draft_settings(self, reqs: list[LocalRequest]) -> tuple[dict[str, SamplingParams], dict[str, TokenHistory | None]]:
+        """What the draft drafts each request with: its sampling settings and the text its
+        penalties read."""
+        return {r.request_id: r.sampling for r in reqs}, {r.request_id: r.history for r in reqs}
+
     def _draft_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]):
-        return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths,
-                                       {r.request_id: r.sampling for r in reqs},
-                                       {r.request_id: r.generator or self.generator for r in reqs},
-                                       {r.request_id: r.history for r in reqs})
+        sampling, histories = self._draft_settings(reqs)
+        return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths, sampling,
+                                       {r.request_id: r.generator or self.generator for r in reqs}, histories)
 
     def _chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, _Plan]:
         return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in self._draft_chains(reqs, lengths).items()}
@@ -545,8 +549,9 @@ class LocalServing:
         if len(reqs) >= budget:  # every root costs one unit (Alg. 2 line 7): none is left for a node, so none is drafted
             return {r.request_id: _Plan([]) for r in reqs}
         depth, width = speculation_shape(budget, len(reqs), cfg.max_depth, cfg.max_width)
-        trees = self.draft.draft_trees({r.request_id: r.committed for r in reqs}, depth, width,
-                                       {r.request_id: r.sampling for r in reqs}, {r.request_id: r.cap for r in reqs})
+        sampling, histories = self._draft_settings(reqs)
+        trees = self.draft.draft_trees({r.request_id: r.committed for r in reqs}, depth, width, sampling,
+                                       {r.request_id: r.cap for r in reqs}, histories)
         now = self.clock.now()
         need = np.zeros(len(reqs))  # no SLO: only the throughput phase grows its tree
         timed = [i for i, r in enumerate(reqs) if r.tpot_slo_s is not None]

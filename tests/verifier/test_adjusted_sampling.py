@@ -237,6 +237,37 @@ def test_chain_drafts_adjust_the_drafts_logits_by_their_own_text(wide):
     assert chains["a"].token_ids != unadjusted["a"].token_ids
 
 
+def test_beam_trees_rank_each_beams_candidates_by_its_own_adjusted_text(wide):
+    """AdaServe's beam trees: every node's path probability is its parent's times the draft's
+    adjusted probability of its token after the committed text and the beam's path (the ranking
+    of a greedy request is the draft's softmax); a request that adjusts nothing drafts as before."""
+    _, draft = wide
+    sampling = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.8)
+    prompt, output = [4, 4, 9], [9, 12]
+    batch = BatchDraftModel(draft)
+    for key in ("a", "b"):
+        batch.add(key)
+    committed = {"a": prompt + output, "b": [5, 6, 7]}
+    trees = batch.draft_trees(committed, 3, 3, {"a": sampling, "b": SamplingParams()}, None,
+                              {"a": TokenHistory(prompt, output), "b": None})
+    tree = trees["a"]
+    assert len(tree.token_ids) > 3 and max(tree.depths) == 3
+    with torch.inference_mode():
+        for node, (token, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+            path, p = [], parent
+            while p >= 0:
+                path.insert(0, tree.token_ids[p])
+                p = tree.parents[p]
+            seq = committed["a"] + path
+            logits = reference_adjust(draft(input_ids=torch.tensor([seq])).logits[0, -1].double(), sampling, prompt,
+                                      output + path)
+            before = 1.0 if parent < 0 else tree.path_probs[parent]
+            assert tree.path_probs[node] == pytest.approx(before * torch.softmax(logits, -1)[token].item(), rel=1e-5)
+    alone = BatchDraftModel(draft)
+    alone.add("b")
+    assert alone.draft_trees({"b": [5, 6, 7]}, 3, 3, {"b": SamplingParams()})["b"].token_ids == trees["b"].token_ids
+
+
 def test_adjust_logits_leaves_rows_that_adjust_nothing_alone():
     logits = torch.randn(2, 3, 10)
     out = adjust_logits(logits.clone(), [0, 1], [SamplingParams(temperature=1.0, min_p=0.3), SamplingParams()],
