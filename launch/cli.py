@@ -146,8 +146,14 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"goodspeed generate: {args.chat}: {exc}", file=sys.stderr)
             return 2
         prompt = None
-    request = generate_request(prompt, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                               args.tpot_slo_ms, args.ignore_eos)
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+    except ValueError as exc:
+        print(f"goodspeed generate: {exc}", file=sys.stderr)
+        return 2
+    request = generate_request(prompt, ids, args.max_new_tokens, tpot_slo_ms=args.tpot_slo_ms, ignore_eos=args.ignore_eos,
+                               sampling=sampling)
     return run_generate(args.verifier, request, args.json, args.timeout_s, token=read_token(args.token_file), tls=_client_tls(args))
 
 
@@ -540,6 +546,10 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("--chat", default=None, metavar="MODEL", help="send the prompt as a user message in MODEL's chat template "
                      "(MODEL: the verifier's target, e.g. real:smollm2-135m; rendered here, sent as token ids)")
     _add_sampling_args(gen, max_new_tokens=64)
+    gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least MIN_P times the likeliest's (0: off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2, over the output (0: off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2, over the output (0: off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, over the prompt and the output (1: off)")
     gen.add_argument("--tpot-slo-ms", type=POSITIVE, default=None, help="time-per-output-token SLO (AdaServe)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout-s", type=POSITIVE, default=None)

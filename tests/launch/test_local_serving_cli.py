@@ -12,7 +12,9 @@ from transformers import AutoTokenizer
 from goodspeed.launch import cli
 from goodspeed.launch.local import verifier_command
 from goodspeed.launch.spec import VerifierSpec
+from goodspeed.lm.sampling import SamplingParams
 from modelkit import greedy_reference, perturbed, save_models, tiny_llama
+from statkit import reference_adjust
 
 VOCAB = 300
 
@@ -42,16 +44,32 @@ def test_text_prompt_through_the_daemon(model_dirs, tmp_path, capsys):
     proc, address = start(spec, tmp_path / "verifier.log")
     try:
         code = cli.main(["generate", "--verifier", address, "--max-new-tokens", "9", "--json", "--ignore-eos", "def f(x):"])
+        out = json.loads(capsys.readouterr().out)
+        penalised_code = cli.main(["generate", "--verifier", address, "--max-new-tokens", "12", "--json", "--ignore-eos",
+                                   "--repetition-penalty", "1.5", "--presence-penalty", "1.0", "def f(x):"])
+        penalised = json.loads(capsys.readouterr().out)
     finally:
         proc.terminate()
         proc.wait(30)
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0
+    assert code == 0 and penalised_code == 0
     tokenizer = AutoTokenizer.from_pretrained(model_dirs["target"])
     assert out["prompt_ids"] == tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
     target32 = tiny_llama(0, vocab=VOCAB, dtype=torch.float32)
     assert out["token_ids"] == greedy_reference(target32, out["prompt_ids"], 9)
     assert out["text"] == tokenizer.decode(out["token_ids"])
+    # the penalties reach the verifier: its output is the target's own adjusted greedy decoding
+    sampling, seq = SamplingParams(repetition_penalty=1.5, presence_penalty=1.0), list(out["prompt_ids"])
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = reference_adjust(target32(input_ids=torch.tensor([seq])).logits[0, -1], sampling, out["prompt_ids"],
+                                      seq[len(out["prompt_ids"]):])
+            seq.append(int(torch.argmax(logits)))
+    assert penalised["token_ids"] == seq[len(out["prompt_ids"]):] != greedy_reference(target32, out["prompt_ids"], 12)
+
+
+def test_generate_refuses_bad_sampling_before_it_calls(capsys):
+    assert cli.main(["generate", "--verifier", "127.0.0.1:9", "--presence-penalty", "3", "hi"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err
 
 
 def test_turbospec_without_a_profile_is_refused(model_dirs, tmp_path):
