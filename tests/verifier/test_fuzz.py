@@ -30,8 +30,13 @@ floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
 text = st.text(max_size=80)
 names = st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True) | text
 small = st.integers(0, 8)
+penalty = st.sampled_from([0.0, 0.5, -1.5]) | floats
 sampling = st.builds(pb.SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1e-45]) | floats,
-                     top_k=st.sampled_from([0, 3]) | st.integers(0, 2**32 - 1), top_p=st.sampled_from([0.0, 0.9, 1.0]) | floats)
+                     top_k=st.sampled_from([0, 3]) | st.integers(0, 2**32 - 1), top_p=st.sampled_from([0.0, 0.9, 1.0]) | floats,
+                     min_p=st.sampled_from([0.0, 0.1]) | floats, presence_penalty=penalty, frequency_penalty=penalty,
+                     repetition_penalty=st.none() | st.sampled_from([1.0, 1.3, 0.0]) | floats,
+                     logit_bias=st.dictionaries(st.integers(0, V - 1) | st.integers(-(2**31), 2**31 - 1),
+                                                st.sampled_from([2.0, -100.0]) | floats, max_size=4))
 
 
 def draft_requests(session_id):
@@ -67,7 +72,8 @@ def calls(session_id):
         st.builds(lambda m: ("Join", m), st.builds(pb.JoinRequest, drafter_name=names, model_name=text, tokenizer_fingerprint=text,
                                                   protocol_version=st.just(1) | st.integers(0, 2**32 - 1))),
         st.builds(lambda m: ("StartRequest", m), st.builds(pb.StartRequestRequest, session_id=sid, prompt_ids=ids, sampling=sampling,
-                                                          max_new_tokens=small | st.integers(0, 2**32 - 1), eos_token_ids=ids)),
+                                                          max_new_tokens=small | st.integers(0, 2**32 - 1), eos_token_ids=ids,
+                                                          generated=st.just(0) | small | st.integers(0, 2**32 - 1))),
         st.builds(lambda m: ("SubmitDraft", m), draft_requests(session_id)),
         st.builds(lambda m: ("FinishRequest", m), st.builds(pb.FinishRequestRequest, session_id=sid)),
         st.builds(lambda m: ("Resync", m), st.builds(pb.ResyncRequest, session_id=sid)),
