@@ -37,8 +37,9 @@ target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.
 [compiled]``, planning with the graphs' profile; ``logprobs``: every request asks for its tokens'
 log-probabilities and the top 5 (the OpenAI API's ``logprobs``), named ``POLICY [logprobs 5]``;
 ``raw-draft``: with a penalty given (``--repetition-penalty``, ``--presence-penalty``,
-``--frequency-penalty``: every request's, greedy), chains are drafted without it while the target
-applies it (what the draft's own adjustment buys in acceptance), named ``POLICY [raw draft]``;
+``--frequency-penalty``: every request's, greedy), chains and trees are drafted without it while
+the target applies it (what the draft's own adjustment buys in acceptance), named ``POLICY [raw
+draft]``;
 on CUDA the graphs variant's policies plan with a profile measured with graphs (``profile_graphs``
 in the JSON), while the SLOs stay the eager profile's, as for every variant. ``--cuda-graphs`` makes
 graphs the base run instead: every policy under its bare name replays CUDA graphs, and the profile
@@ -111,15 +112,13 @@ VARIANTS = {"gqa": " [GQA SDPA]", "pad": " [pad rows]", "graphs": " [graphs]", "
 
 
 class RawDraftServing(LocalServing):
-    """Local serving whose chains are drafted without the requests' penalties and logit bias (the
-    ``raw-draft`` variant): the target still applies them, so the output is the same; what the
-    draft's own adjustment buys is the acceptance this loses."""
+    """Local serving whose chains and trees are drafted without the requests' penalties and logit
+    bias (the ``raw-draft`` variant): the target still applies them, so the output is the same;
+    what the draft's own adjustment buys is the acceptance this loses."""
 
-    def _draft_chains(self, reqs, lengths):
-        plain = {r.request_id: dataclasses.replace(r.sampling, presence_penalty=0.0, frequency_penalty=0.0,
-                                                   repetition_penalty=1.0, logit_bias=()) for r in reqs}
-        return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths, plain,
-                                       {r.request_id: r.generator or self.generator for r in reqs})
+    def _draft_settings(self, reqs):
+        return {r.request_id: dataclasses.replace(r.sampling, presence_penalty=0.0, frequency_penalty=0.0,
+                                                  repetition_penalty=1.0, logit_bias=()) for r in reqs}, {}
 
 
 def replay(target, draft, profile: LatencyProfile, trace, policy: dict, max_requests: int, seed: int,
@@ -187,7 +186,7 @@ def main() -> int:
                          "graphs (EngineConfig.cuda_graphs; eagerly on a CPU); compile, those steps through a decoder "
                          "compiled by torch.compile (EngineConfig.torch_compile; captured on CUDA); logprobs, every "
                          "request asking for its tokens' log-probabilities and the top 5 (what the OpenAI API's "
-                         "logprobs costs); raw-draft, chains drafted without the requests' penalties (the target "
+                         "logprobs costs); raw-draft, drafts made without the requests' penalties (the target "
                          "applies them)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's (greedy; 1: off)")
     ap.add_argument("--presence-penalty", type=float, default=0.0, help="every request's (greedy; 0: off)")
