@@ -42,6 +42,19 @@ def greedy_reference(model, prompt, max_new_tokens):
     return seq[len(prompt) :]
 
 
+def adjusted_greedy_reference(model, prompt, sampling, max_new_tokens):
+    """The target's own greedy decoding with ``sampling``'s logit bias and penalties, each step's
+    logits adjusted by the text before it (``statkit.reference_adjust``), recomputed from scratch."""
+    from statkit import reference_adjust
+
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = reference_adjust(model(input_ids=torch.tensor([seq])).logits[0, -1], sampling, list(prompt), seq[len(prompt):])
+            seq.append(int(torch.argmax(logits)))
+    return seq[len(prompt):]
+
+
 def save_models(root, models: dict, vocab_size: int):
     """Save each model with one shared byte-level BPE tokenizer (so fingerprints match); returns paths."""
     from goodspeed.lm.demo import train_tokenizer

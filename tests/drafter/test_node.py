@@ -14,8 +14,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import NodeThread, ServerThread
-from modelkit import chat_pair, greedy_reference
-from statkit import reference_adjust
+from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference
 
 @pytest.fixture(scope="module")
 def models():
@@ -196,13 +195,7 @@ def test_penalties_through_a_node_are_the_targets_adjusted_greedy_decoding_acros
     settings = dict(presence_penalty=1.0, frequency_penalty=0.6, logit_bias={"17": 2.0},
                     extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
     sampling = SamplingParams(presence_penalty=1.0, frequency_penalty=0.6, repetition_penalty=1.3, logit_bias=((17, 2.0),))
-    seq = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(40):
-            logits = reference_adjust(target(input_ids=torch.tensor([seq])).logits[0, -1].double(), sampling, prompt_ids,
-                                      seq[len(prompt_ids):])
-            seq.append(int(torch.argmax(logits)))
-    want = tokenizer.decode(seq[len(prompt_ids):], skip_special_tokens=True)
+    want = tokenizer.decode(adjusted_greedy_reference(target, prompt_ids, sampling, 40), skip_special_tokens=True)
     assert want != reference(models, prompt_ids, 40)
     with verifier(models) as server, node(server, models) as edge:
         api = api_of(edge)

@@ -22,7 +22,7 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError
 from goodspeed.verifier.local import LocalConfig, LocalServing, SimulatedClock
 from goodspeed.verifier.types import Draft
-from modelkit import perturbed, tiny_llama
+from modelkit import adjusted_greedy_reference, perturbed, tiny_llama
 from statkit import count_first_two, exact_first_two, fits, reference_adjust
 
 V = 6
@@ -48,17 +48,6 @@ def wide():
     """A 48-token vocabulary: long greedy outputs repeat tokens, so the penalties change them."""
     target = tiny_llama(7, vocab=48)
     return target, perturbed(target, 0.3, 8)
-
-
-def adjusted_greedy(model, prompt, sampling, max_new_tokens):
-    """The target's own greedy decoding with ``sampling``'s adjustments (no cache, every step
-    from scratch)."""
-    seq = list(prompt)
-    with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            logits = reference_adjust(model(input_ids=torch.tensor([seq])).logits[0, -1], sampling, prompt, seq[len(prompt):])
-            seq.append(int(torch.argmax(logits)))
-    return seq[len(prompt):]
 
 
 def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, drafters=4):
@@ -94,10 +83,10 @@ def test_greedy_edge_chains_are_the_targets_adjusted_greedy_decoding(wide, name)
     sampling = GREEDY[name]
     prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9]]
     outputs, results = run_edge(target, draft, sampling, prompts, 24)
-    want = [adjusted_greedy(target, p, sampling, 24) for p in prompts]
+    want = [adjusted_greedy_reference(target, p, sampling, 24) for p in prompts]
     assert sorted(outputs) == sorted(want)
     assert sum(v.num_accepted for r in results for v in r.verdicts.values()) > 0
-    plain = [adjusted_greedy(target, p, SamplingParams(), 24) for p in prompts]
+    plain = [adjusted_greedy_reference(target, p, SamplingParams(), 24) for p in prompts]
     assert want != plain, "the setting must change the output, or this test shows nothing"
 
 
@@ -106,7 +95,7 @@ def test_greedy_with_transit_decoding_is_exact(wide):
     sampling = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5)
     prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9]]
     outputs, results = run_edge(target, draft, sampling, prompts, 20, transit=True)
-    assert sorted(outputs) == sorted(adjusted_greedy(target, p, sampling, 20) for p in prompts)
+    assert sorted(outputs) == sorted(adjusted_greedy_reference(target, p, sampling, 20) for p in prompts)
     assert sum(r.transit_tokens for r in results) > 0
 
 
@@ -116,7 +105,7 @@ def test_greedy_local_serving_is_exact_for_every_policy(wide, policy):
     sampling = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias=((4, 1.0),))
     prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9], [11, 12, 13]]
     outputs, _ = run_local(target, draft, sampling, policy, prompts, 16)
-    assert outputs == [adjusted_greedy(target, p, sampling, 16) for p in prompts]
+    assert outputs == [adjusted_greedy_reference(target, p, sampling, 16) for p in prompts]
 
 
 def test_greedy_trees_through_the_engine_are_exact(wide):
@@ -127,7 +116,7 @@ def test_greedy_trees_through_the_engine_are_exact(wide):
     target, _ = wide
     sampling = SamplingParams(repetition_penalty=1.6, frequency_penalty=0.8)
     prompt = [3, 3, 4, 3]
-    want = adjusted_greedy(target, prompt, sampling, 12)
+    want = adjusted_greedy_reference(target, prompt, sampling, 12)
     engine = VerificationEngine(target, EngineConfig(budget=32, max_draft_len=8))
     sid = engine.join("tree")
     engine.start_request(sid, prompt, sampling, max_new_tokens=12)
@@ -155,7 +144,7 @@ def test_a_resumed_request_counts_its_output_as_output(wide):
     target, _ = wide
     sampling = SamplingParams(presence_penalty=1.5, frequency_penalty=1.0)
     prompt = [2, 5, 2]
-    whole = adjusted_greedy(target, prompt, sampling, 20)
+    whole = adjusted_greedy_reference(target, prompt, sampling, 20)
     engine = VerificationEngine(target, EngineConfig(budget=8))
 
     def continuation(generated):

@@ -13,8 +13,7 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import ServerThread
-from modelkit import chat_pair, greedy_reference
-from statkit import reference_adjust
+from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference
 
 PROMPT = "def decode(self, s):"
 
@@ -249,12 +248,7 @@ def test_logit_bias_and_penalties_reach_local_serving(models):
     target, _, tokenizer = models
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     sampling = SamplingParams(presence_penalty=2.0, repetition_penalty=1.2)
-    seq = list(prompt_ids)
-    with torch.inference_mode():
-        for _ in range(12):
-            logits = reference_adjust(target(input_ids=torch.tensor([seq])).logits[0, -1], sampling, prompt_ids, seq[len(prompt_ids):])
-            seq.append(int(torch.argmax(logits)))
-    want = tokenizer.decode(seq[len(prompt_ids):], skip_special_tokens=True)
+    want = tokenizer.decode(adjusted_greedy_reference(target, prompt_ids, sampling, 12), skip_special_tokens=True)
     assert want != reference_text(models, prompt_ids, 12)[1]
     with front(models) as server:
         api = client(server)
