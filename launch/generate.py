@@ -17,11 +17,13 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 def generate_request(prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, tpot_slo_ms: float | None = None, ignore_eos: bool = False,
                      request_id: str = "", sampling: SamplingParams | None = None) -> pb.GenerateRequest:
-    """``sampling``, when given, replaces ``temperature``, ``top_k`` and ``top_p`` (and carries
-    min-p, the penalties and a logit bias)."""
-    sampling = sampling or SamplingParams(temperature, top_k, top_p)
+    """The message as given: ``temperature``, ``top_k`` and ``top_p`` go as they are (the verifier
+    checks them); ``sampling``, when given, replaces them (and carries min-p, the penalties and a
+    logit bias)."""
+    settings = (sampling_to_pb(sampling) if sampling is not None
+                else pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
     return pb.GenerateRequest(
-        prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=sampling_to_pb(sampling),
+        prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=settings,
         tpot_slo_ms=tpot_slo_ms or 0.0, ignore_eos=ignore_eos, request_id=request_id,
     )
 
