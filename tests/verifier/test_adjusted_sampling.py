@@ -179,7 +179,8 @@ def test_sampled_edge_chains_follow_the_adjusted_target(small, sampling):
     ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
     assert ok, msg
     verdicts = [v for r in results for v in r.verdicts.values()]
-    assert sum(v.num_accepted for v in verdicts) > 300 and sum(v.num_accepted < v.num_drafted for v in verdicts) > 300
+    # speculation really happened, rejections included (about 1,300 accepted and 300 rejecting verdicts; default seeds)
+    assert sum(v.num_accepted for v in verdicts) > 600 and sum(v.num_accepted < v.num_drafted for v in verdicts) > 100
 
 
 def test_a_verifier_that_forgets_the_drafted_text_is_caught(small, monkeypatch):
