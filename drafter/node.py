@@ -150,9 +150,13 @@ class _Request:
     length: int = 0  # S for the next round
     round_index: int = 0
     stats: RequestStats = field(default_factory=RequestStats)  # rounds, tokens and repairs so far
+    history: TokenHistory | None = None  # the text its penalties read, when its sampling adjusts logits
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
+        if self.gen.sampling.adjusts_logits:  # as the verifier splits it: prompt, then everything generated
+            split = len(self.committed) - self.generated
+            self.history = TokenHistory(self.committed[:split], self.committed[split:])
 
     @property
     def key(self) -> str:
@@ -162,6 +166,8 @@ class _Request:
         self.committed.extend(tokens)
         self.generated += len(tokens)
         update_prefix_hasher(self.hasher, tokens)
+        if self.history is not None:  # drafting and committing alternate, so no draft reads it meanwhile
+            self.history.extend(tokens)
 
 
 @dataclass
@@ -170,7 +176,6 @@ class _DraftJob:
     length: int
     committed: list[int]
     future: asyncio.Future
-    history: TokenHistory | None = None  # the text its penalties read, when its sampling adjusts logits
 
 
 class EdgeNode:
@@ -484,11 +489,7 @@ class EdgeNode:
     async def _draft(self, req: _Request, length: int) -> ChainDraft:
         """Queue the request for the next batched drafting call and wait for its draft."""
         future = asyncio.get_running_loop().create_future()
-        history = None
-        if req.gen.sampling.adjusts_logits:  # as the verifier splits it: prompt, then everything generated
-            split = len(req.committed) - req.generated
-            history = TokenHistory(req.committed[:split], req.committed[split:])
-        self._jobs.append(_DraftJob(req, length, list(req.committed), future, history))
+        self._jobs.append(_DraftJob(req, length, list(req.committed), future))
         self._jobs_ready.set()
         return await future
 
@@ -506,7 +507,7 @@ class EdgeNode:
                 drafts = await self._call(
                     self.drafter.draft_chains, {j.request.key: j.committed for j in jobs}, {j.request.key: j.length for j in jobs},
                     {j.request.key: j.request.gen.sampling for j in jobs}, {j.request.key: j.request.generator for j in jobs},
-                    {j.request.key: j.history for j in jobs})
+                    {j.request.key: j.request.history for j in jobs})
             except Exception as exc:  # a device error: every request in the batch fails, the node goes on
                 for job in jobs:
                     if not job.future.done():
