@@ -6,7 +6,7 @@ Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM'
 ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
-* a feature this server does not implement (tools, ``echo``, ``best_of``, non-text response
+* a feature this server does not implement (tools, ``best_of``, ``suffix``, non-text response
   formats): 400 naming the field, never a silent fallback; more than
   :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
 * more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
@@ -167,6 +167,11 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
     @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs``: the prompt's tokens are scored too (vLLM's ``prompt_logprobs``)."""
+        return self.logprobs if self.echo else None
+
+    @property
     def prompts(self) -> list[str | list[int]]:
         """Every prompt of the request, in order (one unless a batch was sent)."""
         return _one_or_many(self.prompt)
@@ -176,8 +181,6 @@ class CompletionRequest(_Sampling):
         if len(self.prompts) * self.n > MAX_CHOICES:
             raise ApiError(400, f"{len(self.prompts)} prompts x n = {self.n} asks for more than {MAX_CHOICES} choices "
                                 "in one request", param="prompt" if self.n == 1 else "n")
-        if self.echo:
-            raise ApiError(400, "echo is not supported by this server", param="echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported by this server", param="suffix")
 
@@ -229,6 +232,10 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
+    def requested_prompt_logprobs(self) -> None:
+        return None  # chat has no echo
+
+    @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -260,6 +267,7 @@ class GenerationRequest:
     seed: int | None = None
     tpot_slo_ms: float | None = None
     logprobs: int | None = None  # each token's log-probability and this many top ones; None: none
+    prompt_logprobs: int | None = None  # the prompt tokens' too (``echo``), with the first delta; None: none
 
     def __post_init__(self) -> None:
         if self.tpot_slo_ms is not None and not (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0):

@@ -15,7 +15,12 @@ pieces are merged into one response or one event stream, each event naming its c
 
 ``logprobs`` (chat: ``logprobs`` / ``top_logprobs``): the backend's deltas carry each token's
 :class:`~goodspeed.lm.sampling.TokenLogprob` (the target's, read off the verifying step's logits),
-formatted here as OpenAI's objects, trimmed with the text at a stop string.
+formatted here as OpenAI's objects, trimmed with the text at a stop string. Completions' ``echo``
+starts each choice's text with its prompt (streamed: the choice's first event); with ``logprobs``
+the prompt's tokens come first in the log-probabilities, scored by the target's prefill of that
+prompt (the first token's entries are null: it follows nothing), as the scoring clients (e.g.
+lm-evaluation-harness's loglikelihood) read them. Stop strings and ``usage`` count the completion
+only.
 
 A backend (:class:`Backend`) is the verifier's local serving batch
 (:mod:`goodspeed.verifier.http_front`) or an edge node's session pool
@@ -40,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from goodspeed.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, GenerationRequest, parse_body
 from goodspeed.api.text import TextStream
+from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -58,6 +64,7 @@ class Delta:
     finish_reason: str | None = None
     error: ApiError | None = None  # with finish_reason "error: ...": what the client is told
     logprobs: list | None = None  # TokenLogprob of each of token_ids, for a request that asked for them
+    prompt_logprobs: list | None = None  # the first delta's, if asked: TokenLogprob of each prompt token after the first
 
 
 class Backend(Protocol):
@@ -141,9 +148,13 @@ class OpenAIServer:
         self._check_model(body.model)
         prompts = [list(p) if isinstance(p, list) else await self._tokenize(p) for p in body.prompts]
         rid, gens = self._generations("cmpl", body, prompts, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        echoes = None
+        if body.echo:  # each choice's text starts with its prompt's: as sent, or a token-id prompt's decode
+            decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
+            echoes = [p if isinstance(p, str) else decode(p) for p in body.prompts for _ in range(body.n)]
         if body.stream:
-            return await self._stream(request, identity, rid, gens, body, chat=False)
-        return await self._complete(identity, rid, gens, body, chat=False)
+            return await self._stream(request, identity, rid, gens, body, chat=False, echoes=echoes)
+        return await self._complete(identity, rid, gens, body, chat=False, echoes=echoes)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         identity = self._identify(request)
@@ -211,13 +222,16 @@ class OpenAIServer:
             request_id=f"{base}-{i * n + j}" if many else base, prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=body.sampling(), eos_token_ids=stops,
             seed=body.seed if body.seed is None or j == 0 else stream_seed(body.seed, "choice", str(j)) % (1 << ROOT_SEED_BITS),
-            tpot_slo_ms=body.tpot_slo_ms, logprobs=body.requested_logprobs) for i, prompt_ids in enumerate(prompts) for j in range(n)]
+            tpot_slo_ms=body.tpot_slo_ms, logprobs=body.requested_logprobs,
+            prompt_logprobs=body.requested_prompt_logprobs) for i, prompt_ids in enumerate(prompts) for j in range(n)]
 
     def _logprobs(self, logprobs: list, chat: bool, offset: int) -> dict:
         """A choice's (or a chunk's) ``logprobs`` object: chat's ``{"content": [{token, logprob,
         bytes, top_logprobs}]}``, or completions' ``{tokens, token_logprobs, top_logprobs,
         text_offset}`` (each token's text from ``offset``; ``top_logprobs`` maps text to
-        log-probability and includes the chosen token, as vLLM's). A token's text is its own decode."""
+        log-probability and includes the chosen token, as vLLM's). A token's text is its own decode.
+        An echoed prompt's first token follows nothing: its ``logprob`` is None, and so is its entry
+        in ``token_logprobs`` and ``top_logprobs`` (OpenAI's and vLLM's shape)."""
         decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
         if chat:
             def entry(token_id: int, logprob: float) -> dict:
@@ -229,8 +243,18 @@ class OpenAIServer:
         tokens = [decode([lp.token_id]) for lp in logprobs]
         offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{**{decode([t]): v for t, v in lp.top}, text: lp.logprob} for text, lp in zip(tokens, logprobs)],
+                "top_logprobs": [None if lp.logprob is None else {**{decode([t]): v for t, v in lp.top}, text: lp.logprob}
+                                 for text, lp in zip(tokens, logprobs)],
                 "text_offset": offsets}
+
+    @staticmethod
+    def _echoed(gen: GenerationRequest, scores: list | None) -> list:
+        """The log-probabilities an echoed prompt's tokens open a choice's with: none for its first
+        token (it follows nothing), then ``scores`` (the backend's, one per later prompt token);
+        ``[]`` where the prompt is not scored."""
+        if scores is None:
+            return []
+        return [TokenLogprob(gen.prompt_ids[0], None, None)] + list(scores)
 
     def _envelope(self, rid: str, chat: bool, created: int) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -270,13 +294,15 @@ class OpenAIServer:
             await deltas.aclose()
 
     @staticmethod
-    async def _pieces(deltas, text: TextStream, logprobs: list | None):
+    async def _pieces(deltas, text: TextStream, logprobs: list | None, prompt: list | None = None):
         """Yield ``(new text, finish_reason or None, log-probabilities)`` from an opened backend
         stream until the end: with ``logprobs`` (a list this fills with every token's
         :class:`TokenLogprob`), those of the tokens consumed since the last yield (a stop string
-        ends consumption; text held back still has its tokens' here), else None. The backend
-        stream is always closed, which cancels the request if it did not finish."""
-        sent = 0
+        ends consumption; text held back still has its tokens' here), else None. ``prompt``: a list
+        this fills with the prompt tokens' log-probabilities (after the first), which the first
+        delta brings. The backend stream is always closed, which cancels the request if it did not
+        finish."""
+        sent, first = 0, True
 
         def new() -> list | None:
             nonlocal sent
@@ -287,6 +313,12 @@ class OpenAIServer:
 
         try:
             async for delta in deltas:
+                if prompt is not None and first and delta.error is None:
+                    if delta.prompt_logprobs is None:
+                        raise ApiError(502, "the verifier sent no prompt log-probabilities though echo asked for them "
+                                            "(is it older than this node?)")
+                    prompt.extend(delta.prompt_logprobs)
+                first = False
                 if logprobs is not None and delta.token_ids:
                     if delta.logprobs is None or len(delta.logprobs) != len(delta.token_ids):
                         raise ApiError(502, "the verifier sent tokens without the log-probabilities asked for "
@@ -309,14 +341,17 @@ class OpenAIServer:
         finally:
             await deltas.aclose()
 
-    async def _choices(self, streams: list, texts: list[TextStream], logprobs: list[list] | None):
+    async def _choices(self, streams: list, texts: list[TextStream], logprobs: list[list] | None,
+                       prompts: list[list] | None = None):
         """Yield ``(choice index, new text, finish_reason or None, log-probabilities or None)`` from
         every choice's stream as its pieces come (:meth:`_pieces`; ``logprobs[i]``: choice ``i``'s
-        list to fill, or None when not asked for). A choice that fails raises here; closing this
+        list to fill, or None when not asked for; ``prompts[i]`` likewise for its prompt's
+        log-probabilities, filled before its first piece). A choice that fails raises here; closing this
         generator (the callers do, in a ``finally``) stops every choice's task, and each task's
         :meth:`_pieces` closes its stream."""
         if len(streams) == 1:
-            async with contextlib.aclosing(self._pieces(streams[0], texts[0], logprobs and logprobs[0])) as runs:
+            async with contextlib.aclosing(self._pieces(streams[0], texts[0], logprobs and logprobs[0],
+                                                        prompts and prompts[0])) as runs:
                 async for piece, reason, lps in runs:
                     yield 0, piece, reason, lps
             return
@@ -325,7 +360,8 @@ class OpenAIServer:
 
         async def pump(i: int) -> None:
             try:
-                async with contextlib.aclosing(self._pieces(streams[i], texts[i], logprobs and logprobs[i])) as runs:
+                async with contextlib.aclosing(self._pieces(streams[i], texts[i], logprobs and logprobs[i],
+                                                            prompts and prompts[i])) as runs:
                     async for piece, reason, lps in runs:
                         queue.put_nowait((i, piece, reason, lps))
                 queue.put_nowait((i, end, None, None))
@@ -348,14 +384,18 @@ class OpenAIServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, identity: str, rid: str, gens: list[GenerationRequest], body, chat: bool) -> web.Response:
+    async def _complete(self, identity: str, rid: str, gens: list[GenerationRequest], body, chat: bool,
+                        echoes: list[str] | None = None) -> web.Response:
+        """The whole response at once; ``echoes[i]``: the prompt text choice ``i`` starts with
+        (completions' ``echo``), whose tokens' log-probabilities come first where asked for."""
         texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
         pieces: list[list[str]] = [[] for _ in gens]
         reasons: list[str | None] = [None] * len(gens)
         received = None if gens[0].logprobs is None else [[] for _ in gens]
+        scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
         kept: list[list] = [[] for _ in gens]
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
-        runs = self._choices(streams, texts, received)
+        runs = self._choices(streams, texts, received, scored)
         try:
             async for i, piece, reason, lps in runs:
                 pieces[i].append(piece)
@@ -364,8 +404,9 @@ class OpenAIServer:
         finally:
             await runs.aclose()
             await self._close_all(streams)  # also when cancelled before the first piece
-        contents = ["".join(p) for p in pieces]
-        logprobs = [None if received is None else self._logprobs(kept[i], chat, 0) for i in range(len(gens))]
+        contents = [(echoes[i] if echoes else "") + "".join(p) for i, p in enumerate(pieces)]
+        logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], None if scored is None else scored[i]) + kept[i], chat, 0)
+                    for i in range(len(gens))]
         choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": lp, "finish_reason": r}
                    if chat else {"index": i, "text": c, "logprobs": lp, "finish_reason": r}
                    for i, (c, r, lp) in enumerate(zip(contents, reasons, logprobs))]
@@ -375,15 +416,18 @@ class OpenAIServer:
             "usage": self._usage(gens, body.n, texts)})
 
     async def _stream(self, request: web.Request, identity: str, rid: str, gens: list[GenerationRequest], body,
-                      chat: bool) -> web.StreamResponse:
+                      chat: bool, echoes: list[str] | None = None) -> web.StreamResponse:
         """Admit every choice (a refusal is still a plain 4xx), send the headers at once (so the
         first token's chunk is all that is left on its path), then one event per new text of a
-        choice, which the event's ``index`` names."""
+        choice, which the event's ``index`` names. With ``echoes`` (completions' ``echo``), a
+        choice's first event is its prompt text (and its tokens' log-probabilities, where asked for)."""
         texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
         received = None if gens[0].logprobs is None else [[] for _ in gens]
+        scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
+        echoed = [echoes is None] * len(gens)
         offsets = [0] * len(gens)  # completions' text_offset: characters of each choice's tokens so far
         streams = await self._open_all(gens, identity)
-        runs = self._choices(streams, texts, received)
+        runs = self._choices(streams, texts, received, scored)
         envelope = self._envelope(rid, chat, int(time.time()))
         usage = {"usage": None} if body.include_usage else {}
 
@@ -409,6 +453,9 @@ class OpenAIServer:
                     for i in range(len(gens)):
                         await send(chunk(i, "", None, role=True))
                 async for i, piece, reason, lps in runs:
+                    if not echoed[i]:  # the prompt's log-probabilities came with the choice's first delta
+                        echoed[i] = True
+                        await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], None if scored is None else scored[i])))
                     await send(chunk(i, piece, reason, lps))
             except ApiError as exc:  # a choice failed after the headers went out: say so in the stream
                 await send(exc.body())

@@ -151,6 +151,7 @@ class _Request:
     round_index: int = 0
     stats: RequestStats = field(default_factory=RequestStats)  # rounds, tokens and repairs so far
     history: TokenHistory | None = None  # the text its penalties read, when its sampling adjusts logits
+    prompt_scored: bool = False  # its prompt's log-probabilities (if asked for) reached its client
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
@@ -389,6 +390,9 @@ class EdgeNode:
                 message.seed = req.gen.seed
             if req.gen.logprobs is not None:
                 message.logprobs = req.gen.logprobs
+            scores_prompt = req.gen.prompt_logprobs is not None and not req.prompt_scored  # a repair does not ask again
+            if scores_prompt:
+                message.prompt_logprobs = req.gen.prompt_logprobs
             try:
                 reply = await self.stub.StartRequest(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
@@ -401,6 +405,9 @@ class EdgeNode:
             if req.gen.sampling.extended and not reply.extended_sampling:
                 raise ApiError(502, "the verifier does not apply min_p, penalties or logit_bias (a version older than "
                                     "them): this request needs them; upgrade the verifier or leave them out")
+            if scores_prompt and not reply.prompt_logprobs:
+                raise ApiError(502, "the verifier does not score prompts (a version older than prompt_logprobs): "
+                                    "this request needs it for echo with logprobs; upgrade the verifier or leave them out")
             return
         raise ApiError(502, f"the verifier dropped this node's sessions {MAX_REPAIRS + 1} times in a row")
 
@@ -429,8 +436,14 @@ class EdgeNode:
                 if len(req.committed) != verdict.committed_length or req.hasher.hexdigest() != verdict.prefix_hash:
                     raise ApiError(502, "a verdict does not match this node's text (committed length or prefix hash)")
                 req.in_progress = not verdict.finished
+                prompt_scores = None
+                if req.gen.prompt_logprobs is not None and not req.prompt_scored:
+                    prompt_scores, req.prompt_scored = _token_logprobs(verdict.prompt_logprobs), True
+                    if [lp.token_id for lp in prompt_scores] != req.gen.prompt_ids[1:]:
+                        raise ApiError(502, "a verdict's prompt log-probabilities do not match this request's prompt")
                 req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None,
-                                         logprobs=_logprobs(verdict) if req.gen.logprobs is not None else None))
+                                         logprobs=_logprobs(verdict) if req.gen.logprobs is not None else None,
+                                         prompt_logprobs=prompt_scores))
                 if verdict.finished:
                     reason = finished_reason(verdict.finish_reason)
                     return
@@ -524,7 +537,11 @@ def _logprobs(verdict: pb.Verdict) -> list[TokenLogprob] | None:
     than ``StartRequestRequest.logprobs``, which the HTTP layer then reports)."""
     if len(verdict.logprobs) != len(verdict.token_ids):
         return None
-    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in verdict.logprobs]
+    return _token_logprobs(verdict.logprobs)
+
+
+def _token_logprobs(logprobs) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in logprobs]
 
 
 def _refusal(what: str, exc: grpc.aio.AioRpcError) -> ApiError:

@@ -216,6 +216,7 @@ class VerificationEngine:
         seed: int | None = None,
         logprobs: int | None = None,
         generated: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> int:
         """Prefill the prompt into a fresh KV slot; returns the draft length for the first round.
         With chunked prefill (``EngineConfig.prefill_chunk``) a prompt of more than one token is
@@ -226,16 +227,21 @@ class VerificationEngine:
         the target and that many of the most probable tokens at each position (0 to
         :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS`). ``generated``: the prompt's last tokens that
         are the request's output already (a request resumed from its verified text), which its
-        penalties count as output (:func:`~goodspeed.lm.sampling.adjust_logits`)."""
+        penalties count as output (:func:`~goodspeed.lm.sampling.adjust_logits`).
+        ``prompt_logprobs``: its first verdict carries each prompt token's log-probability (all but
+        the first, which follows nothing) and that many top ones, read off the prefill's own logits
+        (OpenAI's ``echo`` with ``logprobs``); its prefill then computes logits for every prompt
+        token, ``[chunk, V]`` at a time (the whole prompt's without chunked prefill)."""
         session = self._session(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
-        self.check_request(prompt, max_new_tokens, logprobs, sampling, generated)
+        self.check_request(prompt, max_new_tokens, logprobs, sampling, generated, prompt_logprobs)
         slot = self.slots.add(session_id)
         generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids),
-                                  generator=generator, logprobs=logprobs, generated=generated)
+                                  generator=generator, logprobs=logprobs, generated=generated,
+                                  prompt_logprobs=prompt_logprobs)
         if len(prompt) > 1 and self.config.prefill_chunk is not None:
             self._prefilling.append(session_id)
             return None
@@ -337,9 +343,10 @@ class VerificationEngine:
         return started
 
     def check_request(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None,
-                      sampling: SamplingParams | None = None, generated: int = 0) -> None:
-        """Raise the error a request with this prompt, length, ``logprobs``, sampling settings and
-        resumed output would get (nothing changes)."""
+                      sampling: SamplingParams | None = None, generated: int = 0,
+                      prompt_logprobs: int | None = None) -> None:
+        """Raise the error a request with this prompt, length, ``logprobs``, sampling settings,
+        resumed output and ``prompt_logprobs`` would get (nothing changes)."""
         if not prompt:
             raise errors.MalformedDraftError("the prompt must hold at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -348,6 +355,8 @@ class VerificationEngine:
             raise errors.MalformedDraftError("max_new_tokens must be >= 1")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise errors.MalformedDraftError(f"logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise errors.MalformedDraftError(f"prompt_logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {prompt_logprobs}")
         if sampling is not None and sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
             raise errors.InvalidTokenError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
         if not 0 <= generated <= len(prompt):
@@ -570,7 +579,9 @@ class VerificationEngine:
     def _forward_rows(self, rows: list[Row], chunks: list[tuple[int, list[int]]] = ()) -> torch.Tensor | None:
         """One forward over the slot window spanning the verification rows and the prompt chunks
         (``(slot, tokens)``); idle slots get padding. Logits ``[len(rows), q_len, V]`` of the rows
-        (None without rows): a chunk's are never read."""
+        (None without rows). A chunk's logits are computed only where its request asked for prompt
+        log-probabilities, which are scored here (:meth:`_score_prompts`), before the chunk's KV is
+        committed."""
         slots = [r.slot for r in rows] + [slot for slot, _ in chunks]
         first, last = min(slots), max(slots)
         tokens: list[list[int]] = [[] for _ in range(last - first + 1)]
@@ -579,28 +590,51 @@ class VerificationEngine:
             tokens[row.slot - first], parents[row.slot - first] = row.tokens, row.parents
         for slot, chunk in chunks:
             tokens[slot - first] = chunk
-        return self._forward(slice(first, last + 1), tokens, parents, [r.slot - first for r in rows],
-                             tuple(slot - first for slot, _ in chunks))
+        scored = [(slot, chunk) for slot, chunk in chunks if self._request_at(slot).prompt_logprobs is not None]
+        logits, chunk_logits = self._forward(slice(first, last + 1), tokens, parents, [r.slot - first for r in rows],
+                                             tuple(slot - first for slot, _ in chunks), [slot - first for slot, _ in scored])
+        if scored:
+            self._score_prompts(scored, chunk_logits)
+        return logits
+
+    def _request_at(self, slot: int) -> Request:
+        return self._sessions[self.slots.keys[slot]].request
+
+    SCORE_BLOCK = 512  # prompt positions scored at once: bounds the float32 log-softmax's [block, V]
+
+    def _score_prompts(self, chunks: list[tuple[int, list[int]]], logits: list[torch.Tensor]) -> None:
+        """Keep each chunk's prompt log-probabilities on its request: the logits at a prompt
+        token's position are those of the token after it (raw logits, as a verdict's ``logprobs``)."""
+        for (slot, chunk), chunk_logits in zip(chunks, logits):
+            request, done = self._request_at(slot), self.cache.lengths[slot]
+            following = request.committed[done + 1 : done + 1 + len(chunk)]
+            for start in range(0, len(chunk), self.SCORE_BLOCK):
+                block = chunk_logits[start : start + self.SCORE_BLOCK].unsqueeze(0)
+                wanted = [(0, range(block.shape[1]), following[start : start + self.SCORE_BLOCK], request.prompt_logprobs)]
+                request.prompt_scores += committed_logprobs(block, wanted)[0]
 
     def _forward(self, window: slice, tokens: list[list[int]], parents: list[list[int] | None],
-                 rows: list[int], solo: tuple[int, ...] = ()) -> torch.Tensor | None:
+                 rows: list[int], solo: tuple[int, ...] = (), read: list[int] = ()) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Logits ``[len(rows), q_len, V]`` of the window rows ``rows`` (None if there are none)
-        for new tokens written at each slot's committed length. Packed (``EngineConfig.packed``):
-        the model sees only the real tokens, and the ``solo`` rows (prompt chunks) attend on their
-        own with no logits computed; otherwise every row is padded to the longest (the reference
-        path)."""
+        for new tokens written at each slot's committed length, and ``[len(tokens[r]), V]`` of each
+        window row ``r`` in ``read`` (prompt chunks whose request scores its prompt). Packed
+        (``EngineConfig.packed``): the model sees only the real tokens, and the ``solo`` rows
+        (prompt chunks) attend on their own, with no logits computed unless ``read`` lists one;
+        otherwise every row is padded to the longest (the reference path)."""
         if self.config.packed:
             if self.graphs is not None and rows and not solo:  # a step of fixed shapes, replayed where it fits one
                 layout = self.graphs.pack(tokens, parents, window, self.dtype, self.device)
                 if layout is not None:  # its window is [0, W): rows are slots
-                    return self.graphs.logits(layout, [window.start + r for r in rows])
+                    return self.graphs.logits(layout, [window.start + r for r in rows]), []
             layout = self.cache.pack(tokens, parents, window, self.dtype, self.device, solo, pad=self.config.pad_rows)
-            # Logits only for the tokens someone reads (never a prompt chunk's).
-            extra = keep_logits(self.model, max(layout.keep, 1))
+            # Logits only for the tokens someone reads: a prompt chunk's only where its prompt is scored.
+            extra = keep_logits(self.model, layout.input_ids.shape[1] if read else max(layout.keep, 1))
             with torch.inference_mode():
                 out = self.model(input_ids=layout.input_ids, attention_mask=layout.mask, position_ids=layout.position_ids,
                                  **with_cache(self.model, self.cache), use_cache=True, **{PACKED: layout}, **extra)
-            return layout.padded(out.logits, rows) if rows else None
+            offset = layout.input_ids.shape[1] - out.logits.shape[1]
+            chunks = [out.logits[0, layout.starts[r] - offset : layout.starts[r] - offset + len(tokens[r])] for r in read]
+            return (layout.padded(out.logits, rows) if rows else None), chunks
         q_len = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), q_len, dtype=torch.long)
         for i, t in enumerate(tokens):
@@ -611,7 +645,7 @@ class VerificationEngine:
             out = self.model(
                 input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions, **with_cache(self.model, self.cache), use_cache=True
             )
-        return out.logits[rows] if rows else None
+        return (out.logits[rows] if rows else None), [out.logits[r, : len(tokens[r])] for r in read]
 
     @staticmethod
     def _logprobs(rows: list[Row], logits: torch.Tensor | None, checked: list[RowOutcome]) -> list[list]:
@@ -669,6 +703,9 @@ class VerificationEngine:
         wants_logprobs = session.request.logprobs is not None
         est = session.source.estimator.get(session.session_id)
         decoded = session.decoded
+        request, prompt_scores = session.request, None
+        if request.prompt_logprobs is not None and not request.prompt_scores_sent:  # its first verdict: the prompt is all in
+            prompt_scores, request.prompt_scores_sent = tuple(request.prompt_scores), True
         if decoded:  # the text grew in transit first: the drafter keeps what equals its draft
             emitted = decoded + emitted
             accepted = 0 if row.draft.parents is not None else common_prefix(row.draft.token_ids, emitted)
@@ -687,6 +724,7 @@ class VerificationEngine:
             acceptance=est.acceptance,
             goodput=est.goodput,
             logprobs=tuple(session.decoded_logprobs + logprobs) if wants_logprobs else None,
+            prompt_logprobs=prompt_scores,
         )
         session.last_draft, session.last_verdict = row.draft, verdict
         session.round_index += 1

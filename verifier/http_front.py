@@ -61,7 +61,7 @@ class LocalServingBackend:
         try:
             stream = await self.service.open_local(identity, request.prompt_ids, request.sampling, request.max_tokens,
                                                    request.eos_token_ids, request.tpot_slo_ms, request.request_id, request.seed,
-                                                   request.logprobs)
+                                                   request.logprobs, request.prompt_logprobs)
         except errors.EngineError as exc:
             raise api_error(exc) from None
         return _deltas(stream)
@@ -70,7 +70,8 @@ class LocalServingBackend:
 async def _deltas(stream):
     try:
         async for event in stream:
-            yield Delta(list(event.token_ids), event.finished, event.finish_reason, logprobs=event.logprobs)
+            yield Delta(list(event.token_ids), event.finished, event.finish_reason, logprobs=event.logprobs,
+                        prompt_logprobs=event.prompt_logprobs)
     finally:
         await stream.aclose()
 

@@ -186,6 +186,7 @@ class TokenEvent:
     finish_reason: str | None = None
     summary: dict | None = None  # the last event: the request's statistics (LocalRequest.summary)
     logprobs: list | None = None  # TokenLogprob of each of token_ids, for a request that asked for them
+    prompt_logprobs: list | None = None  # the first event's, if asked: TokenLogprob of each prompt token after the first
 
 
 @dataclass
@@ -200,11 +201,13 @@ class LocalRequest:
     arrival: float
     seed: int | None = None
     logprobs: int | None = None  # each token's log-probability and this many top ones (Verdict.logprobs)
+    prompt_logprobs: int | None = None  # the prompt's too, in the first event (Verdict.prompt_logprobs)
     session_id: str | None = None
     decode_start: float | None = None  # clock time the prefill finished
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     token_logprobs: list = field(default_factory=list)  # TokenLogprob of each generated token, if asked for
+    prompt_token_logprobs: list | None = None  # TokenLogprob of each prompt token after the first, if asked for
     finish_reason: str | None = None
     finished_at: float | None = None
     drafted: int = 0  # draft tokens sent for verification
@@ -316,14 +319,15 @@ class LocalServing:
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 64,
                eos_token_ids: Sequence[int] = (), tpot_slo_ms: float | None = None,
                on_event: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
-               seed: int | None = None, logprobs: int | None = None) -> str:
+               seed: int | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None) -> str:
         """Queue a request (validated now, so a bad one fails here); returns its id. ``seed``: the
         request's draft sampling and its accept/correction uniforms come from streams of its own,
         so the same request with the same seed and draft lengths gives the same output.
         ``logprobs``: its events carry each token's log-probability under the target and that many
-        top ones (:meth:`VerificationEngine.start_request`)."""
+        top ones, and with ``prompt_logprobs`` its first event the prompt tokens' too
+        (:meth:`VerificationEngine.start_request`)."""
         prompt = [int(t) for t in prompt_ids]
-        self.engine.check_request(prompt, max_new_tokens, logprobs, sampling)
+        self.engine.check_request(prompt, max_new_tokens, logprobs, sampling, prompt_logprobs=prompt_logprobs)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
         if len(self._waiting) >= self.config.max_waiting:
@@ -335,7 +339,8 @@ class LocalServing:
             seed = resolve_root_seed(seed)
         self._waiting.append(LocalRequest(
             rid, prompt, sampling, int(max_new_tokens), tuple(int(t) for t in eos_token_ids),
-            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now(), seed=seed, logprobs=logprobs))
+            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now(), seed=seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs))
         return rid
 
     def cancel(self, request_id: str) -> bool:
@@ -396,7 +401,8 @@ class LocalServing:
             req.session_id = self.engine.join(f"local:{req.request_id}", source=self.allotments)
             try:
                 length = self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens,
-                                                   req.eos_token_ids, seed=req.seed, logprobs=req.logprobs)
+                                                   req.eos_token_ids, seed=req.seed, logprobs=req.logprobs,
+                                                   prompt_logprobs=req.prompt_logprobs)
             except errors.EngineError as exc:
                 self.engine.leave(req.session_id)
                 self._finish(req, f"error: {exc}")
@@ -461,6 +467,8 @@ class LocalServing:
             req.commit(verdict.token_ids, now)
             if verdict.logprobs is not None:
                 req.token_logprobs.extend(verdict.logprobs)
+            if verdict.prompt_logprobs is not None:
+                req.prompt_token_logprobs = list(verdict.prompt_logprobs)
             req.drafted += verdict.num_drafted
             req.accepted += verdict.num_accepted
             req.acceptance = verdict.acceptance
@@ -468,7 +476,8 @@ class LocalServing:
             emitted += len(verdict.token_ids)
             if req.on_event is not None:
                 req.on_event(TokenEvent(req.request_id, list(verdict.token_ids), [now] * len(verdict.token_ids),
-                                        logprobs=None if verdict.logprobs is None else list(verdict.logprobs)))
+                                        logprobs=None if verdict.logprobs is None else list(verdict.logprobs),
+                                        prompt_logprobs=None if verdict.prompt_logprobs is None else list(verdict.prompt_logprobs)))
             if verdict.finished:
                 self._release(req, verdict.finish_reason)
         duration = now - started

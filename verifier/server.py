@@ -233,7 +233,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         sampling = sampling_from_pb(request.sampling)
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids),
                 request.seed if request.HasField("seed") else None, request.logprobs if request.HasField("logprobs") else None,
-                request.generated)
+                request.generated, request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
         started = time.perf_counter()
         kv_tokens = len(request.prompt_ids) + request.max_new_tokens
         self.usage.admit_request(drafter.identity, kv_tokens)
@@ -254,7 +254,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id),
-                                    extended_sampling=True)
+                                    extended_sampling=True, prompt_logprobs=request.HasField("prompt_logprobs"))
 
     async def _abandon_start(self, session_id: str, identity: str, kv_tokens: int) -> None:
         self.rounds.forget(session_id)
@@ -342,7 +342,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def open_local(self, who: Identity, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
                          eos: tuple[int, ...], tpot_slo_ms: float | None, request_id: str | None = None,
-                         seed: int | None = None, logprobs: int | None = None) -> "LocalStream":
+                         seed: int | None = None, logprobs: int | None = None,
+                         prompt_logprobs: int | None = None) -> "LocalStream":
         """Admit a local-serving request for ``who`` (gRPC Generate and the HTTP front); raises
         :class:`errors.EngineError` if refused. The stream yields its :class:`TokenEvent` s;
         closing it before the last one cancels the request at once."""
@@ -357,7 +358,8 @@ class VerifierService(pb_grpc.VerifierServicer):
 
         try:
             rid = await self.call(functools.partial(
-                self.local.submit, prompt_ids, sampling, max_new_tokens, eos, tpot_slo_ms, on_event, request_id, seed, logprobs))
+                self.local.submit, prompt_ids, sampling, max_new_tokens, eos, tpot_slo_ms, on_event, request_id, seed, logprobs,
+                prompt_logprobs))
         except errors.EngineError:
             self.usage.close_stream(who.name, kv_tokens)
             raise

@@ -102,6 +102,11 @@ class Request:
     # verified text): its penalties count them as output, not as prompt.
     generated: int = 0
     history: TokenHistory | None = None  # what its penalties read; None unless its sampling adjusts logits
+    # Its first verdict carries each prompt token's log-probability (after the first) and this many
+    # top ones, gathered as its prompt is prefilled; None: none.
+    prompt_logprobs: int | None = None
+    prompt_scores: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.., as prefill reaches them
+    prompt_scores_sent: bool = False
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)

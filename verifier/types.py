@@ -59,6 +59,8 @@ class Verdict:
     goodput: float  # X after this round (eq. 4)
     num_transit: int = 0  # leading token_ids the verifier decoded while the draft was in transit
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids, for a request that asked for them
+    # A request's first verdict, where it asked for them: one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def refusal(call, **kwargs):
     (dict(logit_bias={"seven": 1}), "logit_bias"),
     (dict(best_of=2), "best_of"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (dict(echo=True), "echo"),
+    (dict(suffix="x"), "suffix"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (dict(extra_body={"ignore_eos": "yes please"}), "ignore_eos"),
@@ -83,6 +83,7 @@ def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     (dict(messages=MESSAGES, max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),
     (dict(messages=MESSAGES, top_logprobs=2), "top_logprobs"),  # needs logprobs = true
     (dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(messages=MESSAGES, extra_body={"echo": True}), "echo"),  # completions' field, not chat's
 ])
 def test_bad_chat_bodies_are_400(api, kwargs, param):
     status, body = refusal(api.chat.completions.create, model="tiny", **kwargs)

@@ -89,6 +89,50 @@ def test_logprobs_through_a_node_are_the_verifiers(models):
     assert len(content) == 6 and all(e.top_logprobs == [] for e in content)
 
 
+def test_echo_through_a_node_scores_the_prompt_as_the_verifier_does(models):
+    """The verifier scores the prompt while prefilling it (in chunks here) and sends the scores
+    with the first verdict; the node's API opens the text and its log-probabilities with them."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    generated = greedy_reference(models[0], prompt_ids, 10)
+    with torch.no_grad():
+        logits = models[0](torch.tensor([prompt_ids + generated])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[:-1]
+    expected = rows.gather(1, torch.tensor(prompt_ids[1:] + generated).unsqueeze(1)).squeeze(1).tolist()
+    with verifier(models, prefill_chunk=3) as server, node(server, models) as edge:
+        api = api_of(edge)
+        whole = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, echo=True, logprobs=1, **GREEDY)
+        chunks = list(api.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, echo=True, stream=True, **GREEDY))
+    lp = whole.choices[0].logprobs
+    assert whole.choices[0].text == "def f(x):" + reference(models, "def f(x):", 10)
+    assert lp.tokens == [tokenizer.decode([t]) for t in prompt_ids + generated]
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert chunks[0].choices[0].text == "def f(x):" and "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_a_verifier_that_does_not_score_prompts_is_a_502_for_echo_with_logprobs(models, monkeypatch):
+    """A verifier older than StartRequestRequest.prompt_logprobs leaves the reply's flag false;
+    echo without logprobs needs nothing of it."""
+    from goodspeed.verifier.server import VerifierService
+
+    start = VerifierService.StartRequest
+
+    async def old_start(self, request, context):
+        reply = await start(self, request, context)
+        reply.ClearField("prompt_logprobs")
+        return reply
+
+    monkeypatch.setattr(VerifierService, "StartRequest", old_start)
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        with pytest.raises(openai.APIStatusError, match="does not score prompts") as refused:
+            api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, echo=True, logprobs=0, **GREEDY)
+        echoed = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, echo=True, **GREEDY)
+        running = sum(d.in_request for d in server.server.service._drafters.values())
+    assert refused.value.status_code == 502 and running == 0
+    assert echoed.choices[0].text == "def f(x):" + reference(models, "def f(x):", 8)
+
+
 def test_a_verifier_that_sends_no_logprobs_is_a_502_not_a_silent_gap(models, monkeypatch):
     """A verifier older than StartRequestRequest.logprobs ignores it; the node says so."""
     import goodspeed.verifier.round_loop as round_loop

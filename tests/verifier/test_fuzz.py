@@ -66,14 +66,24 @@ def draft_requests(session_id):
                      st.none() | dense | sparse)
 
 
+optional_count = small | st.integers(0, 2**32 - 1)  # an optional uint32: set (in range or wild) or, left out, unset
+
+
+def with_optional(message, **fields):
+    for name, value in fields.items():
+        setattr(message, name, value)
+    return message
+
+
 def calls(session_id):
     sid = st.just(session_id) | text
     return st.one_of(
         st.builds(lambda m: ("Join", m), st.builds(pb.JoinRequest, drafter_name=names, model_name=text, tokenizer_fingerprint=text,
                                                   protocol_version=st.just(1) | st.integers(0, 2**32 - 1))),
-        st.builds(lambda m: ("StartRequest", m), st.builds(pb.StartRequestRequest, session_id=sid, prompt_ids=ids, sampling=sampling,
-                                                          max_new_tokens=small | st.integers(0, 2**32 - 1), eos_token_ids=ids,
-                                                          generated=st.just(0) | small | st.integers(0, 2**32 - 1))),
+        st.builds(lambda m, lps: ("StartRequest", with_optional(m, **lps)), st.builds(
+            pb.StartRequestRequest, session_id=sid, prompt_ids=ids, sampling=sampling, max_new_tokens=small | st.integers(0, 2**32 - 1),
+            eos_token_ids=ids, generated=st.just(0) | small | st.integers(0, 2**32 - 1)),
+            st.fixed_dictionaries({}, optional={"logprobs": optional_count, "prompt_logprobs": optional_count})),
         st.builds(lambda m: ("SubmitDraft", m), draft_requests(session_id)),
         st.builds(lambda m: ("FinishRequest", m), st.builds(pb.FinishRequestRequest, session_id=sid)),
         st.builds(lambda m: ("Resync", m), st.builds(pb.ResyncRequest, session_id=sid)),

@@ -212,6 +212,82 @@ def test_logprobs_are_the_targets_whole_streamed_and_in_chat(models):
     assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
 
 
+def test_echo_opens_each_choice_with_its_prompt_scored_by_the_target(models):
+    """Completions' ``echo``: the text is the prompt then the completion; with ``logprobs`` the
+    prompt's tokens come first (the first one null: it follows nothing), each the target's
+    log-probability of it, as scoring clients (lm-evaluation-harness's loglikelihood) read them;
+    streamed, a choice's first event is its prompt. Usage and stop strings count the completion."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ids, text = reference_text(models, prompt_ids, 8)
+    expected, rows = target_logprobs(models, prompt_ids[:1], prompt_ids[1:] + ids)
+    other = "import os"
+    other_ids = tokenizer(other, add_special_tokens=False)["input_ids"]
+    with front(models) as server:
+        api = client(server)
+        whole = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, echo=True, logprobs=2, **GREEDY)
+        chunks = list(api.completions.create(model="tiny", prompt=prompt_ids, max_tokens=8, echo=True, logprobs=2,
+                                             stream=True, **GREEDY))
+        plain = api.completions.create(model="tiny", prompt=[PROMPT, other], max_tokens=8, echo=True, n=2, **GREEDY)
+    choice = whole.choices[0]
+    assert choice.text == PROMPT + text and whole.usage.completion_tokens == 8
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in prompt_ids + ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    for top, row, token, logprob in zip(lp.top_logprobs[1:], rows, lp.tokens[1:], lp.token_logprobs[1:]):
+        # the two most probable and the chosen one, keyed by text (byte pieces that share a text share a key)
+        allowed = row.topk(2).values.tolist() + [logprob]
+        assert top[token] == logprob and len(top) <= 3
+        assert all(min(abs(v - a) for a in allowed) < 1e-4 for v in top.values())
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    first = chunks[0].choices[0]
+    assert first.text == tokenizer.decode(prompt_ids) and first.logprobs.tokens == lp.tokens[: len(prompt_ids)]
+    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(prompt_ids) + text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    other_text = reference_text(models, other_ids, 8)[1]
+    assert [c.text for c in sorted(plain.choices, key=lambda c: c.index)] == [PROMPT + text] * 2 + [other + other_text] * 2
+    assert all(c.logprobs is None for c in plain.choices)
+
+
+def test_a_scoring_clients_loglikelihood_request_reads_the_targets(models):
+    """lm-evaluation-harness's ``local-completions`` loglikelihood: a batch of token-id prompts
+    (context + continuation) with ``echo``, ``logprobs: 1``, ``max_tokens: 1``, ``temperature: 0``;
+    it sums ``token_logprobs[ctxlen:-1]`` and calls the continuation greedy when each of those is
+    its ``top_logprobs`` entry's maximum. Both must be the target's."""
+    import json
+    import urllib.request
+
+    target, _, tokenizer = models
+    pairs = [("def decode(self, s):", "\n    return"), ("import os", "\nimport sys"), ("x = 1", " + 2")]
+    prompts, ctxlens = [], []
+    for context, continuation in pairs:
+        ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+        prompts.append(ctx + tokenizer(continuation, add_special_tokens=False)["input_ids"])
+        ctxlens.append(len(ctx))
+    payload = {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+               "echo": True}
+    with front(models) as server:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}/v1/completions",
+                                         data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            body = json.loads(response.read())
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    for choice, ids, ctxlen in zip(choices, prompts, ctxlens):
+        with torch.no_grad():
+            rows = torch.log_softmax(target(torch.tensor([ids])).logits[0].float(), dim=-1)
+        continuation = ids[ctxlen:]
+        expected = rows[ctxlen - 1 : -1].gather(1, torch.tensor(continuation).unsqueeze(1)).squeeze(1)
+        greedy = bool((rows[ctxlen - 1 : -1].argmax(-1) == torch.tensor(continuation)).all())
+        lps = choice["logprobs"]
+        assert len(lps["token_logprobs"]) == len(ids) + 1  # the prompt's, then the one generated token's
+        assert sum(lps["token_logprobs"][ctxlen:-1]) == pytest.approx(expected.sum().item(), abs=1e-3)
+        assert all(tok == max(top.values()) for tok, top in zip(lps["token_logprobs"][ctxlen:-1], lps["top_logprobs"][ctxlen:-1])) == greedy
+
+
 def test_logprobs_stop_with_the_text_at_a_stop_string(models):
     tokenizer = models[2]
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
