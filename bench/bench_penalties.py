@@ -2,7 +2,7 @@
 
     python -m bench.bench_penalties [--rows 8] [--drafted 3] [--prompt 512] [--output 256]
                                     [--vocab 2048 49152 151936] [--threads 2] [--device cpu]
-                                    [--repeats 30] [--json]
+                                    [--repeats 30] [--json] [--numpy]
 
 Times :meth:`goodspeed.verifier.verify_rows.RowVerifier.verify` on random logits ``[rows, drafted
 + 1, V]`` for ``rows`` chains of ``drafted`` tokens each, greedy and sampled (T = 0.8), three ways:
@@ -12,6 +12,12 @@ logit bias on 10 tokens. The adjusted rows' verification pays for a copy of the 
 for :func:`goodspeed.lm.sampling.adjust_logits`, whose work grows with the tokens the settings
 name, not with the vocabulary. Median of ``--repeats`` calls after two discarded, per vocabulary
 size (the demo's, SmolLM2's and Qwen3's).
+
+``--numpy`` times instead the two numpy choices inside ``adjust_logits`` against the calls they
+replaced: distinct keys by sorting (``_sorted_unique``) against ``np.unique`` (which hashes
+integers in numpy 2) on 5,600 keys, and filling a preallocated ``[6, n]`` array against
+``np.stack`` of six arrays of mixed dtypes (n = 19,000: the entries of this harness's default
+penalised step). Median of ``--repeats`` after two discarded.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, TokenHistory
+from goodspeed.lm.sampling import SamplingParams, TokenHistory, _sorted_unique
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.verify_rows import RowInput, RowVerifier
 
@@ -50,6 +56,37 @@ def rows_for(setting: str, temperature: float, args, vocab: int, rng: np.random.
     return rows
 
 
+def _median_us(call, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        call()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def numpy_choices(repeats: int) -> list[dict]:
+    """The two numpy calls ``adjust_logits`` avoids, against what it does instead (microseconds)."""
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 8 * 151936, 5600)
+    n = 19000
+    parts = [rng.integers(0, 8, n), rng.integers(0, 4, n), rng.integers(0, 151936, n)]  # int64
+    floats = [rng.random(n), rng.random(n) > 0.5, rng.random(n).astype(np.float32)]  # float64, bool, float32
+
+    def fill():
+        out = np.empty((6, n), dtype=np.float64)
+        for i, x in enumerate(parts + floats):
+            out[i] = x
+        return out
+
+    return [{"what": "distinct keys (5,600)", "replaced": "np.unique", "replaced_us": _median_us(lambda: np.unique(keys), repeats),
+             "now": "sort (_sorted_unique)", "now_us": _median_us(lambda: _sorted_unique(keys), repeats)},
+            {"what": "six arrays of 19,000, mixed dtypes", "replaced": "np.stack",
+             "replaced_us": _median_us(lambda: np.stack(parts + floats), repeats),
+             "now": "preallocated fill", "now_us": _median_us(fill, repeats)}]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=8)
@@ -61,10 +98,19 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--numpy", action="store_true", help="time adjust_logits' two numpy choices instead")
     args = ap.parse_args()
     if min(args.rows, args.repeats, *args.vocab) < 1 or min(args.drafted, args.prompt, args.output) < 0:
         ap.error("--rows, --repeats and --vocab must be >= 1; --drafted, --prompt and --output >= 0")
     torch.set_num_threads(args.threads)
+    if args.numpy:
+        choices = numpy_choices(args.repeats)
+        if args.json:
+            print(json.dumps({"numpy": np.__version__, "repeats": args.repeats, "results": choices}, indent=2))
+        for c in [] if args.json else choices:
+            print(f"{c['what']}: {c['replaced']} {c['replaced_us']:.1f} us, {c['now']} {c['now_us']:.1f} us "
+                  f"({c['replaced_us'] / c['now_us']:.1f}x)")
+        return 0
     generator = torch.Generator().manual_seed(0)
     device = torch.device(args.device)
     out = []
