@@ -137,6 +137,7 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top ones besides each token's own
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's extension: the tokenizer's special tokens (e.g. BOS) around a text prompt
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -214,6 +215,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
+    add_special_tokens: bool = False  # vLLM's extension: off, as the chat template holds them
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -240,7 +242,36 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def parse_body(model: type[_Sampling], body: Any) -> _Sampling:
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with a prompt: its token ids as a completion would take them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with messages: the chat template's rendering, tokenized."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a JSON body into ``model``; 400 with the first problem's field path otherwise."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -251,7 +282,8 @@ def parse_body(model: type[_Sampling], body: Any) -> _Sampling:
         param = ".".join(str(p) for p in first["loc"]) or None
         message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
-    request.refuse_unsupported()
+    if isinstance(request, _Sampling):
+        request.refuse_unsupported()
     return request
 
 

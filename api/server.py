@@ -2,7 +2,10 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming as server-sent events —
 ``data: {chunk}`` lines, then ``data: [DONE]`` — with ``stream_options.include_usage``, or one
-JSON body), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
+JSON body), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text); and
+vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, which tokenize as the
+completions do (a text prompt with the tokenizer's special tokens unless ``add_special_tokens`` is
+false, vLLM's default; a chat through its template).
 
 aiohttp runs on the process's asyncio loop, the one ``grpc.aio`` already uses on the verifier
 and on an edge node: one event loop serves both protocols, with no extra threads. Handlers are
@@ -43,7 +46,8 @@ from typing import Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from goodspeed.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, GenerationRequest, parse_body
+from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
+                                    TokenizeChatRequest, TokenizeCompletionRequest, parse_body)
 from goodspeed.api.text import TextStream
 from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
@@ -101,6 +105,9 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         return app
 
     async def start(self, host: str, port: int, ssl_context=None) -> int:
@@ -146,7 +153,7 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(CompletionRequest, await self._json(request))
         self._check_model(body.model)
-        prompts = [list(p) if isinstance(p, list) else await self._tokenize(p) for p in body.prompts]
+        prompts = [list(p) if isinstance(p, list) else await self._tokenize(p, body.add_special_tokens) for p in body.prompts]
         rid, gens = self._generations("cmpl", body, prompts, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
         echoes = None
         if body.echo:  # each choice's text starts with its prompt's: as sent, or a token-id prompt's decode
@@ -160,34 +167,80 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(ChatCompletionRequest, await self._json(request))
         self._check_model(body.model)
-        tokenizer = self.backend.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ApiError(400, f"model {body.model!r} has no chat template: use /v1/completions", param="messages")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
-        size = sum(len(m["content"]) for m in messages)
-        render = functools.partial(tokenizer.apply_chat_template, messages, tokenize=False, add_generation_prompt=True)
-        prompt_ids = await self._tokenize(await asyncio.to_thread(render) if size > INLINE_CHARS else render())
+        prompt_ids = await self._tokenize(await self._render_chat(body.messages, True), body.add_special_tokens)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
         rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit)
         if body.stream:
             return await self._stream(request, identity, rid, gens, body, chat=True)
         return await self._complete(identity, rid, gens, body, chat=True)
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: a prompt's token ids (``prompt``, as completions tokenize it)
+        or a chat's (``messages``, rendered as chat completions render them), with their count and
+        the context length; ``return_token_strs`` adds each token's string."""
+        self._identify(request)
+        raw = await self._json(request)
+        chat = isinstance(raw, dict) and "messages" in raw
+        body = parse_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, raw)
+        if body.model is not None:
+            self._check_model(body.model)
+        text = await self._render_chat(body.messages, body.add_generation_prompt) if chat else body.prompt
+        ids = await self._tokenize(text, body.add_special_tokens)
+        strs = self.backend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return web.json_response({"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids,
+                                  "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: token ids to text (special tokens kept, as vLLM's)."""
+        self._identify(request)
+        body = parse_body(DetokenizeRequest, await self._json(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        vocab = len(self.backend.tokenizer)
+        if body.tokens and max(body.tokens) >= vocab:
+            raise ApiError(400, f"token ids must lie in [0, {vocab}) (the tokenizer's vocabulary)", param="tokens")
+        decode = functools.partial(self.backend.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        return web.json_response({"prompt": await asyncio.to_thread(decode) if len(body.tokens) > INLINE_CHARS else decode()})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /tokenizer_info``: the tokenizer's class, special tokens, chat template
+        and the context length, what a client needs to tokenize as this server does (e.g.
+        lm-evaluation-harness's remote tokenizer, which looks for this and ``/tokenize``)."""
+        self._identify(request)
+        tokenizer = self.backend.tokenizer
+        return web.json_response({
+            "tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+            "chat_template": getattr(tokenizer, "chat_template", None), "model_max_length": self.backend.max_model_len,
+            "vocab_size": len(tokenizer)})
+
     # ---------------------------------------------------------------------- helpers
+
+    async def _render_chat(self, messages, add_generation_prompt: bool) -> str:
+        """``messages`` (:class:`ChatMessage` s) rendered by the tokenizer's chat template (on a
+        worker thread when long); 400 for a model without one."""
+        tokenizer = self.backend.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ApiError(400, f"model {self.backend.model_ids[0]!r} has no chat template: use /v1/completions",
+                           param="messages")
+        turns = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
+        render = functools.partial(tokenizer.apply_chat_template, turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return await asyncio.to_thread(render) if sum(len(t["content"]) for t in turns) > INLINE_CHARS else render()
 
     def _identify(self, request: web.Request) -> str:
         return self.authorize(request.headers.get("Authorization")) if self.authorize is not None else "anonymous"
 
-    async def _tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text``: inline when short (a thread hop costs more than a short prompt's
-        tokenization), on a worker thread when long, never stalling the event loop for long. Text
-        too long to fit the context at any tokenization is refused before any CPU is spent on it."""
+    async def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's special tokens, e.g. BOS, where asked):
+        inline when short (a thread hop costs more than a short prompt's tokenization), on a worker
+        thread when long, never stalling the event loop for long. Text too long to fit the context
+        at any tokenization is refused before any CPU is spent on it."""
         if len(text) > MAX_CHARS_PER_TOKEN * self.backend.max_model_len:
             raise ApiError(400, f"a prompt of {len(text)} characters cannot fit this model's context of "
                                 f"{self.backend.max_model_len} tokens", code="context_length_exceeded")
         if len(text) <= INLINE_CHARS:
-            return list(self.backend.tokenizer(text, add_special_tokens=False)["input_ids"])
-        encoded = await asyncio.to_thread(self.backend.tokenizer, text, add_special_tokens=False)
+            return list(self.backend.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        encoded = await asyncio.to_thread(self.backend.tokenizer, text, add_special_tokens=add_special_tokens)
         return list(encoded["input_ids"])
 
     @staticmethod

@@ -135,3 +135,72 @@ def test_unknown_paths_and_huge_bodies_get_the_error_object_too(server):
 def test_the_server_still_serves_after_every_refusal(api):
     out = api.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 3
+
+
+def get(server, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server.http_port}{path}", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_as_vllms_agree_with_what_completions_count(server, api):
+    tokenizer = server.server.service.tokenizer
+    text = "def decode(self, s):\n    return s"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    status, body = post(server, "/tokenize", json.dumps({"model": "tiny", "prompt": text, "return_token_strs": True}).encode())
+    assert status == 200 and body == {"count": len(ids), "max_model_len": 128, "tokens": ids,
+                                      "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    status, chat = post(server, "/tokenize", json.dumps({"messages": MESSAGES}).encode())
+    completion = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert status == 200 and chat["count"] == completion.usage.prompt_tokens and chat["token_strs"] is None
+    status, body = post(server, "/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and body == {"prompt": text}
+    status, info = get(server, "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    assert info["model_max_length"] == 128 and info["vocab_size"] == len(tokenizer)
+
+
+@pytest.mark.parametrize("path, payload, status, param", [
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", [1, 2], 400, None),
+    ("/detokenize", {"tokens": [1, 300]}, 400, "tokens"),  # past the vocabulary of 300
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ("/detokenize", {}, 400, "tokens"),
+])
+def test_bad_tokenizer_calls_are_refused_with_the_error_object(server, path, payload, status, param):
+    got, body = post(server, path, json.dumps(payload).encode())
+    assert got == status and body["error"]["param"] == param and body["error"]["message"]
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
+    """vLLM's ``add_special_tokens`` (default true for completions and /tokenize, false for chat):
+    a tokenizer that puts a BOS before the text (Llama's) gets it before a completion's prompt."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from modelkit import greedy_reference
+
+    target, draft, tokenizer = chat_pair()
+    tokenizer = copy.deepcopy(tokenizer)
+    bos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single=f"{tokenizer.eos_token} $A",
+                                                             special_tokens=[(tokenizer.eos_token, bos)])
+    ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    assert tokenizer("def f(x):")["input_ids"] == [bos] + ids
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
+    with ServerThread(engine, local=LocalServing(engine, draft, LocalConfig(policy="chain", k=3)), tokenizer=tokenizer,
+                      http_port=0, target_name="tiny") as running:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{running.server.http_port}/v1", api_key="unused", max_retries=0)
+        greedy = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        with_bos = api.completions.create(model="tiny", prompt="def f(x):", **greedy)
+        without = api.completions.create(model="tiny", prompt="def f(x):", **{**greedy, "extra_body": {
+            "ignore_eos": True, "add_special_tokens": False}})
+        counted = post(running, "/tokenize", b'{"prompt": "def f(x):"}')[1]["count"]
+    assert (with_bos.usage.prompt_tokens, without.usage.prompt_tokens, counted) == (len(ids) + 1, len(ids), len(ids) + 1)
+    assert with_bos.choices[0].text == tokenizer.decode(greedy_reference(target, [bos] + ids, 6), skip_special_tokens=True)
