@@ -231,7 +231,8 @@ class VerificationEngine:
         ``prompt_logprobs``: its first verdict carries each prompt token's log-probability (all but
         the first, which follows nothing) and that many top ones, read off the prefill's own logits
         (OpenAI's ``echo`` with ``logprobs``); its prefill then computes logits for every prompt
-        token, ``[chunk, V]`` at a time (the whole prompt's without chunked prefill)."""
+        token, in pieces of at most :attr:`SCORE_BLOCK` tokens (a long prompt's ``[tokens, V]``
+        logits would not fit a device otherwise)."""
         session = self._session(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
@@ -245,9 +246,11 @@ class VerificationEngine:
         if len(prompt) > 1 and self.config.prefill_chunk is not None:
             self._prefilling.append(session_id)
             return None
-        if len(prompt) > 1:
-            self._forward_rows([], [(slot, prompt[:-1])])
-            self.cache.commit(slot, 0, list(range(len(prompt) - 1)))
+        piece = len(prompt) if prompt_logprobs is None else self.SCORE_BLOCK
+        for start in range(0, len(prompt) - 1, piece):
+            chunk = prompt[start : min(start + piece, len(prompt) - 1)]
+            self._forward_rows([], [(slot, chunk)])
+            self.cache.commit(slot, start, list(range(len(chunk))))
         return session.source.start(session_id, session.request.remaining)
 
     # warm_up_steps: (rows, drafted tokens a row) of each synthetic step, rows from the first slot;
@@ -317,7 +320,7 @@ class VerificationEngine:
                 break
             request, slot = self._sessions[session_id].request, self.slots.slot(session_id)
             done = self.cache.lengths[slot]
-            n = min(request.prompt_len - 1 - done, budget)
+            n = min(request.prompt_len - 1 - done, budget, self.SCORE_BLOCK if request.prompt_logprobs is not None else budget)
             out.append((slot, request.committed[done : done + n]))
             budget -= n
         return out
@@ -600,18 +603,17 @@ class VerificationEngine:
     def _request_at(self, slot: int) -> Request:
         return self._sessions[self.slots.keys[slot]].request
 
-    SCORE_BLOCK = 512  # prompt positions scored at once: bounds the float32 log-softmax's [block, V]
+    # The most prompt tokens a forward scores: a scored prompt is prefilled in pieces (chunks) of at
+    # most this many, which bounds its logits at [SCORE_BLOCK, V] (155 MB in bf16 at Qwen3's V).
+    SCORE_BLOCK = 512
 
     def _score_prompts(self, chunks: list[tuple[int, list[int]]], logits: list[torch.Tensor]) -> None:
         """Keep each chunk's prompt log-probabilities on its request: the logits at a prompt
         token's position are those of the token after it (raw logits, as a verdict's ``logprobs``)."""
         for (slot, chunk), chunk_logits in zip(chunks, logits):
             request, done = self._request_at(slot), self.cache.lengths[slot]
-            following = request.committed[done + 1 : done + 1 + len(chunk)]
-            for start in range(0, len(chunk), self.SCORE_BLOCK):
-                block = chunk_logits[start : start + self.SCORE_BLOCK].unsqueeze(0)
-                wanted = [(0, range(block.shape[1]), following[start : start + self.SCORE_BLOCK], request.prompt_logprobs)]
-                request.prompt_scores += committed_logprobs(block, wanted)[0]
+            wanted = [(0, range(len(chunk)), request.committed[done + 1 : done + 1 + len(chunk)], request.prompt_logprobs)]
+            request.prompt_scores += committed_logprobs(chunk_logits.unsqueeze(0), wanted)[0]
 
     def _forward(self, window: slice, tokens: list[list[int]], parents: list[list[int] | None],
                  rows: list[int], solo: tuple[int, ...] = (), read: list[int] = ()) -> tuple[torch.Tensor | None, list[torch.Tensor]]:

@@ -90,12 +90,25 @@ def test_prompt_logprobs_are_the_targets_own_whatever_the_prefill(models, config
         assert all(e.prompt_logprobs is None for e in events[f"early{i}"])
 
 
-def test_prompts_longer_than_a_scoring_block_are_scored_in_blocks(models, monkeypatch):
-    """The log-softmax runs over at most SCORE_BLOCK positions at once; the blocks join up."""
+@pytest.mark.parametrize("chunk", [None, 10])
+def test_a_scored_prompt_is_prefilled_in_pieces_of_at_most_a_scoring_block(models, monkeypatch, chunk):
+    """A scored prefill computes logits for every prompt token, so it runs in pieces of at most
+    SCORE_BLOCK tokens, whole-prompt prefill too (a long prompt's [tokens, V] would not fit); the
+    pieces' scores join up, and plain prompts keep their whole chunks."""
     monkeypatch.setattr(VerificationEngine, "SCORE_BLOCK", 4)
-    finished, _ = serve(models, EngineConfig(budget=16, max_draft_len=4, seed=2, prefill_chunk=10), 0)
+    config = EngineConfig(budget=16, max_draft_len=4, seed=2, prefill_chunk=chunk)
+    pieces, forward_rows = [], VerificationEngine._forward_rows
+
+    def watched(self, rows, chunks=()):
+        pieces.extend((self._request_at(slot).prompt_logprobs is not None, len(c)) for slot, c in chunks)
+        return forward_rows(self, rows, chunks)
+
+    monkeypatch.setattr(VerificationEngine, "_forward_rows", watched)
+    finished, _ = serve(models, config, 0)
     for i, prompt in enumerate(SCORED):
         check(models[0], prompt, finished[f"scored{i}"].prompt_token_logprobs, 0)
+    assert max(n for scored, n in pieces if scored) == 4
+    assert max(n for scored, n in pieces if not scored) == 3  # EARLY[0]'s whole prompt but its last token
 
 
 def test_the_edge_path_prefill_steps_score_and_the_first_verdict_carries_them(models):
