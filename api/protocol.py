@@ -216,9 +216,14 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
     add_special_tokens: bool = False  # vLLM's extension: off, as the chat template holds them
+    # vLLM's extensions: how the chat template renders the messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables the template reads (Qwen3's enable_thinking)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        refuse_render_conflict(self)
         if self.tools or self.tool_choice not in (None, "none"):
             raise ApiError(400, "tools are not supported by this server", param="tools")
         if self.response_format is not None and self.response_format.type != "text":
@@ -259,8 +264,20 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
+
+    def refuse_unsupported(self) -> None:
+        refuse_render_conflict(self)
+
+
+def refuse_render_conflict(body) -> None:
+    """A chat rendered open for the model's reply and continuing its last message at once: 400."""
+    if body.add_generation_prompt and body.continue_final_message:
+        raise ApiError(400, "add_generation_prompt and continue_final_message cannot both be true (set "
+                            "add_generation_prompt to false to continue the final message)", param="continue_final_message")
 
 
 class DetokenizeRequest(BaseModel):
@@ -282,7 +299,7 @@ def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
         param = ".".join(str(p) for p in first["loc"]) or None
         message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
-    if isinstance(request, _Sampling):
+    if hasattr(request, "refuse_unsupported"):
         request.refuse_unsupported()
     return request
 

@@ -43,6 +43,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import jinja2
+import jinja2.meta
+import jinja2.sandbox
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -82,6 +85,19 @@ class Backend(Protocol):
         """Admit the request (raising :class:`ApiError` if refused) and return its delta stream;
         closing the stream (``aclose``) before its last delta cancels the request."""
         ...
+
+
+# Variables a chat template gets from the server, never from a request's chat_template_kwargs
+# (with the tokenizer's special tokens, which transformers passes too).
+RENDER_SET = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                        "raise_exception", "strftime_now"})
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a Jinja chat template reads that it does not set itself."""
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment()
+    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
 
 
 def _finish_reason(stream: TextStream, reason: str | None) -> str:
@@ -167,7 +183,7 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(ChatCompletionRequest, await self._json(request))
         self._check_model(body.model)
-        prompt_ids = await self._tokenize(await self._render_chat(body.messages, True), body.add_special_tokens)
+        prompt_ids = await self._tokenize(await self._render_chat(body), body.add_special_tokens)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
         rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit)
         if body.stream:
@@ -184,7 +200,7 @@ class OpenAIServer:
         body = parse_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, raw)
         if body.model is not None:
             self._check_model(body.model)
-        text = await self._render_chat(body.messages, body.add_generation_prompt) if chat else body.prompt
+        text = await self._render_chat(body) if chat else body.prompt
         ids = await self._tokenize(text, body.add_special_tokens)
         strs = self.backend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return web.json_response({"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids,
@@ -216,16 +232,31 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------------- helpers
 
-    async def _render_chat(self, messages, add_generation_prompt: bool) -> str:
-        """``messages`` (:class:`ChatMessage` s) rendered by the tokenizer's chat template (on a
-        worker thread when long); 400 for a model without one."""
+    async def _render_chat(self, body) -> str:
+        """A chat request's ``messages`` rendered by the tokenizer's chat template (on a worker
+        thread when long), with its ``add_generation_prompt``, ``continue_final_message`` and
+        ``chat_template_kwargs``; 400 for a model without a template, and for a keyword the
+        template does not read or that the server sets itself."""
         tokenizer = self.backend.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
+        template = getattr(tokenizer, "chat_template", None)
+        if template is None:
             raise ApiError(400, f"model {self.backend.model_ids[0]!r} has no chat template: use /v1/completions",
                            param="messages")
-        turns = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
-        render = functools.partial(tokenizer.apply_chat_template, turns, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return await asyncio.to_thread(render) if sum(len(t["content"]) for t in turns) > INLINE_CHARS else render()
+        extra = body.chat_template_kwargs or {}
+        if extra:
+            readable = template_variables(template) - RENDER_SET - set(tokenizer.special_tokens_map)
+            for key in extra:
+                if key not in readable:
+                    raise ApiError(400, f"chat_template_kwargs.{key}: this model's chat template does not read it (it reads "
+                                        f"{', '.join(sorted(readable)) or 'none'})", param="chat_template_kwargs")
+        turns = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        render = functools.partial(tokenizer.apply_chat_template, turns, tokenize=False,
+                                   add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message, **extra)
+        try:
+            return await asyncio.to_thread(render) if sum(len(t["content"]) for t in turns) > INLINE_CHARS else render()
+        except (ValueError, jinja2.TemplateError) as exc:  # e.g. the template's own raise_exception
+            raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
 
     def _identify(self, request: web.Request) -> str:
         return self.authorize(request.headers.get("Authorization")) if self.authorize is not None else "anonymous"

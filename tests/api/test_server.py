@@ -204,3 +204,42 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
         counted = post(running, "/tokenize", b'{"prompt": "def f(x):"}')[1]["count"]
     assert (with_bos.usage.prompt_tokens, without.usage.prompt_tokens, counted) == (len(ids) + 1, len(ids), len(ids) + 1)
     assert with_bos.choices[0].text == tokenizer.decode(greedy_reference(target, [bos] + ids, 6), skip_special_tokens=True)
+
+
+def test_chat_template_kwargs_and_continue_final_message_render_as_vllms():
+    """vLLM's chat extensions: ``chat_template_kwargs`` sets a variable the template reads (Qwen3's
+    ``enable_thinking``), ``continue_final_message`` leaves the last message open; a keyword the
+    template does not read, or one the server sets itself, is a 400, as are both modes at once."""
+    import copy
+
+    target, draft, tokenizer = chat_pair()
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{{ '# ' + m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %}{{ '# quiet\\n' }}{% endif %}"
+                               "{% if add_generation_prompt %}{{ '# assistant:' }}{% endif %}")
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
+    with ServerThread(engine, local=LocalServing(engine, draft, LocalConfig(policy="chain", k=3)), tokenizer=tokenizer,
+                      http_port=0, target_name="tiny") as running:
+        def rendered(**fields):
+            status, body = post(running, "/tokenize", json.dumps({"messages": MESSAGES, **fields}).encode())
+            return status, (tokenizer.decode(body["tokens"]) if status == 200 else body["error"])
+
+        plain = rendered()
+        quiet = rendered(chat_template_kwargs={"enable_thinking": False})
+        assistant = [*MESSAGES, {"role": "assistant", "content": "Hel"}]
+        status, body = post(running, "/tokenize", json.dumps({"messages": assistant, "add_generation_prompt": False,
+                                                               "continue_final_message": True}).encode())
+        open_end = tokenizer.decode(body["tokens"])
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{running.server.http_port}/v1", api_key="unused", max_retries=0)
+        chat = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        unread = rendered(chat_template_kwargs={"frobnicate": 1})
+        reserved = rendered(chat_template_kwargs={"messages": []})
+        both = rendered(continue_final_message=True)
+    assert plain == (200, "# user: hi\n# assistant:")
+    assert quiet == (200, "# user: hi\n# quiet\n# assistant:")
+    assert status == 200 and open_end == "# user: hi\n# assistant: Hel"
+    assert chat.usage.prompt_tokens == len(tokenizer("# user: hi\n# quiet\n# assistant:", add_special_tokens=False)["input_ids"])
+    assert unread[0] == 400 and "frobnicate" in unread[1]["message"] and "enable_thinking" in unread[1]["message"]
+    assert reserved[0] == 400 and reserved[1]["param"] == "chat_template_kwargs"
+    assert both[0] == 400 and both[1]["param"] == "continue_final_message"
