@@ -191,10 +191,11 @@ class DrafterClient:
     def _start(self, committed: list[int], remaining: int, result: RequestResult) -> tuple[int, int]:
         """``StartRequest``; when the verifier no longer knows the session (it restarted between
         requests, or dropped this drafter), join again once and start there."""
-        self.runner.start(committed)
+        generated = len(committed) - len(result.prompt_ids)  # a restarted request's output so far
+        self.runner.start(committed, generated)
         request = pb.StartRequestRequest(
             session_id=self.session_id, prompt_ids=committed, sampling=sampling_to_pb(self.config.sampling),
-            max_new_tokens=remaining, eos_token_ids=list(self.config.eos_token_ids))
+            max_new_tokens=remaining, eos_token_ids=list(self.config.eos_token_ids), generated=generated)
         try:
             reply = self._retry(self.stub.StartRequest, request)
         except grpc.RpcError as exc:
@@ -207,6 +208,9 @@ class DrafterClient:
                 reply = self._retry(self.stub.StartRequest, request)
             except grpc.RpcError as again:
                 raise DrafterError(f"request {result.id} refused after rejoining: {again.code().name}: {again.details()}") from None
+        if self.config.sampling.extended and not reply.extended_sampling:
+            raise DrafterError(f"request {result.id}: the verifier does not apply min_p, penalties or logit_bias (a version "
+                               "older than them); upgrade the verifier or leave them out")
         return reply.draft_length, reply.round_index
 
     def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:
@@ -287,7 +291,7 @@ class DrafterClient:
         prompt = result.prompt_ids
         if committed[: len(prompt)] != prompt:
             raise DrafterError(f"request {result.id}: the verifier's text does not start with this request's prompt")
-        self.runner.start(committed)
+        self.runner.start(committed, len(committed) - len(prompt))
         result.token_ids = committed[len(prompt) :]
         result.repairs += 1
         return reply.draft_length, reply.round_index

@@ -44,8 +44,8 @@ from transformers import DynamicCache
 from goodspeed.lm.attention import keep_logits, with_cache
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
-                                   sample_from)
+from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, TokenHistory, adjust_logits, check_proposal_top_k,
+                                   draft_proposal, process_logits, sample_from)
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,12 @@ class DraftRunner:
             return 0
         return self.kv.drafter.warm_up(chains=BatchDraftModel.EDGE_WARM_UP_CHAIN)
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
-        """Begin a request (or resynchronise with the verifier's committed tokens)."""
+    def start(self, prompt_ids: Sequence[int], generated: int = 0) -> None:
+        """Begin a request (or resynchronise with the verifier's committed tokens, whose last
+        ``generated`` are the request's output so far: its penalties count them as output)."""
         self.committed = [int(t) for t in prompt_ids]
+        self._prompt_len = len(self.committed) - generated
+        self._history: TokenHistory | None = None  # built at the first draft that adjusts its logits
         self.kv.reset()
         self._hasher = new_prefix_hasher()
         update_prefix_hasher(self._hasher, self.committed)
@@ -197,7 +200,7 @@ class DraftRunner:
         two); returns how many."""
         done = 0
         while done < num_tokens and not (stop is not None and stop()):
-            q = draft_proposal(self.kv.logits_after(self._feed()), sampling, self.proposal_top_k)
+            q = draft_proposal(self._logits(sampling), sampling, self.proposal_top_k)
             token = int(sample_from(q, torch.rand(1, generator=generator, dtype=torch.float64)).item())
             self.ahead.append(token)
             self._ahead_q.append(q)
@@ -212,10 +215,23 @@ class DraftRunner:
         self._truncate(num_drafted)
         if len(self.ahead) < num_drafted or num_tokens <= 0 or (stop is not None and stop()):
             return 0
-        q = process_logits(self.kv.logits_after(self._feed()).double(), sampling)
+        q = process_logits(self._logits(sampling).double(), sampling)
         self.ahead.append(int(torch.argmax(q).item()))
         self._ahead_q.append(None)
         return self.extend(num_tokens, sampling, generator, stop)
+
+    def _logits(self, sampling: SamplingParams) -> torch.Tensor:
+        """The draft's logits for the next continuation token, with the request's logit bias and
+        penalties applied as the verifier applies them to the target's (by the committed text and
+        the continuation before this position), which keeps acceptance up; exactness never
+        depends on it (:func:`goodspeed.lm.sampling.adjust_logits`)."""
+        logits = self.kv.logits_after(self._feed())
+        if not sampling.adjusts_logits:
+            return logits
+        if self._history is None:
+            self._history = TokenHistory(self.committed[: self._prompt_len], self.committed[self._prompt_len :])
+        adjusted = logits.to(torch.float32, copy=True).view(1, 1, -1)  # a replayed graph's output stays as it is
+        return adjust_logits(adjusted, [0], [sampling], [self._history], [[list(self.ahead)]]).view(-1)
 
     def _feed(self) -> list[int]:
         """The tokens to feed before sampling the next continuation token (all but cached)."""
@@ -243,5 +259,7 @@ class DraftRunner:
             self.ahead, self._ahead_q = [], []
         self.committed.extend(emitted)
         update_prefix_hasher(self._hasher, emitted)
+        if self._history is not None:
+            self._history.extend(emitted)
         self._reusable = hit and bool(self.ahead)
         return self._reusable

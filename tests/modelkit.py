@@ -42,15 +42,16 @@ def greedy_reference(model, prompt, max_new_tokens):
     return seq[len(prompt) :]
 
 
-def adjusted_greedy_reference(model, prompt, sampling, max_new_tokens):
+def adjusted_greedy_reference(model, prompt, sampling, max_new_tokens, generated=0):
     """The target's own greedy decoding with ``sampling``'s logit bias and penalties, each step's
-    logits adjusted by the text before it (``statkit.reference_adjust``), recomputed from scratch."""
+    logits adjusted by the text before it (``statkit.reference_adjust``), recomputed from scratch.
+    ``generated``: the prompt's last tokens are output already (the penalties count them so)."""
     from statkit import reference_adjust
 
-    seq = list(prompt)
+    seq, split = list(prompt), len(prompt) - generated
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            logits = reference_adjust(model(input_ids=torch.tensor([seq])).logits[0, -1], sampling, list(prompt), seq[len(prompt):])
+            logits = reference_adjust(model(input_ids=torch.tensor([seq])).logits[0, -1], sampling, seq[:split], seq[split:])
             seq.append(int(torch.argmax(logits)))
     return seq[len(prompt):]
 

@@ -241,3 +241,63 @@ def test_an_unreachable_verifier_is_said_once_by_a_node(models):
     with pytest.raises(DrafterError, match=f"verifier {address} not serving"):
         asyncio.run(start())
     assert said == [f"waiting for the verifier at {address} to serve (up to 2 s)"]
+
+
+def test_a_request_restarted_mid_way_keeps_its_penalties_exact(models):
+    """The verifier drops the session mid-request; the drafter starts the request again from the
+    text verified so far and says how much of it is output (``StartRequestRequest.generated``),
+    so the frequency and presence penalties keep counting it: the output is the target's own
+    penalised greedy decoding, as if nothing had happened."""
+    import threading
+
+    from goodspeed.lm.sampling import SamplingParams
+    from modelkit import adjusted_greedy_reference
+
+    target, draft = models
+    sampling = SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.8, repetition_penalty=1.2)
+    long_new = 40
+    reference = adjusted_greedy_reference(target, PROMPT, sampling, long_new)
+    assert reference != adjusted_greedy_reference(target, PROMPT, SamplingParams(temperature=0.0), long_new)
+    engine = VerificationEngine(target, EngineConfig(budget=2, max_draft_len=2))
+    with ServerThread(engine, round_deadline_ms=50) as server:
+        client = DrafterClient(DrafterConfig(server.address, "d", max_new_tokens=long_new, sampling=sampling), DraftRunner(draft))
+        client.wait_until_serving()
+        client.join()
+        out = {}
+        worker = threading.Thread(target=lambda: out.setdefault("result", client.generate("0", PROMPT)))
+        worker.start()
+        for _ in range(400):  # until some rounds are verified
+            if len(server.events("round")) >= 4:
+                break
+            threading.Event().wait(0.01)
+        server.run(server.server.service.drop(client.session_id, "dropped by the test"))
+        worker.join(60)
+        starts = server.events("start")
+        client.close()
+    assert "result" in out, "the request failed (its error is in the worker thread's warning)"
+    assert out["result"].repairs >= 1 and len(starts) >= 2
+    assert out["result"].token_ids == reference
+
+
+def test_a_verifier_that_ignores_penalties_is_an_error_not_a_silent_change(models, monkeypatch):
+    from goodspeed.lm.sampling import SamplingParams
+
+    start = VerifierService.StartRequest
+
+    async def old_start(self, request, context):  # a verifier older than the penalties
+        reply = await start(self, request, context)
+        reply.ClearField("extended_sampling")
+        return reply
+
+    monkeypatch.setattr(VerifierService, "StartRequest", old_start)
+    target, draft = models
+    with ServerThread(VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))) as server:
+        config = DrafterConfig(server.address, "d", max_new_tokens=4, sampling=SamplingParams(temperature=0.0, presence_penalty=1.0))
+        client = DrafterClient(config, DraftRunner(draft))
+        client.wait_until_serving()
+        client.join()
+        try:
+            with pytest.raises(DrafterError, match="min_p, penalties or logit_bias"):
+                client.generate("0", PROMPT)
+        finally:
+            client.close()

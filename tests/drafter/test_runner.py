@@ -316,3 +316,28 @@ def test_a_cuda_runner_drafts_what_the_host_drafts(sampling):
             runner.predraft(len(a.token_ids), 2, sampling, torch.Generator().manual_seed(9))
             runner.apply(emitted, min(1, len(a.token_ids)))
         assert device.committed == host.committed
+
+
+@pytest.mark.parametrize("generated", [0, 3])
+def test_drafts_apply_the_requests_bias_and_penalties_by_the_text_so_far(generated):
+    """The draft's logits get the request's logit bias and penalties as the target's do, by the
+    committed text (its last ``generated`` tokens counted as output) plus the tokens drafted before:
+    a greedy draft is the draft model's own adjusted greedy decoding, across verdicts too."""
+    from modelkit import adjusted_greedy_reference
+
+    model = tiny_llama(0)
+    sampling = SamplingParams(temperature=0.0, repetition_penalty=1.6, presence_penalty=1.5, frequency_penalty=0.7,
+                              logit_bias=((9, 2.0),))
+    prompt = [1, 2, 3, 45, 9, 43]  # the split matters by the 7th token: 43 as a prompt token, 15 as an output one
+    assert adjusted_greedy_reference(model, prompt, sampling, 7, generated=3) != adjusted_greedy_reference(model, prompt, sampling, 7)
+    runner = DraftRunner(model)
+    runner.start(prompt, generated=generated)
+    generator = torch.Generator().manual_seed(0)
+    first = runner.draft(5, sampling, generator)
+    reference = adjusted_greedy_reference(model, prompt, sampling, 9, generated=generated)
+    assert first.token_ids == reference[:5]
+    runner.apply(reference[:3], 2)  # a verdict: two drafts accepted, then a correction (here the same)
+    assert runner.draft(4, sampling, generator).token_ids == reference[3:7]
+    plain = DraftRunner(model)
+    plain.start(prompt)
+    assert plain.draft(5, SamplingParams(temperature=0.0), generator).token_ids != first.token_ids  # the settings matter here
