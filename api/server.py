@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import secrets
@@ -244,7 +245,8 @@ class OpenAIServer:
                            param="messages")
         extra = body.chat_template_kwargs or {}
         if extra:
-            readable = template_variables(template) - RENDER_SET - set(tokenizer.special_tokens_map)
+            readable = (template_variables(template) - RENDER_SET - set(tokenizer.special_tokens_map)
+                        - set(inspect.signature(tokenizer.apply_chat_template).parameters))  # tokenize=, return_dict=, ...
             for key in extra:
                 if key not in readable:
                     raise ApiError(400, f"chat_template_kwargs.{key}: this model's chat template does not read it (it reads "
