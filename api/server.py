@@ -388,7 +388,7 @@ class OpenAIServer:
         this fills with the prompt tokens' log-probabilities (after the first), which the first
         delta brings. The backend stream is always closed, which cancels the request if it did not
         finish."""
-        sent, first = 0, True
+        sent, scored = 0, False
 
         def new() -> list | None:
             nonlocal sent
@@ -399,12 +399,12 @@ class OpenAIServer:
 
         try:
             async for delta in deltas:
-                if prompt is not None and first and delta.error is None:
+                if prompt is not None and not scored and delta.token_ids:  # the first verdict's (a failure has none)
                     if delta.prompt_logprobs is None:
                         raise ApiError(502, "the verifier sent no prompt log-probabilities though echo asked for them "
                                             "(is it older than this node?)")
                     prompt.extend(delta.prompt_logprobs)
-                first = False
+                    scored = True
                 if logprobs is not None and delta.token_ids:
                     if delta.logprobs is None or len(delta.logprobs) != len(delta.token_ids):
                         raise ApiError(502, "the verifier sent tokens without the log-probabilities asked for "
