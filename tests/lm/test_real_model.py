@@ -193,3 +193,29 @@ def test_logprobs_on_the_real_pair_are_the_targets(pair, prompts, policy):
         top = torch.tensor([[v for _, v in lp.top] for lp in req.token_logprobs])
         assert len(req.token_logprobs) == len(req.generated) == NEW
         assert torch.allclose(got, expected, atol=5e-3) and torch.allclose(top, rows.topk(5).values, atol=5e-3)
+
+
+def test_prompt_logprobs_on_the_real_pair_are_the_targets(pair, prompts):
+    """``echo`` with ``logprobs``: each prompt token's log-probability (and the top 5), read off
+    the prefill in chunks next to another request's verification rows, equals the target's own
+    forward over the prompt within float32's rounding, as the generated tokens' do."""
+    from goodspeed.lm.sampling import SamplingParams
+
+    target, draft = pair
+    engine = VerificationEngine(target.model, EngineConfig(seed=0, prefill_chunk=16), target.fingerprint)
+    local = LocalServing(engine, draft.model, LocalConfig(policy="chain", k=3))
+    local.submit(prompts[1], SamplingParams(temperature=0.0), NEW, request_id="busy")
+    local.step()
+    local.step()
+    local.submit(prompts[0], SamplingParams(temperature=0.0), 4, request_id="scored", prompt_logprobs=5)
+    while local.has_work:
+        local.step()
+    req = next(r for r in local.finished if r.request_id == "scored")
+    prompt = prompts[0]
+    with torch.no_grad():
+        rows = torch.log_softmax(target.model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+    expected = rows.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    scores = req.prompt_token_logprobs
+    assert [lp.token_id for lp in scores] == prompt[1:] and len(prompt) > 16  # more than one chunk
+    assert torch.allclose(torch.tensor([lp.logprob for lp in scores]), expected, atol=5e-3)
+    assert torch.allclose(torch.tensor([[v for _, v in lp.top] for lp in scores]), rows.topk(5).values, atol=5e-3)
