@@ -9,7 +9,7 @@ from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.runner import DraftRunner
 
 from goodspeed.verifier.observability import JsonLog
-from goodspeed.verifier.server import ServerConfig, make_server
+from goodspeed.verifier.server import ServerConfig, VerifierService, make_server
 
 
 class ServerThread:
@@ -40,6 +40,19 @@ class ServerThread:
     def events(self, kind: str | None = None) -> list[dict]:
         lines = [json.loads(line) for line in self.log_stream.getvalue().splitlines() if line.startswith("{")]
         return [e for e in lines if kind is None or e["event"] == kind]
+
+
+def older_verifier(monkeypatch, reply_field: str) -> None:
+    """Make every verifier in the test answer StartRequest as one older than ``reply_field``
+    (a ``StartRequestReply`` flag it then leaves unset) would."""
+    start = VerifierService.StartRequest
+
+    async def old_start(self, request, context):
+        reply = await start(self, request, context)
+        reply.ClearField(reply_field)
+        return reply
+
+    monkeypatch.setattr(VerifierService, "StartRequest", old_start)
 
 
 def run_clients(address, drafts, prompts, max_new, sampling=None, runner=DraftRunner):

@@ -9,7 +9,7 @@ from goodspeed.drafter.runner import DraftRunner
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.server import VerifierService
-from grpckit import ServerThread
+from grpckit import ServerThread, older_verifier
 from modelkit import greedy_reference, perturbed, tiny_llama
 
 PROMPT = [5, 6, 7]
@@ -282,14 +282,7 @@ def test_a_request_restarted_mid_way_keeps_its_penalties_exact(models):
 def test_a_verifier_that_ignores_penalties_is_an_error_not_a_silent_change(models, monkeypatch):
     from goodspeed.lm.sampling import SamplingParams
 
-    start = VerifierService.StartRequest
-
-    async def old_start(self, request, context):  # a verifier older than the penalties
-        reply = await start(self, request, context)
-        reply.ClearField("extended_sampling")
-        return reply
-
-    monkeypatch.setattr(VerifierService, "StartRequest", old_start)
+    older_verifier(monkeypatch, "extended_sampling")
     target, draft = models
     with ServerThread(VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))) as server:
         config = DrafterConfig(server.address, "d", max_new_tokens=4, sampling=SamplingParams(temperature=0.0, presence_penalty=1.0))

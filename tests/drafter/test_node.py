@@ -13,7 +13,7 @@ from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
-from grpckit import NodeThread, ServerThread
+from grpckit import NodeThread, ServerThread, older_verifier
 from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference
 
 @pytest.fixture(scope="module")
@@ -113,16 +113,7 @@ def test_echo_through_a_node_scores_the_prompt_as_the_verifier_does(models):
 def test_a_verifier_that_does_not_score_prompts_is_a_502_for_echo_with_logprobs(models, monkeypatch):
     """A verifier older than StartRequestRequest.prompt_logprobs leaves the reply's flag false;
     echo without logprobs needs nothing of it."""
-    from goodspeed.verifier.server import VerifierService
-
-    start = VerifierService.StartRequest
-
-    async def old_start(self, request, context):
-        reply = await start(self, request, context)
-        reply.ClearField("prompt_logprobs")
-        return reply
-
-    monkeypatch.setattr(VerifierService, "StartRequest", old_start)
+    older_verifier(monkeypatch, "prompt_logprobs")
     with verifier(models) as server, node(server, models) as edge:
         api = api_of(edge)
         with pytest.raises(openai.APIStatusError, match="does not score prompts") as refused:
@@ -256,16 +247,7 @@ def test_penalties_through_a_node_are_the_targets_adjusted_greedy_decoding_acros
 
 def test_a_verifier_that_ignores_penalties_is_a_502_not_a_silent_change(models, monkeypatch):
     """A verifier older than the penalties leaves StartRequestReply.extended_sampling false."""
-    from goodspeed.verifier.server import VerifierService
-
-    start = VerifierService.StartRequest
-
-    async def old_start(self, request, context):
-        reply = await start(self, request, context)
-        reply.ClearField("extended_sampling")
-        return reply
-
-    monkeypatch.setattr(VerifierService, "StartRequest", old_start)
+    older_verifier(monkeypatch, "extended_sampling")
     with verifier(models) as server, node(server, models) as edge:
         api = api_of(edge)
         with pytest.raises(openai.APIStatusError, match="min_p, penalties or logit_bias") as refused:
