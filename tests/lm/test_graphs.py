@@ -30,7 +30,13 @@ def engine_pair(target, captures=(None, False), **config):
         if capture is not None:
             engine.graphs = StepGraphs(engine.model, engine.cache, capture=capture)
         forward = engine._forward
-        engine._forward = lambda *a, _f=forward, _out=logits[i], **k: _out.append(_f(*a, **k)) or _out[-1]
+
+        def recorded(*a, _f=forward, _out=logits[i], **k):
+            rows, chunks = _f(*a, **k)
+            _out.append(rows)  # the verification rows' logits (None for a prefill)
+            return rows, chunks
+
+        engine._forward = recorded
         engines.append(engine)
     return engines, logits
 
