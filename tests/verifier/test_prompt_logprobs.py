@@ -64,9 +64,8 @@ def serve(models, config: EngineConfig, prompt_logprobs: int | None):
         serving.step()
     for i, prompt in enumerate(SCORED):
         submit(f"scored{i}", prompt, True)
-    steps = []
     while serving.has_work:
-        steps.append(serving.step())
+        serving.step()
     return {r.request_id: r for r in serving.finished}, events
 
 
