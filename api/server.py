@@ -84,8 +84,22 @@ class Backend(Protocol):
 
     async def open(self, request: GenerationRequest, identity: str) -> AsyncIterator[Delta]:
         """Admit the request (raising :class:`ApiError` if refused) and return its delta stream;
-        closing the stream (``aclose``) before its last delta cancels the request."""
+        closing the stream (``aclose``) before its last delta cancels the request, and frees it
+        even when the closing is cancelled again meanwhile (:func:`run_to_the_end`)."""
         ...
+
+
+async def run_to_the_end(coro, keep: set[asyncio.Task]) -> None:
+    """Await ``coro`` as a task of its own, which a cancellation of the caller does not stop.
+
+    For a backend's cleanup of a request (telling the verifier, freeing KV): it must finish even
+    when the stream being closed is cancelled again meanwhile, as happens to a handler whose client
+    went away while its choices' streams are closed. ``keep`` holds the task until it is done (the
+    event loop keeps only a weak reference to it), for a backend's ``stop`` to wait on."""
+    task = asyncio.get_running_loop().create_task(coro)
+    keep.add(task)
+    task.add_done_callback(keep.discard)
+    await asyncio.shield(task)
 
 
 # Variables a chat template gets from the server, never from a request's chat_template_kwargs

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
 from goodspeed.api.protocol import ApiError, GenerationRequest
-from goodspeed.api.server import Delta
+from goodspeed.api.server import Delta, run_to_the_end
 from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
@@ -203,6 +203,7 @@ class EdgeNode:
         self._jobs: list[_DraftJob] = []
         self._jobs_ready = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._cleanups: set[asyncio.Task] = set()  # requests' _end, which stop() waits for and never cancels
         self._batcher: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self.channel = self.stub = None
@@ -265,6 +266,7 @@ class EdgeNode:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
         for task in (self._batcher, self._watcher):
             if task is not None:
                 task.cancel()
@@ -465,7 +467,11 @@ class EdgeNode:
 
     async def _end(self, req: _Request, reason: str) -> None:
         """Free everything the request holds: its request on the verifier (if still running),
-        its session, its draft KV slot."""
+        its session, its draft KV slot; to the end, even when the caller is cancelled again
+        meanwhile (:func:`run_to_the_end`; :meth:`stop` waits for it)."""
+        await run_to_the_end(self._free_request(req, reason), self._cleanups)
+
+    async def _free_request(self, req: _Request, reason: str) -> None:
         req.timer.finish(reason)
         if req.session is not None:
             if req.in_progress:

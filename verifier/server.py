@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from goodspeed.api.metrics import RequestTimer, finished_reason
+from goodspeed.api.server import run_to_the_end
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -156,6 +157,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.usage = Usage()  # what each identity holds (KV tokens, streams) and its request rate
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
         self._drafters: dict[str, Drafter] = {}
+        self.cleanups: set[asyncio.Task] = set()  # local requests being cancelled (LocalStream.aclose)
         self.rounds = RoundLoop(engine, local, config, metrics, log, self._drafters, self.call, self.drop,
                                 self._end_request, self._update_gauges)
         # Async: each step's drafters take the shares of C the policy plans for every active drafter (round_loop).
@@ -455,16 +457,20 @@ class LocalStream:
         return event
 
     async def aclose(self) -> None:
-        """Release the request's hold on its identity; cancel it if it has not finished."""
+        """Release the request's hold on its identity; cancel it if it has not finished (to the
+        end, even when this is cancelled again meanwhile: :func:`run_to_the_end`)."""
         if self.closed:
             return
         self.closed = True
         self.service.usage.close_stream(self.who, self.kv_tokens)
         if not self.finished:  # the client went away (or its stop string came): free the request at once
             self.timer.finish("abort")
-            freed = await self.service.call(self.service.local.cancel, self.request_id)
-            self.service._update_gauges()
-            self.service.log.event("cancelled", request=self.request_id, freed=freed)
+            await run_to_the_end(self._cancel(), self.service.cleanups)
+
+    async def _cancel(self) -> None:
+        freed = await self.service.call(self.service.local.cancel, self.request_id)
+        self.service._update_gauges()
+        self.service.log.event("cancelled", request=self.request_id, freed=freed)
 
 
 class VerifierServer:
@@ -559,6 +565,8 @@ class VerifierServer:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.http is not None:
             await self.http.stop()
+        if self.service is not None:  # local requests its handlers were cancelling
+            await asyncio.gather(*self.service.cleanups, return_exceptions=True)
         if self._rounds is not None:
             self._rounds.cancel()
         if self._server is not None:

@@ -2,12 +2,14 @@
 its output equals the target's greedy decoding; several requests share one device's sessions;
 a client that goes away frees the verifier at once; a dropped session is repaired."""
 
+import asyncio
 import time
 
 import openai
 import pytest
 import torch
 
+from goodspeed.api.protocol import GenerationRequest
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams
@@ -218,6 +220,41 @@ def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models, n):
     assert busy == []  # their KV slots are free
     assert metrics["goodspeed:request_success_total[('finished_reason', 'abort')]"] == n
     assert metrics["goodspeed:num_requests_running[]"] == 0
+
+
+def test_a_request_cancelled_again_while_it_is_cancelled_still_frees_the_verifier(models):
+    """The application's stream is cancelled, and cancelled again while the node tells the
+    verifier (a server that cancels a handler twice; the choices of one response, each closed):
+    the request still ends on the verifier, and its KV slot and session are free."""
+    prompt_ids = models[2]("def f(x):", add_special_tokens=False)["input_ids"]
+    with verifier(models) as server, node(server, models) as edge:
+
+        async def cancel_twice():
+            deltas = await edge.node.open(GenerationRequest("twice", prompt_ids, 400, SamplingParams(), ()))
+            first = asyncio.Event()
+
+            async def consume():
+                async for _ in deltas:
+                    first.set()
+
+            consumer = asyncio.ensure_future(consume())
+            await first.wait()
+            consumer.cancel()
+            for _ in range(5):  # its cleanup is under way: FinishRequest is in flight
+                await asyncio.sleep(0)
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+
+        edge.run(cancel_twice())
+        for _ in range(500):  # bounded: until the node's FinishRequest has arrived
+            if server.events("finish"):
+                break
+            time.sleep(0.01)
+        finish = server.events("finish")
+        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+        free = len(edge.node._free)
+    assert len(finish) == 1 and finish[0]["committed_tokens"] < len(prompt_ids) + 400
+    assert busy == [] and free == 1  # the verifier's KV slot, and the node's session back in its pool
 
 
 def test_penalties_through_a_node_are_the_targets_adjusted_greedy_decoding_across_a_repair(models):

@@ -1,6 +1,7 @@
 """Local serving over real gRPC: the Generate stream, its errors, cancellation, and local requests
 sharing rounds with edge drafters — all greedy-equal to the target."""
 
+import asyncio
 import json
 import threading
 
@@ -8,8 +9,10 @@ import grpc
 import pytest
 
 from goodspeed.launch import cli
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.launch.generate import collect, generate_request
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+from goodspeed.verifier.auth import ANONYMOUS, Identity
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from grpckit import ServerThread, run_clients
@@ -122,6 +125,32 @@ def test_cancelled_stream_frees_the_request(models):
         assert not local.has_work
         assert local.finished[-1].finish_reason == "cancelled"
         assert server.server.engine.session_ids == []
+
+
+def test_a_local_stream_closed_and_cancelled_again_meanwhile_still_frees_the_request(models):
+    """A stream whose closing is itself cancelled (an HTTP handler cancelled twice as its client
+    goes away): the request is still cancelled, not left to run to max_new_tokens."""
+    target, draft = models
+    with local_server(target, draft) as server:
+        service = server.server.service
+
+        async def close_twice():
+            stream = await service.open_local(Identity(ANONYMOUS), PROMPTS[0], SamplingParams(), 400, (), None)
+            await anext(stream)
+            closing = asyncio.ensure_future(stream.aclose())
+            await asyncio.sleep(0)  # cancel() is on its way to the engine thread, behind a round
+            closing.cancel()
+            await asyncio.gather(closing, return_exceptions=True)
+
+        server.run(close_twice())
+        local = server.server.local
+        for _ in range(200):  # bounded: until the engine thread has run the cancellation
+            if not local.has_work:
+                break
+            threading.Event().wait(0.02)
+        assert not local.has_work
+        assert local.finished[-1].finish_reason == "cancelled"
+        assert server.events("cancelled")[-1]["freed"] is True
 
 
 def test_generate_cli_json(models, capsys):
