@@ -49,7 +49,7 @@ from goodspeed.api.server import Delta, run_to_the_end
 from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
-from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
+from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, sampling_to_pb
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, check_proposal_top_k
@@ -440,7 +440,7 @@ class EdgeNode:
                 req.in_progress = not verdict.finished
                 prompt_scores = None
                 if req.gen.prompt_logprobs is not None and not req.prompt_scored:
-                    prompt_scores, req.prompt_scored = _token_logprobs(verdict.prompt_logprobs), True
+                    prompt_scores, req.prompt_scored = logprobs_from_pb(verdict.prompt_logprobs), True
                     if [lp.token_id for lp in prompt_scores] != req.gen.prompt_ids[1:]:
                         raise ApiError(502, "a verdict's prompt log-probabilities do not match this request's prompt")
                 req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None,
@@ -543,11 +543,7 @@ def _logprobs(verdict: pb.Verdict) -> list[TokenLogprob] | None:
     than ``StartRequestRequest.logprobs``, which the HTTP layer then reports)."""
     if len(verdict.logprobs) != len(verdict.token_ids):
         return None
-    return _token_logprobs(verdict.logprobs)
-
-
-def _token_logprobs(logprobs) -> list[TokenLogprob]:
-    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in logprobs]
+    return logprobs_from_pb(verdict.logprobs)
 
 
 def _refusal(what: str, exc: grpc.aio.AioRpcError) -> ApiError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from goodspeed.drafter.runner import DraftOutput
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import SamplingParams, TokenLogprob
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 
 
@@ -25,3 +25,8 @@ def draft_to_pb(session_id: str, round_index: int, out: DraftOutput, sampling: S
     elif kind == "dense":
         msg.dense.probs.extend(q.float().reshape(-1).tolist())
     return msg
+
+
+def logprobs_from_pb(logprobs) -> list[TokenLogprob]:
+    """``TokenLogprob`` messages (a verdict's, a Generate chunk's) as :class:`TokenLogprob` s."""
+    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in logprobs]

@@ -152,8 +152,12 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"goodspeed generate: {exc}", file=sys.stderr)
         return 2
+    if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
+        print("goodspeed generate: --logprobs and --prompt-logprobs need --json (the result's logprobs and prompt_logprobs)",
+              file=sys.stderr)
+        return 2
     request = generate_request(prompt, ids, args.max_new_tokens, tpot_slo_ms=args.tpot_slo_ms, ignore_eos=args.ignore_eos,
-                               sampling=sampling)
+                               sampling=sampling, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     return run_generate(args.verifier, request, args.json, args.timeout_s, token=read_token(args.token_file), tls=_client_tls(args))
 
 
@@ -523,6 +527,7 @@ def _at_least(kind, least, strictly: bool = False):
 
 
 POSITIVE_INT, POSITIVE = _at_least(int, 1), _at_least(float, 0.0, strictly=True)
+NON_NEGATIVE_INT = _at_least(int, 0)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -554,6 +559,10 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout-s", type=POSITIVE, default=None)
     gen.add_argument("--json", action="store_true", help="print prompt_ids, token_ids, text and per-token times as JSON")
+    gen.add_argument("--logprobs", type=NON_NEGATIVE_INT, default=None, metavar="K",
+                     help="with --json: each generated token's log-probability under the target, and its K most probable tokens")
+    gen.add_argument("--prompt-logprobs", type=NON_NEGATIVE_INT, default=None, metavar="K",
+                     help="with --json: the prompt tokens' too (after the first), read off the verifier's prefill")
     _add_client_credentials(gen)
     gen.set_defaults(func=_generate)
     prof = sub.add_parser("profile", help="measure target and draft forward times here and fit TurboSpec's latency model")

@@ -8,7 +8,7 @@ import sys
 import grpc
 
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
-from goodspeed.drafter.serde import sampling_to_pb
+from goodspeed.drafter.serde import logprobs_from_pb, sampling_to_pb
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -16,26 +16,57 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 
 def generate_request(prompt: str | None = None, prompt_ids: list[int] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, tpot_slo_ms: float | None = None, ignore_eos: bool = False,
-                     request_id: str = "", sampling: SamplingParams | None = None) -> pb.GenerateRequest:
+                     request_id: str = "", sampling: SamplingParams | None = None, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None) -> pb.GenerateRequest:
     """The message as given: ``temperature``, ``top_k`` and ``top_p`` go as they are (the verifier
     checks them); ``sampling``, when given, replaces them (and carries min-p, the penalties and a
-    logit bias)."""
+    logit bias). ``logprobs`` / ``prompt_logprobs``: the generated / prompt tokens' log-probabilities
+    under the target, each with that many most probable tokens (None: not asked for)."""
     settings = (sampling_to_pb(sampling) if sampling is not None
                 else pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
-    return pb.GenerateRequest(
+    message = pb.GenerateRequest(
         prompt=prompt or "", prompt_ids=prompt_ids or [], max_new_tokens=max_new_tokens, sampling=settings,
         tpot_slo_ms=tpot_slo_ms or 0.0, ignore_eos=ignore_eos, request_id=request_id,
     )
+    if logprobs is not None:
+        message.logprobs = logprobs
+    if prompt_logprobs is not None:
+        message.prompt_logprobs = prompt_logprobs
+    return message
 
 
-def collect(chunks, on_text=None) -> dict:
-    """Fold a Generate stream into one result (``on_text`` sees each text delta as it arrives)."""
+def _logprob_dicts(logprobs) -> list[dict]:
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in logprobs_from_pb(logprobs)]
+
+
+def collect(chunks, on_text=None, request: pb.GenerateRequest | None = None) -> dict:
+    """Fold a Generate stream into one result (``on_text`` sees each text delta as it arrives).
+    With the ``request`` that asked for log-probabilities, the result has ``logprobs`` (one per
+    generated token: ``token_id``, ``logprob``, ``top`` as ``[id, logprob]`` pairs) and
+    ``prompt_logprobs`` (one per prompt token after the first), and a verifier that does not send
+    them (one older than these fields) raises :class:`MissingLogprobsError`."""
     out = {"request_id": "", "prompt_ids": [], "token_ids": [], "text": "", "token_times_s": [], "finish_reason": None,
            "tpot_s": None, "num_drafted": 0, "num_accepted": 0}
+    wants_logprobs = request is not None and request.HasField("logprobs")
+    wants_prompt = request is not None and request.HasField("prompt_logprobs")
+    if wants_logprobs:
+        out["logprobs"] = []
+    if wants_prompt:
+        out["prompt_logprobs"] = None
     for chunk in chunks:
         out["request_id"] = chunk.request_id or out["request_id"]
         if chunk.prompt_ids:
             out["prompt_ids"] = list(chunk.prompt_ids)
+        if wants_logprobs and len(chunk.logprobs) != len(chunk.token_ids):
+            raise MissingLogprobsError("the verifier sent tokens without their log-probabilities (is it older than "
+                                       "GenerateRequest.logprobs?)")
+        elif wants_logprobs:
+            out["logprobs"] += _logprob_dicts(chunk.logprobs)
+        if wants_prompt and out["prompt_logprobs"] is None and chunk.token_ids:
+            if len(chunk.prompt_logprobs) != max(len(out["prompt_ids"]) - 1, 0):
+                raise MissingLogprobsError("the verifier did not score the prompt (is it older than "
+                                           "GenerateRequest.prompt_logprobs?)")
+            out["prompt_logprobs"] = _logprob_dicts(chunk.prompt_logprobs)
         out["token_ids"] += list(chunk.token_ids)
         out["token_times_s"] += list(chunk.token_times_s)
         out["text"] += chunk.text
@@ -44,6 +75,10 @@ def collect(chunks, on_text=None) -> dict:
         if chunk.finished:
             out.update(finish_reason=chunk.finish_reason, tpot_s=chunk.tpot_s, num_drafted=chunk.num_drafted, num_accepted=chunk.num_accepted)
     return out
+
+
+class MissingLogprobsError(RuntimeError):
+    """A Generate stream lacks the log-probabilities its request asked for."""
 
 
 CONNECT_TIMEOUT_S = 30.0  # how long to wait for a verifier to answer at all
@@ -67,7 +102,7 @@ def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeo
             return 2
         try:
             if as_json:
-                result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata))
+                result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata), request=request)
                 print(json.dumps(result))
             else:
                 result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata), on_text=lambda t: print(t, end="", flush=True))
@@ -77,5 +112,8 @@ def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeo
                       f"accepted {result['num_accepted']}/{result['num_drafted']} drafted]", file=sys.stderr)
         except grpc.RpcError as exc:
             print(f"goodspeed generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except MissingLogprobsError as exc:
+            print(f"goodspeed generate: {exc}", file=sys.stderr)
             return 1
     return 0 if result["finish_reason"] in ("length", "eos") else 1

@@ -53,11 +53,12 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
         acceptance=v.acceptance,
         goodput=v.goodput,
         num_transit=v.num_transit,
-        logprobs=_logprobs_to_pb(v.logprobs),
-        prompt_logprobs=_logprobs_to_pb(v.prompt_logprobs),
+        logprobs=logprobs_to_pb(v.logprobs),
+        prompt_logprobs=logprobs_to_pb(v.prompt_logprobs),
     )
 
 
-def _logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
+def logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
+    """:class:`TokenLogprob` s (none: ``[]``) as ``TokenLogprob`` messages."""
     return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
                             top_logprobs=[x for _, x in lp.top]) for lp in logprobs or ()]

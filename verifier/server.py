@@ -46,7 +46,7 @@ from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
 from goodspeed.verifier.round_loop import Drafter, RoundLoop
-from goodspeed.verifier.serde import draft_from_pb, sampling_from_pb, verdict_to_pb
+from goodspeed.verifier.serde import draft_from_pb, logprobs_to_pb, sampling_from_pb, verdict_to_pb
 from goodspeed.verifier.tls import is_loopback, server_credentials
 
 PROTOCOL_VERSION = 1
@@ -322,7 +322,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             if request.request_id:
                 check_identifier("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
             stream = await self.open_local(who, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None,
-                                           request.request_id or None, request.seed if request.HasField("seed") else None)
+                                           request.request_id or None, request.seed if request.HasField("seed") else None,
+                                           request.logprobs if request.HasField("logprobs") else None,
+                                           request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
         except errors.EngineError as exc:
             await context.abort(status_for(exc), str(exc))
         rid = stream.request_id
@@ -335,7 +337,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                 new_text = await asyncio.to_thread(self.tokenizer.decode, list(generated)) if self.tokenizer is not None else ""
                 chunk = pb.GenerateChunk(request_id=rid, token_ids=event.token_ids, token_times_s=[t - arrival for t in event.times],
                                          text=new_text[len(text):] if new_text.startswith(text) else new_text, finished=event.finished,
-                                         finish_reason=event.finish_reason or "")
+                                         finish_reason=event.finish_reason or "", logprobs=logprobs_to_pb(event.logprobs),
+                                         prompt_logprobs=logprobs_to_pb(event.prompt_logprobs))
                 text = new_text
                 if event.finished and event.summary is not None:
                     stats = event.summary

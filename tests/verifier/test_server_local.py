@@ -7,10 +7,12 @@ import threading
 
 import grpc
 import pytest
+import torch
 
 from goodspeed.launch import cli
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.launch.generate import collect, generate_request
+from goodspeed.launch.generate import MissingLogprobsError, collect, generate_request
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.auth import ANONYMOUS, Identity
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -101,6 +103,8 @@ def test_generate_errors(models):
             (generate_request(prompt_ids=[1, 2], max_new_tokens=3, temperature=1e-45), grpc.StatusCode.INVALID_ARGUMENT),
             (generate_request(prompt_ids=[1, 2], max_new_tokens=3, request_id="r" * 129), grpc.StatusCode.INVALID_ARGUMENT),
             (generate_request(prompt_ids=[1, 2], max_new_tokens=3, request_id="bad id\n"), grpc.StatusCode.INVALID_ARGUMENT),
+            (generate_request(prompt_ids=[1, 2], max_new_tokens=3, logprobs=21), grpc.StatusCode.INVALID_ARGUMENT),
+            (generate_request(prompt_ids=[1, 2], max_new_tokens=3, prompt_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT),
         ]
         for request, code in cases:
             with pytest.raises(grpc.RpcError) as err:
@@ -153,6 +157,49 @@ def test_a_local_stream_closed_and_cancelled_again_meanwhile_still_frees_the_req
         assert server.events("cancelled")[-1]["freed"] is True
 
 
+def test_generate_sends_the_targets_log_probabilities_of_its_tokens_and_of_the_prompt(models):
+    """GenerateRequest.logprobs / prompt_logprobs: each generated token's log-probability and top
+    ones, and the prompt's (with the first chunk that has tokens), equal the target's own forward;
+    a request that asks for neither gets neither."""
+    target, draft = models
+    prompt = PROMPTS[2]
+    with local_server(target, draft) as server:
+        channel, stub = stub_for(server)
+        scored = generate_request(prompt_ids=prompt, max_new_tokens=12, logprobs=2, prompt_logprobs=1)
+        chunks = list(stub.Generate(scored))
+        plain_chunks = list(stub.Generate(generate_request(prompt_ids=prompt, max_new_tokens=12)))
+        channel.close()
+    result, plain = collect(chunks, request=scored), collect(plain_chunks)
+    generated = result["token_ids"]
+    assert generated == greedy_reference(target, prompt, 12) == plain["token_ids"]
+    with torch.no_grad():
+        rows = torch.log_softmax(target(torch.tensor([prompt + generated])).logits[0].float(), dim=-1)
+
+    def check(entries, ids, at, top):
+        assert [e["token_id"] for e in entries] == ids
+        expected = rows[at].gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor([e["logprob"] for e in entries]), expected, atol=1e-4)
+        for e, row in zip(entries, rows[at]):
+            assert torch.allclose(torch.tensor([x for _, x in e["top"]]), row.topk(top).values, atol=1e-4)
+
+    check(result["logprobs"], generated, slice(len(prompt) - 1, -1), 2)
+    check(result["prompt_logprobs"], prompt[1:], slice(0, len(prompt) - 1), 1)
+    with_tokens = [c for c in chunks if c.token_ids]
+    assert len(with_tokens[0].prompt_logprobs) == len(prompt) - 1 and not any(c.prompt_logprobs for c in with_tokens[1:])
+    assert "logprobs" not in plain and not any(c.logprobs or c.prompt_logprobs for c in plain_chunks)
+
+
+def test_a_generate_stream_without_the_log_probabilities_asked_for_is_an_error_not_a_blank():
+    """What a verifier older than GenerateRequest.logprobs sends: tokens alone."""
+    asked = generate_request(prompt_ids=[1, 2], max_new_tokens=2, logprobs=0)
+    tokens_alone = [pb.GenerateChunk(request_id="r", prompt_ids=[1, 2]), pb.GenerateChunk(token_ids=[3, 4], finished=True)]
+    with pytest.raises(MissingLogprobsError, match="without their log-probabilities"):
+        collect(tokens_alone, request=asked)
+    with pytest.raises(MissingLogprobsError, match="did not score the prompt"):
+        collect(tokens_alone, request=generate_request(prompt_ids=[1, 2], max_new_tokens=2, prompt_logprobs=0))
+    assert collect(tokens_alone)["token_ids"] == [3, 4]
+
+
 def test_generate_cli_json(models, capsys):
     target, draft = models
     with local_server(target, draft) as server:
@@ -161,3 +208,17 @@ def test_generate_cli_json(models, capsys):
     assert code == 0
     assert out["prompt_ids"] == [1, 2, 3] and out["token_ids"] == greedy_reference(target, [1, 2, 3], 7)
     assert len(out["token_times_s"]) == 7 and out["text"] == ""  # this test server has no tokenizer
+    assert "logprobs" not in out and "prompt_logprobs" not in out
+
+
+def test_generate_cli_log_probabilities(models, capsys):
+    target, draft = models
+    with local_server(target, draft) as server:
+        code = cli.main(["generate", "--verifier", server.address, "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json",
+                         "--logprobs", "3", "--prompt-logprobs", "0"])
+        out = json.loads(capsys.readouterr().out)
+        refused = cli.main(["generate", "--verifier", server.address, "--prompt-ids", "1,2,3", "--logprobs", "1"])
+    assert code == 0 and refused == 2
+    assert [e["token_id"] for e in out["logprobs"]] == out["token_ids"] and all(len(e["top"]) == 3 for e in out["logprobs"])
+    assert [e["token_id"] for e in out["prompt_logprobs"]] == [2, 3] and all(e["top"] == [] for e in out["prompt_logprobs"])
+    assert "--logprobs and --prompt-logprobs need --json" in capsys.readouterr().err
