@@ -134,6 +134,7 @@ def _one_or_many(prompt) -> list:
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them (choice order)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: the prompt alone (with echo), as OpenAI's legacy scoring
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # top ones besides each token's own
     echo: bool = False
     suffix: str | None = None
@@ -184,6 +185,9 @@ class CompletionRequest(_Sampling):
                                 "in one request", param="prompt" if self.n == 1 else "n")
         if self.suffix:
             raise ApiError(400, "suffix is not supported by this server", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens = 0 asks for no completion: it needs echo (the prompt, with logprobs "
+                                "its tokens' log-probabilities)", param="max_tokens")
 
 
 class TextPart(BaseModel):

@@ -22,7 +22,8 @@ formatted here as OpenAI's objects, trimmed with the text at a stop string. Comp
 starts each choice's text with its prompt (streamed: the choice's first event); with ``logprobs``
 the prompt's tokens come first in the log-probabilities, scored by the target's prefill of that
 prompt (the first token's entries are null: it follows nothing), as the scoring clients (e.g.
-lm-evaluation-harness's loglikelihood) read them. Stop strings and ``usage`` count the completion
+lm-evaluation-harness's loglikelihood) read them; ``max_tokens = 0`` with ``echo`` answers the
+prompt alone (OpenAI's legacy scoring call). Stop strings and ``usage`` count the completion
 only.
 
 A backend (:class:`Backend`) is the verifier's local serving batch
@@ -185,7 +186,10 @@ class OpenAIServer:
         body = parse_body(CompletionRequest, await self._json(request))
         self._check_model(body.model)
         prompts = [list(p) if isinstance(p, list) else await self._tokenize(p, body.add_special_tokens) for p in body.prompts]
-        rid, gens = self._generations("cmpl", body, prompts, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        # max_tokens = 0 (with echo): the prompt alone, served as a one-token request (its first
+        # verdict, its last, brings the prompt's scores); its token is not returned
+        limit = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
+        rid, gens = self._generations("cmpl", body, prompts, limit)
         echoes = None
         if body.echo:  # each choice's text starts with its prompt's: as sent, or a token-id prompt's decode
             decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
@@ -394,14 +398,15 @@ class OpenAIServer:
             await deltas.aclose()
 
     @staticmethod
-    async def _pieces(deltas, text: TextStream, logprobs: list | None, prompt: list | None = None):
+    async def _pieces(deltas, text: TextStream, logprobs: list | None, prompt: list | None = None, prompt_only: bool = False):
         """Yield ``(new text, finish_reason or None, log-probabilities)`` from an opened backend
         stream until the end: with ``logprobs`` (a list this fills with every token's
         :class:`TokenLogprob`), those of the tokens consumed since the last yield (a stop string
         ends consumption; text held back still has its tokens' here), else None. ``prompt``: a list
         this fills with the prompt tokens' log-probabilities (after the first), which the first
-        delta brings. The backend stream is always closed, which cancels the request if it did not
-        finish."""
+        delta brings. ``prompt_only`` (completions' ``max_tokens = 0``): end with ``length`` at the
+        first delta with tokens, none of them consumed. The backend stream is always closed, which
+        cancels the request if it did not finish."""
         sent, scored = 0, False
 
         def new() -> list | None:
@@ -419,6 +424,9 @@ class OpenAIServer:
                                             "(is it older than this node?)")
                     prompt.extend(delta.prompt_logprobs)
                     scored = True
+                if prompt_only and delta.token_ids:
+                    yield "", "length", new()
+                    return
                 if logprobs is not None and delta.token_ids:
                     if delta.logprobs is None or len(delta.logprobs) != len(delta.token_ids):
                         raise ApiError(502, "the verifier sent tokens without the log-probabilities asked for "
@@ -442,16 +450,16 @@ class OpenAIServer:
             await deltas.aclose()
 
     async def _choices(self, streams: list, texts: list[TextStream], logprobs: list[list] | None,
-                       prompts: list[list] | None = None):
+                       prompts: list[list] | None = None, prompt_only: bool = False):
         """Yield ``(choice index, new text, finish_reason or None, log-probabilities or None)`` from
         every choice's stream as its pieces come (:meth:`_pieces`; ``logprobs[i]``: choice ``i``'s
         list to fill, or None when not asked for; ``prompts[i]`` likewise for its prompt's
-        log-probabilities, filled before its first piece). A choice that fails raises here; closing this
+        log-probabilities, filled before its first piece; ``prompt_only`` as :meth:`_pieces`). A choice that fails raises here; closing this
         generator (the callers do, in a ``finally``) stops every choice's task, and each task's
         :meth:`_pieces` closes its stream."""
         if len(streams) == 1:
             async with contextlib.aclosing(self._pieces(streams[0], texts[0], logprobs and logprobs[0],
-                                                        prompts and prompts[0])) as runs:
+                                                        prompts and prompts[0], prompt_only)) as runs:
                 async for piece, reason, lps in runs:
                     yield 0, piece, reason, lps
             return
@@ -461,7 +469,7 @@ class OpenAIServer:
         async def pump(i: int) -> None:
             try:
                 async with contextlib.aclosing(self._pieces(streams[i], texts[i], logprobs and logprobs[i],
-                                                            prompts and prompts[i])) as runs:
+                                                            prompts and prompts[i], prompt_only)) as runs:
                     async for piece, reason, lps in runs:
                         queue.put_nowait((i, piece, reason, lps))
                 queue.put_nowait((i, end, None, None))
@@ -495,7 +503,7 @@ class OpenAIServer:
         scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
         kept: list[list] = [[] for _ in gens]
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
-        runs = self._choices(streams, texts, received, scored)
+        runs = self._choices(streams, texts, received, scored, prompt_only=not chat and body.max_tokens == 0)
         try:
             async for i, piece, reason, lps in runs:
                 pieces[i].append(piece)
@@ -527,7 +535,7 @@ class OpenAIServer:
         echoed = [echoes is None] * len(gens)
         offsets = [0] * len(gens)  # completions' text_offset: characters of each choice's tokens so far
         streams = await self._open_all(gens, identity)
-        runs = self._choices(streams, texts, received, scored)
+        runs = self._choices(streams, texts, received, scored, prompt_only=not chat and body.max_tokens == 0)
         envelope = self._envelope(rid, chat, int(time.time()))
         usage = {"usage": None} if body.include_usage else {}
 

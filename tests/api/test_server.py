@@ -65,6 +65,8 @@ def refusal(call, **kwargs):
     (dict(best_of=2), "best_of"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(suffix="x"), "suffix"),
+    (dict(max_tokens=0), "max_tokens"),  # no completion: only with echo
+    (dict(max_tokens=-1), "max_tokens"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (dict(extra_body={"ignore_eos": "yes please"}), "ignore_eos"),
@@ -84,6 +86,7 @@ def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     (dict(messages=MESSAGES, top_logprobs=2), "top_logprobs"),  # needs logprobs = true
     (dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(messages=MESSAGES, extra_body={"echo": True}), "echo"),  # completions' field, not chat's
+    (dict(messages=MESSAGES, max_tokens=0), "max_tokens"),
 ])
 def test_bad_chat_bodies_are_400(api, kwargs, param):
     status, body = refusal(api.chat.completions.create, model="tiny", **kwargs)

@@ -93,7 +93,8 @@ def test_logprobs_through_a_node_are_the_verifiers(models):
 
 def test_echo_through_a_node_scores_the_prompt_as_the_verifier_does(models):
     """The verifier scores the prompt while prefilling it (in chunks here) and sends the scores
-    with the first verdict; the node's API opens the text and its log-probabilities with them."""
+    with the first verdict; the node's API opens the text and its log-probabilities with them
+    (with max_tokens = 0, they are the whole answer)."""
     tokenizer = models[2]
     prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
     generated = greedy_reference(models[0], prompt_ids, 10)
@@ -105,11 +106,16 @@ def test_echo_through_a_node_scores_the_prompt_as_the_verifier_does(models):
         api = api_of(edge)
         whole = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, echo=True, logprobs=1, **GREEDY)
         chunks = list(api.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, echo=True, stream=True, **GREEDY))
+        scored = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=0, echo=True, logprobs=1, **GREEDY)
+        running = sum(d.in_request for d in server.server.service._drafters.values())
     lp = whole.choices[0].logprobs
     assert whole.choices[0].text == "def f(x):" + reference(models, "def f(x):", 10)
     assert lp.tokens == [tokenizer.decode([t]) for t in prompt_ids + generated]
     assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
     assert chunks[0].choices[0].text == "def f(x):" and "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    # max_tokens = 0: the prompt alone, scored
+    assert scored.choices[0].text == "def f(x):" and scored.usage.completion_tokens == 0 and running == 0
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(prompt_ids)]
 
 
 def test_a_verifier_that_does_not_score_prompts_is_a_502_for_echo_with_logprobs(models, monkeypatch):

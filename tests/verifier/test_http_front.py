@@ -288,6 +288,36 @@ def test_a_scoring_clients_loglikelihood_request_reads_the_targets(models):
         assert all(tok == max(top.values()) for tok, top in zip(lps["token_logprobs"][ctxlen:-1], lps["top_logprobs"][ctxlen:-1])) == greedy
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(models):
+    """OpenAI's legacy scoring call (``max_tokens: 0``, ``echo``, ``logprobs``): the prompt's text
+    and its tokens' log-probabilities under the target, no completion token, ``length``; whole and
+    streamed, for every choice; the one-token request behind each has ended on the verifier."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    expected, _ = target_logprobs(models, prompt_ids[:1], prompt_ids[1:])
+    with front(models) as server:
+        api = client(server)
+        whole = api.completions.create(model="tiny", prompt=[PROMPT, PROMPT], max_tokens=0, echo=True, logprobs=1, **GREEDY)
+        chunks = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, stream=True,
+                                             stream_options={"include_usage": True}, **GREEDY))
+        text_only = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, **GREEDY)
+        local = server.server.local
+        reasons = [r.finish_reason for r in local.finished]
+    assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == 2 * len(prompt_ids)
+    for choice in whole.choices:
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in prompt_ids]
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    streamed = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT and streamed[-1].choices[0].finish_reason == "length"
+    assert [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        whole.choices[0].logprobs.token_logprobs
+    assert chunks[-1].usage.completion_tokens == 0
+    assert text_only.choices[0].text == PROMPT and text_only.choices[0].logprobs is None
+    assert reasons == ["length"] * 4 and not local.has_work  # its first verdict was its last
+
+
 def test_logprobs_stop_with_the_text_at_a_stop_string(models):
     tokenizer = models[2]
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
