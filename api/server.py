@@ -454,9 +454,9 @@ class OpenAIServer:
         """Yield ``(choice index, new text, finish_reason or None, log-probabilities or None)`` from
         every choice's stream as its pieces come (:meth:`_pieces`; ``logprobs[i]``: choice ``i``'s
         list to fill, or None when not asked for; ``prompts[i]`` likewise for its prompt's
-        log-probabilities, filled before its first piece; ``prompt_only`` as :meth:`_pieces`). A choice that fails raises here; closing this
-        generator (the callers do, in a ``finally``) stops every choice's task, and each task's
-        :meth:`_pieces` closes its stream."""
+        log-probabilities, filled before its first piece; ``prompt_only`` as :meth:`_pieces`). A
+        choice that fails raises here; closing this generator (the callers do, in a ``finally``)
+        stops every choice's task, and each task's :meth:`_pieces` closes its stream."""
         if len(streams) == 1:
             async with contextlib.aclosing(self._pieces(streams[0], texts[0], logprobs and logprobs[0],
                                                         prompts and prompts[0], prompt_only)) as runs:

@@ -36,7 +36,8 @@ def generate_request(prompt: str | None = None, prompt_ids: list[int] | None = N
 
 
 def _logprob_dicts(logprobs) -> list[dict]:
-    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in logprobs_from_pb(logprobs)]
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+            for lp in logprobs_from_pb(logprobs)]
 
 
 def collect(chunks, on_text=None, request: pb.GenerateRequest | None = None) -> dict:
