@@ -1,7 +1,8 @@
 """The OpenAI API's request bodies, validated, and its error objects.
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
-``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``; ours:
+``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``return_token_ids``, ``return_tokens_as_token_ids`` and the chat template's options; ours:
 ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``:
 
@@ -77,6 +78,10 @@ class _Sampling(BaseModel):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
                           Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
     best_of: int | None = None  # refused unless 1 (see :meth:`refuse_unsupported`)
+    # vLLM's extensions for clients that work in tokens (RL rollouts, agents): the prompt's and the
+    # completion's token ids in the response; log-probabilities' tokens as "token_id:<id>"
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("temperature")
     @classmethod

@@ -329,14 +329,19 @@ class OpenAIServer:
             tpot_slo_ms=body.tpot_slo_ms, logprobs=body.requested_logprobs,
             prompt_logprobs=body.requested_prompt_logprobs) for i, prompt_ids in enumerate(prompts) for j in range(n)]
 
-    def _logprobs(self, logprobs: list, chat: bool, offset: int) -> dict:
+    def _logprobs(self, logprobs: list, chat: bool, offset: int, as_ids: bool = False) -> dict:
         """A choice's (or a chunk's) ``logprobs`` object: chat's ``{"content": [{token, logprob,
         bytes, top_logprobs}]}``, or completions' ``{tokens, token_logprobs, top_logprobs,
         text_offset}`` (each token's text from ``offset``; ``top_logprobs`` maps text to
-        log-probability and includes the chosen token, as vLLM's). A token's text is its own decode.
+        log-probability and includes the chosen token, as vLLM's). A token's text is its own decode,
+        or with ``as_ids`` (vLLM's ``return_tokens_as_token_ids``) ``"token_id:<id>"``.
         An echoed prompt's first token follows nothing: its ``logprob`` is None, and so is its entry
         in ``token_logprobs`` and ``top_logprobs`` (OpenAI's and vLLM's shape)."""
-        decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
+        text_of = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
+
+        def decode(ids: list[int]) -> str:
+            return f"token_id:{ids[0]}" if as_ids else text_of(ids)
+
         if chat:
             def entry(token_id: int, logprob: float) -> dict:
                 text = decode([token_id])
@@ -399,22 +404,21 @@ class OpenAIServer:
 
     @staticmethod
     async def _pieces(deltas, text: TextStream, logprobs: list | None, prompt: list | None = None, prompt_only: bool = False):
-        """Yield ``(new text, finish_reason or None, log-probabilities)`` from an opened backend
-        stream until the end: with ``logprobs`` (a list this fills with every token's
-        :class:`TokenLogprob`), those of the tokens consumed since the last yield (a stop string
-        ends consumption; text held back still has its tokens' here), else None. ``prompt``: a list
+        """Yield ``(new text, finish_reason or None, log-probabilities, token ids)`` from an opened
+        backend stream until the end: the ids of the tokens consumed since the last yield (a stop
+        string ends consumption; text held back still has its tokens here), and with ``logprobs``
+        (a list this fills with every token's :class:`TokenLogprob`) theirs, else None. ``prompt``: a list
         this fills with the prompt tokens' log-probabilities (after the first), which the first
         delta brings. ``prompt_only`` (completions' ``max_tokens = 0``): end with ``length`` at the
         first delta with tokens, none of them consumed. The backend stream is always closed, which
         cancels the request if it did not finish."""
         sent, scored = 0, False
 
-        def new() -> list | None:
+        def new() -> tuple[list | None, list[int]]:
             nonlocal sent
-            if logprobs is None:
-                return None
-            out, sent = logprobs[sent : text.consumed], text.consumed
-            return out
+            out = None if logprobs is None else logprobs[sent : text.consumed]
+            ids, sent = text.ids[sent : text.consumed], text.consumed
+            return out, ids
 
         try:
             async for delta in deltas:
@@ -425,7 +429,7 @@ class OpenAIServer:
                     prompt.extend(delta.prompt_logprobs)
                     scored = True
                 if prompt_only and delta.token_ids:
-                    yield "", "length", new()
+                    yield "", "length", None if logprobs is None else [], []
                     return
                 if logprobs is not None and delta.token_ids:
                     if delta.logprobs is None or len(delta.logprobs) != len(delta.token_ids):
@@ -435,23 +439,23 @@ class OpenAIServer:
                 # inline: a step's few tokens decode in a window of a few tokens (microseconds)
                 piece = text.push(delta.token_ids) if delta.token_ids else ""
                 if text.stopped:
-                    yield piece, "stop", new()
+                    yield piece, "stop", *new()
                     return
                 if delta.finished:
                     if delta.error is not None:
                         raise delta.error
                     if delta.finish_reason not in ("eos", "length"):
                         raise ApiError(500, f"generation failed: {delta.finish_reason}")
-                    yield piece + text.finish(), _finish_reason(text, delta.finish_reason), new()
+                    yield piece + text.finish(), _finish_reason(text, delta.finish_reason), *new()
                     return
                 if piece:
-                    yield piece, None, new()
+                    yield piece, None, *new()
         finally:
             await deltas.aclose()
 
     async def _choices(self, streams: list, texts: list[TextStream], logprobs: list[list] | None,
                        prompts: list[list] | None = None, prompt_only: bool = False):
-        """Yield ``(choice index, new text, finish_reason or None, log-probabilities or None)`` from
+        """Yield ``(choice index, new text, finish_reason or None, log-probabilities or None, token ids)`` from
         every choice's stream as its pieces come (:meth:`_pieces`; ``logprobs[i]``: choice ``i``'s
         list to fill, or None when not asked for; ``prompts[i]`` likewise for its prompt's
         log-probabilities, filled before its first piece; ``prompt_only`` as :meth:`_pieces`). A
@@ -460,8 +464,8 @@ class OpenAIServer:
         if len(streams) == 1:
             async with contextlib.aclosing(self._pieces(streams[0], texts[0], logprobs and logprobs[0],
                                                         prompts and prompts[0], prompt_only)) as runs:
-                async for piece, reason, lps in runs:
-                    yield 0, piece, reason, lps
+                async for piece, reason, lps, ids in runs:
+                    yield 0, piece, reason, lps, ids
             return
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
@@ -470,23 +474,23 @@ class OpenAIServer:
             try:
                 async with contextlib.aclosing(self._pieces(streams[i], texts[i], logprobs and logprobs[i],
                                                             prompts and prompts[i], prompt_only)) as runs:
-                    async for piece, reason, lps in runs:
-                        queue.put_nowait((i, piece, reason, lps))
-                queue.put_nowait((i, end, None, None))
+                    async for piece, reason, lps, ids in runs:
+                        queue.put_nowait((i, piece, reason, lps, ids))
+                queue.put_nowait((i, end, None, None, None))
             except Exception as exc:  # said by the consumer; a cancelled pump has nothing to say
-                queue.put_nowait((i, exc, None, None))
+                queue.put_nowait((i, exc, None, None, None))
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
         try:
             running = len(tasks)
             while running:
-                i, piece, reason, lps = await queue.get()
+                i, piece, reason, lps, ids = await queue.get()
                 if piece is end:
                     running -= 1
                 elif isinstance(piece, Exception):
                     raise piece
                 else:
-                    yield i, piece, reason, lps
+                    yield i, piece, reason, lps, ids
         finally:
             for task in tasks:
                 task.cancel()
@@ -502,26 +506,34 @@ class OpenAIServer:
         received = None if gens[0].logprobs is None else [[] for _ in gens]
         scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
         kept: list[list] = [[] for _ in gens]
+        kept_ids: list[list[int]] = [[] for _ in gens]
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
         runs = self._choices(streams, texts, received, scored, prompt_only=not chat and body.max_tokens == 0)
         try:
-            async for i, piece, reason, lps in runs:
+            async for i, piece, reason, lps, ids in runs:
                 pieces[i].append(piece)
                 reasons[i] = reason
                 kept[i] += lps or []
+                kept_ids[i] += ids
         finally:
             await runs.aclose()
             await self._close_all(streams)  # also when cancelled before the first piece
         contents = [(echoes[i] if echoes else "") + "".join(p) for i, p in enumerate(pieces)]
-        logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], None if scored is None else scored[i]) + kept[i], chat, 0)
+        logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], None if scored is None else scored[i]) + kept[i],
+                                                                 chat, 0, body.return_tokens_as_token_ids)
                     for i in range(len(gens))]
         choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": lp, "finish_reason": r}
                    if chat else {"index": i, "text": c, "logprobs": lp, "finish_reason": r}
                    for i, (c, r, lp) in enumerate(zip(contents, reasons, logprobs))]
+        tokens = {}
+        if body.return_token_ids:  # vLLM's: chat's prompt once (one prompt), a completion choice's its own
+            for i, choice in enumerate(choices):
+                choice.update({} if chat else {"prompt_token_ids": gens[i].prompt_ids}, token_ids=kept_ids[i])
+            tokens = {"prompt_token_ids": gens[0].prompt_ids} if chat else {}
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.backend.model_ids[0], "choices": choices,
-            "usage": self._usage(gens, body.n, texts)})
+            "usage": self._usage(gens, body.n, texts), **tokens})
 
     async def _stream(self, request: web.Request, identity: str, rid: str, gens: list[GenerationRequest], body,
                       chat: bool, echoes: list[str] | None = None) -> web.StreamResponse:
@@ -539,15 +551,22 @@ class OpenAIServer:
         envelope = self._envelope(rid, chat, int(time.time()))
         usage = {"usage": None} if body.include_usage else {}
 
-        def chunk(i: int, piece: str, reason: str | None, lps: list | None = None, role: bool = False) -> dict:
+        def chunk(i: int, piece: str, reason: str | None, lps: list | None = None, role: bool = False,
+                  ids: list[int] = (), prompt: bool = False) -> dict:
+            """Choice ``i``'s event; with ``return_token_ids`` its ``token_ids`` (``ids``) and, in the
+            first event (``prompt``), the prompt's: chat's in the envelope, a completion choice's its own."""
             logprobs = None
             if lps is not None:
-                logprobs = self._logprobs(lps, chat, offsets[i])
+                logprobs = self._logprobs(lps, chat, offsets[i], body.return_tokens_as_token_ids)
                 offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
+            tokens = {"token_ids": list(ids)} if body.return_token_ids else {}
+            head = {"prompt_token_ids": gens[i].prompt_ids} if body.return_token_ids and prompt else {}
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
-                return {**envelope, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}], **usage}
-            return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": reason}], **usage}
+                return {**envelope, **head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                                                         **tokens}], **usage}
+            return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": reason,
+                                             **head, **tokens}], **usage}
 
         try:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -557,14 +576,17 @@ class OpenAIServer:
                 await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
             try:
+                opened = [chat] * len(gens)  # a choice's first event (its prompt's ids, where asked for) was sent
                 if chat:
                     for i in range(len(gens)):
-                        await send(chunk(i, "", None, role=True))
-                async for i, piece, reason, lps in runs:
+                        await send(chunk(i, "", None, role=True, prompt=i == 0))
+                async for i, piece, reason, lps, ids in runs:
                     if not echoed[i]:  # the prompt's log-probabilities came with the choice's first delta
-                        echoed[i] = True
-                        await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], None if scored is None else scored[i])))
-                    await send(chunk(i, piece, reason, lps))
+                        echoed[i] = opened[i] = True
+                        await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], None if scored is None else scored[i]),
+                                         prompt=True))
+                    await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i]))
+                    opened[i] = True
             except ApiError as exc:  # a choice failed after the headers went out: say so in the stream
                 await send(exc.body())
         finally:

@@ -42,7 +42,7 @@ def refusal(call, **kwargs):
     (dict(temperature="hot"), "temperature"),
     (dict(temperature=3.0), "temperature"),
     (dict(max_tokens=-1), "max_tokens"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),  # no completion: only with echo
     (dict(top_p=0), "top_p"),
     (dict(n=0), "n"),
     (dict(n=129), "n"),  # OpenAI's cap
@@ -65,8 +65,6 @@ def refusal(call, **kwargs):
     (dict(best_of=2), "best_of"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(suffix="x"), "suffix"),
-    (dict(max_tokens=0), "max_tokens"),  # no completion: only with echo
-    (dict(max_tokens=-1), "max_tokens"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (dict(extra_body={"ignore_eos": "yes please"}), "ignore_eos"),

@@ -16,6 +16,7 @@ from grpckit import ServerThread
 from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference
 
 PROMPT = "def decode(self, s):"
+MESSAGES = [{"role": "user", "content": "parse json"}]
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +317,57 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(models):
     assert chunks[-1].usage.completion_tokens == 0
     assert text_only.choices[0].text == PROMPT and text_only.choices[0].logprobs is None
     assert reasons == ["length"] * 4 and not local.has_work  # its first verdict was its last
+
+
+def post(server, path, payload):
+    """The response's JSON, or a stream's events (the ``data:`` objects before ``[DONE]``)."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}/v1/{path}", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        body = response.read().decode()
+    if not payload.get("stream"):
+        return json.loads(body)
+    events = [line[len("data: "):] for line in body.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_return_token_ids_gives_the_prompts_and_the_completions_ids_as_vllm(models):
+    """vLLM's ``return_token_ids``: a completion choice's ``prompt_token_ids`` and ``token_ids``
+    (the tokens consumed: at a stop string, up to the one that completed it), chat's prompt once
+    in the response; streamed, each event's own ids and the prompt's in a choice's first event
+    (chat: the first event's envelope). ``return_tokens_as_token_ids`` names the logprobs' tokens
+    ``token_id:<id>``. Without them the response has none of these fields."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ids, text = reference_text(models, prompt_ids, 40)
+    stop = text[12:15]
+    upto = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))  # the token that completes it
+    chat_ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    chat_generated, _ = reference_text(models, chat_ids, 6)
+    base = {"model": "tiny", "temperature": 0, "return_token_ids": True}
+    with front(models) as server:
+        whole = post(server, "completions", {**base, "prompt": PROMPT, "max_tokens": 40, "stop": [stop], "n": 2})
+        events = post(server, "completions", {**base, "prompt": PROMPT, "max_tokens": 40, "stop": [stop], "stream": True,
+                                              "logprobs": 0, "return_tokens_as_token_ids": True})
+        chat = post(server, "chat/completions", {**base, "messages": MESSAGES, "max_tokens": 6})
+        chat_events = post(server, "chat/completions", {**base, "messages": MESSAGES, "max_tokens": 6, "stream": True})
+        plain = post(server, "completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == ids[:upto]
+        assert choice["finish_reason"] == "stop" and tokenizer.decode(ids[:upto]).startswith(choice["text"])
+    assert events[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == ids[:upto]
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == [f"token_id:{t}" for t in ids[:upto]]
+    assert chat["prompt_token_ids"] == chat_ids and chat["choices"][0]["token_ids"] == chat_generated
+    assert chat_events[0]["prompt_token_ids"] == chat_ids and all("prompt_token_ids" not in e for e in chat_events[1:])
+    assert [t for e in chat_events for t in e["choices"][0]["token_ids"]] == chat_generated
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
 def test_logprobs_stop_with_the_text_at_a_stop_string(models):
