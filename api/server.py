@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import inspect
 import itertools
 import json
@@ -57,6 +58,10 @@ from goodspeed.api.text import TextStream
 from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
 
+try:
+    _VERSION = importlib.metadata.version("goodspeed")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 INLINE_CHARS = 8192  # prompts up to this long are tokenized on the event loop (about 1 ms at most)
@@ -135,6 +140,8 @@ class OpenAIServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # an id may hold "/" (org/name)
+        app.router.add_get("/version", self.version)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
@@ -175,11 +182,24 @@ class OpenAIServer:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def _model_object(self) -> dict:
+        return {"id": self.backend.model_ids[0], "object": "model", "created": 0, "owned_by": "goodspeed",
+                "max_model_len": self.backend.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
         self._identify(request)
-        name = self.backend.model_ids[0]
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "goodspeed", "max_model_len": self.backend.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): the model, by any name
+        the ``model`` field takes; else 404 ``model_not_found``."""
+        self._identify(request)
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_object())
+
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /version``: this server's version (no API key needed, as ``/health``)."""
+        return web.json_response({"version": _VERSION})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         identity = self._identify(request)

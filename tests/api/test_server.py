@@ -96,6 +96,23 @@ def test_an_unknown_model_is_404_model_not_found(api):
     assert status == 404 and body["code"] == "model_not_found"
 
 
+def test_a_model_is_retrieved_by_its_name_and_the_server_says_its_version(api, server):
+    """OpenAI's ``models.retrieve`` (an id may hold a "/", as org/name ids do) and vLLM's ``/version``."""
+    import importlib.metadata
+
+    assert api.models.retrieve("tiny").id == "tiny" and api.models.retrieve("tiny").model_extra["max_model_len"] == 128
+    status, body = refusal(api.models.retrieve, model="org/other")
+    assert status == 404 and body["code"] == "model_not_found"
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.http_port}/version", timeout=10) as response:
+        assert json.loads(response.read()) == {"version": importlib.metadata.version("goodspeed")}
+    target, draft, tokenizer = chat_pair()
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
+    with ServerThread(engine, local=LocalServing(engine, draft, LocalConfig(policy="chain", k=3)), tokenizer=tokenizer,
+                      http_port=0, target_name="org/tiny") as named:
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{named.server.http_port}/v1", api_key="unused", max_retries=0)
+        assert other.models.retrieve("org/tiny").id == "org/tiny"
+
+
 def test_a_prompt_past_the_context_is_400_context_length_exceeded(api, server):
     status, body = refusal(api.completions.create, model="tiny", prompt="word " * 400, max_tokens=4)
     assert status == 400 and body["code"] == "context_length_exceeded" and "tokens" in body["message"]
