@@ -82,6 +82,9 @@ class _Sampling(BaseModel):
     # completion's token ids in the response; log-probabilities' tokens as "token_id:<id>"
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: a stop string, and the stop token (EOS, stop_token_ids) that ended the text, in the text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the completion
 
     @field_validator("temperature")
     @classmethod

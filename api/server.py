@@ -339,7 +339,7 @@ class OpenAIServer:
                                     f"{max_tokens} more were asked for", param="messages" if kind == "chatcmpl" else "prompt",
                                code="context_length_exceeded")
         eos = self.backend.tokenizer.eos_token_id
-        # vLLM's stop_token_ids end the text like EOS (kept as a token; in the text unless special)
+        # vLLM's stop_token_ids end the text like EOS (counted as a token; its text left out: api.text)
         stops = tuple(dict.fromkeys(([] if body.ignore_eos or eos is None else [int(eos)]) + list(body.stop_token_ids or ())))
         base, many = f"{kind}-{secrets.token_hex(12)}", len(prompts) * n > 1
         return base, [GenerationRequest(
@@ -384,6 +384,10 @@ class OpenAIServer:
         if scores is None:
             return []
         return [TokenLogprob(gen.prompt_ids[0], None, None)] + list(scores)
+
+    def _text_stream(self, body, gen: GenerationRequest) -> TextStream:
+        return TextStream(self.backend.tokenizer, body.stop_strings, skip_special_tokens=body.skip_special_tokens,
+                          include_stop=body.include_stop_str_in_output, stop_token_ids=gen.eos_token_ids)
 
     def _envelope(self, rid: str, chat: bool, created: int) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -437,7 +441,7 @@ class OpenAIServer:
         def new() -> tuple[list | None, list[int]]:
             nonlocal sent
             out = None if logprobs is None else logprobs[sent : text.consumed]
-            ids, sent = text.ids[sent : text.consumed], text.consumed
+            ids, sent = text.consumed_ids[sent:], text.consumed
             return out, ids
 
         try:
@@ -520,7 +524,7 @@ class OpenAIServer:
                         echoes: list[str] | None = None) -> web.Response:
         """The whole response at once; ``echoes[i]``: the prompt text choice ``i`` starts with
         (completions' ``echo``), whose tokens' log-probabilities come first where asked for."""
-        texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
+        texts = [self._text_stream(body, gen) for gen in gens]
         pieces: list[list[str]] = [[] for _ in gens]
         reasons: list[str | None] = [None] * len(gens)
         received = None if gens[0].logprobs is None else [[] for _ in gens]
@@ -561,7 +565,7 @@ class OpenAIServer:
         first token's chunk is all that is left on its path), then one event per new text of a
         choice, which the event's ``index`` names. With ``echoes`` (completions' ``echo``), a
         choice's first event is its prompt text (and its tokens' log-probabilities, where asked for)."""
-        texts = [TextStream(self.backend.tokenizer, body.stop_strings) for _ in gens]
+        texts = [self._text_stream(body, gen) for gen in gens]
         received = None if gens[0].logprobs is None else [[] for _ in gens]
         scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
         echoed = [echoes is None] * len(gens)

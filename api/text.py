@@ -8,9 +8,12 @@ difference. A window that ends in U+FFFD (an incomplete UTF-8 sequence) is held 
 token completes it.
 
 Stop strings: the text is searched as it grows; at a match the output ends just before the stop
-string (OpenAI's behaviour) and no later token is consumed. While streaming, the longest tail
-that could still begin a stop string is held back, so a client never sees text that a stop string
-later removes.
+string (OpenAI's behaviour; with ``include_stop``, vLLM's ``include_stop_str_in_output``, just
+after it) and no later token is consumed. While streaming, the longest tail that could still begin
+a stop string is held back, so a client never sees text that a stop string later removes.
+
+A stop token (EOS, or one of vLLM's ``stop_token_ids``) that ends the generation is consumed but
+its text is left out, unless ``include_stop``: as vLLM's detokenizer does.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 class TextStream:
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
-        self.tokenizer, self.stop, self.skip_special = tokenizer, list(stop), skip_special_tokens
-        self.ids: list[int] = []
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, include_stop: bool = False,
+                 stop_token_ids: Sequence[int] = ()) -> None:
+        """``stop_token_ids``: the tokens that end the generation (the request's EOS and stop token
+        ids; the backend's output ends at the first of them)."""
+        self.tokenizer, self.stop, self.skip_special, self.include_stop = tokenizer, list(stop), skip_special_tokens, include_stop
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.ids: list[int] = []  # the tokens decoded
+        self.consumed_ids: list[int] = []  # the tokens consumed: those decoded, and a stop token left out of the text
         self.text = ""  # everything decoded so far (emitted + held back)
         self.emitted = 0  # characters of ``text`` handed out
         self.stopped = False
-        self.consumed = 0  # tokens consumed (a stop string's match ends consumption)
         self._prefix_offset = self._read_offset = 0
         self._searched = 0  # stop strings are searched from here (minus the longest stop's length)
 
@@ -44,13 +51,20 @@ class TextStream:
         self.ids.append(int(token))
         self.text += self._delta()
 
+    @property
+    def consumed(self) -> int:
+        """Tokens consumed (a stop string's match ends consumption)."""
+        return len(self.consumed_ids)
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Consume tokens (until a stop string matches); returns the text now safe to emit."""
         for token in token_ids:
             if self.stopped:
                 break
+            self.consumed_ids.append(int(token))
+            if token in self.stop_token_ids and not self.include_stop:
+                break  # the generation's last token: consumed, not decoded
             self._push_one(token)
-            self.consumed += 1
             if self.stop and self._find_stop():
                 break
         return self._take(final=self.stopped)
@@ -58,15 +72,19 @@ class TextStream:
     def _find_stop(self) -> bool:
         longest = max(len(s) for s in self.stop)
         start = max(0, self._searched - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         self._searched = len(self.text)
         if not hits:
             return False
-        self.text, self.stopped = self.text[: min(hits)], True
+        at, length = min(hits, key=lambda hit: hit[0])  # the earliest match (the first listed of those there)
+        self.text, self.stopped = self.text[: at + length if self.include_stop else at], True
         return True
 
     def _held(self) -> int:
-        """Characters at the end of ``text`` that may still begin a stop string."""
+        """Characters at the end of ``text`` that may still begin a stop string (none when a
+        match keeps the stop string: the text up to it is emitted either way)."""
+        if self.include_stop:
+            return 0
         held = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(self.text)), held, -1):

@@ -60,3 +60,27 @@ def test_special_tokens_are_not_in_the_text(tokenizer):
     ids = tokenizer("pass", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     _, pieces = stream_all(tokenizer, ids)
     assert "".join(pieces) == "pass"
+
+
+def test_with_include_stop_the_text_ends_after_the_stop_string_and_nothing_is_held_back(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer, ["日本"], include_stop=True)
+    pieces = [stream.push([t]) for t in ids[:-1]]
+    assert "".join(pieces) == 'def héllo(wörld):\n    return "✓ 日本'
+    assert stream.stopped and "日本" in tokenizer.decode(stream.consumed_ids)
+    held = TextStream(tokenizer, ["return 42"], include_stop=True)
+    assert held.push(tokenizer("x = 1\n    return", add_special_tokens=False)["input_ids"]) == "x = 1\n    return"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_that_ends_the_text_is_consumed_and_its_text_left_out_unless_included(tokenizer, include):
+    """vLLM's detokenizer: EOS or a stop token id ends the generation; its text (here a plain
+    token's, so it has one) is not in the output unless include_stop_str_in_output."""
+    ids = tokenizer("pass\nreturn", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer, include_stop=include, stop_token_ids=[ids[-1]])
+    text = stream.push(ids[:2]) + stream.push(ids[2:]) + stream.finish()
+    assert stream.consumed_ids == ids and stream.consumed == len(ids)
+    assert text == tokenizer.decode(ids if include else ids[:-1])
+    special = TextStream(tokenizer, skip_special_tokens=False)
+    eos = [tokenizer.eos_token_id]
+    assert special.push(ids + eos) + special.finish() == tokenizer.decode(ids + eos)  # skip_special_tokens = False

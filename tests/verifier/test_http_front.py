@@ -383,7 +383,9 @@ def test_logprobs_stop_with_the_text_at_a_stop_string(models):
 
 
 def test_stop_token_ids_end_the_text_like_eos(models):
-    """vLLM's ``stop_token_ids``: the first of them ends the text (kept, as EOS is), finish_reason stop."""
+    """vLLM's ``stop_token_ids``: the first of them ends the text, finish_reason stop; the token is
+    counted and returned with the ids, its text is left out, unless ``include_stop_str_in_output``
+    (as vLLM's detokenizer); with that, a stop string is in the text too."""
     tokenizer = models[2]
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     ids, _ = reference_text(models, prompt_ids, 40)
@@ -392,11 +394,20 @@ def test_stop_token_ids_end_the_text_like_eos(models):
     with front(models) as server:
         api = client(server)
         out = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
-                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "return_token_ids": True})
+        kept = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+        stop = tokenizer.decode(ids[3:5])
+        with_stop = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop],
+                                           extra_body={"include_stop_str_in_output": True})
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model="tiny", prompt=PROMPT, extra_body={"stop_token_ids": [-1]})
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == end
-    assert out.choices[0].text == tokenizer.decode(ids[:end], skip_special_tokens=True)
+    assert out.choices[0].text == tokenizer.decode(ids[: end - 1], skip_special_tokens=True)
+    assert out.choices[0].model_extra["token_ids"] == ids[:end]
+    assert "".join(c.choices[0].text for c in kept) == tokenizer.decode(ids[:end], skip_special_tokens=True)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert with_stop.choices[0].text == full[: full.index(stop) + len(stop)] and with_stop.choices[0].finish_reason == "stop"
     assert refused.value.body["param"].startswith("stop_token_ids")
 
 
