@@ -62,7 +62,7 @@ class TextStream:
             if self.stopped:
                 break
             self.consumed_ids.append(int(token))
-            if token in self.stop_token_ids and not self.include_stop:
+            if int(token) in self.stop_token_ids and not self.include_stop:
                 break  # the generation's last token: consumed, not decoded
             self._push_one(token)
             if self.stop and self._find_stop():
