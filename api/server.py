@@ -121,6 +121,14 @@ def template_variables(template: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
 
 
+def _raise_failure(delta: Delta) -> None:
+    """A last delta that ended in failure, as the client's error."""
+    if delta.error is not None:
+        raise delta.error
+    if delta.finish_reason not in ("eos", "length"):
+        raise ApiError(500, f"generation failed: {delta.finish_reason}")
+
+
 def _finish_reason(stream: TextStream, reason: str | None) -> str:
     return "stop" if stream.stopped or reason == "eos" else "length"
 
@@ -433,9 +441,9 @@ class OpenAIServer:
         string ends consumption; text held back still has its tokens here), and with ``logprobs``
         (a list this fills with every token's :class:`TokenLogprob`) theirs, else None. ``prompt``: a list
         this fills with the prompt tokens' log-probabilities (after the first), which the first
-        delta brings. ``prompt_only`` (completions' ``max_tokens = 0``): end with ``length`` at the
-        first delta with tokens, none of them consumed. The backend stream is always closed, which
-        cancels the request if it did not finish."""
+        delta brings. ``prompt_only`` (completions' ``max_tokens = 0``): end with ``length`` when the
+        (one-token) request has finished, none of its tokens consumed. The backend stream is always
+        closed, which cancels the request if it did not finish."""
         sent, scored = 0, False
 
         def new() -> tuple[list | None, list[int]]:
@@ -452,9 +460,14 @@ class OpenAIServer:
                                             "(is it older than this node?)")
                     prompt.extend(delta.prompt_logprobs)
                     scored = True
-                if prompt_only and delta.token_ids:
-                    yield "", "length", None if logprobs is None else [], []
-                    return
+                if prompt_only:  # the one token the request generates is not the answer: wait for its end
+                    if delta.finished:
+                        _raise_failure(delta)
+                        if prompt is not None and not scored:
+                            raise ApiError(502, "the verifier sent no prompt log-probabilities though echo asked for them")
+                        yield "", "length", None if logprobs is None else [], []
+                        return
+                    continue
                 if logprobs is not None and delta.token_ids:
                     if delta.logprobs is None or len(delta.logprobs) != len(delta.token_ids):
                         raise ApiError(502, "the verifier sent tokens without the log-probabilities asked for "
@@ -466,10 +479,7 @@ class OpenAIServer:
                     yield piece, "stop", *new()
                     return
                 if delta.finished:
-                    if delta.error is not None:
-                        raise delta.error
-                    if delta.finish_reason not in ("eos", "length"):
-                        raise ApiError(500, f"generation failed: {delta.finish_reason}")
+                    _raise_failure(delta)
                     yield piece + text.finish(), _finish_reason(text, delta.finish_reason), *new()
                     return
                 if piece:

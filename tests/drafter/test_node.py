@@ -252,8 +252,8 @@ def test_a_request_cancelled_again_while_it_is_cancelled_still_frees_the_verifie
             await asyncio.gather(consumer, return_exceptions=True)
 
         edge.run(cancel_twice())
-        for _ in range(500):  # bounded: until the node's FinishRequest has arrived
-            if server.events("finish"):
+        for _ in range(500):  # bounded: until the node's FinishRequest has arrived and its session is back
+            if server.events("finish") and edge.node._free:
                 break
             time.sleep(0.01)
         finish = server.events("finish")

@@ -304,6 +304,7 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(models):
         text_only = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, **GREEDY)
         local = server.server.local
         reasons = [r.finish_reason for r in local.finished]
+        metrics = metric_samples(server.server.http_port)
     assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == 2 * len(prompt_ids)
     for choice in whole.choices:
         assert choice.text == PROMPT and choice.finish_reason == "length"
@@ -317,6 +318,8 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(models):
     assert chunks[-1].usage.completion_tokens == 0
     assert text_only.choices[0].text == PROMPT and text_only.choices[0].logprobs is None
     assert reasons == ["length"] * 4 and not local.has_work  # its first verdict was its last
+    assert metrics["goodspeed:request_success_total[('finished_reason', 'length')]"] == 4  # ended, not aborted
+    assert metrics.get("goodspeed:request_success_total[('finished_reason', 'abort')]", 0) == 0
 
 
 def post(server, path, payload):

@@ -148,8 +148,8 @@ def test_a_local_stream_closed_and_cancelled_again_meanwhile_still_frees_the_req
 
         server.run(close_twice())
         local = server.server.local
-        for _ in range(200):  # bounded: until the engine thread has run the cancellation
-            if not local.has_work:
+        for _ in range(200):  # bounded: until the engine thread has run the cancellation and it is logged
+            if not local.has_work and server.events("cancelled"):
                 break
             threading.Event().wait(0.02)
         assert not local.has_work
