@@ -91,8 +91,15 @@ class Backend(Protocol):
     async def open(self, request: GenerationRequest, identity: str) -> AsyncIterator[Delta]:
         """Admit the request (raising :class:`ApiError` if refused) and return its delta stream;
         closing the stream (``aclose``) before its last delta cancels the request, and frees it
-        even when the closing is cancelled again meanwhile (:func:`run_to_the_end`)."""
+        even when the closing is cancelled again meanwhile (:func:`run_to_the_end`). A stream that
+        :class:`StopStringMatched` is thrown into cancels it too, as finished by a stop string."""
         ...
+
+
+class StopStringMatched(Exception):
+    """Thrown into a backend stream (``athrow``) when a stop string ended the text: the backend
+    cancels the request as one that finished (``stop`` in its metrics), not one its client
+    abandoned (``abort``). A backend that does not catch it is closed as on a disconnect."""
 
 
 async def run_to_the_end(coro, keep: set[asyncio.Task]) -> None:
@@ -476,6 +483,9 @@ class OpenAIServer:
                 # inline: a step's few tokens decode in a window of a few tokens (microseconds)
                 piece = text.push(delta.token_ids) if delta.token_ids else ""
                 if text.stopped:
+                    if not delta.finished:  # tell the backend why its request is being cut short
+                        with contextlib.suppress(StopStringMatched, StopAsyncIteration):
+                            await deltas.athrow(StopStringMatched())
                     yield piece, "stop", *new()
                     return
                 if delta.finished:

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
 from goodspeed.api.protocol import ApiError, GenerationRequest
-from goodspeed.api.server import Delta, run_to_the_end
+from goodspeed.api.server import Delta, StopStringMatched, run_to_the_end
 from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
@@ -152,6 +152,7 @@ class _Request:
     stats: RequestStats = field(default_factory=RequestStats)  # rounds, tokens and repairs so far
     history: TokenHistory | None = None  # the text its penalties read, when its sampling adjusts logits
     prompt_scored: bool = False  # its prompt's log-probabilities (if asked for) reached its client
+    stop_string: bool = False  # its client's text ended at a stop string: cancelled as finished ("stop")
 
     def __post_init__(self) -> None:
         update_prefix_hasher(self.hasher, self.committed)
@@ -374,8 +375,10 @@ class EdgeNode:
                 delta = await req.out.get()
                 finished = delta.finished
                 yield delta
+        except StopStringMatched:
+            req.stop_string = True  # cancelled below as finished ("stop"), not abandoned
         finally:
-            if not finished:  # the client went away: stop the request (frees the verifier's KV)
+            if not finished:  # the client went away, or a stop string came: stop the request (frees the verifier's KV)
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)  # its cleanup runs to the end
 
@@ -451,7 +454,7 @@ class EdgeNode:
                     return
                 req.length, req.round_index = verdict.next_draft_length, verdict.round_index + 1
         except asyncio.CancelledError:
-            reason = "abort"
+            reason = "stop" if req.stop_string else "abort"
             raise
         except Exception as exc:  # the client is told; the node and its other requests go on
             if isinstance(exc, ApiError):

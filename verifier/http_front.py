@@ -11,7 +11,7 @@ file (``--auth-tokens``) the API wants ``Authorization: Bearer <token>`` — the
 from __future__ import annotations
 
 from goodspeed.api.protocol import ApiError, GenerationRequest
-from goodspeed.api.server import Delta, OpenAIServer
+from goodspeed.api.server import Delta, OpenAIServer, StopStringMatched
 from goodspeed.verifier import errors
 from goodspeed.verifier.auth import ANONYMOUS, AuthError, Identity
 
@@ -72,6 +72,8 @@ async def _deltas(stream):
         async for event in stream:
             yield Delta(list(event.token_ids), event.finished, event.finish_reason, logprobs=event.logprobs,
                         prompt_logprobs=event.prompt_logprobs)
+    except StopStringMatched:
+        stream.stop_string = True  # cancelled as finished, not abandoned
     finally:
         await stream.aclose()
 

@@ -443,6 +443,7 @@ class LocalStream:
         self.service, self.request_id, self.events = service, request_id, events
         self.who, self.kv_tokens, self.timer = who, kv_tokens, timer
         self.finished = self.closed = False
+        self.stop_string = False  # the HTTP front cut the text at a stop string: cancelled as finished ("stop")
 
     def __aiter__(self):
         return self
@@ -467,7 +468,7 @@ class LocalStream:
         self.closed = True
         self.service.usage.close_stream(self.who, self.kv_tokens)
         if not self.finished:  # the client went away (or its stop string came): free the request at once
-            self.timer.finish("abort")
+            self.timer.finish("stop" if self.stop_string else "abort")
             await run_to_the_end(self._cancel(), self.service.cleanups)
 
     async def _cancel(self) -> None:

@@ -263,6 +263,22 @@ def test_a_request_cancelled_again_while_it_is_cancelled_still_frees_the_verifie
     assert busy == [] and free == 1  # the verifier's KV slot, and the node's session back in its pool
 
 
+def test_a_stop_string_ends_the_request_on_the_verifier_as_finished_not_abandoned(models):
+    text = reference(models, "def f(x):", 200)
+    stop = text[5:8]
+    with verifier(models) as server, node(server, models) as edge:
+        out = api_of(edge).completions.create(model="tiny", prompt="def f(x):", max_tokens=200, stop=[stop], **GREEDY)
+        for _ in range(500):  # bounded: until the node has ended the request on the verifier
+            if server.events("finish") and edge.node._free:
+                break
+            time.sleep(0.01)
+        metrics = metric_samples(edge.port)
+        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+    assert out.choices[0].text == text[: text.index(stop)] and out.choices[0].finish_reason == "stop"
+    assert busy == [] and metrics["goodspeed:request_success_total[('finished_reason', 'stop')]"] == 1
+    assert metrics.get("goodspeed:request_success_total[('finished_reason', 'abort')]", 0) == 0
+
+
 def test_penalties_through_a_node_are_the_targets_adjusted_greedy_decoding_across_a_repair(models):
     """Penalties and a logit bias travel to the verifier, which verifies against the adjusted
     target; when the verifier drops the session mid-request, the node resumes it and says how much

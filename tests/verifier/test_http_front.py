@@ -88,14 +88,22 @@ def test_stop_strings_end_the_text_and_free_the_request(models):
         streamed = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, stop=stop, stream=True, **GREEDY))
         local = server.server.service.local
         server.run(_settle(local))
+        for _ in range(200):  # bounded: until both cancellations are logged (after the engine ran them)
+            if len(server.events("cancelled")) == 2:
+                break
+            server.run(asyncio.sleep(0.01))
         cancelled = server.events("cancelled")
         leftover = server.server.engine.session_ids
+        metrics = metric_samples(server.server.http_port)
     expected = text[: text.index(stop)]
     assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
     assert whole.usage.completion_tokens < 200
     assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
     assert [e["freed"] for e in cancelled] == [True, True]  # both ended on the verifier when their stop string came
     assert not local.has_work and leftover == []
+    # counted as finished by their stop string, not as abandoned by their client
+    assert metrics["goodspeed:request_success_total[('finished_reason', 'stop')]"] == 2
+    assert metrics.get("goodspeed:request_success_total[('finished_reason', 'abort')]", 0) == 0
 
 
 async def _settle(local):
