@@ -450,8 +450,9 @@ class OpenAIServer:
         this fills with the prompt tokens' log-probabilities (after the first), which the first
         delta brings. ``prompt_only`` (completions' ``max_tokens = 0``): end with ``length`` when the
         (one-token) request has finished, none of its tokens consumed. The backend stream is always
-        closed, which cancels the request if it did not finish."""
-        sent, scored = 0, False
+        closed, which cancels the request if it did not finish: after a stop string, by throwing
+        :class:`StopStringMatched` into it once the last piece has gone out."""
+        sent, scored, cut = 0, False, False
 
         def new() -> tuple[list | None, list[int]]:
             nonlocal sent
@@ -483,9 +484,7 @@ class OpenAIServer:
                 # inline: a step's few tokens decode in a window of a few tokens (microseconds)
                 piece = text.push(delta.token_ids) if delta.token_ids else ""
                 if text.stopped:
-                    if not delta.finished:  # tell the backend why its request is being cut short
-                        with contextlib.suppress(StopStringMatched, StopAsyncIteration):
-                            await deltas.athrow(StopStringMatched())
+                    cut = not delta.finished
                     yield piece, "stop", *new()
                     return
                 if delta.finished:
@@ -495,6 +494,9 @@ class OpenAIServer:
                 if piece:
                     yield piece, None, *new()
         finally:
+            if cut:  # after the last piece went out: tell the backend why its request ends early
+                with contextlib.suppress(StopStringMatched, StopAsyncIteration):
+                    await deltas.athrow(StopStringMatched())
             await deltas.aclose()
 
     async def _choices(self, streams: list, texts: list[TextStream], logprobs: list[list] | None,
