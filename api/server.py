@@ -623,6 +623,7 @@ class OpenAIServer:
 
             try:
                 opened = [chat] * len(gens)  # a choice's first event (its prompt's ids, where asked for) was sent
+                running = len(gens)
                 if chat:
                     for i in range(len(gens)):
                         await send(chunk(i, "", None, role=True, prompt=i == 0))
@@ -633,13 +634,18 @@ class OpenAIServer:
                                          prompt=True))
                     await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i]))
                     opened[i] = True
+                    running -= reason is not None
+                    if not running:  # every choice has ended: the rest is the backends' cleanup
+                        break
             except ApiError as exc:  # a choice failed after the headers went out: say so in the stream
                 await send(exc.body())
+            # The end goes out before the cleanup below: a request a stop string cut short is
+            # cancelled on its verifier (an edge node: one round trip), which its client need not wait for.
+            if body.include_usage:
+                await send({**envelope, "choices": [], "usage": self._usage(gens, body.n, texts)})
+            await response.write(b"data: [DONE]\n\n")
         finally:
             await runs.aclose()
             await self._close_all(streams)  # also when cancelled before the first piece
-        if body.include_usage:
-            await send({**envelope, "choices": [], "usage": self._usage(gens, body.n, texts)})
-        await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -279,6 +279,43 @@ def test_a_stop_string_ends_the_request_on_the_verifier_as_finished_not_abandone
     assert metrics.get("goodspeed:request_success_total[('finished_reason', 'abort')]", 0) == 0
 
 
+def test_a_stop_strings_stream_ends_without_waiting_for_the_verifier_to_hear_of_it(models):
+    """The request a stop string cuts short is cancelled on the verifier (FinishRequest, a round
+    trip on an edge link); the client's stream, [DONE] included, does not wait for it. Here the
+    node's FinishRequest is held until the stream has ended (a timer lets it go at the latest
+    after 30 s, so that without this the test fails rather than hangs)."""
+    import threading
+
+    text = reference(models, "def f(x):", 200)
+    stop = text[5:8]
+    with verifier(models) as server, node(server, models) as edge:
+        gate, held = asyncio.Event(), []
+        finish = edge.node.stub.FinishRequest
+
+        async def held_finish(*args, **kwargs):
+            held.append(gate.is_set())
+            await gate.wait()
+            return await finish(*args, **kwargs)
+
+        edge.node.stub.FinishRequest = held_finish
+        timer = threading.Timer(30, lambda: edge.loop.call_soon_threadsafe(gate.set))
+        timer.start()
+        chunks = list(api_of(edge).completions.create(model="tiny", prompt="def f(x):", max_tokens=200, stop=[stop],
+                                                      stream=True, **GREEDY))
+        ended_while_held = not gate.is_set()
+        edge.loop.call_soon_threadsafe(gate.set)
+        timer.cancel()
+        for _ in range(500):  # bounded: until the held FinishRequest has reached the verifier
+            if server.events("finish") and edge.node._free:
+                break
+            time.sleep(0.01)
+        finish_events = server.events("finish")
+    assert "".join(c.choices[0].text for c in chunks) == text[: text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert held == [False] and ended_while_held  # FinishRequest was on its way, held, when the stream ended
+    assert len(finish_events) == 1
+
+
 def test_penalties_through_a_node_are_the_targets_adjusted_greedy_decoding_across_a_repair(models):
     """Penalties and a logit bias travel to the verifier, which verifies against the adjusted
     target; when the verifier drops the session mid-request, the node resumes it and says how much
