@@ -554,7 +554,8 @@ class OpenAIServer:
         kept: list[list] = [[] for _ in gens]
         kept_ids: list[list[int]] = [[] for _ in gens]
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
-        runs = self._choices(streams, texts, received, scored, prompt_only=not chat and body.max_tokens == 0)
+        # max_tokens = 0 is completions' scoring call (chat's max_tokens is >= 1)
+        runs = self._choices(streams, texts, received, scored, prompt_only=body.max_tokens == 0)
         try:
             async for i, piece, reason, lps, ids in runs:
                 pieces[i].append(piece)
@@ -590,10 +591,9 @@ class OpenAIServer:
         texts = [self._text_stream(body, gen) for gen in gens]
         received = None if gens[0].logprobs is None else [[] for _ in gens]
         scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
-        echoed = [echoes is None] * len(gens)
         offsets = [0] * len(gens)  # completions' text_offset: characters of each choice's tokens so far
         streams = await self._open_all(gens, identity)
-        runs = self._choices(streams, texts, received, scored, prompt_only=not chat and body.max_tokens == 0)
+        runs = self._choices(streams, texts, received, scored, prompt_only=body.max_tokens == 0)
         envelope = self._envelope(rid, chat, int(time.time()))
         usage = {"usage": None} if body.include_usage else {}
 
@@ -628,8 +628,8 @@ class OpenAIServer:
                     for i in range(len(gens)):
                         await send(chunk(i, "", None, role=True, prompt=i == 0))
                 async for i, piece, reason, lps, ids in runs:
-                    if not echoed[i]:  # the prompt's log-probabilities came with the choice's first delta
-                        echoed[i] = opened[i] = True
+                    if echoes is not None and not opened[i]:  # the prompt's log-probabilities came with its first delta
+                        opened[i] = True
                         await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], None if scored is None else scored[i]),
                                          prompt=True))
                     await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i]))

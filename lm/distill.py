@@ -23,9 +23,9 @@ Seeds and step counts are fixed (never wall time), so a build is reproducible on
 and the same kind of CPU. The teacher's transcripts and labels, and the draft's training forwards,
 run in bfloat16 where the CPU computes it natively (x86 ``avx512_bf16`` or ``amx_bf16``, Arm
 ``bf16``; 2-3x faster than float32 there), else in float32 (:func:`build_precision`). On a CPU
-without it torch emulates bfloat16: on an AVX2-only EPYC a training step took 5.5 s in bfloat16
-against 0.43 s in float32, and the teacher's generation 4.2x as long. The manifest records the
-precision a build used.
+without it torch emulates bfloat16: on an AVX2-only EPYC a training step took 5.72 s in bfloat16
+against 0.54 s in float32, and the teacher's generation 3.6x as long (``python -m
+bench.bench_build_precision``). The manifest records the precision a build used.
 Acceptance is measured against the float32 target on what speculation meets in serving: the
 target's own continuations of held-out code prompts and its answers to held-out chat requests
 (every 8th of each, never trained on). Reported per position: the greedy rate

@@ -1,4 +1,5 @@
-"""The target's own log-likelihoods for lmeval_probe's pairs (project venv: transformers 5)."""
+"""The target's own log-likelihoods for the pairs lmeval_loglikelihood.py printed (project venv: transformers 5).
+Usage: python lmeval_loglikelihood.py BASE_URL MODEL | python lmeval_reference.py TARGET_DIR"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer

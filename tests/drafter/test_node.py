@@ -282,10 +282,9 @@ def test_a_stop_string_ends_the_request_on_the_verifier_as_finished_not_abandone
 def test_a_stop_strings_stream_ends_without_waiting_for_the_verifier_to_hear_of_it(models):
     """The request a stop string cuts short is cancelled on the verifier (FinishRequest, a round
     trip on an edge link); the client's stream, [DONE] included, does not wait for it. Here the
-    node's FinishRequest is held until the stream has ended (a timer lets it go at the latest
-    after 30 s, so that without this the test fails rather than hangs)."""
-    import threading
-
+    node's FinishRequest is held until the stream has ended; once held, it is let go after 30 s
+    at the latest, so that without this the test fails rather than hangs (by then the text is
+    out: all that is left is writing [DONE])."""
     text = reference(models, "def f(x):", 200)
     stop = text[5:8]
     with verifier(models) as server, node(server, models) as edge:
@@ -294,17 +293,15 @@ def test_a_stop_strings_stream_ends_without_waiting_for_the_verifier_to_hear_of_
 
         async def held_finish(*args, **kwargs):
             held.append(gate.is_set())
+            asyncio.get_running_loop().call_later(30, gate.set)
             await gate.wait()
             return await finish(*args, **kwargs)
 
         edge.node.stub.FinishRequest = held_finish
-        timer = threading.Timer(30, lambda: edge.loop.call_soon_threadsafe(gate.set))
-        timer.start()
         chunks = list(api_of(edge).completions.create(model="tiny", prompt="def f(x):", max_tokens=200, stop=[stop],
                                                       stream=True, **GREEDY))
         ended_while_held = not gate.is_set()
         edge.loop.call_soon_threadsafe(gate.set)
-        timer.cancel()
         for _ in range(500):  # bounded: until the held FinishRequest has reached the verifier
             if server.events("finish") and edge.node._free:
                 break
