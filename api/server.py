@@ -52,6 +52,7 @@ import jinja2.sandbox
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from goodspeed.api.aio import run_to_the_end
 from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, parse_body)
 from goodspeed.api.text import TextStream
@@ -100,19 +101,6 @@ class StopStringMatched(Exception):
     """Thrown into a backend stream (``athrow``) when a stop string ended the text: the backend
     cancels the request as one that finished (``stop`` in its metrics), not one its client
     abandoned (``abort``). A backend that does not catch it is closed as on a disconnect."""
-
-
-async def run_to_the_end(coro, keep: set[asyncio.Task]) -> None:
-    """Await ``coro`` as a task of its own, which a cancellation of the caller does not stop.
-
-    For a backend's cleanup of a request (telling the verifier, freeing KV): it must finish even
-    when the stream being closed is cancelled again meanwhile, as happens to a handler whose client
-    went away while its choices' streams are closed. ``keep`` holds the task until it is done (the
-    event loop keeps only a weak reference to it), for a backend's ``stop`` to wait on."""
-    task = asyncio.get_running_loop().create_task(coro)
-    keep.add(task)
-    task.add_done_callback(keep.discard)
-    await asyncio.shield(task)
 
 
 # Variables a chat template gets from the server, never from a request's chat_template_kwargs

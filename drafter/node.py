@@ -43,9 +43,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from goodspeed.api.aio import run_to_the_end, within
 from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
 from goodspeed.api.protocol import ApiError, GenerationRequest
-from goodspeed.api.server import Delta, StopStringMatched, run_to_the_end
+from goodspeed.api.server import Delta, StopStringMatched
 from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
@@ -109,7 +110,7 @@ class _Session:
         """The verdict for ``round_index`` (earlier ones — a retried submit's — are skipped)."""
         while True:
             try:
-                item = await asyncio.wait_for(self.verdicts.get(), timeout_s)
+                item = await within(self.verdicts.get(), timeout_s)
             except asyncio.TimeoutError:
                 raise DrafterError(f"no verdict for round {round_index} within {timeout_s:g} s") from None
             if item is None:

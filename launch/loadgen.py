@@ -125,6 +125,7 @@ async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: Sam
     """Replay ``trace`` against a verifier's Generate RPC in real time (one stream per request)."""
     import grpc
 
+    from goodspeed.api.aio import within
     from goodspeed.drafter.credentials import bearer_metadata, open_aio_channel
     from goodspeed.launch import generate
     from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -134,11 +135,11 @@ async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: Sam
     async with open_aio_channel(address, tls) as channel:
         try:  # as `goodspeed generate` waits: said after a moment, then an error, never a silent stall
             try:
-                await asyncio.wait_for(channel.channel_ready(), generate.SAY_WAITING_AFTER_S)
+                await within(channel.channel_ready(), generate.SAY_WAITING_AFTER_S)
             except asyncio.TimeoutError:
                 print(f"goodspeed loadgen: waiting for a verifier at {address} (up to {generate.CONNECT_TIMEOUT_S:.0f} s)",
                       file=sys.stderr)
-                await asyncio.wait_for(channel.channel_ready(), generate.CONNECT_TIMEOUT_S - generate.SAY_WAITING_AFTER_S)
+                await within(channel.channel_ready(), generate.CONNECT_TIMEOUT_S - generate.SAY_WAITING_AFTER_S)
         except asyncio.TimeoutError:
             raise ConnectionError(f"no verifier answers at {address}") from None
         stub = pb_grpc.VerifierStub(channel)

@@ -119,6 +119,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from goodspeed.api.aio import within
 from goodspeed.api.metrics import RequestTimer, finished_reason
 from goodspeed.verifier import errors
 from goodspeed.verifier.auth import Identity
@@ -406,7 +407,7 @@ class RoundLoop:
     async def _woken(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a wake-up (and consume it); False if none came."""
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout_s)
+            await within(self._wakeup.wait(), timeout_s)
         except asyncio.TimeoutError:
             return False
         self._wakeup.clear()

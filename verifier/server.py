@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from goodspeed.api.aio import run_to_the_end
 from goodspeed.api.metrics import RequestTimer, finished_reason
-from goodspeed.api.server import run_to_the_end
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc

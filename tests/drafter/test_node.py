@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from goodspeed.api.protocol import GenerationRequest
+from goodspeed.drafter import node as node_module
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams
@@ -261,6 +262,64 @@ def test_a_request_cancelled_again_while_it_is_cancelled_still_frees_the_verifie
         free = len(edge.node._free)
     assert len(finish) == 1 and finish[0]["committed_tokens"] < len(prompt_ids) + 400
     assert busy == [] and free == 1  # the verifier's KV slot, and the node's session back in its pool
+
+
+def test_a_request_cancelled_as_its_verdict_arrives_still_ends_on_the_verifier(models, monkeypatch):
+    """A request's task is cancelled in the very loop iteration its streamed verdict arrives in
+    (its client went away just then): the cancellation stands, and FinishRequest ends the request
+    at once. asyncio.wait_for (Python < 3.12) lost it: the request was drafted on to max_tokens for
+    no one (the CI flake of test_a_client_that_goes_away_frees_the_request_on_the_verifier[3])."""
+    prompt_ids = models[2]("def f(x):", add_special_tokens=False)["input_ids"]
+    fired, holder = [], {}
+
+    class CancelOnVerdict(asyncio.Queue):
+        def put_nowait(self, item):
+            waited_for = bool(self._getters)  # a request is waiting for this session's next verdict
+            super().put_nowait(item)
+            if item is not None and waited_for and not fired:
+                fired.extend(holder["node"]._tasks)  # the requests' tasks, one of them waiting for it
+                for task in fired:
+                    task.cancel()
+
+    session_init = node_module._Session.__init__
+
+    def init(self, session_id, stream):
+        session_init(self, session_id, stream)
+        self.verdicts = CancelOnVerdict()
+
+    monkeypatch.setattr(node_module._Session, "__init__", init)
+    with verifier(models) as server, node(server, models, max_concurrency=2) as edge:
+        holder["node"] = edge.node
+
+        async def two_requests():
+            streams = [await edge.node.open(GenerationRequest(f"r{i}", prompt_ids, 400, SamplingParams(), ())) for i in range(2)]
+
+            async def consume(deltas):
+                async for _ in deltas:
+                    pass
+
+            consumers = [asyncio.ensure_future(consume(deltas)) for deltas in streams]
+            for _ in range(1000):  # bounded: until a verdict came to a request waiting for it
+                if fired:
+                    break
+                await asyncio.sleep(0.01)
+            # Those tasks end, cancelled once (a consumer's cancellation would cancel its task again);
+            # a task that lost its cancellation ends at max_tokens (bounded), its consumer with it.
+            await asyncio.wait(fired, timeout=50)
+            for consumer in consumers:
+                consumer.cancel()
+            await asyncio.gather(*consumers, return_exceptions=True)
+
+        edge.run(two_requests())
+        for _ in range(500):  # bounded: until both FinishRequests have arrived
+            if len(server.events("finish")) == 2:
+                break
+            time.sleep(0.01)
+        finish = server.events("finish")
+        metrics = metric_samples(edge.port)
+    assert fired
+    assert len(finish) == 2 and all(f["committed_tokens"] < len(prompt_ids) + 400 for f in finish)
+    assert metrics["goodspeed:request_success_total[('finished_reason', 'abort')]"] == 2
 
 
 def test_a_stop_string_ends_the_request_on_the_verifier_as_finished_not_abandoned(models):
