@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from goodspeed.api.aio import run_to_the_end
+from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.metrics import RequestTimer, finished_reason
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
@@ -157,7 +157,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.usage = Usage()  # what each identity holds (KV tokens, streams) and its request rate
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
         self._drafters: dict[str, Drafter] = {}
-        self.cleanups: set[asyncio.Task] = set()  # local requests being cancelled (LocalStream.aclose)
+        self.cleanups: set[asyncio.Task] = set()  # requests being freed: local ones cancelled (LocalStream.aclose), abandoned prefills
         self.rounds = RoundLoop(engine, local, config, metrics, log, self._drafters, self.call, self.drop,
                                 self._end_request, self._update_gauges)
         # Async: each step's drafters take the shares of C the policy plans for every active drafter (round_loop).
@@ -247,7 +247,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             self.usage.release_request(drafter.identity.name, kv_tokens)
             raise
         except asyncio.CancelledError:  # the client went away mid-prefill: free what it holds
-            asyncio.get_running_loop().create_task(self._abandon_start(request.session_id, drafter.identity.name, kv_tokens))
+            keep_until_done(self._abandon_start(request.session_id, drafter.identity.name, kv_tokens), self.cleanups)
             raise
         drafter.kv_tokens = kv_tokens
         drafter.timer = self.metrics.requests.track(len(request.prompt_ids), started, count_running=False)
@@ -569,7 +569,7 @@ class VerifierServer:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.http is not None:
             await self.http.stop()
-        if self.service is not None:  # local requests its handlers were cancelling
+        if self.service is not None:  # requests its handlers were freeing
             await asyncio.gather(*self.service.cleanups, return_exceptions=True)
         if self._rounds is not None:
             self._rounds.cancel()

@@ -225,6 +225,44 @@ def test_sessions_that_never_listen_are_reclaimed(models):
         channel.close()
 
 
+def until(condition, what, timeout_s=30.0):
+    for _ in range(int(timeout_s / 0.01)):  # bounded
+        if condition():
+            return
+        threading.Event().wait(0.01)
+    pytest.fail(f"{what}: not within {timeout_s} s")
+
+
+def test_a_start_request_abandoned_mid_prefill_frees_its_request_and_stop_waits_for_that(models):
+    """Chunked prefill: the client gives up on StartRequest while its prompt is being prefilled.
+    The request is ended on the engine and its KV tokens released, by a cleanup that the server's
+    stop() waits for (here it is still queued behind the held prefill when the server stops)."""
+    engine = VerificationEngine(models[0], EngineConfig(budget=4, max_draft_len=4, max_seq_len=64, prefill_chunk=4))
+    entered, gate = threading.Event(), threading.Event()
+    prefill_step = engine.prefill_step
+
+    def held_prefill_step():  # on the engine thread: the first chunk waits for the test (bounded)
+        entered.set()
+        gate.wait(30)
+        return prefill_step()
+
+    engine.prefill_step = held_prefill_step
+    with ServerThread(engine) as server:
+        channel = grpc.insecure_channel(server.address)
+        stub = pb_grpc.VerifierStub(channel)
+        sid = stub.Join(pb.JoinRequest(drafter_name="x", protocol_version=1)).session_id
+        started = stub.StartRequest.future(pb.StartRequestRequest(session_id=sid, prompt_ids=list(range(1, 41)), max_new_tokens=8))
+        until(entered.is_set, "the prefill began")
+        started.cancel()  # the client gives up
+        service = server.server.service
+        until(lambda: sid not in service.rounds._starting, "the handler saw the cancellation")
+        gate.set()  # the cleanup waits for the engine thread: the server stops meanwhile
+        channel.close()
+    assert started.cancelled()
+    assert engine._sessions[sid].request is None  # ended on the engine
+    assert set(service.usage.kv_tokens.values()) == {0}  # its KV tokens released
+
+
 def test_finish_request_frees_the_slot_and_allows_a_new_request(served):
     server, stub = served
     sid, reply = join(stub)
