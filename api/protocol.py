@@ -1,7 +1,7 @@
 """The OpenAI API's request bodies, validated, and its error objects.
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
-``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
 ``return_token_ids``, ``return_tokens_as_token_ids`` and the chat template's options; ours:
 ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``:
@@ -69,6 +69,8 @@ class _Sampling(BaseModel):
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's
+    # vLLM's: the text may not end (EOS, stop_token_ids, stop strings) before this many tokens; at most max_tokens
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     tpot_slo_ms: Annotated[float, Field(gt=0)] | None = None  # AdaServe's per-request SLO (verifier only)
     user: str | None = None  # accepted for logs, as OpenAI's
     presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
@@ -128,7 +130,8 @@ class _Sampling(BaseModel):
             bias[int(key)] = value
         return SamplingParams(temperature=self.temperature, top_k=max(0, self.top_k), top_p=self.top_p, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted(bias.items())))
+                              repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted(bias.items())),
+                              min_tokens=self.min_tokens)
 
     @property
     def include_usage(self) -> bool:

@@ -341,13 +341,16 @@ class OpenAIServer:
                 raise ApiError(400, f"this model's context is {limit} tokens; {which} {len(prompt_ids)} and "
                                     f"{max_tokens} more were asked for", param="messages" if kind == "chatcmpl" else "prompt",
                                code="context_length_exceeded")
+        asked = body.max_tokens if body.max_tokens is not None else max_tokens
+        if body.min_tokens > asked:  # vLLM's rule
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({asked})", param="min_tokens")
         eos = self.backend.tokenizer.eos_token_id
         # vLLM's stop_token_ids end the text like EOS (counted as a token; its text left out: api.text)
         stops = tuple(dict.fromkeys(([] if body.ignore_eos or eos is None else [int(eos)]) + list(body.stop_token_ids or ())))
         base, many = f"{kind}-{secrets.token_hex(12)}", len(prompts) * n > 1
         return base, [GenerationRequest(
             request_id=f"{base}-{i * n + j}" if many else base, prompt_ids=prompt_ids, max_tokens=max_tokens,
-            sampling=body.sampling(), eos_token_ids=stops,
+            sampling=body.sampling().ending_with(stops), eos_token_ids=stops,
             seed=body.seed if body.seed is None or j == 0 else stream_seed(body.seed, "choice", str(j)) % (1 << ROOT_SEED_BITS),
             tpot_slo_ms=body.tpot_slo_ms, logprobs=body.requested_logprobs,
             prompt_logprobs=body.requested_prompt_logprobs) for i, prompt_ids in enumerate(prompts) for j in range(n)]
@@ -390,7 +393,8 @@ class OpenAIServer:
 
     def _text_stream(self, body, gen: GenerationRequest) -> TextStream:
         return TextStream(self.backend.tokenizer, body.stop_strings, skip_special_tokens=body.skip_special_tokens,
-                          include_stop=body.include_stop_str_in_output, stop_token_ids=gen.eos_token_ids)
+                          include_stop=body.include_stop_str_in_output, stop_token_ids=gen.eos_token_ids,
+                          min_tokens=body.min_tokens)
 
     def _envelope(self, rid: str, chat: bool, created: int) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,

@@ -14,6 +14,10 @@ a stop string is held back, so a client never sees text that a stop string later
 
 A stop token (EOS, or one of vLLM's ``stop_token_ids``) that ends the generation is consumed but
 its text is left out, unless ``include_stop``: as vLLM's detokenizer does.
+
+``min_tokens`` (vLLM's): no stop string is matched that ends within the text of the first
+``min_tokens`` tokens (as vLLM's detokenizer: the search starts after that text, less a stop
+string's length, so a stop string that runs past it still matches).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from collections.abc import Sequence
 
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, include_stop: bool = False,
-                 stop_token_ids: Sequence[int] = ()) -> None:
+                 stop_token_ids: Sequence[int] = (), min_tokens: int = 0) -> None:
         """``stop_token_ids``: the tokens that end the generation (the request's EOS and stop token
         ids; the backend's output ends at the first of them)."""
         self.tokenizer, self.stop, self.skip_special, self.include_stop = tokenizer, list(stop), skip_special_tokens, include_stop
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.min_tokens = min_tokens
         self.ids: list[int] = []  # the tokens decoded
         self.consumed_ids: list[int] = []  # the tokens consumed: those decoded, and a stop token left out of the text
         self.text = ""  # everything decoded so far (emitted + held back)
@@ -65,14 +70,15 @@ class TextStream:
             if int(token) in self.stop_token_ids and not self.include_stop:
                 break  # the generation's last token: consumed, not decoded
             self._push_one(token)
-            if self.stop and self._find_stop():
+            if self.consumed <= self.min_tokens:  # the text may not end yet: searched from past it
+                self._searched = len(self.text)
+            elif self.stop and self._find_stop():
                 break
         return self._take(final=self.stopped)
 
     def _find_stop(self) -> bool:
-        longest = max(len(s) for s in self.stop)
-        start = max(0, self._searched - longest + 1)
-        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        # each stop string from where it could end in the new text (a match within the old was found before)
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, max(0, self._searched - len(s) + 1)), s) for s in self.stop) if i >= 0]
         self._searched = len(self.text)
         if not hits:
             return False

@@ -66,6 +66,9 @@ class DrafterConfig:
     # it, so a wrong address is not a silent wait of connect_timeout_s); None: nothing is said.
     on_wait: Callable[[str], None] | None = field(default=None, compare=False)
 
+    def __post_init__(self) -> None:  # min_tokens holds the ending tokens back in the draft too
+        object.__setattr__(self, "sampling", self.sampling.ending_with(self.eos_token_ids))
+
 
 @dataclass
 class RequestResult:
@@ -211,6 +214,9 @@ class DrafterClient:
         if self.config.sampling.extended and not reply.extended_sampling:
             raise DrafterError(f"request {result.id}: the verifier does not apply min_p, penalties or logit_bias (a version "
                                "older than them); upgrade the verifier or leave them out")
+        if self.config.sampling.min_tokens and not reply.min_tokens:
+            raise DrafterError(f"request {result.id}: the verifier does not apply min_tokens (a version older than it); "
+                               "upgrade the verifier or leave it out")
         return reply.draft_length, reply.round_index
 
     def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:

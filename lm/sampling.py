@@ -14,7 +14,9 @@ A request may also adjust the logits before that processing, as vLLM's sampler d
 (CTRL's, Keskar et al. 2019, as Hugging Face and vLLM apply it: a logit of a token seen in the prompt
 or the output is divided by the penalty where positive, multiplied where negative), then the
 frequency and presence penalties (OpenAI's: ``count * frequency + (count > 0) * presence`` taken
-off a token's logit, ``count`` its occurrences in the output). The penalties read the text before
+off a token's logit, ``count`` its occurrences in the output), then vLLM's ``min_tokens`` (the
+tokens that end the text, EOS and the request's stop token ids, get a logit of -inf while fewer
+than ``min_tokens`` tokens are generated). The penalties and ``min_tokens`` read the text before
 each position, so a speculative row's positions each see the history plus the drafted tokens
 before them (:class:`TokenHistory` and the ``paths`` of :func:`adjust_logits`): the target's
 adjusted distribution at each position is the one plain decoding would sample from there, and
@@ -26,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -59,7 +61,10 @@ class SamplingParams:
     """How a request samples. ``temperature = 0`` is greedy, else at least :data:`MIN_TEMPERATURE`;
     ``top_k = 0``, ``top_p = 1`` and ``min_p = 0`` are off. The logits adjustments
     (:func:`adjust_logits`) are off at their defaults: ``presence_penalty = frequency_penalty = 0``,
-    ``repetition_penalty = 1``, no ``logit_bias`` (``(token id, bias)`` pairs, ids ascending)."""
+    ``repetition_penalty = 1``, no ``logit_bias`` (``(token id, bias)`` pairs, ids ascending),
+    ``min_tokens = 0``. ``eos_token_ids``: the tokens that end the request's text (EOS and its stop
+    token ids), which ``min_tokens`` holds back; only that reads them (the request's own stop rule
+    travels with it, not with its sampling: :meth:`ending_with` copies it in)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -69,6 +74,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -96,6 +103,20 @@ class SamplingParams:
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in bias):
             raise ValueError(f"a logit bias must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.min_tokens, bool) or int(self.min_tokens) != self.min_tokens or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
+        ends = tuple(sorted({int(t) for t in self.eos_token_ids}))
+        if any(t < 0 for t in ends):
+            raise ValueError("eos_token_ids must be >= 0")
+        object.__setattr__(self, "eos_token_ids", ends)
+
+    def ending_with(self, eos_token_ids: Sequence[int]) -> SamplingParams:
+        """These settings with the request's ending tokens, which ``min_tokens`` holds back (itself
+        when ``min_tokens`` is 0: nothing reads them then)."""
+        if not self.min_tokens:
+            return self
+        return replace(self, eos_token_ids=tuple(eos_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -108,28 +129,32 @@ class SamplingParams:
 
     @property
     def extended(self) -> bool:
-        """Uses a setting beyond temperature, top-k and top-p (min-p, a penalty, a logit bias): a
-        verifier older than those would ignore it (``StartRequestReply.extended_sampling``)."""
-        return self.min_p > 0.0 or self.adjusts_logits
+        """Uses min-p, a penalty or a logit bias: a verifier older than those would ignore them
+        (``StartRequestReply.extended_sampling``; ``min_tokens``, added later, has a flag of its own:
+        ``StartRequestReply.min_tokens``)."""
+        return self.min_p > 0.0 or self.penalized or bool(self.logit_bias)
 
     @property
     def adjusts_logits(self) -> bool:
-        """:func:`adjust_logits` changes this request's logits (a penalty or a logit bias)."""
-        return self.penalized or bool(self.logit_bias)
+        """:func:`adjust_logits` changes this request's logits (a penalty, a logit bias, or
+        min_tokens holding back its ending tokens)."""
+        return self.penalized or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.eos_token_ids))
 
 
 class TokenHistory:
     """A request's text as its penalties read it: the prompt's distinct token ids (the repetition
-    penalty counts them as seen) and how often each token occurs in the output. Extended with each
-    committed token; a speculative row's drafted tokens come on top as :func:`adjust_logits`'
-    ``paths``, never into the history itself."""
+    penalty counts them as seen), how often each token occurs in the output, and how many tokens
+    the output holds (``min_tokens`` reads that). Extended with each committed token; a speculative
+    row's drafted tokens come on top as :func:`adjust_logits`' ``paths``, never into the history itself."""
 
     def __init__(self, prompt: Sequence[int], output: Sequence[int] = ()) -> None:
         self.prompt = _sorted_unique(np.asarray(list(prompt), dtype=np.int64))
         self.counts: Counter[int] = Counter(int(t) for t in output)
+        self.generated = len(output)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.counts.update(int(t) for t in tokens)
+        self.generated += len(tokens)
 
 
 def _sorted_unique(x: np.ndarray) -> np.ndarray:
@@ -149,15 +174,45 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     history before position ``j`` of that row (a chain's drafted tokens before ``j``, a tree
     node's ancestors and itself). Positions ``j >= len(paths[i])`` are left as they are. In vLLM's
     order: bias, then repetition over the prompt and the output, then frequency and presence over
-    the output. The work touches only the tokens some setting names (the bias's, the prompt's and
-    the output's, the drafted ones): it gathers those logits, adjusts them in the logits' dtype
+    the output; then ``min_tokens``: a position whose text holds fewer than ``min_tokens`` output
+    tokens (the history's plus its path's) gets -inf for each of ``eos_token_ids``. The work
+    touches only the tokens some setting names (the bias's, the prompt's and the output's, the
+    drafted ones, the ending ones): it gathers those logits, adjusts them in the logits' dtype
     (callers pass float32 or wider), and scatters them back, so its cost does not grow with the
     vocabulary.
     """
-    vocab = logits.shape[-1]
     chosen = [i for i, p in enumerate(params) if p.adjusts_logits and len(paths[i])]
     if not chosen:
         return logits
+    _penalize(logits, rows, params, histories, paths, [i for i in chosen if params[i].penalized or params[i].logit_bias])
+    _hold_back_endings(logits, rows, params, histories, paths, [i for i in chosen if params[i].min_tokens])
+    return logits
+
+
+def _hold_back_endings(logits: torch.Tensor, rows, params, histories, paths, chosen: list[int]) -> None:
+    """``min_tokens`` (:func:`adjust_logits`): -inf for the ending tokens at positions whose text
+    holds fewer than ``min_tokens`` output tokens."""
+    at_row, at_position, at_token = [], [], []
+    for i in chosen:
+        p, history = params[i], histories[i]
+        done = history.generated if history is not None else 0
+        if done >= p.min_tokens or not p.eos_token_ids:
+            continue
+        for j, path in enumerate(paths[i]):
+            if done + len(path) < p.min_tokens:
+                at_row += [rows[i]] * len(p.eos_token_ids)
+                at_position += [j] * len(p.eos_token_ids)
+                at_token += p.eos_token_ids
+    if at_row:
+        index = torch.tensor([at_row, at_position, at_token], dtype=torch.int64).to(logits.device)
+        logits[index[0], index[1], index[2]] = float("-inf")
+
+
+def _penalize(logits: torch.Tensor, rows, params, histories, paths, chosen: list[int]) -> None:
+    """Logit bias and the penalties (:func:`adjust_logits`) of the ``chosen`` rows."""
+    if not chosen:
+        return
+    vocab = logits.shape[-1]
     # Every named (row, token) pair is one key, k * V + token for the k-th chosen row; the work is
     # a fixed number of array operations over all rows' keys, whatever the rows.
     positions = np.array([len(paths[i]) for i in chosen], dtype=np.int64)
@@ -182,7 +237,7 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     named = _sorted_unique(np.concatenate([out_keys, prompt_keys, bias_keys,
                                            path_keys // (p_max * vocab) * vocab + path_keys % vocab]))
     if not len(named):
-        return logits
+        return
     base = np.zeros(len(named), dtype=np.int64)
     base[np.searchsorted(named, out_keys)] = out_counts
     in_prompt = np.zeros(len(named), dtype=bool)
@@ -217,7 +272,6 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     x = logits[at] + bias
     x = torch.where(seen > 0, torch.where(x > 0, x / rep, x * rep), x)
     logits[at] = x - freq * count - pres * (count > 0).to(x.dtype)
-    return logits
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingParams]) -> torch.Tensor:

@@ -46,7 +46,7 @@ def fits(counts: np.ndarray, exact: np.ndarray) -> tuple[bool, str]:
 def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
     """``logits [V]`` with the request's logit bias and penalties, written out densely from their
     definitions in vLLM's order (bias; repetition over prompt and output; frequency and presence
-    over the output): the reference the sparse :func:`goodspeed.lm.sampling.adjust_logits` is
+    over the output; min_tokens' ending tokens at -inf while the output is shorter): the reference the sparse :func:`goodspeed.lm.sampling.adjust_logits` is
     tested against."""
     x = logits.clone()
     vocab = x.shape[-1]
@@ -58,7 +58,10 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
         seen = seen | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=vocab) > 0)
     rep = sampling.repetition_penalty
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    return x - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(x.dtype)
+    x = x - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(x.dtype)
+    if len(output) < sampling.min_tokens:  # vLLM's min_tokens: the text may not end yet
+        x[list(sampling.eos_token_ids)] = float("-inf")
+    return x
 
 
 def exact_first_two(model, prompt: list[int], sampling: SamplingParams, eos: int | None = None) -> np.ndarray:

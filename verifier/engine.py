@@ -237,6 +237,7 @@ class VerificationEngine:
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
+        sampling = sampling.ending_with(eos_token_ids)  # min_tokens holds these back
         self.check_request(prompt, max_new_tokens, logprobs, sampling, generated, prompt_logprobs)
         slot = self.slots.add(session_id)
         generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
@@ -362,6 +363,8 @@ class VerificationEngine:
             raise errors.MalformedDraftError(f"prompt_logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {prompt_logprobs}")
         if sampling is not None and sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
             raise errors.InvalidTokenError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
+        if sampling is not None and sampling.adjusts_logits and sampling.eos_token_ids and sampling.eos_token_ids[-1] >= self.vocab_size:
+            raise errors.InvalidTokenError(f"with min_tokens, eos token ids must lie in [0, {self.vocab_size})")
         if not 0 <= generated <= len(prompt):
             raise errors.MalformedDraftError(f"generated must lie in 0..{len(prompt)} (the prompt's length), got {generated}")
         if len(prompt) >= self.max_seq_len:

@@ -39,7 +39,7 @@ candidates are deterministic and verified as point masses; TurboSpec and Nightja
 before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
 policy's sampled output against the target's exact distribution.
 
-Penalties and logit bias (:func:`goodspeed.lm.sampling.adjust_logits`): the engine verifies every
+Penalties, logit bias and min_tokens (:func:`goodspeed.lm.sampling.adjust_logits`): the engine verifies every
 position against the target's logits adjusted by the text before it; the chains and AdaServe's
 beam trees drafted here adjust the draft's logits the same way (each request's
 :class:`~goodspeed.lm.sampling.TokenHistory`, plus the chain or the beam's path), which keeps
@@ -327,6 +327,7 @@ class LocalServing:
         top ones, and with ``prompt_logprobs`` its first event the prompt tokens' too
         (:meth:`VerificationEngine.start_request`)."""
         prompt = [int(t) for t in prompt_ids]
+        sampling = sampling.ending_with(eos_token_ids)  # min_tokens holds these back, in the draft's logits too
         self.engine.check_request(prompt, max_new_tokens, logprobs, sampling, prompt_logprobs=prompt_logprobs)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")

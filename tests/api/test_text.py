@@ -84,3 +84,30 @@ def test_the_stop_token_that_ends_the_text_is_consumed_and_its_text_left_out_unl
     special = TextStream(tokenizer, skip_special_tokens=False)
     eos = [tokenizer.eos_token_id]
     assert special.push(ids + eos) + special.finish() == tokenizer.decode(ids + eos)  # skip_special_tokens = False
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_min_tokens_lets_no_stop_string_end_within_its_first_tokens_text(tokenizer, chunk):
+    """vLLM's min_tokens: the stop string's first occurrence ends within the first tokens' text, so
+    the text runs on to its next one; a stop string that runs past that text still matches."""
+    text = "return x\nreturn y\nreturn z\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decoded = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    first = next(k for k in range(len(ids) + 1) if "return" in decoded[k])  # the token that completes the first "return"
+
+    def run(min_tokens, stop):
+        stream, out = TextStream(tokenizer, stop, min_tokens=min_tokens), []
+        for i in range(0, len(ids), chunk):
+            out.append(stream.push(ids[i : i + chunk]))
+            if stream.stopped:
+                break
+        return "".join(out), stream
+
+    assert run(0, ["return"])[0] == ""
+    held, stream = run(first, ["return"])  # the first "return" ends within the first min_tokens tokens' text
+    assert held == "return x\n" and stream.stopped
+    # a stop string begun within the first tokens' text and ended after it still matches (as vLLM's)
+    cut = first - 1
+    assert "return" not in decoded[cut]
+    runs_past, stream = run(cut, ["return"])
+    assert runs_past == "" and stream.stopped

@@ -410,6 +410,32 @@ def test_a_verifier_that_ignores_penalties_is_a_502_not_a_silent_change(models, 
     assert plain.choices[0].text == reference(models, "def f(x):", 8)
 
 
+def test_a_verifier_that_ignores_min_tokens_is_a_502_not_a_silent_change(models, monkeypatch):
+    """A verifier older than SamplingParams.min_tokens leaves StartRequestReply.min_tokens false."""
+    older_verifier(monkeypatch, "min_tokens")
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        with pytest.raises(openai.APIStatusError, match="does not apply min_tokens") as refused:
+            api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, extra_body={"min_tokens": 4}, temperature=0)
+        running = sum(d.in_request for d in server.server.service._drafters.values())
+    assert refused.value.status_code == 502 and running == 0
+
+
+def test_min_tokens_through_a_node_holds_back_the_stop_token(models):
+    """min_tokens reaches the verifier through a node: the output is the target's greedy decoding
+    with the stop token (which the plain text emits second) held back until 6 tokens are out."""
+    target, _, tokenizer = models
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    plain = greedy_reference(target, prompt_ids, 30)
+    stop_id = plain[1]
+    held = adjusted_greedy_reference(target, prompt_ids, SamplingParams(min_tokens=6, eos_token_ids=(stop_id,)), 30)
+    end = held.index(stop_id, 6) + 1 if stop_id in held[6:] else 30
+    with verifier(models) as server, node(server, models) as edge:
+        out = api_of(edge).completions.create(model="tiny", prompt="def f(x):", max_tokens=30, temperature=0, extra_body={
+            "ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": 6, "return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == held[:end] and held[:end] != plain[:2]
+
+
 def test_a_session_the_verifier_drops_mid_request_is_repaired_losslessly(models):
     with verifier(models) as server, node(server, models) as edge:
         api = api_of(edge)

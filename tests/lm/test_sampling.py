@@ -186,6 +186,7 @@ def test_min_p_rows_in_one_batch_are_each_their_own():
     dict(repetition_penalty=0.0), dict(repetition_penalty=float("inf")), dict(presence_penalty=float("nan")),
     dict(logit_bias=((3, 101.0),)), dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((4, 1.0), (2, 1.0))),
     dict(logit_bias=((2, 1.0), (2, 2.0))), dict(logit_bias=tuple((i, 1.0) for i in range(2000))),
+    dict(min_tokens=-1), dict(min_tokens=1.5), dict(min_tokens=True), dict(eos_token_ids=(-2,)),
 ])
 def test_bad_adjustments(kwargs):
     with pytest.raises(ValueError):
@@ -197,6 +198,11 @@ def test_adjusts_logits_only_when_something_is_on():
     assert SamplingParams(logit_bias=((1, 0.5),)).adjusts_logits and not SamplingParams(logit_bias=((1, 0.5),)).penalized
     for kwargs in (dict(presence_penalty=0.1), dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1)):
         assert SamplingParams(**kwargs).penalized and SamplingParams(**kwargs).adjusts_logits
+    # min_tokens adjusts logits once it knows the request's ending tokens (StartRequestReply.min_tokens, not extended)
+    held = SamplingParams(min_tokens=3)
+    assert not held.adjusts_logits and not held.extended and not held.penalized
+    assert held.ending_with([9, 2, 9]).eos_token_ids == (2, 9) and held.ending_with([2]).adjusts_logits
+    assert SamplingParams().ending_with([2]) == SamplingParams()  # nothing reads them without min_tokens
 
 
 ADJUSTING = [
@@ -204,6 +210,8 @@ ADJUSTING = [
     SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.4),
     SamplingParams(temperature=0.8, repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias=((0, 3.0), (7, -2.5))),
     SamplingParams(logit_bias=((5, 100.0),)),
+    SamplingParams(temperature=1.0, min_tokens=6, eos_token_ids=(4, 6)),  # 4 generated: held back at 0 and 1
+    SamplingParams(repetition_penalty=1.2, logit_bias=((3, 50.0),), min_tokens=6, eos_token_ids=(3,)),  # a tree's
 ]
 
 
@@ -211,7 +219,8 @@ ADJUSTING = [
 def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_trees(dtype):
     """Each adjusted row and position against the dense reference (tests/statkit.py) with the text
     that position follows: the history, then a chain's first ``j`` drafted tokens or a tree node's
-    path. Rows that adjust nothing and positions past the paths are left alone."""
+    path (min_tokens: the output's length counts its path). Rows that adjust nothing and positions
+    past the paths are left alone."""
     from goodspeed.lm.sampling import TokenHistory, adjust_logits
     from goodspeed.verifier.verify_rows import draft_paths
     from statkit import reference_adjust
@@ -220,8 +229,9 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
     vocab, q = 12, 5
     logits = torch.randn(len(ADJUSTING) + 1, q, vocab, generator=g, dtype=dtype) * 3
     prompt, output = [1, 2, 2, 9], [4, 4, 3, 11]
-    drafts = {0: ([4, 6, 6, 1], None), 1: ([3, 8, 3, 4], [-1, 0, -1, 2]), 2: ([7, 7], None), 3: ([], None)}
-    rows = [0, 1, 2, 3]
+    drafts = {0: ([4, 6, 6, 1], None), 1: ([3, 8, 3, 4], [-1, 0, -1, 2]), 2: ([7, 7], None), 3: ([], None),
+              4: ([4, 6, 6, 1], None), 5: ([3, 8, 3, 4], [-1, 0, -1, 2])}
+    rows = list(range(len(ADJUSTING)))
     histories = [TokenHistory(prompt, output) for _ in rows]
     histories[3] = None  # a request that only biases needs no text
     paths = [draft_paths(*drafts[r]) for r in rows]
@@ -234,7 +244,10 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
                 assert torch.allclose(adjusted[r, j], want, rtol=1e-6, atol=1e-6), (r, j)
             else:
                 assert torch.equal(adjusted[r, j], logits[r, j])
-    assert torch.equal(adjusted[4], logits[4])
+    assert torch.equal(adjusted[len(rows)], logits[len(rows)])
+    held = adjusted[4, :, [4, 6]].isinf().all(dim=-1).tolist()
+    assert held == [True, True, False, False, False]  # 4 + j < 6
+    assert adjusted[5, :, 3].isinf().tolist() == [True, True, False, True, False]  # the tree: 4 + path length < 6
     assert draft_paths([3, 8, 3, 4], [-1, 0, -1, 2]) == [[], [3], [3, 8], [3], [3, 4]]
 
 
@@ -257,7 +270,8 @@ def test_adjust_logits_on_cuda_is_the_cpus():
 
     logits = torch.randn(len(ADJUSTING), 4, 300, generator=torch.Generator().manual_seed(5)) * 3
     histories = [TokenHistory([1, 2, 2, 9], [4, 4, 3, 11]) for _ in ADJUSTING]
-    paths = [draft_paths([4, 6, 1], None), draft_paths([3, 8, 4], [-1, 0, 0]), draft_paths([7, 7, 7], None), draft_paths([], None)]
+    paths = [draft_paths([4, 6, 1], None), draft_paths([3, 8, 4], [-1, 0, 0]), draft_paths([7, 7, 7], None), draft_paths([], None),
+             draft_paths([4, 6, 1], None), draft_paths([3, 8, 4], [-1, 0, 0])]
     rows = list(range(len(ADJUSTING)))
     on_cpu = adjust_logits(logits.clone(), rows, ADJUSTING, histories, paths)
     on_gpu = adjust_logits(logits.cuda(), rows, ADJUSTING, histories, paths)

@@ -1,4 +1,4 @@
-"""Logit bias, penalties and min-p stay lossless on every path: the engine's chains (edge drafts,
+"""Logit bias, penalties, min-p and min_tokens stay lossless on every path: the engine's chains (edge drafts,
 delayed drafts decoded in transit) and trees, and local serving's policies, greedy and sampled.
 
 Greedy output must equal the target's own greedy decoding with the same settings, each step's
@@ -50,22 +50,23 @@ def wide():
     return target, perturbed(target, 0.3, 8)
 
 
-def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, drafters=4):
+def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, drafters=4, eos=()):
     """``prompts`` over ``drafters`` in-process edge drafters in one engine; outputs in prompt order
-    per drafter. ``transit``: every other draft is delayed a step and the engine decodes meanwhile."""
+    per drafter. ``transit``: every other draft is delayed a step and the engine decodes meanwhile.
+    ``eos``: the requests' ending tokens (the drafters' runners draft without them)."""
     engine = VerificationEngine(target, EngineConfig(budget=8 * drafters, max_draft_len=4, transit_tokens=2 if transit else 0))
     ds = [InProcessDrafter(f"d{i}", DraftRunner(draft), prompts[i::drafters], sampling, max_new_tokens, transit=transit)
           for i in range(drafters)]
-    results = run_inprocess(engine, ds, delay=(lambda d: d.round_index % 2) if transit else None)
+    results = run_inprocess(engine, ds, eos, delay=(lambda d: d.round_index % 2) if transit else None)
     return [out for d in ds for out in d.outputs], results
 
 
-def run_local(target, draft, sampling, policy, prompts, max_new_tokens):
+def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=()):
     engine = VerificationEngine(target, EngineConfig())
     config = LocalConfig(policy=policy, k=2, extra=2, budget=24, max_requests=8, max_waiting=len(prompts))
     serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
     for i, prompt in enumerate(prompts):
-        serving.submit(prompt, sampling, max_new_tokens=max_new_tokens, tpot_slo_ms=None if i % 2 else 12.0)
+        serving.submit(prompt, sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos, tpot_slo_ms=None if i % 2 else 12.0)
     while serving.step() is not None:
         pass
     assert len(serving.finished) == len(prompts)
@@ -137,6 +138,37 @@ def test_greedy_trees_through_the_engine_are_exact(wide):
     assert out == want
 
 
+def ended(tokens, eos):
+    """``tokens`` up to and including the first ending token (where a request stops)."""
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens) - 1)
+    return tokens[: cut + 1]
+
+
+@pytest.mark.parametrize("path", ["edge", "edge-transit", "local-none", "local-chain", "local-tetris", "local-adaserve"])
+def test_min_tokens_holds_the_ending_tokens_back_and_stays_exact(wide, path):
+    """vLLM's min_tokens: two ending tokens the target's plain greedy decoding emits early (so those
+    texts would end before 4 tokens) are held back until 4 tokens are out; each output is the
+    target's greedy decoding with them held back, up to the first ending token after that. Two
+    texts end at the very first position allowed, which a speculative position past it reaches only
+    by its drafted path (a verifier that held back by the committed text alone would not end them).
+    Edge drafts do not hold them back (the verifier rejects them); local drafts do."""
+    target, draft = wide
+    prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9]]
+    plain = [adjusted_greedy_reference(target, p, SamplingParams(), 16) for p in prompts]
+    eos = tuple(sorted({plain[0][1], plain[2][3]}))
+    sampling = SamplingParams(min_tokens=4)
+    want = [ended(adjusted_greedy_reference(target, p, sampling.ending_with(eos), 16), eos) for p in prompts]
+    assert any(len(ended(out, eos)) < 4 for out in plain), "the ending tokens must come early, or this test shows nothing"
+    assert all(not set(out[:4]) & set(eos) for out in want) and want != [ended(out, eos) for out in plain]
+    assert sum(len(out) == 5 for out in want) == 2  # ended by the 5th token, the first allowed
+    if path.startswith("edge"):
+        outputs, _ = run_edge(target, draft, sampling, prompts, 16, transit=path == "edge-transit", eos=eos)
+        assert sorted(outputs) == sorted(want)
+    else:
+        outputs, _ = run_local(target, draft, sampling, path.removeprefix("local-"), prompts, 16, eos=eos)
+        assert outputs == want
+
+
 def test_a_resumed_request_counts_its_output_as_output(wide):
     """A request resumed from its verified text (an edge node's repair) says how many of its prompt
     tokens are output (``generated``): presence and frequency penalties count them, so it goes on
@@ -191,6 +223,23 @@ def test_a_verifier_that_forgets_the_drafted_text_is_caught(small, monkeypatch):
     outputs, _ = run_edge(target, draft, PENALTIES, [PROMPT] * 800, 3, drafters=8)
     ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
     assert not ok, msg
+
+
+@pytest.mark.parametrize("where", ["edge", "local-adaserve"])
+def test_sampled_min_tokens_follows_the_target_that_may_not_end_yet(small, where):
+    """min_tokens = 2 with the target's most probable first token as the ending token: neither of
+    the first two tokens is it, and they follow the target's distribution with it held back."""
+    target, draft = small
+    free = exact_first_two(target, PROMPT, SamplingParams(temperature=1.0))
+    eos = (int(free.sum(axis=1).argmax()),)
+    sampling = SamplingParams(temperature=1.0, min_tokens=2)
+    if where == "edge":
+        outputs, _ = run_edge(target, draft, sampling, [PROMPT] * 800, 3, drafters=8, eos=eos)
+    else:
+        outputs, _ = run_local(target, draft, sampling, "adaserve", [PROMPT] * 600, 3, eos=eos)
+    assert not any(out[0] in eos or out[1] in eos for out in outputs)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling.ending_with(eos), eos=eos[0]))
+    assert ok, msg
 
 
 @pytest.mark.parametrize("policy", ["chain", "adaserve"])

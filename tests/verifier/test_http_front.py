@@ -422,6 +422,34 @@ def test_stop_token_ids_end_the_text_like_eos(models):
     assert refused.value.body["param"].startswith("stop_token_ids")
 
 
+def test_min_tokens_holds_back_the_stop_tokens_and_stop_strings(models):
+    """vLLM's min_tokens: a stop token the greedy text emits early is held back until min_tokens
+    tokens are out (the target's greedy decoding with it held back), and a stop string is not
+    matched within them; more than max_tokens is a 400, as vLLM's."""
+    target, _, tokenizer = models
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ids, _ = reference_text(models, prompt_ids, 40)
+    stop_id = ids[1]
+    held = adjusted_greedy_reference(target, prompt_ids, SamplingParams(min_tokens=8, eos_token_ids=(stop_id,)), 40)
+    end = held.index(stop_id, 8) + 1 if stop_id in held[8:] else 40
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    stop = "1"  # the tiny model's text holds it within its first 4 tokens' text and again later
+    within = len(tokenizer.decode(ids[:4]))
+    with front(models) as server:
+        api = client(server)
+        out = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": 8,
+                                                 "return_token_ids": True})
+        strings = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, stop=[stop], stream=True, temperature=0,
+                                         extra_body={"min_tokens": 4, "ignore_eos": True})
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 5})
+    assert stop_id not in out.choices[0].model_extra["token_ids"][:8] and out.choices[0].model_extra["token_ids"] == held[:end]
+    assert full.index(stop) < within <= full.index(stop, within)  # else the stop string tests nothing
+    assert "".join(c.choices[0].text for c in strings) == full[: full.index(stop, within)]
+    assert refused.value.body["param"] == "min_tokens"
+
+
 def test_logit_bias_and_penalties_reach_local_serving(models):
     """A bias of 100 on one token makes it the greedy output at every position; penalties give the
     target's own adjusted greedy decoding (every path of it: test_adjusted_sampling)."""
