@@ -52,7 +52,7 @@ import jinja2.sandbox
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from goodspeed.api.aio import run_to_the_end
+from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, parse_body)
 from goodspeed.api.text import TextStream
@@ -135,6 +135,8 @@ class OpenAIServer:
         caller it refuses; None: everyone is ``anonymous``."""
         self.backend, self.registry, self.authorize = backend, registry, authorize
         self._runner: web.AppRunner | None = None
+        # responses' backend cleanups that run after the response went out (_close), which stop() waits for
+        self._cleanups: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------------------------- app
 
@@ -162,6 +164,7 @@ class OpenAIServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -548,15 +551,19 @@ class OpenAIServer:
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
         # max_tokens = 0 is completions' scoring call (chat's max_tokens is >= 1)
         runs = self._choices(streams, texts, received, scored, prompt_only=body.max_tokens == 0)
+        ended, running = False, len(gens)
         try:
             async for i, piece, reason, lps, ids in runs:
                 pieces[i].append(piece)
                 reasons[i] = reason
                 kept[i] += lps or []
                 kept_ids[i] += ids
+                running -= reason is not None
+                if not running:  # every choice has ended: the rest is the backends' cleanup
+                    ended = True
+                    break
         finally:
-            await runs.aclose()
-            await self._close_all(streams)  # also when cancelled before the first piece
+            await self._close(runs, streams, detach=ended)
         contents = [(echoes[i] if echoes else "") + "".join(p) for i, p in enumerate(pieces)]
         logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], None if scored is None else scored[i]) + kept[i],
                                                                  chat, 0, body.return_tokens_as_token_ids)
@@ -606,6 +613,7 @@ class OpenAIServer:
             return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": reason,
                                              **head, **tokens}], **usage}
 
+        ended = False
         try:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
@@ -628,16 +636,29 @@ class OpenAIServer:
                     opened[i] = True
                     running -= reason is not None
                     if not running:  # every choice has ended: the rest is the backends' cleanup
+                        ended = True
                         break
             except ApiError as exc:  # a choice failed after the headers went out: say so in the stream
                 await send(exc.body())
-            # The end goes out before the cleanup below: a request a stop string cut short is
-            # cancelled on its verifier (an edge node: one round trip), which its client need not wait for.
             if body.include_usage:
                 await send({**envelope, "choices": [], "usage": self._usage(gens, body.n, texts)})
             await response.write(b"data: [DONE]\n\n")
         finally:
-            await runs.aclose()
-            await self._close_all(streams)  # also when cancelled before the first piece
+            await self._close(runs, streams, detach=ended)
         await response.write_eof()
         return response
+
+    async def _close(self, runs, streams: list, detach: bool) -> None:
+        """Close a response's choices and its backend streams (also when cancelled before the first
+        piece). Once every choice has ended (``detach``), the response goes out without waiting
+        for this: a request a stop string cut short is cancelled on its verifier (an edge node: a
+        round trip), which its client need not wait for; :meth:`stop` waits for it."""
+
+        async def close() -> None:
+            await runs.aclose()
+            await self._close_all(streams)
+
+        if detach:
+            keep_until_done(close(), self._cleanups)
+        else:
+            await close()
