@@ -363,7 +363,7 @@ class VerificationEngine:
             raise errors.MalformedDraftError(f"prompt_logprobs must lie in 0..{MAX_TOP_LOGPROBS}, got {prompt_logprobs}")
         if sampling is not None and sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
             raise errors.InvalidTokenError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
-        if sampling is not None and sampling.adjusts_logits and sampling.eos_token_ids and sampling.eos_token_ids[-1] >= self.vocab_size:
+        if sampling is not None and sampling.min_tokens and sampling.eos_token_ids and sampling.eos_token_ids[-1] >= self.vocab_size:
             raise errors.InvalidTokenError(f"with min_tokens, eos token ids must lie in [0, {self.vocab_size})")
         if not 0 <= generated <= len(prompt):
             raise errors.MalformedDraftError(f"generated must lie in 0..{len(prompt)} (the prompt's length), got {generated}")

@@ -199,6 +199,9 @@ def test_a_resumed_request_counts_its_output_as_output(wide):
         engine.start_request(sid, prompt, sampling, max_new_tokens=4, generated=4)
     with pytest.raises(InvalidTokenError):
         engine.start_request(sid, prompt, SamplingParams(logit_bias=((48, 1.0),)), max_new_tokens=4)
+    with pytest.raises(InvalidTokenError):  # an ending token min_tokens would index the logits with
+        engine.start_request(sid, prompt, SamplingParams(min_tokens=2), max_new_tokens=4, eos_token_ids=(48,))
+    engine.start_request(sid, prompt, SamplingParams(), max_new_tokens=4, eos_token_ids=(48,))  # read by nothing else
 
 
 # ------------------------------------------------------------------------------------- sampled
