@@ -551,7 +551,7 @@ class OpenAIServer:
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
         # max_tokens = 0 is completions' scoring call (chat's max_tokens is >= 1)
         runs = self._choices(streams, texts, received, scored, prompt_only=body.max_tokens == 0)
-        ended, running = False, len(gens)
+        running = len(gens)  # choices not ended yet
         try:
             async for i, piece, reason, lps, ids in runs:
                 pieces[i].append(piece)
@@ -560,10 +560,9 @@ class OpenAIServer:
                 kept_ids[i] += ids
                 running -= reason is not None
                 if not running:  # every choice has ended: the rest is the backends' cleanup
-                    ended = True
                     break
         finally:
-            await self._close(runs, streams, detach=ended)
+            await self._close(runs, streams, detach=not running)
         contents = [(echoes[i] if echoes else "") + "".join(p) for i, p in enumerate(pieces)]
         logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], None if scored is None else scored[i]) + kept[i],
                                                                  chat, 0, body.return_tokens_as_token_ids)
@@ -613,7 +612,7 @@ class OpenAIServer:
             return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": reason,
                                              **head, **tokens}], **usage}
 
-        ended = False
+        running = len(gens)  # choices not ended yet
         try:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
@@ -623,7 +622,6 @@ class OpenAIServer:
 
             try:
                 opened = [chat] * len(gens)  # a choice's first event (its prompt's ids, where asked for) was sent
-                running = len(gens)
                 if chat:
                     for i in range(len(gens)):
                         await send(chunk(i, "", None, role=True, prompt=i == 0))
@@ -636,7 +634,6 @@ class OpenAIServer:
                     opened[i] = True
                     running -= reason is not None
                     if not running:  # every choice has ended: the rest is the backends' cleanup
-                        ended = True
                         break
             except ApiError as exc:  # a choice failed after the headers went out: say so in the stream
                 await send(exc.body())
@@ -644,7 +641,7 @@ class OpenAIServer:
                 await send({**envelope, "choices": [], "usage": self._usage(gens, body.n, texts)})
             await response.write(b"data: [DONE]\n\n")
         finally:
-            await self._close(runs, streams, detach=ended)
+            await self._close(runs, streams, detach=not running)
         await response.write_eof()
         return response
 
