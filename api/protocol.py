@@ -2,7 +2,7 @@
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``return_token_ids``, ``return_tokens_as_token_ids`` and the chat template's options; ours:
+``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs`` and the chat template's options; ours:
 ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``:
 
@@ -87,6 +87,9 @@ class _Sampling(BaseModel):
     # vLLM's: a stop string, and the stop token (EOS, stop_token_ids) that ended the text, in the text
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the completion
+    # vLLM's: each prompt token's log-probability and rank, and this many most probable tokens at its
+    # position, in the response (a completion choice's; chat's once); not with stream, as vLLM's
+    prompt_logprobs: int | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -119,6 +122,14 @@ class _Sampling(BaseModel):
             raise ApiError(400, "stream_options needs stream = true", param="stream_options")
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported by this server", param="best_of")
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs == -1:
+                raise ApiError(400, f"prompt_logprobs = -1 (the whole vocabulary) is not served: at most {MAX_TOP_LOGPROBS}",
+                               param="prompt_logprobs")
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise ApiError(400, f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}]", param="prompt_logprobs")
+            if self.stream:
+                raise ApiError(400, "prompt_logprobs is not available with stream = true (as vLLM's)", param="prompt_logprobs")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -181,8 +192,10 @@ class CompletionRequest(_Sampling):
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
-        """``echo`` with ``logprobs``: the prompt's tokens are scored too (vLLM's ``prompt_logprobs``)."""
-        return self.logprobs if self.echo else None
+        """How many top tokens the prompt's scores need: ``echo`` with ``logprobs`` scores the
+        prompt's tokens too (vLLM does the same), and so does ``prompt_logprobs``; the larger count."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -254,8 +267,8 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
-    def requested_prompt_logprobs(self) -> None:
-        return None  # chat has no echo
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs  # chat has no echo
 
     @property
     def token_limit(self) -> int | None:
@@ -331,7 +344,7 @@ class GenerationRequest:
     seed: int | None = None
     tpot_slo_ms: float | None = None
     logprobs: int | None = None  # each token's log-probability and this many top ones; None: none
-    prompt_logprobs: int | None = None  # the prompt tokens' too (``echo``), with the first delta; None: none
+    prompt_logprobs: int | None = None  # the prompt tokens' too (``echo``, ``prompt_logprobs``), with the first delta; None: none
 
     def __post_init__(self) -> None:
         if self.tpot_slo_ms is not None and not (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import importlib.metadata
 import inspect
@@ -386,13 +387,35 @@ class OpenAIServer:
                 "text_offset": offsets}
 
     @staticmethod
-    def _echoed(gen: GenerationRequest, scores: list | None) -> list:
+    def _echoed(gen: GenerationRequest, scores: list | None, top: int | None) -> list:
         """The log-probabilities an echoed prompt's tokens open a choice's with: none for its first
-        token (it follows nothing), then ``scores`` (the backend's, one per later prompt token);
-        ``[]`` where the prompt is not scored."""
-        if scores is None:
+        token (it follows nothing), then ``scores`` (the backend's, one per later prompt token) with
+        the ``top`` most probable tokens each (the scores may hold more, for ``prompt_logprobs``);
+        ``[]`` where the prompt is not scored (``scores`` or ``top`` None: no echo, or no ``logprobs``)."""
+        if scores is None or top is None:
             return []
-        return [TokenLogprob(gen.prompt_ids[0], None, None)] + list(scores)
+        return [TokenLogprob(gen.prompt_ids[0], None, None)] + [dataclasses.replace(lp, top=lp.top[:top]) for lp in scores]
+
+    def _prompt_logprobs(self, scores: list, top: int) -> list:
+        """vLLM's ``prompt_logprobs``: null for the prompt's first token (it follows nothing), then
+        for each later one a map from token id to ``{logprob, rank, decoded_token}`` holding the
+        prompt's token and the ``top`` most probable tokens at its position (ranked 1 to ``top``),
+        in that order, as vLLM's (a prompt token among the top ones is one entry)."""
+        decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
+        names: dict[int, str] = {}  # a long prompt's entries repeat tokens: each is decoded once
+
+        def entry(token_id: int, logprob: float, rank: int) -> dict:
+            if token_id not in names:
+                names[token_id] = decode([token_id])
+            return {"logprob": logprob, "rank": rank, "decoded_token": names[token_id]}
+
+        out: list = [None]
+        for lp in scores:
+            if lp.rank is None:
+                raise ApiError(502, "the verifier sent prompt log-probabilities without their ranks (is it older than this node?)")
+            out.append({lp.token_id: entry(lp.token_id, lp.logprob, lp.rank),
+                        **{t: entry(t, v, r) for r, (t, v) in enumerate(lp.top[:top], start=1)}})
+        return out
 
     def _text_stream(self, body, gen: GenerationRequest) -> TextStream:
         return TextStream(self.backend.tokenizer, body.stop_strings, skip_special_tokens=body.skip_special_tokens,
@@ -459,15 +482,15 @@ class OpenAIServer:
             async for delta in deltas:
                 if prompt is not None and not scored and delta.token_ids:  # the first verdict's (a failure has none)
                     if delta.prompt_logprobs is None:
-                        raise ApiError(502, "the verifier sent no prompt log-probabilities though echo asked for them "
-                                            "(is it older than this node?)")
+                        raise ApiError(502, "the verifier sent no prompt log-probabilities though the request asked for "
+                                            "them (is it older than this node?)")
                     prompt.extend(delta.prompt_logprobs)
                     scored = True
                 if prompt_only:  # the one token the request generates is not the answer: wait for its end
                     if delta.finished:
                         _raise_failure(delta)
                         if prompt is not None and not scored:
-                            raise ApiError(502, "the verifier sent no prompt log-probabilities though echo asked for them")
+                            raise ApiError(502, "the verifier sent no prompt log-probabilities though the request asked for them")
                         yield "", "length", None if logprobs is None else [], []
                         return
                     continue
@@ -564,21 +587,29 @@ class OpenAIServer:
         finally:
             await self._close(runs, streams, detach=not running)
         contents = [(echoes[i] if echoes else "") + "".join(p) for i, p in enumerate(pieces)]
-        logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], None if scored is None else scored[i]) + kept[i],
+        echoed = None if echoes is None or scored is None else body.logprobs  # completions' echo with logprobs
+        logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], scored and scored[i], echoed) + kept[i],
                                                                  chat, 0, body.return_tokens_as_token_ids)
                     for i in range(len(gens))]
         choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": lp, "finish_reason": r}
                    if chat else {"index": i, "text": c, "logprobs": lp, "finish_reason": r}
                    for i, (c, r, lp) in enumerate(zip(contents, reasons, logprobs))]
-        tokens = {}
+        extra = {}
+        if body.prompt_logprobs is not None:  # vLLM's: a completion choice's own, chat's once (one prompt)
+            if chat:
+                extra["prompt_logprobs"] = self._prompt_logprobs(scored[0], body.prompt_logprobs)
+            else:
+                for i, choice in enumerate(choices):
+                    choice["prompt_logprobs"] = self._prompt_logprobs(scored[i], body.prompt_logprobs)
         if body.return_token_ids:  # vLLM's: chat's prompt once (one prompt), a completion choice's its own
             for i, choice in enumerate(choices):
                 choice.update({} if chat else {"prompt_token_ids": gens[i].prompt_ids}, token_ids=kept_ids[i])
-            tokens = {"prompt_token_ids": gens[0].prompt_ids} if chat else {}
+            if chat:
+                extra["prompt_token_ids"] = gens[0].prompt_ids
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.backend.model_ids[0], "choices": choices,
-            "usage": self._usage(gens, body.n, texts), **tokens})
+            "usage": self._usage(gens, body.n, texts), **extra})
 
     async def _stream(self, request: web.Request, identity: str, rid: str, gens: list[GenerationRequest], body,
                       chat: bool, echoes: list[str] | None = None) -> web.StreamResponse:
@@ -628,7 +659,7 @@ class OpenAIServer:
                 async for i, piece, reason, lps, ids in runs:
                     if echoes is not None and not opened[i]:  # the prompt's log-probabilities came with its first delta
                         opened[i] = True
-                        await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], None if scored is None else scored[i]),
+                        await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], scored and scored[i], body.logprobs),
                                          prompt=True))
                     await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i]))
                     opened[i] = True

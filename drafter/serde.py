@@ -28,5 +28,7 @@ def draft_to_pb(session_id: str, round_index: int, out: DraftOutput, sampling: S
 
 
 def logprobs_from_pb(logprobs) -> list[TokenLogprob]:
-    """``TokenLogprob`` messages (a verdict's, a Generate chunk's) as :class:`TokenLogprob` s."""
-    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs))) for lp in logprobs]
+    """``TokenLogprob`` messages (a verdict's, a Generate chunk's) as :class:`TokenLogprob` s; a
+    rank of 0 (a verifier older than the field sent none) is None."""
+    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)), lp.rank or None)
+            for lp in logprobs]

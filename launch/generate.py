@@ -36,14 +36,15 @@ def generate_request(prompt: str | None = None, prompt_ids: list[int] | None = N
 
 
 def _logprob_dicts(logprobs) -> list[dict]:
-    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
             for lp in logprobs_from_pb(logprobs)]
 
 
 def collect(chunks, on_text=None, request: pb.GenerateRequest | None = None) -> dict:
     """Fold a Generate stream into one result (``on_text`` sees each text delta as it arrives).
     With the ``request`` that asked for log-probabilities, the result has ``logprobs`` (one per
-    generated token: ``token_id``, ``logprob``, ``top`` as ``[id, logprob]`` pairs) and
+    generated token: ``token_id``, ``logprob``, ``rank`` (vLLM's: null from a verifier older than
+    it), ``top`` as ``[id, logprob]`` pairs) and
     ``prompt_logprobs`` (one per prompt token after the first), and a verifier that does not send
     them (one older than these fields) raises :class:`MissingLogprobsError`."""
     out = {"request_id": "", "prompt_ids": [], "token_ids": [], "text": "", "token_times_s": [], "finish_reason": None,

@@ -49,11 +49,16 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 @dataclass(frozen=True)
 class TokenLogprob:
     """The target's log-probability of a committed token, from its raw logits (before temperature,
-    top-k and top-p: vLLM's default), and the ``top`` most probable tokens at that position."""
+    top-k and top-p: vLLM's default), the ``top`` most probable tokens at that position, and the
+    token's ``rank`` there: vLLM's, the count of tokens at least as probable, itself included (1:
+    the most probable; tokens tied with it count against it). The ``i``-th of ``top`` ranks ``i + 1``.
+    ``rank`` is None where it is not known: from a verifier older than it, and for an echoed
+    prompt's first token, which follows nothing."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most probable first
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,13 @@ def greedy_reference(model, prompt, max_new_tokens):
     return seq[len(prompt) :]
 
 
+def reference_ranks(row, token: int, atol: float = 1e-4) -> range:
+    """The ranks (vLLM's: tokens at least as probable, itself included) that ``token`` may have in
+    a reference log-probability row, allowing for ``atol`` between the reference and the engine."""
+    value = float(row[token])
+    return range(int((row > value + atol).sum()) + 1, int((row >= value - atol).sum()) + 1)
+
+
 def adjusted_greedy_reference(model, prompt, sampling, max_new_tokens, generated=0):
     """The target's own greedy decoding with ``sampling``'s logit bias and penalties, each step's
     logits adjusted by the text before it (``statkit.reference_adjust``), recomputed from scratch.

@@ -61,4 +61,4 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
 def logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
     """:class:`TokenLogprob` s (none: ``[]``) as ``TokenLogprob`` messages."""
     return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
-                            top_logprobs=[x for _, x in lp.top]) for lp in logprobs or ()]
+                            top_logprobs=[x for _, x in lp.top], rank=lp.rank or 0) for lp in logprobs or ()]

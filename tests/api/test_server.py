@@ -68,6 +68,10 @@ def refusal(call, **kwargs):
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (dict(extra_body={"ignore_eos": "yes please"}), "ignore_eos"),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
+    (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),  # vLLM's whole vocabulary: past the 20
+    (dict(extra_body={"prompt_logprobs": -2}), "prompt_logprobs"),
+    (dict(stream=True, extra_body={"prompt_logprobs": 0}), "prompt_logprobs"),  # vLLM's rule
 ])
 def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     status, body = refusal(api.completions.create, model="tiny", **{"prompt": "x", **kwargs})
@@ -85,6 +89,7 @@ def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     (dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(messages=MESSAGES, extra_body={"echo": True}), "echo"),  # completions' field, not chat's
     (dict(messages=MESSAGES, max_tokens=0), "max_tokens"),
+    (dict(messages=MESSAGES, stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
 ])
 def test_bad_chat_bodies_are_400(api, kwargs, param):
     status, body = refusal(api.chat.completions.create, model="tiny", **kwargs)

@@ -17,7 +17,7 @@ from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import NodeThread, ServerThread, older_verifier
-from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference
+from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference, reference_ranks
 
 @pytest.fixture(scope="module")
 def models():
@@ -117,6 +117,44 @@ def test_echo_through_a_node_scores_the_prompt_as_the_verifier_does(models):
     # max_tokens = 0: the prompt alone, scored
     assert scored.choices[0].text == "def f(x):" and scored.usage.completion_tokens == 0 and running == 0
     assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(prompt_ids)]
+
+
+def test_prompt_logprobs_through_a_node_carry_the_verifiers_ranks(models, monkeypatch):
+    """vLLM's ``prompt_logprobs`` on a chat through a node: each prompt token's log-probability and
+    rank under the target, with the first verdict. A verifier older than ``TokenLogprob.rank``
+    sends scores without ranks: a 502 that says so, not a response with blank ranks."""
+    import goodspeed.verifier.round_loop as round_loop
+    from goodspeed.verifier.serde import verdict_to_pb
+
+    tokenizer = models[2]
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        rows = torch.log_softmax(models[0](torch.tensor([chat_ids])).logits[0].float(), dim=-1)[:-1]
+    with verifier(models, prefill_chunk=3) as server, node(server, models) as edge:
+        chat = api_of(edge).chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                                    extra_body={"prompt_logprobs": 1})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(chat_ids)
+    for entry, row, token in zip(entries[1:], rows, chat_ids[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[str(token)]["rank"] in reference_ranks(row, token)
+        assert min(v["rank"] for v in entry.values()) == 1
+
+    def old_verdict(verdict):
+        message = verdict_to_pb(verdict)
+        for lp in message.prompt_logprobs:
+            lp.ClearField("rank")
+        return message
+
+    monkeypatch.setattr(round_loop, "verdict_to_pb", old_verdict)
+    with verifier(models) as server, node(server, models) as edge:
+        with pytest.raises(openai.APIStatusError, match="without their ranks") as refused:
+            api_of(edge).completions.create(model="tiny", prompt="def f(x):", max_tokens=4, temperature=0,
+                                            extra_body={"prompt_logprobs": 0})
+        running = sum(d.in_request for d in server.server.service._drafters.values())
+    assert refused.value.status_code == 502 and running == 0
 
 
 def test_a_verifier_that_does_not_score_prompts_is_a_502_for_echo_with_logprobs(models, monkeypatch):

@@ -13,7 +13,7 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import ServerThread
-from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference
+from modelkit import adjusted_greedy_reference, chat_pair, greedy_reference, reference_ranks
 
 PROMPT = "def decode(self, s):"
 MESSAGES = [{"role": "user", "content": "parse json"}]
@@ -328,6 +328,55 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(models):
     assert reasons == ["length"] * 4 and not local.has_work  # its first verdict was its last
     assert metrics["goodspeed:request_success_total[('finished_reason', 'length')]"] == 4  # ended, not aborted
     assert metrics.get("goodspeed:request_success_total[('finished_reason', 'abort')]", 0) == 0
+
+
+def check_prompt_logprobs(models, entries, prompt_ids, top):
+    """vLLM's ``prompt_logprobs`` of a prompt, as JSON: null first, then per later prompt token a
+    map (ids as strings) holding it, with its rank, and the ``top`` most probable tokens ranked 1
+    to ``top``, each with the target's log-probability and its own decode."""
+    tokenizer = models[2]
+    _, rows = target_logprobs(models, prompt_ids[:1], prompt_ids[1:])
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for entry, row, token in zip(entries[1:], rows, prompt_ids[1:]):
+        best = row.topk(top)
+        assert str(token) in entry and len(entry) in (top, top + 1)
+        assert entry[str(token)]["rank"] in reference_ranks(row, token)
+        ranked = sorted((v["rank"], v["logprob"]) for k, v in entry.items() if k != str(token) or v["rank"] <= top)
+        assert [r for r, _ in ranked] == list(range(1, top + 1))
+        assert [x for _, x in ranked] == pytest.approx(best.values.tolist(), abs=1e-4)
+        for key, value in entry.items():
+            assert value["logprob"] == pytest.approx(row[int(key)].item(), abs=1e-4)
+            assert value["decoded_token"] == tokenizer.decode([int(key)])
+
+
+def test_prompt_logprobs_score_the_prompt_with_ranks_as_vllm(models):
+    """vLLM's ``prompt_logprobs``: each prompt token's log-probability under the target, its rank
+    and the top ones, in a completion choice (every choice of a batch) and once in a chat
+    response; without ``echo`` the completion's ``logprobs`` stay the generated tokens'; with
+    ``echo`` and ``logprobs`` each keeps its own count of top ones; no output changes."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    other_ids = tokenizer("import os", add_special_tokens=False)["input_ids"]
+    ids, text = reference_text(models, prompt_ids, 6)
+    chat_ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    base = {"model": "tiny", "temperature": 0, "max_tokens": 6}
+    with front(models) as server:
+        batch = post(server, "completions", {**base, "prompt": [PROMPT, "import os"], "n": 2, "prompt_logprobs": 2, "logprobs": 1})
+        echoed = post(server, "completions", {**base, "prompt": prompt_ids, "echo": True, "logprobs": 1, "prompt_logprobs": 3})
+        chat = post(server, "chat/completions", {**base, "messages": MESSAGES, "prompt_logprobs": 0})
+        plain = post(server, "completions", {**base, "prompt": PROMPT})
+    choices = sorted(batch["choices"], key=lambda c: c["index"])
+    for choice, prompt in zip(choices, [prompt_ids] * 2 + [other_ids] * 2):
+        check_prompt_logprobs(models, choice["prompt_logprobs"], prompt, 2)
+        assert len(choice["logprobs"]["tokens"]) == 6  # the generated tokens' alone
+    assert choices[0]["text"] == text == plain["choices"][0]["text"] and "prompt_logprobs" not in plain["choices"][0]
+    check_prompt_logprobs(models, echoed["choices"][0]["prompt_logprobs"], prompt_ids, 3)
+    legacy = echoed["choices"][0]["logprobs"]
+    assert len(legacy["tokens"]) == len(prompt_ids) + 6 and legacy["top_logprobs"][0] is None
+    assert all(len(top) <= 2 for top in legacy["top_logprobs"][1:])  # logprobs = 1: one top token and the chosen one
+    check_prompt_logprobs(models, chat["prompt_logprobs"], chat_ids, 0)
+    assert "prompt_logprobs" not in chat["choices"][0] and chat["choices"][0]["message"]["content"]
 
 
 def post(server, path, payload):

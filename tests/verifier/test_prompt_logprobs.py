@@ -12,7 +12,7 @@ from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.types import Draft
-from modelkit import perturbed, tiny_llama
+from modelkit import perturbed, reference_ranks, tiny_llama
 
 V = 40
 TOP = 3
@@ -41,6 +41,7 @@ def check(target, prompt, scores, top):
     expected = rows.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
     assert torch.allclose(torch.tensor([lp.logprob for lp in scores]), expected, atol=1e-4)
     for lp, row in zip(scores, rows):
+        assert lp.rank in reference_ranks(row, lp.token_id)
         assert len(lp.top) == top
         if top:
             ids, values = zip(*lp.top)

@@ -18,7 +18,7 @@ from goodspeed.verifier.auth import ANONYMOUS, Identity
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from grpckit import ServerThread, run_clients
-from modelkit import greedy_reference, perturbed, tiny_llama
+from modelkit import greedy_reference, perturbed, reference_ranks, tiny_llama
 
 PROMPTS = [[1, 2, 3], [9, 8], [4, 4, 4, 4, 5], [30, 31, 32]]
 
@@ -180,6 +180,7 @@ def test_generate_sends_the_targets_log_probabilities_of_its_tokens_and_of_the_p
         expected = rows[at].gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
         assert torch.allclose(torch.tensor([e["logprob"] for e in entries]), expected, atol=1e-4)
         for e, row in zip(entries, rows[at]):
+            assert e["rank"] in reference_ranks(row, e["token_id"])
             assert torch.allclose(torch.tensor([x for _, x in e["top"]]), row.topk(top).values, atol=1e-4)
 
     check(result["logprobs"], generated, slice(len(prompt) - 1, -1), 2)
