@@ -418,9 +418,10 @@ class OpenAIServer:
         return out
 
     def _text_stream(self, body, gen: GenerationRequest) -> TextStream:
+        eos = self.backend.tokenizer.eos_token_id
         return TextStream(self.backend.tokenizer, body.stop_strings, skip_special_tokens=body.skip_special_tokens,
                           include_stop=body.include_stop_str_in_output, stop_token_ids=gen.eos_token_ids,
-                          min_tokens=body.min_tokens)
+                          min_tokens=body.min_tokens, eos_token_id=None if body.ignore_eos or eos is None else int(eos))
 
     def _envelope(self, rid: str, chat: bool, created: int) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -591,9 +592,10 @@ class OpenAIServer:
         logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], scored and scored[i], echoed) + kept[i],
                                                                  chat, 0, body.return_tokens_as_token_ids)
                     for i in range(len(gens))]
-        choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": lp, "finish_reason": r}
-                   if chat else {"index": i, "text": c, "logprobs": lp, "finish_reason": r}
-                   for i, (c, r, lp) in enumerate(zip(contents, reasons, logprobs))]
+        choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": lp, "finish_reason": r,
+                    "stop_reason": t.stop_reason}
+                   if chat else {"index": i, "text": c, "logprobs": lp, "finish_reason": r, "stop_reason": t.stop_reason}
+                   for i, (c, r, lp, t) in enumerate(zip(contents, reasons, logprobs, texts))]
         extra = {}
         if body.prompt_logprobs is not None:  # vLLM's: a completion choice's own, chat's once (one prompt)
             if chat:
@@ -635,6 +637,8 @@ class OpenAIServer:
                 logprobs = self._logprobs(lps, chat, offsets[i], body.return_tokens_as_token_ids)
                 offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
             tokens = {"token_ids": list(ids)} if body.return_token_ids else {}
+            if reason is not None:  # vLLM's: with the finish_reason, the stop string or token that ended the text
+                tokens["stop_reason"] = texts[i].stop_reason
             head = {"prompt_token_ids": gens[i].prompt_ids} if body.return_token_ids and prompt else {}
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})

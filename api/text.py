@@ -15,6 +15,9 @@ a stop string is held back, so a client never sees text that a stop string later
 A stop token (EOS, or one of vLLM's ``stop_token_ids``) that ends the generation is consumed but
 its text is left out, unless ``include_stop``: as vLLM's detokenizer does.
 
+``stop_reason`` is vLLM's: the stop string that ended the text, or the stop token id that ended
+it; None when EOS ended it (vLLM checks EOS first, so an id that is both is EOS) or nothing did.
+
 ``min_tokens`` (vLLM's): no stop string is matched that ends within the text of the first
 ``min_tokens`` tokens (as vLLM's detokenizer: the search starts after that text, less a stop
 string's length, so a stop string that runs past it still matches).
@@ -26,9 +29,10 @@ from collections.abc import Sequence
 
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, include_stop: bool = False,
-                 stop_token_ids: Sequence[int] = (), min_tokens: int = 0) -> None:
+                 stop_token_ids: Sequence[int] = (), min_tokens: int = 0, eos_token_id: int | None = None) -> None:
         """``stop_token_ids``: the tokens that end the generation (the request's EOS and stop token
-        ids; the backend's output ends at the first of them)."""
+        ids; the backend's output ends at the first of them); ``eos_token_id``: the one of them
+        that is EOS (None with ``ignore_eos``), which ends the text with no ``stop_reason``."""
         self.tokenizer, self.stop, self.skip_special, self.include_stop = tokenizer, list(stop), skip_special_tokens, include_stop
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.min_tokens = min_tokens
@@ -37,6 +41,9 @@ class TextStream:
         self.text = ""  # everything decoded so far (emitted + held back)
         self.emitted = 0  # characters of ``text`` handed out
         self.stopped = False
+        self.eos_token_id = eos_token_id
+        self.matched: str | None = None  # the stop string that ended the text
+        self.ending_token: int | None = None  # the stop token (EOS, stop_token_ids) that ended it
         self._prefix_offset = self._read_offset = 0
         self._searched = 0  # stop strings are searched from here (minus the longest stop's length)
 
@@ -67,8 +74,10 @@ class TextStream:
             if self.stopped:
                 break
             self.consumed_ids.append(int(token))
-            if int(token) in self.stop_token_ids and not self.include_stop:
-                break  # the generation's last token: consumed, not decoded
+            if int(token) in self.stop_token_ids:
+                self.ending_token = int(token)  # the generation's last token
+                if not self.include_stop:
+                    break  # consumed, not decoded
             self._push_one(token)
             if self.consumed <= self.min_tokens:  # the text may not end yet: searched from past it
                 self._searched = len(self.text)
@@ -78,13 +87,21 @@ class TextStream:
 
     def _find_stop(self) -> bool:
         # each stop string from where it could end in the new text (a match within the old was found before)
-        hits = [(i, len(s)) for i, s in ((self.text.find(s, max(0, self._searched - len(s) + 1)), s) for s in self.stop) if i >= 0]
+        hits = [(i, len(s), s) for i, s in ((self.text.find(s, max(0, self._searched - len(s) + 1)), s) for s in self.stop) if i >= 0]
         self._searched = len(self.text)
         if not hits:
             return False
-        at, length = min(hits, key=lambda hit: hit[0])  # the earliest match (the first listed of those there)
-        self.text, self.stopped = self.text[: at + length if self.include_stop else at], True
+        at, length, which = min(hits, key=lambda hit: hit[0])  # the earliest match (the first listed of those there)
+        self.text, self.stopped, self.matched = self.text[: at + length if self.include_stop else at], True, which
         return True
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string or the stop token id that ended the text; None
+        for EOS, or while nothing has ended it."""
+        if self.matched is not None:
+            return self.matched
+        return None if self.ending_token == self.eos_token_id else self.ending_token
 
     def _held(self) -> int:
         """Characters at the end of ``text`` that may still begin a stop string (none when a

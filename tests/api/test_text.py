@@ -111,3 +111,24 @@ def test_min_tokens_lets_no_stop_string_end_within_its_first_tokens_text(tokeniz
     assert "return" not in decoded[cut]
     runs_past, stream = run(cut, ["return"])
     assert runs_past == "" and stream.stopped
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_reason_names_the_stop_string_or_token_and_is_none_for_eos(tokenizer, include):
+    """vLLM's stop_reason: the stop string that matched (the earliest, whichever is listed first),
+    the stop token id that ended the text, None for EOS (also when EOS is a stop token id too) and
+    for a text nothing ended."""
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    stream, _ = stream_all(tokenizer, ids, stop=["naïve", "日本"])
+    assert stream.stop_reason == "日本"
+    eos = tokenizer.eos_token_id
+    for ending, stops, expected in [(ids[-1], [eos, ids[-1]], ids[-1]), (eos, [eos, ids[-1]], None), (eos, [eos], None)]:
+        stream = TextStream(tokenizer, include_stop=include, stop_token_ids=stops, eos_token_id=eos)
+        stream.push(ids[:-1] + [ending])
+        assert stream.stop_reason == expected
+    ignoring = TextStream(tokenizer, stop_token_ids=[eos], eos_token_id=None)  # ignore_eos with EOS among stop_token_ids
+    ignoring.push(ids[:3] + [eos])
+    assert ignoring.stop_reason == eos
+    running = TextStream(tokenizer, ["zzz"], stop_token_ids=[eos], eos_token_id=eos)
+    running.push(ids)
+    assert running.stop_reason is None and not running.stopped

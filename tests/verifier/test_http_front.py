@@ -99,6 +99,9 @@ def test_stop_strings_end_the_text_and_free_the_request(models):
     assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
     assert whole.usage.completion_tokens < 200
     assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
+    # vLLM's stop_reason: the stop string, with the finish_reason (whole and in the stream's last event only)
+    assert whole.choices[0].model_extra["stop_reason"] == stop == streamed[-1].choices[0].model_extra["stop_reason"]
+    assert all("stop_reason" not in c.choices[0].model_extra for c in streamed[:-1])
     assert [e["freed"] for e in cancelled] == [True, True]  # both ended on the verifier when their stop string came
     assert not local.has_work and leftover == []
     # counted as finished by their stop string, not as abandoned by their client
@@ -203,6 +206,8 @@ def test_logprobs_are_the_targets_whole_streamed_and_in_chat(models):
         plain = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, **GREEDY)
     lp = whole.choices[0].logprobs
     assert whole.choices[0].text == text and plain.choices[0].logprobs is None
+    assert plain.choices[0].finish_reason == "length" and plain.choices[0].model_extra["stop_reason"] is None
+    assert chat.choices[0].model_extra["stop_reason"] is None
     assert lp.tokens == [tokenizer.decode([t]) for t in ids]
     assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
     for top, row, token, logprob in zip(lp.top_logprobs, rows, lp.tokens, lp.token_logprobs):
@@ -455,14 +460,17 @@ def test_stop_token_ids_end_the_text_like_eos(models):
         api = client(server)
         out = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
                                      extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "return_token_ids": True})
-        kept = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
-                                      extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+        kept = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
+                                                       "include_stop_str_in_output": True}))
         stop = tokenizer.decode(ids[3:5])
         with_stop = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop],
                                            extra_body={"include_stop_str_in_output": True})
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model="tiny", prompt=PROMPT, extra_body={"stop_token_ids": [-1]})
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == end
+    assert out.choices[0].model_extra["stop_reason"] == stop_id == kept[-1].choices[0].model_extra["stop_reason"]
+    assert with_stop.choices[0].model_extra["stop_reason"] == stop
     assert out.choices[0].text == tokenizer.decode(ids[: end - 1], skip_special_tokens=True)
     assert out.choices[0].model_extra["token_ids"] == ids[:end]
     assert "".join(c.choices[0].text for c in kept) == tokenizer.decode(ids[:end], skip_special_tokens=True)
