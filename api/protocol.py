@@ -2,7 +2,8 @@
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs`` and the chat template's options; ours:
+``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs``, ``allowed_token_ids`` and the chat
+template's options; ours:
 ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``:
 
@@ -90,6 +91,8 @@ class _Sampling(BaseModel):
     # vLLM's: each prompt token's log-probability and rank, and this many most probable tokens at its
     # position, in the response (a completion choice's; chat's once); not with stream, as vLLM's
     prompt_logprobs: int | None = None
+    # vLLM's: only these tokens may be sampled (every other one gets a logit of -inf); at least one
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -142,7 +145,7 @@ class _Sampling(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=max(0, self.top_k), top_p=self.top_p, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted(bias.items())),
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens, allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))))
 
     @property
     def include_usage(self) -> bool:

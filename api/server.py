@@ -351,10 +351,14 @@ class OpenAIServer:
         eos = self.backend.tokenizer.eos_token_id
         # vLLM's stop_token_ids end the text like EOS (counted as a token; its text left out: api.text)
         stops = tuple(dict.fromkeys(([] if body.ignore_eos or eos is None else [int(eos)]) + list(body.stop_token_ids or ())))
+        sampling = body.sampling().ending_with(stops)
+        if sampling.nothing_allowed:
+            raise ApiError(400, "min_tokens holds back every one of allowed_token_ids (each ends the text): no token could "
+                                "be sampled", param="allowed_token_ids")
         base, many = f"{kind}-{secrets.token_hex(12)}", len(prompts) * n > 1
         return base, [GenerationRequest(
             request_id=f"{base}-{i * n + j}" if many else base, prompt_ids=prompt_ids, max_tokens=max_tokens,
-            sampling=body.sampling().ending_with(stops), eos_token_ids=stops,
+            sampling=sampling, eos_token_ids=stops,
             seed=body.seed if body.seed is None or j == 0 else stream_seed(body.seed, "choice", str(j)) % (1 << ROOT_SEED_BITS),
             tpot_slo_ms=body.tpot_slo_ms, logprobs=body.requested_logprobs,
             prompt_logprobs=body.requested_prompt_logprobs) for i, prompt_ids in enumerate(prompts) for j in range(n)]

@@ -217,6 +217,9 @@ class DrafterClient:
         if self.config.sampling.min_tokens and not reply.min_tokens:
             raise DrafterError(f"request {result.id}: the verifier does not apply min_tokens (a version older than it); "
                                "upgrade the verifier or leave it out")
+        if self.config.sampling.allowed_token_ids and not reply.allowed_token_ids:
+            raise DrafterError(f"request {result.id}: the verifier does not apply allowed_token_ids (a version older than "
+                               "it); upgrade the verifier or leave it out")
         return reply.draft_length, reply.round_index
 
     def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:

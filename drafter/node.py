@@ -414,6 +414,9 @@ class EdgeNode:
             if req.gen.sampling.min_tokens and not reply.min_tokens:
                 raise ApiError(502, "the verifier does not apply min_tokens (a version older than it): this request "
                                     "needs it; upgrade the verifier or leave it out")
+            if req.gen.sampling.allowed_token_ids and not reply.allowed_token_ids:
+                raise ApiError(502, "the verifier does not apply allowed_token_ids (a version older than it): this "
+                                    "request needs it; upgrade the verifier or leave it out")
             if scores_prompt and not reply.prompt_logprobs:
                 raise ApiError(502, "the verifier does not score prompts (a version older than prompt_logprobs): "
                                     "this request needs it for echo with logprobs; upgrade the verifier or leave them out")

@@ -10,7 +10,8 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                            logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens)
+                            logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
+                            allowed_token_ids=params.allowed_token_ids)
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty
     return msg

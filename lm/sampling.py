@@ -16,7 +16,8 @@ or the output is divided by the penalty where positive, multiplied where negativ
 frequency and presence penalties (OpenAI's: ``count * frequency + (count > 0) * presence`` taken
 off a token's logit, ``count`` its occurrences in the output), then vLLM's ``min_tokens`` (the
 tokens that end the text, EOS and the request's stop token ids, get a logit of -inf while fewer
-than ``min_tokens`` tokens are generated). The penalties and ``min_tokens`` read the text before
+than ``min_tokens`` tokens are generated), and vLLM's ``allowed_token_ids`` (every other token gets
+a logit of -inf). The penalties and ``min_tokens`` read the text before
 each position, so a speculative row's positions each see the history plus the drafted tokens
 before them (:class:`TokenHistory` and the ``paths`` of :func:`adjust_logits`): the target's
 adjusted distribution at each position is the one plain decoding would sample from there, and
@@ -67,8 +68,9 @@ class SamplingParams:
     ``top_k = 0``, ``top_p = 1`` and ``min_p = 0`` are off. The logits adjustments
     (:func:`adjust_logits`) are off at their defaults: ``presence_penalty = frequency_penalty = 0``,
     ``repetition_penalty = 1``, no ``logit_bias`` (``(token id, bias)`` pairs, ids ascending),
-    ``min_tokens = 0``. ``eos_token_ids``: the tokens that end the request's text (EOS and its stop
-    token ids), which ``min_tokens`` holds back; only that reads them (the request's own stop rule
+    ``min_tokens = 0``, no ``allowed_token_ids`` (vLLM's: ids ascending; only these may be
+    sampled). ``eos_token_ids``: the tokens that end the request's text (EOS and its stop token
+    ids), which ``min_tokens`` holds back; only that reads them (the request's own stop rule
     travels with it, not with its sampling: :meth:`ending_with` copies it in)."""
 
     temperature: float = 0.0
@@ -81,6 +83,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -115,6 +118,10 @@ class SamplingParams:
         if any(t < 0 for t in ends):
             raise ValueError("eos_token_ids must be >= 0")
         object.__setattr__(self, "eos_token_ids", ends)
+        allowed = tuple(int(t) for t in self.allowed_token_ids)
+        if any(t < 0 for t in allowed) or list(allowed) != sorted(set(allowed)):
+            raise ValueError("allowed_token_ids must be >= 0, distinct and ascending")
+        object.__setattr__(self, "allowed_token_ids", allowed)
 
     def ending_with(self, eos_token_ids: Sequence[int]) -> SamplingParams:
         """These settings with the request's ending tokens, which ``min_tokens`` holds back (itself
@@ -135,15 +142,22 @@ class SamplingParams:
     @property
     def extended(self) -> bool:
         """Uses min-p, a penalty or a logit bias: a verifier older than those would ignore them
-        (``StartRequestReply.extended_sampling``; ``min_tokens``, added later, has a flag of its own:
-        ``StartRequestReply.min_tokens``)."""
+        (``StartRequestReply.extended_sampling``; ``min_tokens`` and ``allowed_token_ids``, added
+        later, have flags of their own: ``StartRequestReply.min_tokens``, ``.allowed_token_ids``)."""
         return self.min_p > 0.0 or self.penalized or bool(self.logit_bias)
 
     @property
     def adjusts_logits(self) -> bool:
-        """:func:`adjust_logits` changes this request's logits (a penalty, a logit bias, or
-        min_tokens holding back its ending tokens)."""
-        return self.penalized or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.eos_token_ids))
+        """:func:`adjust_logits` changes this request's logits (a penalty, a logit bias,
+        min_tokens holding back its ending tokens, or allowed_token_ids)."""
+        return (self.penalized or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.eos_token_ids))
+                or bool(self.allowed_token_ids))
+
+    @property
+    def nothing_allowed(self) -> bool:
+        """``min_tokens`` holds back every one of ``allowed_token_ids`` (all are ending tokens): no
+        token could be sampled at the first positions. A request must be refused for it."""
+        return bool(self.min_tokens and self.allowed_token_ids) and set(self.allowed_token_ids) <= set(self.eos_token_ids)
 
 
 class TokenHistory:
@@ -180,18 +194,38 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     node's ancestors and itself). Positions ``j >= len(paths[i])`` are left as they are. In vLLM's
     order: bias, then repetition over the prompt and the output, then frequency and presence over
     the output; then ``min_tokens``: a position whose text holds fewer than ``min_tokens`` output
-    tokens (the history's plus its path's) gets -inf for each of ``eos_token_ids``. The work
-    touches only the tokens some setting names (the bias's, the prompt's and the output's, the
-    drafted ones, the ending ones): it gathers those logits, adjusts them in the logits' dtype
-    (callers pass float32 or wider), and scatters them back, so its cost does not grow with the
-    vocabulary.
+    tokens (the history's plus its path's) gets -inf for each of ``eos_token_ids``; last,
+    ``allowed_token_ids``: every other token gets -inf (-inf commutes with the steps before, so
+    the order is vLLM's result). The work touches only the tokens some setting names (the
+    bias's, the prompt's and the output's, the drafted ones, the ending ones): it gathers those
+    logits, adjusts them in the logits' dtype (callers pass float32 or wider), and scatters them
+    back, so its cost does not grow with the vocabulary; ``allowed_token_ids`` alone fills its
+    row's positions over the vocabulary. Allowed ids at or past ``logits``' vocabulary are left
+    out (a draft with a smaller vocabulary cannot draft them); a row none of whose ids fits is
+    left unmasked, which only a draft's can be (the target's check refuses such ids).
     """
     chosen = [i for i, p in enumerate(params) if p.adjusts_logits and len(paths[i])]
     if not chosen:
         return logits
     _penalize(logits, rows, params, histories, paths, [i for i in chosen if params[i].penalized or params[i].logit_bias])
     _hold_back_endings(logits, rows, params, histories, paths, [i for i in chosen if params[i].min_tokens])
+    _allow_only(logits, rows, params, paths, [i for i in chosen if params[i].allowed_token_ids])
     return logits
+
+
+def _allow_only(logits: torch.Tensor, rows, params, paths, chosen: list[int]) -> None:
+    """``allowed_token_ids`` (:func:`adjust_logits`): -inf for every other token at the row's
+    positions."""
+    vocab = logits.shape[-1]
+    for i in chosen:
+        allowed = [t for t in params[i].allowed_token_ids if t < vocab]
+        if not allowed:
+            continue
+        at = torch.tensor(allowed, dtype=torch.int64, device=logits.device)
+        row = logits[rows[i], : len(paths[i])]
+        kept = row[:, at]
+        row.fill_(float("-inf"))
+        row[:, at] = kept
 
 
 def _hold_back_endings(logits: torch.Tensor, rows, params, histories, paths, chosen: list[int]) -> None:

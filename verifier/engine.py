@@ -365,6 +365,11 @@ class VerificationEngine:
             raise errors.InvalidTokenError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
         if sampling is not None and sampling.min_tokens and sampling.eos_token_ids and sampling.eos_token_ids[-1] >= self.vocab_size:
             raise errors.InvalidTokenError(f"with min_tokens, eos token ids must lie in [0, {self.vocab_size})")
+        if sampling is not None and sampling.allowed_token_ids and sampling.allowed_token_ids[-1] >= self.vocab_size:
+            raise errors.InvalidTokenError(f"allowed_token_ids must lie in [0, {self.vocab_size})")
+        if sampling is not None and sampling.nothing_allowed:
+            raise errors.MalformedDraftError("min_tokens holds back every one of allowed_token_ids (each ends the text): "
+                                             "no token could be sampled")
         if not 0 <= generated <= len(prompt):
             raise errors.MalformedDraftError(f"generated must lie in 0..{len(prompt)} (the prompt's length), got {generated}")
         if len(prompt) >= self.max_seq_len:

@@ -39,7 +39,7 @@ candidates are deterministic and verified as point masses; TurboSpec and Nightja
 before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
 policy's sampled output against the target's exact distribution.
 
-Penalties, logit bias and min_tokens (:func:`goodspeed.lm.sampling.adjust_logits`): the engine verifies every
+Penalties, logit bias, min_tokens and allowed_token_ids (:func:`goodspeed.lm.sampling.adjust_logits`): the engine verifies every
 position against the target's logits adjusted by the text before it; the chains and AdaServe's
 beam trees drafted here adjust the draft's logits the same way (each request's
 :class:`~goodspeed.lm.sampling.TokenHistory`, plus the chain or the beam's path), which keeps

@@ -18,7 +18,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, min_p=msg.min_p,
                               presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                               repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-                              logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens)
+                              logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens,
+                              allowed_token_ids=tuple(msg.allowed_token_ids))
     except ValueError as exc:
         raise MalformedDraftError(str(exc)) from None
 

@@ -256,7 +256,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id),
-                                    extended_sampling=True, prompt_logprobs=request.HasField("prompt_logprobs"), min_tokens=True)
+                                    extended_sampling=True, prompt_logprobs=request.HasField("prompt_logprobs"), min_tokens=True,
+                                    allowed_token_ids=True)
 
     async def _abandon_start(self, session_id: str, identity: str, kv_tokens: int) -> None:
         self.rounds.forget(session_id)

@@ -280,18 +280,24 @@ def test_a_request_restarted_mid_way_keeps_its_penalties_exact(models, monkeypat
     assert result.token_ids == reference
 
 
-def test_a_verifier_that_ignores_penalties_is_an_error_not_a_silent_change(models, monkeypatch):
+@pytest.mark.parametrize("flag, setting, says", [
+    ("extended_sampling", dict(presence_penalty=1.0), "min_p, penalties or logit_bias"),
+    ("min_tokens", dict(min_tokens=2), "does not apply min_tokens"),
+    ("allowed_token_ids", dict(allowed_token_ids=(1, 2, 3)), "does not apply allowed_token_ids"),
+])
+def test_a_verifier_that_ignores_a_setting_is_an_error_not_a_silent_change(models, monkeypatch, flag, setting, says):
+    """A verifier older than a sampling setting leaves its StartRequestReply flag false."""
     from goodspeed.lm.sampling import SamplingParams
 
-    older_verifier(monkeypatch, "extended_sampling")
+    older_verifier(monkeypatch, flag)
     target, draft = models
     with ServerThread(VerificationEngine(target, EngineConfig(budget=4, max_draft_len=4))) as server:
-        config = DrafterConfig(server.address, "d", max_new_tokens=4, sampling=SamplingParams(temperature=0.0, presence_penalty=1.0))
+        config = DrafterConfig(server.address, "d", max_new_tokens=4, sampling=SamplingParams(temperature=0.0, **setting))
         client = DrafterClient(config, DraftRunner(draft))
         client.wait_until_serving()
         client.join()
         try:
-            with pytest.raises(DrafterError, match="min_p, penalties or logit_bias"):
+            with pytest.raises(DrafterError, match=says):
                 client.generate("0", PROMPT)
         finally:
             client.close()

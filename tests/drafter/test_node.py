@@ -463,6 +463,32 @@ def test_a_verifier_that_ignores_min_tokens_is_a_502_not_a_silent_change(models,
     assert refused.value.status_code == 502 and running == 0
 
 
+def test_a_verifier_that_ignores_allowed_token_ids_is_a_502_not_a_silent_change(models, monkeypatch):
+    """A verifier older than SamplingParams.allowed_token_ids leaves its reply flag false."""
+    older_verifier(monkeypatch, "allowed_token_ids")
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        with pytest.raises(openai.APIStatusError, match="does not apply allowed_token_ids") as refused:
+            api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, extra_body={"allowed_token_ids": [3, 4]},
+                                   temperature=0)
+        running = sum(d.in_request for d in server.server.service._drafters.values())
+    assert refused.value.status_code == 502 and running == 0
+
+
+def test_allowed_token_ids_through_a_node_are_the_verifiers(models):
+    """allowed_token_ids reach the verifier (and the node's batched drafts) through a node: the
+    output is the target's greedy decoding over the allowed tokens."""
+    target, _, tokenizer = models
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    allowed = tuple(sorted(set(greedy_reference(target, prompt_ids, 12)[::2]) | {5, 9}))
+    want = adjusted_greedy_reference(target, prompt_ids, SamplingParams(allowed_token_ids=allowed), 12)
+    with verifier(models) as server, node(server, models) as edge:
+        out = api_of(edge).completions.create(model="tiny", prompt=prompt_ids, max_tokens=12, temperature=0,
+                                              extra_body={"allowed_token_ids": list(allowed), "ignore_eos": True,
+                                                          "return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == want and set(want) <= set(allowed)
+
+
 def test_min_tokens_through_a_node_holds_back_the_stop_token(models):
     """min_tokens reaches the verifier through a node: the output is the target's greedy decoding
     with the stop token (which the plain text emits second) held back until 6 tokens are out."""

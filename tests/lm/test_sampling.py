@@ -187,6 +187,7 @@ def test_min_p_rows_in_one_batch_are_each_their_own():
     dict(logit_bias=((3, 101.0),)), dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((4, 1.0), (2, 1.0))),
     dict(logit_bias=((2, 1.0), (2, 2.0))), dict(logit_bias=tuple((i, 1.0) for i in range(2000))),
     dict(min_tokens=-1), dict(min_tokens=1.5), dict(min_tokens=True), dict(eos_token_ids=(-2,)),
+    dict(allowed_token_ids=(-1,)), dict(allowed_token_ids=(4, 2)), dict(allowed_token_ids=(2, 2)),
 ])
 def test_bad_adjustments(kwargs):
     with pytest.raises(ValueError):
@@ -203,6 +204,12 @@ def test_adjusts_logits_only_when_something_is_on():
     assert not held.adjusts_logits and not held.extended and not held.penalized
     assert held.ending_with([9, 2, 9]).eos_token_ids == (2, 9) and held.ending_with([2]).adjusts_logits
     assert SamplingParams().ending_with([2]) == SamplingParams()  # nothing reads them without min_tokens
+    allowed = SamplingParams(allowed_token_ids=(2, 5))
+    assert allowed.adjusts_logits and not allowed.extended and not allowed.penalized  # a flag of its own too
+    # min_tokens holding back every allowed token leaves nothing to sample: requests refuse it
+    assert SamplingParams(min_tokens=2, allowed_token_ids=(2, 5)).ending_with([2, 5, 7]).nothing_allowed
+    assert not SamplingParams(min_tokens=2, allowed_token_ids=(2, 5)).ending_with([2]).nothing_allowed
+    assert not SamplingParams(allowed_token_ids=(2,)).ending_with([2]).nothing_allowed
 
 
 ADJUSTING = [
@@ -212,6 +219,9 @@ ADJUSTING = [
     SamplingParams(logit_bias=((5, 100.0),)),
     SamplingParams(temperature=1.0, min_tokens=6, eos_token_ids=(4, 6)),  # 4 generated: held back at 0 and 1
     SamplingParams(repetition_penalty=1.2, logit_bias=((3, 50.0),), min_tokens=6, eos_token_ids=(3,)),  # a tree's
+    SamplingParams(temperature=1.0, allowed_token_ids=(0, 4, 6, 11)),
+    SamplingParams(frequency_penalty=0.5, logit_bias=((8, 9.0),), min_tokens=6, eos_token_ids=(3,),
+                   allowed_token_ids=(3, 5, 8)),  # on a tree: 3 held back where the text is short
 ]
 
 
@@ -230,7 +240,8 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
     logits = torch.randn(len(ADJUSTING) + 1, q, vocab, generator=g, dtype=dtype) * 3
     prompt, output = [1, 2, 2, 9], [4, 4, 3, 11]
     drafts = {0: ([4, 6, 6, 1], None), 1: ([3, 8, 3, 4], [-1, 0, -1, 2]), 2: ([7, 7], None), 3: ([], None),
-              4: ([4, 6, 6, 1], None), 5: ([3, 8, 3, 4], [-1, 0, -1, 2])}
+              4: ([4, 6, 6, 1], None), 5: ([3, 8, 3, 4], [-1, 0, -1, 2]), 6: ([0, 6, 4], None),
+              7: ([3, 8, 3, 4], [-1, 0, -1, 2])}
     rows = list(range(len(ADJUSTING)))
     histories = [TokenHistory(prompt, output) for _ in rows]
     histories[3] = None  # a request that only biases needs no text
@@ -249,6 +260,21 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
     assert held == [True, True, False, False, False]  # 4 + j < 6
     assert adjusted[5, :, 3].isinf().tolist() == [True, True, False, True, False]  # the tree: 4 + path length < 6
     assert draft_paths([3, 8, 3, 4], [-1, 0, -1, 2]) == [[], [3], [3, 8], [3], [3, 4]]
+    assert adjusted[6, :4].isfinite().sum(dim=-1).tolist() == [4] * 4  # the allowed ones alone
+    assert adjusted[7, :, 3].isinf().tolist() == [True, True, False, True, False]
+    assert adjusted[7, :].isfinite().sum(dim=-1).tolist() == [2, 2, 3, 2, 3]
+
+
+def test_allowed_token_ids_past_a_drafts_vocabulary_are_left_out():
+    """A draft whose vocabulary is smaller than the target's cannot draft the allowed ids past it:
+    they are left out of its mask, and a row none of whose ids fits is left as it is."""
+    from goodspeed.lm.sampling import adjust_logits
+
+    logits = torch.randn(2, 1, 6, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(allowed_token_ids=(2, 7)), SamplingParams(allowed_token_ids=(6, 9))]
+    out = adjust_logits(logits.clone(), [0, 1], params, [None, None], [[[]], [[]]])
+    assert out[0, 0].isfinite().tolist() == [False, False, True, False, False, False]
+    assert torch.equal(out[1], logits[1])
 
 
 def test_adjusted_greedy_is_the_adjusted_argmax():
@@ -271,7 +297,8 @@ def test_adjust_logits_on_cuda_is_the_cpus():
     logits = torch.randn(len(ADJUSTING), 4, 300, generator=torch.Generator().manual_seed(5)) * 3
     histories = [TokenHistory([1, 2, 2, 9], [4, 4, 3, 11]) for _ in ADJUSTING]
     paths = [draft_paths([4, 6, 1], None), draft_paths([3, 8, 4], [-1, 0, 0]), draft_paths([7, 7, 7], None), draft_paths([], None),
-             draft_paths([4, 6, 1], None), draft_paths([3, 8, 4], [-1, 0, 0])]
+             draft_paths([4, 6, 1], None), draft_paths([3, 8, 4], [-1, 0, 0]), draft_paths([0, 6, 4], None),
+             draft_paths([3, 8, 4], [-1, 0, 0])]
     rows = list(range(len(ADJUSTING)))
     on_cpu = adjust_logits(logits.clone(), rows, ADJUSTING, histories, paths)
     on_gpu = adjust_logits(logits.cuda(), rows, ADJUSTING, histories, paths)

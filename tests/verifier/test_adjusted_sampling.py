@@ -1,4 +1,4 @@
-"""Logit bias, penalties, min-p and min_tokens stay lossless on every path: the engine's chains (edge drafts,
+"""Logit bias, penalties, min-p, min_tokens and allowed_token_ids stay lossless on every path: the engine's chains (edge drafts,
 delayed drafts decoded in transit) and trees, and local serving's policies, greedy and sampled.
 
 Greedy output must equal the target's own greedy decoding with the same settings, each step's
@@ -29,6 +29,7 @@ V = 6
 PROMPT = [1, 2, 3]
 PENALTIES = SamplingParams(temperature=1.0, presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.6)
 BIAS_MIN_P = SamplingParams(temperature=0.9, min_p=0.15, logit_bias=((0, 1.5), (4, -2.0)))
+ALLOWED = SamplingParams(temperature=1.0, allowed_token_ids=(0, 2, 3, 5), presence_penalty=0.5)
 GREEDY = {
     "repetition": SamplingParams(repetition_penalty=1.5),
     "presence-frequency": SamplingParams(presence_penalty=1.2, frequency_penalty=0.7),
@@ -169,6 +170,38 @@ def test_min_tokens_holds_the_ending_tokens_back_and_stays_exact(wide, path):
         assert outputs == want
 
 
+@pytest.mark.parametrize("path", ["edge", "edge-transit", "local-none", "local-chain", "local-tetris", "local-adaserve"])
+def test_allowed_token_ids_keep_the_text_to_them_and_stay_exact(wide, path):
+    """vLLM's allowed_token_ids (with a penalty on top): every output token is an allowed one, and
+    each output is the target's greedy decoding with the others at -inf. Edge drafts do not mask
+    (the verifier rejects what they draft outside the set); local drafts do."""
+    target, draft = wide
+    prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9]]
+    sampling = SamplingParams(allowed_token_ids=tuple(range(0, 48, 3)) + (47,), frequency_penalty=0.4)
+    want = [adjusted_greedy_reference(target, p, sampling, 16) for p in prompts]
+    assert all(set(out) <= set(sampling.allowed_token_ids) for out in want)
+    assert want != [adjusted_greedy_reference(target, p, SamplingParams(frequency_penalty=0.4), 16) for p in prompts]
+    if path.startswith("edge"):
+        outputs, results = run_edge(target, draft, sampling, prompts, 16, transit=path == "edge-transit")
+        assert sorted(outputs) == sorted(want)
+        assert sum(v.num_accepted for r in results for v in r.verdicts.values()) > 0
+    else:
+        outputs, _ = run_local(target, draft, sampling, path.removeprefix("local-"), prompts, 16)
+        assert outputs == want
+
+
+def test_allowed_token_ids_that_min_tokens_holds_back_entirely_or_past_the_vocabulary_are_refused(wide):
+    engine = VerificationEngine(wide[0], EngineConfig())
+    sid = engine.join("d")
+    with pytest.raises(InvalidTokenError):
+        engine.start_request(sid, [1, 2], SamplingParams(allowed_token_ids=(3, 48)), max_new_tokens=4)
+    with pytest.raises(MalformedDraftError, match="holds back every one"):
+        engine.start_request(sid, [1, 2], SamplingParams(min_tokens=2, allowed_token_ids=(3, 5)), max_new_tokens=4,
+                             eos_token_ids=(3, 5, 9))
+    engine.start_request(sid, [1, 2], SamplingParams(min_tokens=2, allowed_token_ids=(3, 5)), max_new_tokens=4,
+                         eos_token_ids=(3,))
+
+
 def test_a_resumed_request_counts_its_output_as_output(wide):
     """A request resumed from its verified text (an edge node's repair) says how many of its prompt
     tokens are output (``generated``): presence and frequency penalties count them, so it goes on
@@ -207,7 +240,7 @@ def test_a_resumed_request_counts_its_output_as_output(wide):
 # ------------------------------------------------------------------------------------- sampled
 
 
-@pytest.mark.parametrize("sampling", [PENALTIES, BIAS_MIN_P], ids=["penalties", "bias-min-p"])
+@pytest.mark.parametrize("sampling", [PENALTIES, BIAS_MIN_P, ALLOWED], ids=["penalties", "bias-min-p", "allowed"])
 def test_sampled_edge_chains_follow_the_adjusted_target(small, sampling):
     target, draft = small
     outputs, results = run_edge(target, draft, sampling, [PROMPT] * 800, 3, drafters=8)
@@ -245,12 +278,15 @@ def test_sampled_min_tokens_follows_the_target_that_may_not_end_yet(small, where
     assert ok, msg
 
 
-@pytest.mark.parametrize("policy", ["chain", "adaserve"])
-def test_sampled_local_serving_follows_the_adjusted_target(small, policy):
+@pytest.mark.parametrize("policy, sampling", [("chain", PENALTIES), ("adaserve", PENALTIES), ("adaserve", ALLOWED)],
+                         ids=["chain", "adaserve", "adaserve-allowed"])
+def test_sampled_local_serving_follows_the_adjusted_target(small, policy, sampling):
     target, draft = small
-    outputs, _ = run_local(target, draft, PENALTIES, policy, [PROMPT] * 600, 4)
-    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
+    outputs, _ = run_local(target, draft, sampling, policy, [PROMPT] * 600, 4)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
     assert ok, msg
+    if sampling.allowed_token_ids:
+        assert all(set(out) <= set(sampling.allowed_token_ids) for out in outputs)
 
 
 # ------------------------------------------------------------------------------------- drafting

@@ -400,6 +400,18 @@ def post(server, path, payload):
     return [json.loads(e) for e in events[:-1]]
 
 
+def refusal_of(server, path, payload) -> tuple[int, dict]:
+    """An HTTP error's status and OpenAI error object."""
+    import json
+    import urllib.error
+
+    try:
+        post(server, path, payload)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]
+    raise AssertionError("the request was not refused")
+
+
 def test_return_token_ids_gives_the_prompts_and_the_completions_ids_as_vllm(models):
     """vLLM's ``return_token_ids``: a completion choice's ``prompt_token_ids`` and ``token_ids``
     (the tokens consumed: at a stop string, up to the one that completed it), chat's prompt once
@@ -523,6 +535,28 @@ def test_logit_bias_and_penalties_reach_local_serving(models):
                                            extra_body={"ignore_eos": True, "repetition_penalty": 1.2}, temperature=0)
     assert biased.choices[0].logprobs.tokens == [tokenizer.decode([42])] * 8
     assert penalised.choices[0].text == want
+
+
+def test_allowed_token_ids_keep_the_output_to_them(models):
+    """vLLM's allowed_token_ids: the output is the target's greedy decoding over those tokens alone;
+    an id past the vocabulary, an empty list, and a min_tokens that holds back every allowed token
+    (each one ends the text) are 400s."""
+    target, _, tokenizer = models
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    allowed = sorted(set(reference_text(models, prompt_ids, 12)[0][1::2]) | {7, 42})
+    sampling = SamplingParams(allowed_token_ids=tuple(allowed))
+    want = adjusted_greedy_reference(target, prompt_ids, sampling, 12)
+    assert set(want) <= set(allowed) and want != reference_text(models, prompt_ids, 12)[0]
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    base = {"model": "tiny", "prompt": prompt_ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with front(models) as server:
+        out = post(server, "completions", {**base, "allowed_token_ids": allowed, "return_token_ids": True})
+        refusals = [refusal_of(server, "completions", {**base, **extra}) for extra in (
+            {"allowed_token_ids": [3, vocab]}, {"allowed_token_ids": []},
+            {"allowed_token_ids": [eos], "ignore_eos": False, "min_tokens": 2})]
+    assert out["choices"][0]["token_ids"] == want
+    assert [status for status, _ in refusals] == [400] * 3
+    assert [body["param"] for _, body in refusals[1:]] == ["allowed_token_ids"] * 2
 
 
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
