@@ -148,9 +148,14 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = None
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, min_p=args.min_p, presence_penalty=args.presence_penalty,
-                                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+                                  frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                                  min_tokens=args.min_tokens)
     except ValueError as exc:
         print(f"goodspeed generate: {exc}", file=sys.stderr)
+        return 2
+    if args.min_tokens > args.max_new_tokens:  # vLLM's rule
+        print(f"goodspeed generate: --min-tokens ({args.min_tokens}) must be at most --max-new-tokens ({args.max_new_tokens})",
+              file=sys.stderr)
         return 2
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         print("goodspeed generate: --logprobs and --prompt-logprobs need --json (the result's logprobs and prompt_logprobs)",
@@ -555,6 +560,8 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2, over the output (0: off)")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2, over the output (0: off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, over the prompt and the output (1: off)")
+    gen.add_argument("--min-tokens", type=NON_NEGATIVE_INT, default=0,
+                     help="the text may not end (EOS) before this many tokens (vLLM's min_tokens; 0: off)")
     gen.add_argument("--tpot-slo-ms", type=POSITIVE, default=None, help="time-per-output-token SLO (AdaServe)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout-s", type=POSITIVE, default=None)

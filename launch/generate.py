@@ -44,11 +44,15 @@ def collect(chunks, on_text=None, request: pb.GenerateRequest | None = None) -> 
     """Fold a Generate stream into one result (``on_text`` sees each text delta as it arrives).
     With the ``request`` that asked for log-probabilities, the result has ``logprobs`` (one per
     generated token: ``token_id``, ``logprob``, ``rank`` (vLLM's: null from a verifier older than
-    it), ``top`` as ``[id, logprob]`` pairs) and
-    ``prompt_logprobs`` (one per prompt token after the first), and a verifier that does not send
-    them (one older than these fields) raises :class:`MissingLogprobsError`."""
+    it), ``top`` as ``[id, logprob]`` pairs) and ``prompt_logprobs`` (one per prompt token after
+    the first), and a verifier that does not send
+    them (one older than these fields) raises :class:`MissingLogprobsError`. A request whose
+    sampling sets a field the verifier's first chunk does not say it applies (past
+    ``sampling_fields``) raises :class:`OlderVerifierError` before any text."""
     out = {"request_id": "", "prompt_ids": [], "token_ids": [], "text": "", "token_times_s": [], "finish_reason": None,
            "tpot_s": None, "num_drafted": 0, "num_accepted": 0}
+    needed = sampling_fields_used(request.sampling) if request is not None else 0
+    first = True
     wants_logprobs = request is not None and request.HasField("logprobs")
     wants_prompt = request is not None and request.HasField("prompt_logprobs")
     if wants_logprobs:
@@ -56,6 +60,12 @@ def collect(chunks, on_text=None, request: pb.GenerateRequest | None = None) -> 
     if wants_prompt:
         out["prompt_logprobs"] = None
     for chunk in chunks:
+        if first and needed > ORIGINAL_SAMPLING_FIELDS and chunk.sampling_fields < needed:  # before any text is shown
+            field = pb.SamplingParams.DESCRIPTOR.fields_by_number[needed].name
+            raise OlderVerifierError(f"the verifier does not say it applies SamplingParams.{field} (it applies fields up to "
+                                     f"{chunk.sampling_fields}; 0: it is older than GenerateChunk.sampling_fields): upgrade "
+                                     "it or leave that setting out")
+        first = False
         out["request_id"] = chunk.request_id or out["request_id"]
         if chunk.prompt_ids:
             out["prompt_ids"] = list(chunk.prompt_ids)
@@ -79,7 +89,21 @@ def collect(chunks, on_text=None, request: pb.GenerateRequest | None = None) -> 
     return out
 
 
-class MissingLogprobsError(RuntimeError):
+# temperature, top_k, top_p: every verifier applies them
+ORIGINAL_SAMPLING_FIELDS = 3
+
+
+def sampling_fields_used(sampling: pb.SamplingParams) -> int:
+    """The highest SamplingParams field number that ``sampling`` sets (0: none)."""
+    return max((field.number for field, _ in sampling.ListFields()), default=0)
+
+
+class OlderVerifierError(RuntimeError):
+    """The verifier is older than something the request needs: it says it does not apply a
+    setting, or its stream lacks a field the request asked for."""
+
+
+class MissingLogprobsError(OlderVerifierError):
     """A Generate stream lacks the log-probabilities its request asked for."""
 
 
@@ -107,7 +131,8 @@ def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeo
                 result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata), request=request)
                 print(json.dumps(result))
             else:
-                result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata), on_text=lambda t: print(t, end="", flush=True))
+                result = collect(stub.Generate(request, timeout=timeout_s, metadata=metadata), on_text=lambda t: print(t, end="", flush=True),
+                                 request=request)
                 print()
                 rate = f", {1 / result['tpot_s']:.1f} tok/s" if result["tpot_s"] else ""
                 print(f"[{len(result['token_ids'])} tokens, {result['finish_reason']}{rate}, "
@@ -115,7 +140,7 @@ def run_generate(address: str, request: pb.GenerateRequest, as_json: bool, timeo
         except grpc.RpcError as exc:
             print(f"goodspeed generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-        except MissingLogprobsError as exc:
+        except OlderVerifierError as exc:
             print(f"goodspeed generate: {exc}", file=sys.stderr)
             return 1
     return 0 if result["finish_reason"] in ("length", "eos") else 1

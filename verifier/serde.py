@@ -13,6 +13,11 @@ from goodspeed.verifier.errors import MalformedDraftError
 from goodspeed.verifier.types import Draft, SparseProbs, Verdict
 
 
+# The highest SamplingParams field this verifier reads (sampling_from_pb reads every one; a test
+# checks), which Generate's first chunk tells its client (GenerateChunk.sampling_fields).
+SAMPLING_FIELDS = max(field.number for field in pb.SamplingParams.DESCRIPTOR.fields)
+
+
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     try:
         return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, min_p=msg.min_p,

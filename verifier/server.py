@@ -46,7 +46,7 @@ from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
 from goodspeed.verifier.round_loop import Drafter, RoundLoop
-from goodspeed.verifier.serde import draft_from_pb, logprobs_to_pb, sampling_from_pb, verdict_to_pb
+from goodspeed.verifier.serde import SAMPLING_FIELDS, draft_from_pb, logprobs_to_pb, sampling_from_pb, verdict_to_pb
 from goodspeed.verifier.tls import is_loopback, server_credentials
 
 PROTOCOL_VERSION = 1
@@ -331,7 +331,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         rid = stream.request_id
         generated, text = [], ""
         async with contextlib.aclosing(stream):
-            yield pb.GenerateChunk(request_id=rid, prompt_ids=prompt_ids)
+            yield pb.GenerateChunk(request_id=rid, prompt_ids=prompt_ids, sampling_fields=SAMPLING_FIELDS)
             async for event in stream:
                 generated += event.token_ids
                 # detokenizing is CPU work too: a worker thread, never the event loop

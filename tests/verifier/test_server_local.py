@@ -11,7 +11,7 @@ import torch
 
 from goodspeed.launch import cli
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.launch.generate import MissingLogprobsError, collect, generate_request
+from goodspeed.launch.generate import MissingLogprobsError, OlderVerifierError, collect, generate_request
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.auth import ANONYMOUS, Identity
@@ -201,6 +201,24 @@ def test_a_generate_stream_without_the_log_probabilities_asked_for_is_an_error_n
     assert collect(tokens_alone)["token_ids"] == [3, 4]
 
 
+def test_a_generate_stream_from_a_verifier_that_does_not_say_it_applies_a_setting_is_an_error():
+    """GenerateChunk.sampling_fields: a verifier older than it says 0, so a request that sets a
+    field past top_p (min_p, penalties, min_tokens, ...) is refused before any text; one that sets
+    only temperature, top-k and top-p is served; a verifier that says it applies the field serves it."""
+    old = [pb.GenerateChunk(request_id="r", prompt_ids=[1, 2]), pb.GenerateChunk(token_ids=[3, 4], text="x", finished=True)]
+    shown = []
+    with pytest.raises(OlderVerifierError, match="SamplingParams.min_tokens"):
+        collect(old, on_text=shown.append, request=generate_request(prompt_ids=[1, 2], sampling=SamplingParams(min_tokens=2)))
+    with pytest.raises(OlderVerifierError, match="SamplingParams.presence_penalty"):
+        collect(old, request=generate_request(prompt_ids=[1, 2], sampling=SamplingParams(presence_penalty=0.5)))
+    assert shown == []
+    assert collect(old, request=generate_request(prompt_ids=[1, 2], temperature=1.0, top_k=3, top_p=0.5))["token_ids"] == [3, 4]
+    knows = [pb.GenerateChunk(request_id="r", prompt_ids=[1, 2], sampling_fields=9)] + old[1:]
+    assert collect(knows, request=generate_request(prompt_ids=[1, 2], sampling=SamplingParams(min_tokens=2)))["token_ids"] == [3, 4]
+    with pytest.raises(OlderVerifierError, match="allowed_token_ids"):
+        collect(knows, request=generate_request(prompt_ids=[1, 2], sampling=SamplingParams(allowed_token_ids=(3,))))
+
+
 def test_generate_cli_json(models, capsys):
     target, draft = models
     with local_server(target, draft) as server:
@@ -210,6 +228,15 @@ def test_generate_cli_json(models, capsys):
     assert out["prompt_ids"] == [1, 2, 3] and out["token_ids"] == greedy_reference(target, [1, 2, 3], 7)
     assert len(out["token_times_s"]) == 7 and out["text"] == ""  # this test server has no tokenizer
     assert "logprobs" not in out and "prompt_logprobs" not in out
+
+    with local_server(target, draft) as server:  # min_tokens (no EOS here to hold back): served, not refused
+        held = cli.main(["generate", "--verifier", server.address, "--prompt-ids", "1,2,3", "--max-new-tokens", "7", "--json",
+                         "--min-tokens", "3", "--presence-penalty", "0.5"])
+        out = json.loads(capsys.readouterr().out)
+        too_many = cli.main(["generate", "--verifier", server.address, "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                             "--min-tokens", "3"])
+    assert held == 0 and len(out["token_ids"]) == 7
+    assert too_many == 2 and "--min-tokens (3) must be at most --max-new-tokens (2)" in capsys.readouterr().err
 
 
 def test_generate_cli_log_probabilities(models, capsys):

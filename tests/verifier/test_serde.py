@@ -1,0 +1,40 @@
+"""The wire's sampling settings: the verifier reads every SamplingParams field (Generate's first
+chunk tells its client it applies each one up to the highest, ``GenerateChunk.sampling_fields``),
+and a drafter's settings arrive as they were sent."""
+
+from goodspeed.drafter.serde import sampling_to_pb
+from goodspeed.lm.sampling import SamplingParams
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.verifier.serde import SAMPLING_FIELDS, sampling_from_pb
+
+# a value off the default for every field; a new field needs one here, or the first test fails
+VALUES = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+          "repetition_penalty": 1.25, "logit_bias": {3: 1.5}, "min_tokens": 2, "allowed_token_ids": [1, 4]}
+
+
+def message(name: str, value) -> pb.SamplingParams:
+    msg = pb.SamplingParams()
+    if isinstance(value, dict):
+        getattr(msg, name).update(value)
+    elif isinstance(value, list):
+        getattr(msg, name).extend(value)
+    else:
+        setattr(msg, name, value)
+    return msg
+
+
+def test_the_verifier_reads_every_sampling_field_it_says_it_applies():
+    fields = pb.SamplingParams.DESCRIPTOR.fields
+    assert sorted(f.name for f in fields) == sorted(VALUES)
+    assert SAMPLING_FIELDS == max(f.number for f in fields)
+    plain = sampling_from_pb(pb.SamplingParams())
+    assert plain == SamplingParams(temperature=0.0)
+    for name, value in VALUES.items():
+        assert sampling_from_pb(message(name, value)) != plain, f"sampling_from_pb ignores {name}"
+
+
+def test_a_drafters_settings_arrive_as_sent():
+    """(Values a float32 holds exactly: the wire carries float32.)"""
+    sent = SamplingParams(temperature=0.75, top_k=5, top_p=0.875, min_p=0.125, presence_penalty=0.5, frequency_penalty=-0.5,
+                          repetition_penalty=1.25, logit_bias=((3, 1.5),), min_tokens=2, allowed_token_ids=(1, 4))
+    assert sampling_from_pb(sampling_to_pb(sent)) == sent
