@@ -251,6 +251,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more variables the template reads (Qwen3's enable_thinking)
+    # vLLM's: the reply starts with the last message's text when that message has the reply's role
+    # (an assistant message the model continues, or any last message without add_generation_prompt)
+    echo: bool = False
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -272,6 +275,13 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs  # chat has no echo
+
+    @property
+    def echoed(self) -> str:
+        """vLLM's chat ``echo``: the text the reply starts with, the last message's where it has the
+        reply's role (the assistant's, or the last message's own without add_generation_prompt)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and (not self.add_generation_prompt or last.role == "assistant") else ""
 
     @property
     def token_limit(self) -> int | None:

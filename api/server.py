@@ -232,9 +232,10 @@ class OpenAIServer:
         prompt_ids = await self._tokenize(await self._render_chat(body), body.add_special_tokens)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
         rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit)
+        echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
         if body.stream:
-            return await self._stream(request, identity, rid, gens, body, chat=True)
-        return await self._complete(identity, rid, gens, body, chat=True)
+            return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes)
+        return await self._complete(identity, rid, gens, body, chat=True, echoes=echoes)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /tokenize``: a prompt's token ids (``prompt``, as completions tokenize it)
@@ -567,8 +568,9 @@ class OpenAIServer:
 
     async def _complete(self, identity: str, rid: str, gens: list[GenerationRequest], body, chat: bool,
                         echoes: list[str] | None = None) -> web.Response:
-        """The whole response at once; ``echoes[i]``: the prompt text choice ``i`` starts with
-        (completions' ``echo``), whose tokens' log-probabilities come first where asked for."""
+        """The whole response at once; ``echoes[i]``: the text choice ``i`` starts with (completions'
+        ``echo``: its prompt, whose tokens' log-probabilities come first where asked for; chat's:
+        the last message's)."""
         texts = [self._text_stream(body, gen) for gen in gens]
         pieces: list[list[str]] = [[] for _ in gens]
         reasons: list[str | None] = [None] * len(gens)
@@ -592,7 +594,7 @@ class OpenAIServer:
         finally:
             await self._close(runs, streams, detach=not running)
         contents = [(echoes[i] if echoes else "") + "".join(p) for i, p in enumerate(pieces)]
-        echoed = None if echoes is None or scored is None else body.logprobs  # completions' echo with logprobs
+        echoed = None if chat or echoes is None or scored is None else body.logprobs  # completions' echo with logprobs
         logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], scored and scored[i], echoed) + kept[i],
                                                                  chat, 0, body.return_tokens_as_token_ids)
                     for i in range(len(gens))]
@@ -622,7 +624,8 @@ class OpenAIServer:
         """Admit every choice (a refusal is still a plain 4xx), send the headers at once (so the
         first token's chunk is all that is left on its path), then one event per new text of a
         choice, which the event's ``index`` names. With ``echoes`` (completions' ``echo``), a
-        choice's first event is its prompt text (and its tokens' log-probabilities, where asked for)."""
+        choice's first event is its prompt text (and its tokens' log-probabilities, where asked for);
+        chat's echo follows each choice's role event."""
         texts = [self._text_stream(body, gen) for gen in gens]
         received = None if gens[0].logprobs is None else [[] for _ in gens]
         scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
@@ -664,6 +667,8 @@ class OpenAIServer:
                 if chat:
                     for i in range(len(gens)):
                         await send(chunk(i, "", None, role=True, prompt=i == 0))
+                        if echoes is not None:  # vLLM's chat echo: the last message's text, after the role
+                            await send(chunk(i, echoes[i], None))
                 async for i, piece, reason, lps, ids in runs:
                     if echoes is not None and not opened[i]:  # the prompt's log-probabilities came with its first delta
                         opened[i] = True

@@ -87,7 +87,7 @@ def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     (dict(messages=MESSAGES, max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),
     (dict(messages=MESSAGES, top_logprobs=2), "top_logprobs"),  # needs logprobs = true
     (dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
-    (dict(messages=MESSAGES, extra_body={"echo": True}), "echo"),  # completions' field, not chat's
+    (dict(messages=MESSAGES, extra_body={"echo": "maybe"}), "echo"),
     (dict(messages=MESSAGES, max_tokens=0), "max_tokens"),
     (dict(messages=MESSAGES, stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
 ])

@@ -76,6 +76,31 @@ def test_chat_completions_render_the_chat_template(models):
     assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == text
 
 
+def test_chat_echo_starts_the_reply_with_the_assistants_open_message(models):
+    """vLLM's chat ``echo``: a reply that continues an open assistant message starts with that
+    message's text (whole: every choice's content; streamed: an event after the role's), its
+    log-probabilities and usage the completion's alone; a last message of another role than the
+    reply's is not echoed."""
+    tokenizer = models[2]
+    messages = [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "def sort"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True, add_generation_prompt=False)
+    _, text = reference_text(models, tokenizer(rendered, add_special_tokens=False)["input_ids"], 8)
+    base = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    with front(models) as server:
+        whole = post(server, "chat/completions", {**base, "n": 2, "logprobs": True, "prompt_logprobs": 0})
+        events = post(server, "chat/completions", {**base, "stream": True})
+        other = post(server, "chat/completions", {**base, "messages": messages[:1], "add_generation_prompt": True,
+                                                  "continue_final_message": False})
+    for choice in whole["choices"]:
+        assert choice["message"]["content"] == "def sort" + text and len(choice["logprobs"]["content"]) == 8
+    assert whole["usage"]["completion_tokens"] == 16 and whole["prompt_logprobs"][0] is None
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "def sort"}
+    assert "".join(d.get("content", "") for d in deltas) == "def sort" + text
+    assert not other["choices"][0]["message"]["content"].startswith("sort a list")
+
+
 def test_stop_strings_end_the_text_and_free_the_request(models):
     tokenizer = models[2]
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
