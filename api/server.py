@@ -647,12 +647,13 @@ class OpenAIServer:
             if reason is not None:  # vLLM's: with the finish_reason, the stop string or token that ended the text
                 tokens["stop_reason"] = texts[i].stop_reason
             head = {"prompt_token_ids": gens[i].prompt_ids} if body.return_token_ids and prompt else {}
+            counts = {"usage": self._usage(gens, body.n, texts)} if body.continuous_usage else usage  # the tokens so far
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
                 return {**envelope, **head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
-                                                         **tokens}], **usage}
+                                                         **tokens}], **counts}
             return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": reason,
-                                             **head, **tokens}], **usage}
+                                             **head, **tokens}], **counts}
 
         running = len(gens)  # choices not ended yet
         try:

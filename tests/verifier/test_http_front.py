@@ -60,6 +60,29 @@ def test_completions_streamed_and_not_equal_the_targets_greedy_decoding(models, 
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_give_every_chunk_the_tokens_so_far(models):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk's
+    usage counts the prompt and the completion tokens consumed up to it; the last one the whole."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with front(models) as server:
+        events = post(server, "completions", {"model": "tiny", "prompt": prompt_ids, "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True, "stream": True, "stream_options": options,
+                                              "return_token_ids": True})
+        chat = post(server, "chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True, "stream": True, "stream_options": options})
+    so_far = 0
+    for event in events[:-1]:
+        so_far += len(event["choices"][0]["token_ids"])
+        assert event["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": so_far,
+                                  "total_tokens": len(prompt_ids) + so_far}
+    assert so_far == 12 and events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    assert chat[0]["usage"]["completion_tokens"] == 0 and chat[-1]["usage"]["completion_tokens"] == 5
+    counts = [e["usage"]["completion_tokens"] for e in chat]
+    assert counts == sorted(counts) and all(e["usage"] is not None for e in chat)
+
+
 def test_chat_completions_render_the_chat_template(models):
     tokenizer = models[2]
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}]
