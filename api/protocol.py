@@ -92,6 +92,10 @@ class _Sampling(BaseModel):
     # vLLM's: each prompt token's log-probability and rank, and this many most probable tokens at its
     # position, in the response (a completion choice's; chat's once); not with stream, as vLLM's
     prompt_logprobs: int | None = None
+    # vLLM's: a prompt longer than this many tokens keeps only its last ones (truncation_side "right":
+    # its first ones); -1: the model's context
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] = "left"
     # vLLM's: only these tokens may be sampled (every other one gets a logit of -inf); at least one
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
 
@@ -126,6 +130,9 @@ class _Sampling(BaseModel):
             raise ApiError(400, "stream_options needs stream = true", param="stream_options")
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported by this server", param="best_of")
+        if self.truncate_prompt_tokens == 0:
+            raise ApiError(400, "truncate_prompt_tokens keeps at least 1 token (-1: the model's context)",
+                           param="truncate_prompt_tokens")
         if self.prompt_logprobs is not None:
             if self.prompt_logprobs == -1:
                 raise ApiError(400, f"prompt_logprobs = -1 (the whole vocabulary) is not served: at most {MAX_TOP_LOGPROBS}",
@@ -134,6 +141,14 @@ class _Sampling(BaseModel):
                 raise ApiError(400, f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}]", param="prompt_logprobs")
             if self.stream:
                 raise ApiError(400, "prompt_logprobs is not available with stream = true (as vLLM's)", param="prompt_logprobs")
+
+    def truncated(self, prompt_ids: list[int], context: int) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last (``truncation_side`` "right": first)
+        ``truncate_prompt_tokens`` tokens (-1: ``context``), or the whole prompt when it is shorter."""
+        keep = context if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if keep is None or len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[-keep:] if self.truncation_side == "left" else prompt_ids[:keep]
 
     @property
     def stop_strings(self) -> list[str]:

@@ -212,7 +212,10 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(CompletionRequest, await self._json(request))
         self._check_model(body.model)
-        prompts = [list(p) if isinstance(p, list) else await self._tokenize(p, body.add_special_tokens) for p in body.prompts]
+        cut = body.truncate_prompt_tokens is not None
+        whole = [list(p) if isinstance(p, list) else await self._tokenize(p, body.add_special_tokens, must_fit=not cut)
+                 for p in body.prompts]
+        prompts = [body.truncated(ids, self.backend.max_model_len) for ids in whole]
         # max_tokens = 0 (with echo): the prompt alone, served as a one-token request (its first
         # verdict, its last, brings the prompt's scores); its token is not returned
         limit = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
@@ -220,7 +223,9 @@ class OpenAIServer:
         echoes = None
         if body.echo:  # each choice's text starts with its prompt's: as sent, or a token-id prompt's decode
             decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
-            echoes = [p if isinstance(p, str) else decode(p) for p in body.prompts for _ in range(body.n)]
+            # a truncated prompt (truncate_prompt_tokens) echoes what was kept of it
+            echoes = [p if isinstance(p, str) and len(kept) == len(ids) else decode(kept)
+                      for p, kept, ids in zip(body.prompts, prompts, whole) for _ in range(body.n)]
         if body.stream:
             return await self._stream(request, identity, rid, gens, body, chat=False, echoes=echoes)
         return await self._complete(identity, rid, gens, body, chat=False, echoes=echoes)
@@ -229,7 +234,9 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(ChatCompletionRequest, await self._json(request))
         self._check_model(body.model)
-        prompt_ids = await self._tokenize(await self._render_chat(body), body.add_special_tokens)
+        rendered = await self._render_chat(body)
+        prompt_ids = body.truncated(await self._tokenize(rendered, body.add_special_tokens,
+                                                         must_fit=body.truncate_prompt_tokens is None), self.backend.max_model_len)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
         rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit)
         echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
@@ -309,12 +316,13 @@ class OpenAIServer:
     def _identify(self, request: web.Request) -> str:
         return self.authorize(request.headers.get("Authorization")) if self.authorize is not None else "anonymous"
 
-    async def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def _tokenize(self, text: str, add_special_tokens: bool, must_fit: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's special tokens, e.g. BOS, where asked):
         inline when short (a thread hop costs more than a short prompt's tokenization), on a worker
         thread when long, never stalling the event loop for long. Text too long to fit the context
-        at any tokenization is refused before any CPU is spent on it."""
-        if len(text) > MAX_CHARS_PER_TOKEN * self.backend.max_model_len:
+        at any tokenization is refused before any CPU is spent on it (unless it need not fit: a
+        prompt ``truncate_prompt_tokens`` cuts; the body's size bounds it then)."""
+        if must_fit and len(text) > MAX_CHARS_PER_TOKEN * self.backend.max_model_len:
             raise ApiError(400, f"a prompt of {len(text)} characters cannot fit this model's context of "
                                 f"{self.backend.max_model_len} tokens", code="context_length_exceeded")
         if len(text) <= INLINE_CHARS:

@@ -83,6 +83,29 @@ def test_continuous_usage_stats_give_every_chunk_the_tokens_so_far(models):
     assert counts == sorted(counts) and all(e["usage"] is not None for e in chat)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens(models):
+    """vLLM's ``truncate_prompt_tokens``: a longer prompt keeps its last tokens (``truncation_side``
+    "right": its first), as counted, generated from and echoed; -1 is the context; a text past what
+    the context could hold is served when it is cut; 0 and -2 are 400s."""
+    tokenizer = models[2]
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    base = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with front(models) as server:
+        last = post(server, "completions", {**base, "prompt": prompt_ids, "truncate_prompt_tokens": 4, "echo": True})
+        first = post(server, "completions", {**base, "prompt": PROMPT, "truncate_prompt_tokens": 4, "truncation_side": "right"})
+        whole = post(server, "completions", {**base, "prompt": PROMPT, "truncate_prompt_tokens": -1})
+        huge = post(server, "completions", {**base, "prompt": "x = 1\n" * 40_000, "truncate_prompt_tokens": 8})
+        chat = post(server, "chat/completions", {**base, "messages": MESSAGES, "truncate_prompt_tokens": 5})
+        refusals = [refusal_of(server, "completions", {**base, "prompt": PROMPT, "truncate_prompt_tokens": k}) for k in (0, -2)]
+    kept = prompt_ids[-4:]
+    assert last["usage"]["prompt_tokens"] == 4
+    assert last["choices"][0]["text"] == tokenizer.decode(kept) + reference_text(models, kept, 6)[1]
+    assert first["usage"]["prompt_tokens"] == 4 and first["choices"][0]["text"] == reference_text(models, prompt_ids[:4], 6)[1]
+    assert whole["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert huge["usage"]["prompt_tokens"] == 8 and chat["usage"]["prompt_tokens"] == 5
+    assert [(status, body["param"]) for status, body in refusals] == [(400, "truncate_prompt_tokens")] * 2
+
+
 def test_chat_completions_render_the_chat_template(models):
     tokenizer = models[2]
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}]
