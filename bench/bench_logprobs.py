@@ -6,8 +6,10 @@
 Times :func:`goodspeed.verifier.verify_rows.committed_logprobs` on random logits ``[rows, positions
 + 1, V]``: ``rows`` requests asking, each with ``positions`` committed tokens this step (what a
 step of drafts two-thirds accepted commits), for each vocabulary size (the demo's, SmolLM2's and
-Qwen3's), with no top tokens and with the top 5. Median of ``--repeats`` calls after two discarded.
-This is the work a step adds when requests ask; the rest of the step is unchanged.
+Qwen3's), with no top tokens and with the top 5, each without and with the tokens' ranks (which
+only prompt scores compute: vLLM's ``prompt_logprobs``). Median of ``--repeats`` calls after two
+discarded, the variants interleaved. This is the work a step adds when requests ask; the rest of
+the step is unchanged.
 """
 
 from __future__ import annotations
@@ -39,19 +41,22 @@ def main() -> int:
     out = []
     for vocab in args.vocab:
         logits = torch.randn(args.rows, args.positions + 1, vocab, generator=generator).to(args.device)
-        for top in (0, 5):
-            wanted = [(r, list(range(args.positions)), [1] * args.positions, top) for r in range(args.rows)]
-            times = []
-            for i in range(args.repeats + 2):
+        variants = [(top, ranks) for top in (0, 5) for ranks in (False, True)]
+        times: dict[tuple[int, bool], list[float]] = {v: [] for v in variants}
+        for i in range(args.repeats + 2):
+            for top, ranks in variants:  # interleaved: a machine's drift falls on every variant alike
+                wanted = [(r, list(range(args.positions)), [1] * args.positions, top) for r in range(args.rows)]
                 if args.device != "cpu":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                committed_logprobs(logits, wanted)  # ends with copies to the host: synchronous
+                committed_logprobs(logits, wanted, ranks=ranks)  # ends with copies to the host: synchronous
                 if i >= 2:
-                    times.append(time.perf_counter() - start)
-            out.append({"vocab": vocab, "top": top, "tokens": args.rows * args.positions, "ms": 1e3 * statistics.median(times)})
+                    times[top, ranks].append(time.perf_counter() - start)
+        for top, ranks in variants:
+            out.append({"vocab": vocab, "top": top, "ranks": ranks, "tokens": args.rows * args.positions,
+                        "ms": 1e3 * statistics.median(times[top, ranks])})
             if not args.json:
-                print(f"V = {vocab:>6}, top {top}: {out[-1]['ms']:.3f} ms for {out[-1]['tokens']} tokens")
+                print(f"V = {vocab:>6}, top {top}{', ranks' if ranks else ''}: {out[-1]['ms']:.3f} ms for {out[-1]['tokens']} tokens")
     if args.json:
         print(json.dumps({"device": args.device, "threads": args.threads, "results": out}, indent=2))
     return 0

@@ -53,8 +53,10 @@ class TokenLogprob:
     top-k and top-p: vLLM's default), the ``top`` most probable tokens at that position, and the
     token's ``rank`` there: vLLM's, the count of tokens at least as probable, itself included (1:
     the most probable; tokens tied with it count against it). The ``i``-th of ``top`` ranks ``i + 1``.
-    ``rank`` is None where it is not known: from a verifier older than it, and for an echoed
-    prompt's first token, which follows nothing."""
+    ``rank`` is known for a prompt's scores only (vLLM's ``prompt_logprobs`` shows it; on a CPU it
+    costs about another log-softmax over the vocabulary, which no generated token's format needs):
+    None for generated tokens, from a verifier older than it, and for an echoed prompt's first
+    token, which follows nothing."""
 
     token_id: int
     logprob: float

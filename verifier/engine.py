@@ -616,12 +616,13 @@ class VerificationEngine:
     SCORE_BLOCK = 512
 
     def _score_prompts(self, chunks: list[tuple[int, list[int]]], logits: list[torch.Tensor]) -> None:
-        """Keep each chunk's prompt log-probabilities on its request: the logits at a prompt
-        token's position are those of the token after it (raw logits, as a verdict's ``logprobs``)."""
+        """Keep each chunk's prompt log-probabilities on its request, with their ranks (vLLM's
+        ``prompt_logprobs`` shows them): the logits at a prompt token's position are those of the
+        token after it (raw logits, as a verdict's ``logprobs``, which carry no ranks)."""
         for (slot, chunk), chunk_logits in zip(chunks, logits):
             request, done = self._request_at(slot), self.cache.lengths[slot]
             wanted = [(0, range(len(chunk)), request.committed[done + 1 : done + 1 + len(chunk)], request.prompt_logprobs)]
-            request.prompt_scores += committed_logprobs(chunk_logits.unsqueeze(0), wanted)[0]
+            request.prompt_scores += committed_logprobs(chunk_logits.unsqueeze(0), wanted, ranks=True)[0]
 
     def _forward(self, window: slice, tokens: list[list[int]], parents: list[list[int] | None],
                  rows: list[int], solo: tuple[int, ...] = (), read: list[int] = ()) -> tuple[torch.Tensor | None, list[torch.Tensor]]:

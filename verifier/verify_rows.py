@@ -155,15 +155,17 @@ class RowVerifier:
         return RowOutcome(kept, [row.tokens[k] for k in kept[1:]] + [res.next_token], res.tested_ratios)
 
 
-def committed_logprobs(logits: torch.Tensor, wanted: Sequence[tuple[int, Sequence[int], Sequence[int], int]]) -> list[list[TokenLogprob]]:
+def committed_logprobs(logits: torch.Tensor, wanted: Sequence[tuple[int, Sequence[int], Sequence[int], int]],
+                       ranks: bool = False) -> list[list[TokenLogprob]]:
     """The target's log-probabilities of committed tokens, read off a step's logits: ``wanted[i] =
     (row, positions, tokens, top)`` asks, for each ``tokens[j]``, its log-probability under the
     distribution at ``logits[row, positions[j]]`` (the position whose next token it is) and the
-    ``top`` most probable tokens there, and its rank (vLLM's: how many tokens are at least as
-    probable, itself included). Raw logits (no temperature, top-k or top-p: vLLM's default
-    ``raw_logprobs``), log-softmax in float32: one log-softmax, one comparison and one top-k over
-    the vocabulary for every asked position of the step at once, their results brought to the
-    host as lists. Reads the logits only: verification is untouched."""
+    ``top`` most probable tokens there, and with ``ranks`` its rank (vLLM's: how many tokens are
+    at least as probable, itself included; else None). Raw logits (no temperature, top-k or top-p:
+    vLLM's default ``raw_logprobs``), log-softmax in float32: one log-softmax and one top-k over the
+    vocabulary for every asked position of the step at once (and one comparison for the ranks,
+    which on a CPU costs about as much as the log-softmax: only prompt scores ask for them), their
+    results brought to the host as lists. Reads the logits only: verification is untouched."""
     flat = [(row, pos) for row, positions, _, _ in wanted for pos in positions]
     if not flat:
         return [[] for _ in wanted]
@@ -173,7 +175,7 @@ def committed_logprobs(logits: torch.Tensor, wanted: Sequence[tuple[int, Sequenc
     logprobs = torch.log_softmax(logits[rows, positions].float(), dim=-1)
     tokens = torch.tensor([t for _, _, toks, _ in wanted for t in toks], device=device)
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
-    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    ranked = (logprobs >= chosen).sum(dim=-1).tolist() if ranks else [None] * len(flat)
     chosen = chosen.squeeze(1).tolist()
     top = max(k for *_, k in wanted)
     top_values, top_ids = (logprobs.topk(top, dim=-1) if top else (None, None))
@@ -182,6 +184,6 @@ def committed_logprobs(logits: torch.Tensor, wanted: Sequence[tuple[int, Sequenc
     out, i = [], 0
     for _, positions, toks, k in wanted:
         out.append([TokenLogprob(int(t), chosen[i + j], tuple(zip(top_ids[i + j][:k], top_values[i + j][:k])) if k else (),
-                                 ranks[i + j]) for j, t in enumerate(toks)])
+                                 ranked[i + j]) for j, t in enumerate(toks)])
         i += len(positions)
     return out

@@ -175,16 +175,16 @@ def test_generate_sends_the_targets_log_probabilities_of_its_tokens_and_of_the_p
     with torch.no_grad():
         rows = torch.log_softmax(target(torch.tensor([prompt + generated])).logits[0].float(), dim=-1)
 
-    def check(entries, ids, at, top):
+    def check(entries, ids, at, top, ranked):
         assert [e["token_id"] for e in entries] == ids
         expected = rows[at].gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
         assert torch.allclose(torch.tensor([e["logprob"] for e in entries]), expected, atol=1e-4)
         for e, row in zip(entries, rows[at]):
-            assert e["rank"] in reference_ranks(row, e["token_id"])
+            assert e["rank"] in reference_ranks(row, e["token_id"]) if ranked else e["rank"] is None
             assert torch.allclose(torch.tensor([x for _, x in e["top"]]), row.topk(top).values, atol=1e-4)
 
-    check(result["logprobs"], generated, slice(len(prompt) - 1, -1), 2)
-    check(result["prompt_logprobs"], prompt[1:], slice(0, len(prompt) - 1), 1)
+    check(result["logprobs"], generated, slice(len(prompt) - 1, -1), 2, ranked=False)  # ranks: prompt scores only
+    check(result["prompt_logprobs"], prompt[1:], slice(0, len(prompt) - 1), 1, ranked=True)
     with_tokens = [c for c in chunks if c.token_ids]
     assert len(with_tokens[0].prompt_logprobs) == len(prompt) - 1 and not any(c.prompt_logprobs for c in with_tokens[1:])
     assert "logprobs" not in plain and not any(c.logprobs or c.prompt_logprobs for c in plain_chunks)
