@@ -43,10 +43,10 @@ def _logprob_dicts(logprobs) -> list[dict]:
 def collect(chunks, on_text=None, request: pb.GenerateRequest | None = None) -> dict:
     """Fold a Generate stream into one result (``on_text`` sees each text delta as it arrives).
     With the ``request`` that asked for log-probabilities, the result has ``logprobs`` (one per
-    generated token: ``token_id``, ``logprob``, ``rank`` (vLLM's, for prompt tokens; null for
-    generated ones and from a verifier older than it), ``top`` as ``[id, logprob]`` pairs) and ``prompt_logprobs`` (one per prompt token after
-    the first), and a verifier that does not send them (one older than these fields) raises
-    :class:`MissingLogprobsError`. A request whose sampling sets a field the verifier's first
+    generated token) and ``prompt_logprobs`` (one per prompt token after the first), each entry
+    ``token_id``, ``logprob``, ``rank`` (vLLM's: a prompt token's; null for a generated one, and
+    from a verifier older than the field) and ``top`` as ``[id, logprob]`` pairs; a verifier that
+    does not send them (one older than these fields) raises :class:`MissingLogprobsError`. A request whose sampling sets a field the verifier's first
     chunk does not say it applies (past ``sampling_fields``) raises :class:`OlderVerifierError`
     before any text."""
     out = {"request_id": "", "prompt_ids": [], "token_ids": [], "text": "", "token_times_s": [], "finish_reason": None,

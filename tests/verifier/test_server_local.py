@@ -180,7 +180,7 @@ def test_generate_sends_the_targets_log_probabilities_of_its_tokens_and_of_the_p
         expected = rows[at].gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
         assert torch.allclose(torch.tensor([e["logprob"] for e in entries]), expected, atol=1e-4)
         for e, row in zip(entries, rows[at]):
-            assert e["rank"] in reference_ranks(row, e["token_id"]) if ranked else e["rank"] is None
+            assert (e["rank"] in reference_ranks(row, e["token_id"])) if ranked else (e["rank"] is None)
             assert torch.allclose(torch.tensor([x for _, x in e["top"]]), row.topk(top).values, atol=1e-4)
 
     check(result["logprobs"], generated, slice(len(prompt) - 1, -1), 2, ranked=False)  # ranks: prompt scores only
