@@ -229,7 +229,8 @@ class DraftRunner:
         if not sampling.adjusts_logits:
             return logits
         if self._history is None:
-            self._history = TokenHistory(self.committed[: self._prompt_len], self.committed[self._prompt_len :])
+            self._history = TokenHistory(self.committed[: self._prompt_len], self.committed[self._prompt_len :],
+                                         sampling.structured)
         adjusted = logits.to(torch.float32, copy=True).view(1, 1, -1)  # a replayed graph's output stays as it is
         return adjust_logits(adjusted, [0], [sampling], [self._history], [[list(self.ahead)]]).view(-1)
 

@@ -16,8 +16,9 @@ or the output is divided by the penalty where positive, multiplied where negativ
 frequency and presence penalties (OpenAI's: ``count * frequency + (count > 0) * presence`` taken
 off a token's logit, ``count`` its occurrences in the output), then vLLM's ``min_tokens`` (the
 tokens that end the text, EOS and the request's stop token ids, get a logit of -inf while fewer
-than ``min_tokens`` tokens are generated), and vLLM's ``allowed_token_ids`` (every other token gets
-a logit of -inf). The penalties and ``min_tokens`` read the text before
+than ``min_tokens`` tokens are generated), vLLM's ``allowed_token_ids`` (every other token gets
+a logit of -inf), and a structured output's grammar (:mod:`goodspeed.lm.structured`: every token
+it refuses after the text gets -inf). The penalties, ``min_tokens`` and the grammar read the text before
 each position, so a speculative row's positions each see the history plus the drafted tokens
 before them (:class:`TokenHistory` and the ``paths`` of :func:`adjust_logits`): the target's
 adjusted distribution at each position is the one plain decoding would sample from there, and
@@ -33,6 +34,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+from goodspeed.lm.structured import Constraint, Structure, allowed
 
 
 # Below this (and above 0) ``logits / temperature`` overflows float32 to inf and the softmax to NaN
@@ -86,6 +89,7 @@ class SamplingParams:
     min_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    structured: Structure | None = None  # a grammar the text must match (goodspeed.lm.structured)
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -124,6 +128,13 @@ class SamplingParams:
         if any(t < 0 for t in allowed) or list(allowed) != sorted(set(allowed)):
             raise ValueError("allowed_token_ids must be >= 0, distinct and ascending")
         object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.structured is not None and not isinstance(self.structured, Structure):
+            raise ValueError(f"structured must be a goodspeed.lm.structured.Structure, got {type(self.structured).__name__}")
+        if self.structured is not None and (self.min_tokens or self.allowed_token_ids):
+            # Either could leave a position with no token the grammar allows (min_tokens holding
+            # back the EOS that a complete text needs; allowed ids outside the grammar's).
+            raise ValueError("structured output cannot be combined with "
+                             + ("min_tokens" if self.min_tokens else "allowed_token_ids"))
 
     def ending_with(self, eos_token_ids: Sequence[int]) -> SamplingParams:
         """These settings with the request's ending tokens, which ``min_tokens`` holds back (itself
@@ -151,9 +162,9 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """:func:`adjust_logits` changes this request's logits (a penalty, a logit bias,
-        min_tokens holding back its ending tokens, or allowed_token_ids)."""
+        min_tokens holding back its ending tokens, allowed_token_ids, or a structured output grammar)."""
         return (self.penalized or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.eos_token_ids))
-                or bool(self.allowed_token_ids))
+                or bool(self.allowed_token_ids) or self.structured is not None)
 
     @property
     def nothing_allowed(self) -> bool:
@@ -166,14 +177,19 @@ class TokenHistory:
     """A request's text as its penalties read it: the prompt's distinct token ids (the repetition
     penalty counts them as seen), how often each token occurs in the output, and how many tokens
     the output holds (``min_tokens`` reads that). Extended with each committed token; a speculative
-    row's drafted tokens come on top as :func:`adjust_logits`' ``paths``, never into the history itself."""
+    row's drafted tokens come on top as :func:`adjust_logits`' ``paths``, never into the history itself.
+    With a bound ``structure`` it also holds the request's grammar matcher (``constraint``), which
+    consumes the output (:class:`~goodspeed.lm.structured.StructureError` if the grammar refuses it)."""
 
-    def __init__(self, prompt: Sequence[int], output: Sequence[int] = ()) -> None:
+    def __init__(self, prompt: Sequence[int], output: Sequence[int] = (), structure: Structure | None = None) -> None:
         self.prompt = _sorted_unique(np.asarray(list(prompt), dtype=np.int64))
         self.counts: Counter[int] = Counter(int(t) for t in output)
         self.generated = len(output)
+        self.constraint: Constraint | None = None if structure is None else structure.constraint(output)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        if self.constraint is not None:
+            self.constraint.extend(tokens)
         self.counts.update(int(t) for t in tokens)
         self.generated += len(tokens)
 
@@ -196,13 +212,14 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     node's ancestors and itself). Positions ``j >= len(paths[i])`` are left as they are. In vLLM's
     order: bias, then repetition over the prompt and the output, then frequency and presence over
     the output; then ``min_tokens``: a position whose text holds fewer than ``min_tokens`` output
-    tokens (the history's plus its path's) gets -inf for each of ``eos_token_ids``; last,
-    ``allowed_token_ids``: every other token gets -inf (-inf commutes with the steps before, so
-    the order is vLLM's result). The work touches only the tokens some setting names (the
+    tokens (the history's plus its path's) gets -inf for each of ``eos_token_ids``; then
+    ``allowed_token_ids``: every other token gets -inf; last, a structured output's grammar (the
+    history's ``constraint``): every token it does not allow after the position's text gets -inf
+    (-inf commutes with the steps before, so the order is vLLM's result). The work touches only the tokens some setting names (the
     bias's, the prompt's and the output's, the drafted ones, the ending ones): it gathers those
     logits, adjusts them in the logits' dtype (callers pass float32 or wider), and scatters them
-    back, so its cost does not grow with the vocabulary; ``allowed_token_ids`` alone fills its
-    row's positions over the vocabulary. Allowed ids at or past ``logits``' vocabulary are left
+    back, so its cost does not grow with the vocabulary; ``allowed_token_ids`` and a grammar alone
+    fill their row's positions over the vocabulary. Allowed ids at or past ``logits``' vocabulary are left
     out (a draft with a smaller vocabulary cannot draft them); a row none of whose ids fits is
     left unmasked, which only a draft's can be (the target's check refuses such ids).
     """
@@ -212,7 +229,22 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     _penalize(logits, rows, params, histories, paths, [i for i in chosen if params[i].penalized or params[i].logit_bias])
     _hold_back_endings(logits, rows, params, histories, paths, [i for i in chosen if params[i].min_tokens])
     _allow_only(logits, rows, params, paths, [i for i in chosen if params[i].allowed_token_ids])
+    _constrain(logits, rows, histories, paths, [i for i in chosen if histories[i] is not None and histories[i].constraint])
     return logits
+
+
+def _constrain(logits: torch.Tensor, rows, histories, paths, chosen: list[int]) -> None:
+    """Structured output (:mod:`goodspeed.lm.structured`): -inf for every token the grammar does
+    not allow after the row's text and each position's path. A position the grammar cannot reach
+    (its path leaves the grammar) is left as it is, and so is one that allows no token of
+    ``logits``' vocabulary (a draft's smaller one: only a draft's can be)."""
+    vocab = logits.shape[-1]
+    for i in chosen:
+        bits, reachable = histories[i].constraint.masks(paths[i])
+        ok = allowed(bits, vocab)
+        ok[~torch.from_numpy(reachable)] = True
+        ok[~ok.any(dim=-1)] = True
+        logits[rows[i], : len(paths[i])].masked_fill_(~ok.to(logits.device), float("-inf"))
 
 
 def _allow_only(logits: torch.Tensor, rows, params, paths, chosen: list[int]) -> None:

@@ -49,15 +49,16 @@ def reference_ranks(row, token: int, atol: float = 1e-4) -> range:
     return range(int((row > value + atol).sum()) + 1, int((row >= value - atol).sum()) + 1)
 
 
-def adjusted_greedy_reference(model, prompt, sampling, max_new_tokens, generated=0):
-    """The target's own greedy decoding with ``sampling``'s logit bias and penalties, each step's
-    logits adjusted by the text before it (``statkit.reference_adjust``), recomputed from scratch.
-    ``generated``: the prompt's last tokens are output already (the penalties count them so)."""
+def adjusted_greedy_reference(model, prompt, sampling, max_new_tokens, generated=0, eos=None):
+    """The target's own greedy decoding with ``sampling``'s logit bias and penalties (and grammar),
+    each step's logits adjusted by the text before it (``statkit.reference_adjust``), recomputed
+    from scratch. ``generated``: the prompt's last tokens are output already (the penalties count
+    them so). ``eos``: the text ends at this token (kept in the output)."""
     from statkit import reference_adjust
 
     seq, split = list(prompt), len(prompt) - generated
     with torch.inference_mode():
-        for _ in range(max_new_tokens):
+        while len(seq) - len(prompt) < max_new_tokens and (eos is None or len(seq) == len(prompt) or seq[-1] != eos):
             logits = reference_adjust(model(input_ids=torch.tensor([seq])).logits[0, -1], sampling, seq[:split], seq[split:])
             seq.append(int(torch.argmax(logits)))
     return seq[len(prompt):]

@@ -47,7 +47,7 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
     """``logits [V]`` with the request's logit bias and penalties, written out densely from their
     definitions in vLLM's order (bias; repetition over prompt and output; frequency and presence
     over the output; min_tokens' ending tokens at -inf while the output is shorter; every token
-    but allowed_token_ids at -inf): the reference the sparse :func:`goodspeed.lm.sampling.adjust_logits` is
+    but allowed_token_ids at -inf; every token a structured output's grammar refuses at -inf): the reference the sparse :func:`goodspeed.lm.sampling.adjust_logits` is
     tested against."""
     x = logits.clone()
     vocab = x.shape[-1]
@@ -66,7 +66,20 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
         others = torch.ones(vocab, dtype=torch.bool)
         others[list(sampling.allowed_token_ids)] = False
         x[others] = float("-inf")
+    if sampling.structured is not None:  # a grammar: no token it refuses after the output
+        x[~grammar_allows(sampling.structured, output, vocab)] = float("-inf")
     return x
+
+
+def grammar_allows(structure, output: list[int], vocab: int) -> torch.Tensor:
+    """``[vocab]`` bool: the tokens a fresh matcher of ``structure`` allows after ``output``, read
+    bit by bit from llguidance's bytes (not through :func:`goodspeed.lm.structured.allowed`)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(structure.tokenizer, structure.grammar, log_level=0)
+    assert matcher.consume_tokens(list(output)), matcher.get_error()
+    mask = matcher.compute_bitmask()
+    return torch.tensor([t < 8 * len(mask) and bool(mask[t // 8] >> (t % 8) & 1) for t in range(vocab)])
 
 
 def exact_first_two(model, prompt: list[int], sampling: SamplingParams, eos: int | None = None) -> np.ndarray:

@@ -71,6 +71,7 @@ import torch
 
 from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
+from goodspeed.lm.structured import Structure, StructureError
 from goodspeed.scheduler import DraftAllotments, OwnerSizedAllotments
 from goodspeed.verifier import errors
 from goodspeed.lm.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
@@ -238,7 +239,7 @@ class VerificationEngine:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
         prompt = [int(t) for t in prompt_ids]
         sampling = sampling.ending_with(eos_token_ids)  # min_tokens holds these back
-        self.check_request(prompt, max_new_tokens, logprobs, sampling, generated, prompt_logprobs)
+        self.check_request(prompt, max_new_tokens, logprobs, sampling, generated, prompt_logprobs, eos_token_ids)
         slot = self.slots.add(session_id)
         generator = None if seed is None else torch_generator(resolve_root_seed(seed), "request", "verify")
         session.request = Request(prompt, len(prompt), sampling, int(max_new_tokens), frozenset(int(t) for t in eos_token_ids),
@@ -346,11 +347,31 @@ class VerificationEngine:
             started[sid] = session.source.start(sid, session.request.remaining)
         return started
 
+    def _check_structure(self, structure: Structure, output: list[int], eos_token_ids: Sequence[int]) -> None:
+        if not structure.is_bound:
+            raise errors.MalformedDraftError("a structured output constraint must be compiled against the target's tokenizer")
+        if structure.tokenizer.vocab_size > self.vocab_size:
+            raise errors.MalformedDraftError(f"the constraint's tokenizer has {structure.tokenizer.vocab_size} tokens, "
+                                             f"past the target's vocabulary of {self.vocab_size}")
+        if not set(structure.tokenizer.eos_tokens) & {int(t) for t in eos_token_ids}:
+            raise errors.MalformedDraftError(
+                f"structured output ends the text with EOS ({structure.tokenizer.eos_token}), which is not one of the "
+                "request's ending tokens (ignore_eos cannot be combined with it)")
+        try:
+            failure = structure.constraint(output).failure
+        except StructureError as exc:
+            raise errors.MalformedDraftError(f"the resumed output does not match the constraint: {exc}") from None
+        if failure is not None:
+            raise errors.MalformedDraftError(failure)
+
     def check_request(self, prompt: list[int], max_new_tokens: int, logprobs: int | None = None,
                       sampling: SamplingParams | None = None, generated: int = 0,
-                      prompt_logprobs: int | None = None) -> None:
+                      prompt_logprobs: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         """Raise the error a request with this prompt, length, ``logprobs``, sampling settings,
-        resumed output and ``prompt_logprobs`` would get (nothing changes)."""
+        resumed output, ``prompt_logprobs`` and ending tokens would get (nothing changes). A
+        structured output's grammar must be bound to the target's tokenizer, end the text with one
+        of ``eos_token_ids`` (its EOS, which it allows alone once the text is complete) and accept
+        the resumed output."""
         if not prompt:
             raise errors.MalformedDraftError("the prompt must hold at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -372,6 +393,8 @@ class VerificationEngine:
                                              "no token could be sampled")
         if not 0 <= generated <= len(prompt):
             raise errors.MalformedDraftError(f"generated must lie in 0..{len(prompt)} (the prompt's length), got {generated}")
+        if sampling is not None and sampling.structured is not None:
+            self._check_structure(sampling.structured, prompt[len(prompt) - generated:], eos_token_ids)
         if len(prompt) >= self.max_seq_len:
             raise errors.PromptTooLongError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len}")
         if len(prompt) + max_new_tokens > self.max_seq_len:
@@ -748,13 +771,17 @@ class VerificationEngine:
 
 def _until_end(request, emitted: list[int]) -> tuple[list[int], str | None]:
     """``emitted`` cut where the request ends, and why it ends there (``"eos"``: its first EOS,
-    kept; ``"length"``: its last token), or ``None`` if it goes on."""
+    kept; ``"length"``: its last token; ``"error: ..."``: its grammar failed, and its masks
+    forced the EOS), or ``None`` if it goes on."""
     cut, reason = len(emitted), None
     eos_at = next((i for i, tok in enumerate(emitted) if tok in request.eos_token_ids), None)
     if eos_at is not None:
         cut, reason = eos_at + 1, "eos"
     if cut > request.remaining or (cut == request.remaining and reason is None):
         cut, reason = request.remaining, "length"
+    constraint = request.history.constraint if request.history is not None else None
+    if reason is not None and constraint is not None and constraint.failure is not None:
+        reason = f"error: {constraint.failure}"
     return emitted[:cut], reason
 
 

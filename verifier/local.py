@@ -220,7 +220,7 @@ class LocalRequest:
     def __post_init__(self) -> None:
         self.committed = list(self.prompt_ids) + self.generated
         self.generator = None if self.seed is None else torch_generator(self.seed, "request", "draft")
-        self.history = TokenHistory(self.prompt_ids, self.generated) if self.sampling.adjusts_logits else None
+        self.history = TokenHistory(self.prompt_ids, self.generated, self.sampling.structured) if self.sampling.adjusts_logits else None
 
     def commit(self, tokens: list[int], at: float) -> None:
         self.generated.extend(tokens)
@@ -328,7 +328,8 @@ class LocalServing:
         (:meth:`VerificationEngine.start_request`)."""
         prompt = [int(t) for t in prompt_ids]
         sampling = sampling.ending_with(eos_token_ids)  # min_tokens holds these back, in the draft's logits too
-        self.engine.check_request(prompt, max_new_tokens, logprobs, sampling, prompt_logprobs=prompt_logprobs)
+        self.engine.check_request(prompt, max_new_tokens, logprobs, sampling, prompt_logprobs=prompt_logprobs,
+                                  eos_token_ids=eos_token_ids)
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
         if len(self._waiting) >= self.config.max_waiting:

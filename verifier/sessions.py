@@ -112,7 +112,7 @@ class Request:
         update_prefix_hasher(self.hasher, self.committed)
         if self.sampling.adjusts_logits:
             split = self.prompt_len - self.generated
-            self.history = TokenHistory(self.committed[:split], self.committed[split:])
+            self.history = TokenHistory(self.committed[:split], self.committed[split:], self.sampling.structured)
 
     @property
     def remaining(self) -> int:

@@ -12,17 +12,14 @@ sampled test (power check)."""
 import pytest
 import torch
 
-from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits
-from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError
-from goodspeed.verifier.local import LocalConfig, LocalServing, SimulatedClock
 from goodspeed.verifier.types import Draft
 from modelkit import adjusted_greedy_reference, perturbed, tiny_llama
+from pathkit import PATHS, on_path, run_edge, run_local
 from statkit import count_first_two, exact_first_two, fits, reference_adjust
 
 V = 6
@@ -35,7 +32,6 @@ GREEDY = {
     "presence-frequency": SamplingParams(presence_penalty=1.2, frequency_penalty=0.7),
     "bias": SamplingParams(logit_bias=((3, 2.5), (10, -100.0))),
 }
-TARGET_COST, DRAFT_COST = LatencyModel(1e-6, 2e-4, 0.010), LatencyModel(1e-7, 2e-5, 0.001)
 
 
 @pytest.fixture(scope="module")
@@ -49,31 +45,6 @@ def wide():
     """A 48-token vocabulary: long greedy outputs repeat tokens, so the penalties change them."""
     target = tiny_llama(7, vocab=48)
     return target, perturbed(target, 0.3, 8)
-
-
-def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, drafters=4, eos=()):
-    """``prompts`` over ``drafters`` in-process edge drafters in one engine; outputs in prompt order
-    per drafter. ``transit``: every other draft is delayed a step and the engine decodes meanwhile.
-    ``eos``: the requests' ending tokens (the drafters' runners draft without them)."""
-    engine = VerificationEngine(target, EngineConfig(budget=8 * drafters, max_draft_len=4, transit_tokens=2 if transit else 0))
-    ds = [InProcessDrafter(f"d{i}", DraftRunner(draft), prompts[i::drafters], sampling, max_new_tokens, transit=transit)
-          for i in range(drafters)]
-    results = run_inprocess(engine, ds, eos, delay=(lambda d: d.round_index % 2) if transit else None)
-    return [out for d in ds for out in d.outputs], results
-
-
-def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=()):
-    engine = VerificationEngine(target, EngineConfig())
-    config = LocalConfig(policy=policy, k=2, extra=2, budget=24, max_requests=8, max_waiting=len(prompts))
-    serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
-    for i, prompt in enumerate(prompts):
-        serving.submit(prompt, sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos, tpot_slo_ms=None if i % 2 else 12.0)
-    while serving.step() is not None:
-        pass
-    assert len(serving.finished) == len(prompts)
-    if policy != "none":
-        assert serving.stats()["drafted"] > len(prompts)
-    return [r.generated for r in sorted(serving.finished, key=lambda r: int(r.request_id.split("-")[1]))], serving
 
 
 # ------------------------------------------------------------------------------------- greedy
@@ -145,7 +116,7 @@ def ended(tokens, eos):
     return tokens[: cut + 1]
 
 
-@pytest.mark.parametrize("path", ["edge", "edge-transit", "local-none", "local-chain", "local-tetris", "local-adaserve"])
+@pytest.mark.parametrize("path", PATHS)
 def test_min_tokens_holds_the_ending_tokens_back_and_stays_exact(wide, path):
     """vLLM's min_tokens: two ending tokens the target's plain greedy decoding emits early (so those
     texts would end before 4 tokens) are held back until 4 tokens are out; each output is the
@@ -162,15 +133,10 @@ def test_min_tokens_holds_the_ending_tokens_back_and_stays_exact(wide, path):
     assert any(len(ended(out, eos)) < 4 for out in plain), "the ending tokens must come early, or this test shows nothing"
     assert all(not set(out[:4]) & set(eos) for out in want) and want != [ended(out, eos) for out in plain]
     assert sum(len(out) == 5 for out in want) == 2  # ended by the 5th token, the first allowed
-    if path.startswith("edge"):
-        outputs, _ = run_edge(target, draft, sampling, prompts, 16, transit=path == "edge-transit", eos=eos)
-        assert sorted(outputs) == sorted(want)
-    else:
-        outputs, _ = run_local(target, draft, sampling, path.removeprefix("local-"), prompts, 16, eos=eos)
-        assert outputs == want
+    assert on_path(path, target, draft, sampling, prompts, 16, eos=eos)[0] == want
 
 
-@pytest.mark.parametrize("path", ["edge", "edge-transit", "local-none", "local-chain", "local-tetris", "local-adaserve"])
+@pytest.mark.parametrize("path", PATHS)
 def test_allowed_token_ids_keep_the_text_to_them_and_stay_exact(wide, path):
     """vLLM's allowed_token_ids (with a penalty on top): every output token is an allowed one, and
     each output is the target's greedy decoding with the others at -inf. Edge drafts do not mask
@@ -181,13 +147,8 @@ def test_allowed_token_ids_keep_the_text_to_them_and_stay_exact(wide, path):
     want = [adjusted_greedy_reference(target, p, sampling, 16) for p in prompts]
     assert all(set(out) <= set(sampling.allowed_token_ids) for out in want)
     assert want != [adjusted_greedy_reference(target, p, SamplingParams(frequency_penalty=0.4), 16) for p in prompts]
-    if path.startswith("edge"):
-        outputs, results = run_edge(target, draft, sampling, prompts, 16, transit=path == "edge-transit")
-        assert sorted(outputs) == sorted(want)
-        assert sum(v.num_accepted for r in results for v in r.verdicts.values()) > 0
-    else:
-        outputs, _ = run_local(target, draft, sampling, path.removeprefix("local-"), prompts, 16)
-        assert outputs == want
+    outputs, accepted = on_path(path, target, draft, sampling, prompts, 16)
+    assert outputs == want and (accepted > 0 or path == "local-none")
 
 
 def test_allowed_token_ids_that_min_tokens_holds_back_entirely_or_past_the_vocabulary_are_refused(wide):

@@ -1,0 +1,128 @@
+"""Structured output's constraint: compiled against a tokenizer (bad grammars refused), and the
+masks along a row's paths equal a fresh matcher's at each path (chains and trees, with paths the
+grammar refuses), leaving the request's matcher where its committed text left it."""
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from goodspeed.lm.demo import train_tokenizer
+from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits
+from goodspeed.lm.structured import MAX_SPEC_CHARS, Structure, StructureError, allowed
+from statkit import grammar_allows
+
+V = 300
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(inspect.getsource(json.decoder) * 3, vocab_size=V)
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("regex", "[[[", "does not compile"),
+    ("json", "{not json", "does not parse"),
+    ("json", "[1, 2]", "JSON schema"),
+    ("choice", "[]", "non-empty list"),
+    ("choice", '["a", 3]', "non-empty list"),
+    ("grammar", "start: undefined_rule", "does not compile"),
+])
+def test_a_bad_constraint_is_refused_when_bound(tokenizer, kind, spec, message):
+    with pytest.raises(StructureError, match=message):
+        Structure(kind, spec).bound(tokenizer)
+
+
+def test_malformed_structures_are_refused_at_once():
+    for kind, spec in (("yaml", "a: 1"), ("regex", ""), ("json_object", "{}"), ("regex", "a" * (MAX_SPEC_CHARS + 1))):
+        with pytest.raises(StructureError):
+            Structure(kind, spec)
+    with pytest.raises(StructureError, match="not bound"):
+        Structure("regex", "a+").constraint()
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured=Structure("regex", "a+"))
+
+
+def test_equality_is_the_kind_and_text(tokenizer):
+    bound = Structure("regex", "[a-z]+").bound(tokenizer)
+    assert bound == Structure("regex", "[a-z]+") and bound.is_bound and not Structure("regex", "[a-z]+").is_bound
+    assert Structure("json_object") != Structure("json_object", any_whitespace=False)
+
+
+def walk(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("kind, spec, text", [
+    ("regex", r"[a-z_]{1,8}\((self|s), [0-9]{1,3}\)", "scan(self, 12)"),
+    ("json", json.dumps({"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}), '{"k": "end"}'),
+    ("grammar", 'start: "def " NAME "(" NAME ")"\nNAME: /[a-z]+/', "def decode(s)"),
+    ("choice", json.dumps(["decoder", "scanner", "end"]), "scanner"),
+])
+def test_masks_along_chain_and_tree_paths_equal_a_fresh_matchers(tokenizer, kind, spec, text):
+    structure = Structure(kind, spec).bound(tokenizer)
+    ids = walk(tokenizer, text)
+    committed, drafted = ids[:1], ids[1:]
+    constraint = structure.constraint(committed)
+    before = constraint.masks([[]])[0]
+    refused = int(torch.nonzero(~grammar_allows(structure, committed + drafted[:1], V))[0])
+    # a chain's prefixes, then tree paths: a branch off the chain, a path the grammar refuses
+    # (and one below it), and the chain again after them
+    paths = [drafted[:k] for k in range(len(drafted) + 1)]
+    paths += [drafted[:1] + [refused], drafted[:1] + [refused, drafted[1]], drafted[:2], []]
+    bits, reachable = constraint.masks(paths)
+    assert reachable.tolist() == [True] * (len(drafted) + 1) + [False, False, True, True]
+    got = allowed(bits, V)
+    for j, path in enumerate(paths):
+        if reachable[j]:
+            assert torch.equal(got[j], grammar_allows(structure, committed + path, V)), (j, path)
+        else:
+            assert got[j].all()
+    assert np.array_equal(constraint.masks([[]])[0], before)  # the matcher is where the committed text left it
+
+
+def test_eos_ends_a_complete_text_and_nothing_follows(tokenizer):
+    structure = Structure("choice", json.dumps(["end"])).bound(tokenizer)
+    ids, eos = walk(tokenizer, "end"), tokenizer.eos_token_id
+    constraint = structure.constraint()
+    bits, reachable = constraint.masks([ids, ids + [eos], ids + [eos, ids[0]]])
+    assert torch.nonzero(allowed(bits, V)[0]).flatten().tolist() == [eos]  # complete: EOS alone
+    assert reachable.tolist() == [True, False, False]
+    with pytest.raises(StructureError, match="does not match"):
+        structure.constraint(walk(tokenizer, "en") + [eos])  # not complete: EOS refused
+    constraint.extend(ids + [eos])
+    assert constraint.finished
+    with pytest.raises(StructureError):
+        constraint.extend(walk(tokenizer, "e"))
+
+
+def test_adjust_logits_masks_each_position_and_a_smaller_vocabulary(tokenizer):
+    """Target rows get -inf outside each position's mask; a draft's smaller vocabulary keeps the
+    ids it has, and a position none of whose allowed ids it has is left unmasked."""
+    structure = Structure("regex", r"ab[x-z]c").bound(tokenizer)
+    history = TokenHistory([5, 6], [], structure)
+    paths = [[], walk(tokenizer, "a"), walk(tokenizer, "ab")]
+    logits = torch.zeros(1, 3, V)
+    adjust_logits(logits, [0], [SamplingParams(structured=structure)], [history], [paths])
+    for j, path in enumerate(paths):
+        assert torch.equal(torch.isfinite(logits[0, j]), grammar_allows(structure, path, V))
+    small = torch.zeros(1, 3, walk(tokenizer, "a")[0] + 1)  # "a", but none of x, y, z, which byte-level BPE numbers above it
+    adjust_logits(small, [0], [SamplingParams(structured=structure)], [history], [paths])
+    assert torch.isfinite(small[0, 2]).all() and not torch.isfinite(small[0, 0]).all()
+
+
+def test_a_constraint_past_its_limits_fails_to_eos_alone(tokenizer, monkeypatch):
+    """Past llguidance's per-step limits (a tiny lexer budget here) the constraint records why,
+    its masks allow EOS alone at every position, and committed tokens no longer raise."""
+    from goodspeed.lm import structured
+
+    bound = Structure("json_object").bound(tokenizer)
+    monkeypatch.setattr(structured, "LIMITS", structured.llguidance.LLParserLimits(step_lexer_fuel=100, verbose_errors=False))
+    constraint = bound.constraint()
+    ids = walk(tokenizer, '{"a": 1}')
+    bits, reachable = constraint.masks([ids[:k] for k in range(len(ids))])
+    assert constraint.failure is not None and "exceeded its limits" in constraint.failure
+    assert reachable.all() and all(torch.nonzero(row).flatten().tolist() == [tokenizer.eos_token_id] for row in allowed(bits, V))
+    constraint.extend([tokenizer.eos_token_id])

@@ -1,0 +1,51 @@
+"""The engine's serving paths on a toy target, for exactness tests: in-process edge drafters
+(chains, optionally delayed so the engine decodes in transit) and local serving under a policy."""
+
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.scheduler import LatencyModel
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LocalConfig, LocalServing, SimulatedClock
+
+TARGET_COST, DRAFT_COST = LatencyModel(1e-6, 2e-4, 0.010), LatencyModel(1e-7, 2e-5, 0.001)
+PATHS = ["edge", "edge-transit", "local-none", "local-chain", "local-tetris", "local-adaserve"]
+
+
+def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, drafters=4, eos=()):
+    """``prompts`` over ``drafters`` in-process edge drafters in one engine; outputs in prompt order
+    per drafter. ``transit``: every other draft is delayed a step and the engine decodes meanwhile.
+    ``eos``: the requests' ending tokens (the drafters' runners draft without them)."""
+    engine = VerificationEngine(target, EngineConfig(budget=8 * drafters, max_draft_len=4, transit_tokens=2 if transit else 0))
+    ds = [InProcessDrafter(f"d{i}", DraftRunner(draft), prompts[i::drafters], sampling, max_new_tokens, transit=transit)
+          for i in range(drafters)]
+    results = run_inprocess(engine, ds, eos, delay=(lambda d: d.round_index % 2) if transit else None)
+    return [out for d in ds for out in d.outputs], results
+
+
+def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=()):
+    """``prompts`` through local serving under ``policy``; outputs in prompt order, and the serving."""
+    engine = VerificationEngine(target, EngineConfig())
+    config = LocalConfig(policy=policy, k=2, extra=2, budget=24, max_requests=8, max_waiting=len(prompts))
+    serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
+    for i, prompt in enumerate(prompts):
+        serving.submit(prompt, sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos, tpot_slo_ms=None if i % 2 else 12.0)
+    while serving.step() is not None:
+        pass
+    assert len(serving.finished) == len(prompts)
+    if policy != "none":
+        assert serving.stats()["drafted"] > len(prompts)
+    return [r.generated for r in sorted(serving.finished, key=lambda r: int(r.request_id.split("-")[1]))], serving
+
+
+def on_path(path, target, draft, sampling, prompts, max_new_tokens, eos=()):
+    """Each prompt's output on ``path`` (one of :data:`PATHS`: four edge drafters, or local serving
+    under ``local-<policy>``), in prompt order, and how many drafted tokens were accepted."""
+    if path.startswith("edge"):
+        flat, results = run_edge(target, draft, sampling, prompts, max_new_tokens, transit=path == "edge-transit", eos=eos)
+        order = [i for d in range(4) for i in range(d, len(prompts), 4)]  # run_edge's: drafter by drafter
+        outputs = [None] * len(prompts)
+        for i, out in zip(order, flat):
+            outputs[i] = out
+        return outputs, sum(v.num_accepted for r in results for v in r.verdicts.values())
+    outputs, serving = run_local(target, draft, sampling, path.removeprefix("local-"), prompts, max_new_tokens, eos=eos)
+    return outputs, serving.stats()["accepted"]
