@@ -2,14 +2,16 @@
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs``, ``allowed_token_ids`` and the chat
-template's options; ours:
+``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs``, ``allowed_token_ids``, the chat
+template's options, and structured output: ``structured_outputs`` and the older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``, with OpenAI's ``response_format``; ours:
 ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
-* a feature this server does not implement (tools, ``best_of``, ``suffix``, non-text response
-  formats): 400 naming the field, never a silent fallback; more than
+* a feature this server does not implement (tools, ``best_of``, ``suffix``): 400 naming the
+  field, never a silent fallback; a structured output constraint that does not compile, more than
+  one, or one with ``ignore_eos``, ``min_tokens`` or ``allowed_token_ids``: 400; more than
   :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
 * more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
 * an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
@@ -18,6 +20,7 @@ template's options; ours:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from goodspeed.lm.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_TEMPERATURE,
                                    SamplingParams)
+from goodspeed.lm.structured import Structure, StructureError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
@@ -51,6 +55,38 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one constraint the text must match (:mod:`goodspeed.lm.structured`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict | bool | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or llama.cpp's GBNF
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = False  # JSON without whitespace between its tokens
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def _spec(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 class _Sampling(BaseModel):
@@ -98,6 +134,13 @@ class _Sampling(BaseModel):
     truncation_side: Literal["left", "right"] = "left"
     # vLLM's: only these tokens may be sampled (every other one gets a logit of -inf); at least one
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    # Structured output, one of: vLLM's structured_outputs, its older guided_* fields, OpenAI's response_format
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -142,6 +185,54 @@ class _Sampling(BaseModel):
             if self.stream:
                 raise ApiError(400, "prompt_logprobs is not available with stream = true (as vLLM's)", param="prompt_logprobs")
 
+    def structure(self) -> Structure | None:
+        """The text's constraint (unbound: the server compiles it against its tokenizer), or None;
+        400 for more than one, or for settings it cannot be combined with."""
+        asked: list[tuple[str, Structure]] = []
+        try:
+            so = self.structured_outputs
+            if so is not None:
+                whitespace = not so.disable_any_whitespace
+                given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                             ("grammar", so.grammar)) if v is not None]
+                given += [("json_object", "")] if so.json_object else []
+                asked += [(f"structured_outputs.{k}", Structure(k, "" if k == "json_object" else _spec(v), whitespace))
+                          for k, v in given]
+                if not given:
+                    raise ApiError(400, "structured_outputs names no constraint (json, regex, choice, grammar or json_object)",
+                                   param="structured_outputs")
+            for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                               ("guided_grammar", "grammar")):
+                value = getattr(self, name)
+                if value is not None:
+                    asked.append((name, Structure(kind, _spec(value))))
+            rf = self.response_format
+            if rf is not None and rf.type == "json_object":
+                asked.append(("response_format", Structure("json_object")))
+            elif rf is not None and rf.type == "json_schema":
+                if rf.json_schema is None:
+                    raise ApiError(400, "response_format json_schema needs its json_schema", param="response_format")
+                asked.append(("response_format", Structure("json", json.dumps(rf.json_schema.schema_ or {}))))
+        except StructureError as exc:
+            raise ApiError(400, str(exc), param=self.structure_field()) from None
+        if len(asked) > 1:
+            raise ApiError(400, f"one structured output constraint at a time: got {', '.join(n for n, _ in asked)}",
+                           param=asked[1][0])
+        if not asked:
+            return None
+        name, structure = asked[0]
+        for conflict, on in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens),
+                             ("allowed_token_ids", self.allowed_token_ids)):
+            if on:  # the grammar ends a complete text with EOS; either could leave no token to sample
+                raise ApiError(400, f"{conflict} cannot be combined with structured output ({name})", param=conflict)
+        return structure
+
+    def structure_field(self) -> str:
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format"):
+            if getattr(self, name) is not None:
+                return name
+        return "structured_outputs"
+
     def truncated(self, prompt_ids: list[int], context: int) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last (``truncation_side`` "right": first)
         ``truncate_prompt_tokens`` tokens (-1: ``context``), or the whole prompt when it is shorter."""
@@ -154,14 +245,16 @@ class _Sampling(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, structured: Structure | None = None) -> SamplingParams:
+        """The request's sampling settings; ``structured``: its constraint, bound (:meth:`structure`)."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():  # "7" and "007" name one token: the later one wins
             bias[int(key)] = value
         return SamplingParams(temperature=self.temperature, top_k=max(0, self.top_k), top_p=self.top_p, min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted(bias.items())),
-                              min_tokens=self.min_tokens, allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))))
+                              min_tokens=self.min_tokens, allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+                              structured=structured)
 
     @property
     def include_usage(self) -> bool:
@@ -254,11 +347,6 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -266,7 +354,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     add_special_tokens: bool = False  # vLLM's extension: off, as the chat template holds them
     # vLLM's extensions: how the chat template renders the messages
     add_generation_prompt: bool = True
@@ -281,9 +368,6 @@ class ChatCompletionRequest(_Sampling):
         refuse_render_conflict(self)
         if self.tools or self.tool_choice not in (None, "none"):
             raise ApiError(400, "tools are not supported by this server", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                           param="response_format")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
         if self.top_logprobs is not None and not self.logprobs:

@@ -59,6 +59,7 @@ from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionR
 from goodspeed.api.text import TextStream
 from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
+from goodspeed.lm.structured import StructureError
 
 try:
     _VERSION = importlib.metadata.version("goodspeed")
@@ -219,7 +220,7 @@ class OpenAIServer:
         # max_tokens = 0 (with echo): the prompt alone, served as a one-token request (its first
         # verdict, its last, brings the prompt's scores); its token is not returned
         limit = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
-        rid, gens = self._generations("cmpl", body, prompts, limit)
+        rid, gens = self._generations("cmpl", body, prompts, limit, await self._structure(body))
         echoes = None
         if body.echo:  # each choice's text starts with its prompt's: as sent, or a token-id prompt's decode
             decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
@@ -238,7 +239,7 @@ class OpenAIServer:
         prompt_ids = body.truncated(await self._tokenize(rendered, body.add_special_tokens,
                                                          must_fit=body.truncate_prompt_tokens is None), self.backend.max_model_len)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
-        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit)
+        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._structure(body))
         echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
         if body.stream:
             return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes)
@@ -342,7 +343,20 @@ class OpenAIServer:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.backend.model_ids[0]!r}",
                            param="model", code="model_not_found")
 
-    def _generations(self, kind: str, body, prompts: list[list[int]], max_tokens: int) -> tuple[str, list[GenerationRequest]]:
+    async def _structure(self, body):
+        """The request's structured output constraint compiled against the tokenizer (off the event
+        loop: a vocabulary is indexed once, ~1 s, and a large grammar compiles slowly); 400 if it
+        does not compile."""
+        structure = body.structure()
+        if structure is None:
+            return None
+        try:
+            return await asyncio.to_thread(structure.bound, self.backend.tokenizer)
+        except StructureError as exc:
+            raise ApiError(400, str(exc), param=body.structure_field()) from None
+
+    def _generations(self, kind: str, body, prompts: list[list[int]], max_tokens: int,
+                     structured=None) -> tuple[str, list[GenerationRequest]]:
         """The response's id and one backend request per choice: ``body.n`` for each prompt, choice
         ``i * n + j`` the ``j``-th of prompt ``i`` (OpenAI's order). A choice's request id is the
         response's, suffixed with the choice's index when there are several. Choice ``j > 0`` of a seeded request draws from
@@ -360,7 +374,7 @@ class OpenAIServer:
         eos = self.backend.tokenizer.eos_token_id
         # vLLM's stop_token_ids end the text like EOS (counted as a token; its text left out: api.text)
         stops = tuple(dict.fromkeys(([] if body.ignore_eos or eos is None else [int(eos)]) + list(body.stop_token_ids or ())))
-        sampling = body.sampling().ending_with(stops)
+        sampling = body.sampling(structured).ending_with(stops)
         if sampling.nothing_allowed:
             raise ApiError(400, "min_tokens holds back every one of allowed_token_ids (each ends the text): no token could "
                                 "be sampled", param="allowed_token_ids")

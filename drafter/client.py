@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb
+from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb, unapplied_setting
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
@@ -211,15 +211,8 @@ class DrafterClient:
                 reply = self._retry(self.stub.StartRequest, request)
             except grpc.RpcError as again:
                 raise DrafterError(f"request {result.id} refused after rejoining: {again.code().name}: {again.details()}") from None
-        if self.config.sampling.extended and not reply.extended_sampling:
-            raise DrafterError(f"request {result.id}: the verifier does not apply min_p, penalties or logit_bias (a version "
-                               "older than them); upgrade the verifier or leave them out")
-        if self.config.sampling.min_tokens and not reply.min_tokens:
-            raise DrafterError(f"request {result.id}: the verifier does not apply min_tokens (a version older than it); "
-                               "upgrade the verifier or leave it out")
-        if self.config.sampling.allowed_token_ids and not reply.allowed_token_ids:
-            raise DrafterError(f"request {result.id}: the verifier does not apply allowed_token_ids (a version older than "
-                               "it); upgrade the verifier or leave it out")
+        if (why := unapplied_setting(self.config.sampling, reply)) is not None:
+            raise DrafterError(f"request {result.id}: {why}; upgrade the verifier or leave it out")
         return reply.draft_length, reply.round_index
 
     def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:

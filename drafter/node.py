@@ -50,7 +50,7 @@ from goodspeed.api.server import Delta, StopStringMatched
 from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
-from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, sampling_to_pb
+from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, sampling_to_pb, unapplied_setting
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, check_proposal_top_k
@@ -159,7 +159,7 @@ class _Request:
         update_prefix_hasher(self.hasher, self.committed)
         if self.gen.sampling.adjusts_logits:  # as the verifier splits it: prompt, then everything generated
             split = len(self.committed) - self.generated
-            self.history = TokenHistory(self.committed[:split], self.committed[split:])
+            self.history = TokenHistory(self.committed[:split], self.committed[split:], self.gen.sampling.structured)
 
     @property
     def key(self) -> str:
@@ -408,15 +408,8 @@ class EdgeNode:
                 await self._discard(session)
                 continue
             req.in_progress, req.length, req.round_index = True, reply.draft_length, reply.round_index
-            if req.gen.sampling.extended and not reply.extended_sampling:
-                raise ApiError(502, "the verifier does not apply min_p, penalties or logit_bias (a version older than "
-                                    "them): this request needs them; upgrade the verifier or leave them out")
-            if req.gen.sampling.min_tokens and not reply.min_tokens:
-                raise ApiError(502, "the verifier does not apply min_tokens (a version older than it): this request "
-                                    "needs it; upgrade the verifier or leave it out")
-            if req.gen.sampling.allowed_token_ids and not reply.allowed_token_ids:
-                raise ApiError(502, "the verifier does not apply allowed_token_ids (a version older than it): this "
-                                    "request needs it; upgrade the verifier or leave it out")
+            if (why := unapplied_setting(req.gen.sampling, reply)) is not None:
+                raise ApiError(502, f"{why}: this request needs it; upgrade the verifier or leave it out")
             if scores_prompt and not reply.prompt_logprobs:
                 raise ApiError(502, "the verifier does not score prompts (a version older than prompt_logprobs): "
                                     "this request needs it for echo with logprobs; upgrade the verifier or leave them out")

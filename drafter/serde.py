@@ -14,7 +14,22 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
                             allowed_token_ids=params.allowed_token_ids)
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty
+    if params.structured is not None:
+        s = params.structured
+        msg.structured.CopyFrom(pb.StructuredOutput(kind=s.kind, spec=s.spec, compact=not s.any_whitespace))
     return msg
+
+
+def unapplied_setting(params: SamplingParams, reply: pb.StartRequestReply) -> str | None:
+    """Why a verifier's StartRequestReply cannot be trusted for a request with ``params``: a setting
+    the request uses whose reply flag is false (a verifier older than it ignores it), or None."""
+    for used, applied, what in ((params.extended, reply.extended_sampling, "min_p, penalties or logit_bias"),
+                                (bool(params.min_tokens), reply.min_tokens, "min_tokens"),
+                                (bool(params.allowed_token_ids), reply.allowed_token_ids, "allowed_token_ids"),
+                                (params.structured is not None, reply.structured_output, "structured output")):
+        if used and not applied:
+            return f"the verifier does not apply {what} (a version older than it)"
+    return None
 
 
 def draft_to_pb(session_id: str, round_index: int, out: DraftOutput, sampling: SamplingParams) -> pb.DraftRequest:

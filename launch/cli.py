@@ -118,6 +118,29 @@ def _verifier(args: argparse.Namespace) -> int:
     return asyncio.run(serve(verifier_settings(args.argv)))
 
 
+def _structure_arg(args: argparse.Namespace):
+    """``goodspeed generate``'s structured output flag as a constraint (the verifier compiles it)."""
+    import json
+    from pathlib import Path
+
+    from goodspeed.lm.structured import Structure
+
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        return Structure("json", text(args.json_schema))
+    if args.json_object:
+        return Structure("json_object")
+    if args.regex is not None:
+        return Structure("regex", text(args.regex))
+    if args.choice is not None:
+        return Structure("choice", json.dumps(args.choice))
+    if args.grammar is not None:
+        return Structure("grammar", text(args.grammar))
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from goodspeed.drafter.credentials import read_token
     from goodspeed.launch.generate import generate_request, run_generate
@@ -147,10 +170,13 @@ def _generate(args: argparse.Namespace) -> int:
             return 2
         prompt = None
     try:
+        structure = _structure_arg(args)
+        if structure is not None and args.ignore_eos:
+            raise ValueError("--ignore-eos cannot be combined with structured output (the grammar ends a complete text with EOS)")
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, min_p=args.min_p, presence_penalty=args.presence_penalty,
                                   frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                                  min_tokens=args.min_tokens)
-    except ValueError as exc:
+                                  min_tokens=args.min_tokens, structured=structure)
+    except (ValueError, OSError) as exc:
         print(f"goodspeed generate: {exc}", file=sys.stderr)
         return 2
     if args.min_tokens > args.max_new_tokens:  # vLLM's rule
@@ -562,6 +588,12 @@ def _add_serving_parsers(sub) -> None:
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, over the prompt and the output (1: off)")
     gen.add_argument("--min-tokens", type=NON_NEGATIVE_INT, default=0,
                      help="the text may not end (EOS) before this many tokens (vLLM's min_tokens; 0: off)")
+    shape = gen.add_mutually_exclusive_group()  # structured output: the text must match one (@FILE: read from FILE)
+    shape.add_argument("--json-schema", default=None, metavar="SCHEMA", help="JSON matching this JSON schema (or @FILE)")
+    shape.add_argument("--json-object", action="store_true", help="any JSON object")
+    shape.add_argument("--regex", default=None, help="text matching this regular expression (or @FILE)")
+    shape.add_argument("--choice", action="append", default=None, help="one of these texts (repeat the flag for each)")
+    shape.add_argument("--grammar", default=None, help="text in this Lark or GBNF grammar (or @FILE)")
     gen.add_argument("--tpot-slo-ms", type=POSITIVE, default=None, help="time-per-output-token SLO (AdaServe)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout-s", type=POSITIVE, default=None)

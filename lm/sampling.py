@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from goodspeed.lm.structured import Constraint, Structure, allowed
+from goodspeed.lm.structured import Constraint, Structure, mask_logits
 
 
 # Below this (and above 0) ``logits / temperature`` overflows float32 to inf and the softmax to NaN
@@ -238,13 +238,8 @@ def _constrain(logits: torch.Tensor, rows, histories, paths, chosen: list[int]) 
     not allow after the row's text and each position's path. A position the grammar cannot reach
     (its path leaves the grammar) is left as it is, and so is one that allows no token of
     ``logits``' vocabulary (a draft's smaller one: only a draft's can be)."""
-    vocab = logits.shape[-1]
-    for i in chosen:
-        bits, reachable = histories[i].constraint.masks(paths[i])
-        ok = allowed(bits, vocab)
-        ok[~torch.from_numpy(reachable)] = True
-        ok[~ok.any(dim=-1)] = True
-        logits[rows[i], : len(paths[i])].masked_fill_(~ok.to(logits.device), float("-inf"))
+    for i in chosen:  # an unreachable position's bits are all set
+        mask_logits(logits[rows[i], : len(paths[i])], histories[i].constraint.masks(paths[i])[0])
 
 
 def _allow_only(logits: torch.Tensor, rows, params, paths, chosen: list[int]) -> None:

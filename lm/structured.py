@@ -240,9 +240,35 @@ class Constraint:
 def allowed(bits: np.ndarray, vocab: int) -> torch.Tensor:
     """Unpack :meth:`Constraint.masks`' words into a bool tensor ``[P, vocab]`` (True: allowed).
     Tokens past the tokenizer's vocabulary (a model's padded rows) are never allowed."""
-    flat = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")
-    if flat.shape[-1] >= vocab:
-        flat = flat[:, :vocab]
-    else:
-        flat = np.concatenate([flat, np.zeros((flat.shape[0], vocab - flat.shape[-1]), dtype=np.uint8)], axis=-1)
-    return torch.from_numpy(flat.astype(bool))
+    flat = np.unpackbits(bits.view(np.uint8), axis=-1, count=min(vocab, 32 * bits.shape[-1]), bitorder="little")
+    out = torch.zeros(len(bits), vocab, dtype=torch.bool)
+    out[:, : flat.shape[-1]] = torch.from_numpy(flat.view(np.bool_))
+    return out
+
+
+_BYTE_BIAS: dict = {}  # (dtype, device) -> [256, 8]: row b holds 0 where bit i of b is set, else -inf
+
+
+def mask_logits(logits: torch.Tensor, bits: np.ndarray) -> None:
+    """Add -inf to ``logits [P, V]`` IN PLACE wherever :meth:`Constraint.masks`' ``bits`` refuse a
+    token (and past the mask's words: no token of the tokenizer). Each mask byte picks its eight
+    tokens' biases (0 or -inf) from a 256-row table: one gather and one add over ``[P, V]``,
+    several times faster on a CPU than a boolean fill (measured by ``bench_structured``). A
+    position that allows none of ``logits``' tokens (a draft's smaller vocabulary) is left as it is."""
+    key = (logits.dtype, logits.device)
+    table = _BYTE_BIAS.get(key)
+    if table is None:
+        codes = torch.arange(256)
+        table = _BYTE_BIAS[key] = torch.where((codes[:, None] >> torch.arange(8)) & 1 == 1, 0.0,
+                                              float("-inf")).to(logits.dtype).to(logits.device)
+    rows, vocab = logits.shape
+    n = min(vocab, 32 * bits.shape[-1])
+    codes = torch.from_numpy(bits.view(np.uint8)).to(logits.device).reshape(-1).long()
+    bias = table.index_select(0, codes).view(rows, -1)[:, :n]
+    if vocab < 32 * bits.shape[-1]:
+        none = ~(bias == 0).any(dim=-1)
+        if none.any():
+            bias[none] = 0.0
+    logits[:, :n].add_(bias)
+    if vocab > n:
+        logits[:, n:] = float("-inf")

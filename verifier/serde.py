@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.verifier.errors import MalformedDraftError
 from goodspeed.verifier.types import Draft, SparseProbs, Verdict
@@ -24,9 +25,15 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
                               presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                               repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
                               logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens,
-                              allowed_token_ids=tuple(msg.allowed_token_ids))
-    except ValueError as exc:
+                              allowed_token_ids=tuple(msg.allowed_token_ids),
+                              structured=structure_from_pb(msg.structured) if msg.HasField("structured") else None)
+    except ValueError as exc:  # StructureError is one
         raise MalformedDraftError(str(exc)) from None
+
+
+def structure_from_pb(msg: pb.StructuredOutput) -> Structure:
+    """The constraint as sent, unbound: the servicer compiles it against the verifier's tokenizer."""
+    return Structure(msg.kind, msg.spec, any_whitespace=not msg.compact)
 
 
 def draft_from_pb(msg: pb.DraftRequest, vocab_size: int) -> Draft:

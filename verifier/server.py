@@ -19,6 +19,7 @@ are dropped only by ``idle_timeout_s``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import functools
 import ssl
@@ -32,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.metrics import RequestTimer, finished_reason
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.structured import StructureError
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier import errors
@@ -232,7 +234,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def StartRequest(self, request, context):
         await self._refuse_if_draining(context)
         drafter = await self._owned(request.session_id, context)
-        sampling = sampling_from_pb(request.sampling)
+        sampling = await self._bound(sampling_from_pb(request.sampling), context)
         args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids),
                 request.seed if request.HasField("seed") else None, request.logprobs if request.HasField("logprobs") else None,
                 request.generated, request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
@@ -257,7 +259,20 @@ class VerifierService(pb_grpc.VerifierServicer):
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id),
                                     extended_sampling=True, prompt_logprobs=request.HasField("prompt_logprobs"), min_tokens=True,
-                                    allowed_token_ids=True)
+                                    allowed_token_ids=True, structured_output=True)
+
+    async def _bound(self, sampling: SamplingParams, context) -> SamplingParams:
+        """``sampling`` with its structured output constraint compiled against the target's
+        tokenizer (off the event loop: ~1 s the first time, a large grammar longer)."""
+        if sampling.structured is None:
+            return sampling
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "this verifier has no tokenizer: structured output needs one (start it with the target's)")
+        try:
+            return dataclasses.replace(sampling, structured=await asyncio.to_thread(sampling.structured.bound, self.tokenizer))
+        except StructureError as exc:
+            raise errors.MalformedDraftError(str(exc)) from None
 
     async def _abandon_start(self, session_id: str, identity: str, kv_tokens: int) -> None:
         self.rounds.forget(session_id)
@@ -319,7 +334,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         eos = () if request.ignore_eos or self.tokenizer is None or self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         arrival = time.perf_counter()
         try:
-            sampling = sampling_from_pb(request.sampling)
+            sampling = await self._bound(sampling_from_pb(request.sampling), context)
             if request.request_id:
                 check_identifier("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
             stream = await self.open_local(who, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None,

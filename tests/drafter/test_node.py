@@ -3,6 +3,7 @@ its output equals the target's greedy decoding; several requests share one devic
 a client that goes away frees the verifier at once; a dropped session is repaired."""
 
 import asyncio
+import re
 import time
 
 import openai
@@ -487,6 +488,36 @@ def test_allowed_token_ids_through_a_node_are_the_verifiers(models):
                                               extra_body={"allowed_token_ids": list(allowed), "ignore_eos": True,
                                                           "return_token_ids": True})
     assert out.choices[0].model_extra["token_ids"] == want and set(want) <= set(allowed)
+
+
+def test_structured_output_through_a_node_is_the_verifiers(models, monkeypatch):
+    """A grammar reaches the verifier through a node, which compiles it against its own tokenizer
+    (the node's drafts against the node's): the output is the target's constrained greedy
+    decoding, ending at EOS. A verifier without a tokenizer refuses it (400); one older than the
+    field would ignore it (502)."""
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    regex = r"[a-z]{1,6}\((self|s)\)"
+    sampling = SamplingParams(structured=Structure("regex", regex).bound(tokenizer))
+    want = adjusted_greedy_reference(target, prompt_ids, sampling, 30, eos=tokenizer.eos_token_id)
+    body = dict(model="tiny", prompt=prompt_ids, max_tokens=30, temperature=0,
+                extra_body={"structured_outputs": {"regex": regex}, "return_token_ids": True})
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
+    with ServerThread(engine, tokenizer=tokenizer, target_name="tiny") as server, node(server, models) as edge:
+        out = api_of(edge).completions.create(**body)
+    assert out.choices[0].model_extra["token_ids"] == want and want[-1] == tokenizer.eos_token_id
+    assert re.fullmatch(regex, out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    with verifier(models) as server, node(server, models) as edge:
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            api_of(edge).completions.create(**body)
+    older_verifier(monkeypatch, "structured_output")
+    with ServerThread(VerificationEngine(target, EngineConfig(budget=8)), tokenizer=tokenizer, target_name="tiny") as server, \
+            node(server, models) as edge:
+        with pytest.raises(openai.APIStatusError, match="does not apply structured output") as refused:
+            api_of(edge).completions.create(**body)
+    assert refused.value.status_code == 502
 
 
 def test_min_tokens_through_a_node_holds_back_the_stop_token(models):

@@ -2,6 +2,7 @@
 ``goodspeed generate``; and local-serving misconfiguration refused with a clear message."""
 
 import json
+import re
 import subprocess
 import time
 
@@ -13,9 +14,11 @@ from goodspeed.launch import cli
 from goodspeed.launch.local import verifier_command
 from goodspeed.launch.spec import VerifierSpec
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.structured import Structure
 from modelkit import adjusted_greedy_reference, greedy_reference, perturbed, save_models, tiny_llama
 
 VOCAB = 300
+REGEX = r"[a-z]{1,4}\(x\)"
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +50,13 @@ def test_text_prompt_through_the_daemon(model_dirs, tmp_path, capsys):
         penalised_code = cli.main(["generate", "--verifier", address, "--max-new-tokens", "12", "--json", "--ignore-eos",
                                    "--repetition-penalty", "1.5", "--presence-penalty", "1.0", "def f(x):"])
         penalised = json.loads(capsys.readouterr().out)
+        shaped_code = cli.main(["generate", "--verifier", address, "--max-new-tokens", "12", "--json", "--regex", REGEX,
+                                "def f(x):"])
+        shaped = json.loads(capsys.readouterr().out)
     finally:
         proc.terminate()
         proc.wait(30)
-    assert code == 0 and penalised_code == 0
+    assert code == 0 and penalised_code == 0 and shaped_code == 0
     tokenizer = AutoTokenizer.from_pretrained(model_dirs["target"])
     assert out["prompt_ids"] == tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
     target32 = tiny_llama(0, vocab=VOCAB, dtype=torch.float32)
@@ -60,11 +66,20 @@ def test_text_prompt_through_the_daemon(model_dirs, tmp_path, capsys):
     sampling = SamplingParams(repetition_penalty=1.5, presence_penalty=1.0)
     assert (penalised["token_ids"] == adjusted_greedy_reference(target32, out["prompt_ids"], sampling, 12)
             != greedy_reference(target32, out["prompt_ids"], 12))
+    # so does a grammar: the target's constrained greedy decoding, ending at EOS
+    sampling = SamplingParams(structured=Structure("regex", REGEX).bound(tokenizer))
+    want = adjusted_greedy_reference(target32, out["prompt_ids"], sampling, 12, eos=tokenizer.eos_token_id)
+    assert shaped["token_ids"] == want and want[-1] == tokenizer.eos_token_id
+    assert re.fullmatch(REGEX, shaped["text"].removesuffix(tokenizer.eos_token))
 
 
 def test_generate_refuses_bad_sampling_before_it_calls(capsys):
     assert cli.main(["generate", "--verifier", "127.0.0.1:9", "--presence-penalty", "3", "hi"]) == 2
     assert "presence_penalty" in capsys.readouterr().err
+    assert cli.main(["generate", "--verifier", "127.0.0.1:9", "--regex", "a+", "--ignore-eos", "hi"]) == 2
+    assert "--ignore-eos cannot be combined with structured output" in capsys.readouterr().err
+    assert cli.main(["generate", "--verifier", "127.0.0.1:9", "--json-schema", "@/nonexistent/schema.json", "hi"]) == 2
+    assert "schema.json" in capsys.readouterr().err
 
 
 def test_turbospec_without_a_profile_is_refused(model_dirs, tmp_path):

@@ -219,3 +219,36 @@ def test_prompt_logprobs_on_the_real_pair_are_the_targets(pair, prompts):
     assert [lp.token_id for lp in scores] == prompt[1:] and len(prompt) > 16  # more than one chunk
     assert torch.allclose(torch.tensor([lp.logprob for lp in scores]), expected, atol=5e-3)
     assert torch.allclose(torch.tensor([[v for _, v in lp.top] for lp in scores]), rows.topk(5).values, atol=5e-3)
+
+
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_structured_output_on_the_real_pair_is_the_targets_constrained_greedy_decoding(pair, policy):
+    """A JSON schema on SmolLM2's chat: local serving's output is the target's own greedy decoding
+    with every token the grammar refuses at -inf (a fresh matcher each step), ending at EOS, and is
+    JSON of the schema; the draft, masked the same way, drafts inside the grammar."""
+    from goodspeed.lm.sampling import SamplingParams
+    from goodspeed.lm.structured import Structure
+    from modelkit import adjusted_greedy_reference
+
+    target, draft = pair
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    sampling = SamplingParams(structured=Structure("json", json.dumps(schema), any_whitespace=False).bound(target.tokenizer))
+    eos = target.tokenizer.eos_token_id
+    asks = ["What is the largest city in France? Answer in JSON.", "Give one city in Japan and its population as JSON."]
+    prompts = [chat_prompt_ids(target.tokenizer, [{"role": "user", "content": a}]) for a in asks]
+    engine = VerificationEngine(target.model, EngineConfig(seed=0))
+    serving = LocalServing(engine, draft.model, LocalConfig(policy=policy, max_requests=4, budget=12, k=4))
+    ids = [serving.submit(p, sampling, max_new_tokens=40, eos_token_ids=(eos,)) for p in prompts]
+    while serving.step() is not None:
+        pass
+    by_id = {r.request_id: r.generated for r in serving.finished}
+    for rid, prompt in zip(ids, prompts):
+        want = adjusted_greedy_reference(target.model, prompt, sampling, 40, eos=eos)
+        assert by_id[rid] == want and want[-1] == eos
+        value = json.loads(target.tokenizer.decode(want[:-1]))
+        assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    # The distilled draft predicts these short chat replies poorly, constrained or not (2026-11-28:
+    # chain 19 of 108 drafted accepted with the schema, 14 of 143 without; docs/BENCHMARKS.md)
+    assert serving.stats()["accepted"] > 0

@@ -630,6 +630,57 @@ def test_allowed_token_ids_keep_the_output_to_them(models):
     assert [body["param"] for _, body in refusals[1:]] == ["allowed_token_ids"] * 2
 
 
+def test_structured_output_constrains_the_text_to_the_grammar(models):
+    """vLLM's structured_outputs (and its older guided_* fields), OpenAI's response_format: each
+    text is the target's greedy decoding with every token the grammar refuses at -inf, ending at
+    EOS when the grammar is complete; chat's json_schema and json_object too. A grammar that
+    does not compile, two constraints, and one with ignore_eos are 400s."""
+    import json
+    import re
+
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    eos = tokenizer.eos_token_id
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    cases = {
+        "regex": ({"structured_outputs": {"regex": r"[a-z]{1,5}\(s\)"}}, Structure("regex", r"[a-z]{1,5}\(s\)")),
+        "choice": ({"guided_choice": ["decoder", "end"]}, Structure("choice", json.dumps(["decoder", "end"]))),
+        "json": ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+                 Structure("json", json.dumps(schema), any_whitespace=False)),
+    }
+    base = {"model": "tiny", "prompt": prompt_ids, "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 60, "temperature": 0, "return_token_ids": True}
+    with front(models, policy="adaserve") as server:
+        outs = {name: post(server, "completions", {**base, **extra}) for name, (extra, _) in cases.items()}
+        streamed = post(server, "completions", {**base, **cases["regex"][0], "stream": True})
+        replies = [post(server, "chat/completions", {**chat, "response_format": fmt}) for fmt in (
+            {"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}}, {"type": "json_object"})]
+        refusals = [refusal_of(server, "completions", {**base, **extra}) for extra in (
+            {"guided_regex": "[[["}, {"guided_regex": "a+", "guided_choice": ["a"]}, {"guided_choice": ["a"], "ignore_eos": True},
+            {"structured_outputs": {}}, {"structured_outputs": {"json": "{not json"}}, {"guided_choice": ["a"], "min_tokens": 1})]
+    for name, (_, structure) in cases.items():
+        sampling = SamplingParams(structured=structure.bound(tokenizer))
+        want = adjusted_greedy_reference(target, prompt_ids, sampling, 40, eos=eos)
+        assert outs[name]["choices"][0]["token_ids"] == want and want[-1] == eos
+        assert outs[name]["choices"][0]["finish_reason"] == "stop"
+        assert outs[name]["choices"][0]["text"] == tokenizer.decode(want[:-1])
+    assert re.fullmatch(r"[a-z]{1,5}\(s\)", outs["regex"]["choices"][0]["text"])
+    assert outs["choice"]["choices"][0]["text"] in ("decoder", "end")
+    assert set(json.loads(outs["json"]["choices"][0]["text"])) == {"n"}
+    assert "".join(e["choices"][0]["text"] for e in streamed if e["choices"]) == outs["regex"]["choices"][0]["text"]
+    # chat's formats allow any whitespace (as OpenAI's): the tiny target spends its tokens on it
+    for reply, structure in zip(replies, (Structure("json", json.dumps(schema)), Structure("json_object"))):
+        sampling = SamplingParams(structured=structure.bound(tokenizer))
+        want = adjusted_greedy_reference(target, reply["prompt_token_ids"], sampling, 60, eos=eos)
+        assert reply["choices"][0]["token_ids"] == want and reply["choices"][0]["message"]["content"].startswith("{")
+    assert [status for status, _ in refusals] == [400] * 6
+    assert [body["param"] for _, body in refusals] == ["guided_regex", "guided_choice", "ignore_eos", "structured_outputs",
+                                                       "structured_outputs", "min_tokens"]
+
+
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
     tokenizer = models[2]
     prompts = ["import os", "class A:", "def f(x):", "return None"]

@@ -4,12 +4,14 @@ and a drafter's settings arrive as they were sent."""
 
 from goodspeed.drafter.serde import sampling_to_pb
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.verifier.serde import SAMPLING_FIELDS, sampling_from_pb
 
 # a value off the default for every field; a new field needs one here, or the first test fails
 VALUES = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-          "repetition_penalty": 1.25, "logit_bias": {3: 1.5}, "min_tokens": 2, "allowed_token_ids": [1, 4]}
+          "repetition_penalty": 1.25, "logit_bias": {3: 1.5}, "min_tokens": 2, "allowed_token_ids": [1, 4],
+          "structured": pb.StructuredOutput(kind="regex", spec="[a-z]+")}
 
 
 def message(name: str, value) -> pb.SamplingParams:
@@ -18,6 +20,8 @@ def message(name: str, value) -> pb.SamplingParams:
         getattr(msg, name).update(value)
     elif isinstance(value, list):
         getattr(msg, name).extend(value)
+    elif isinstance(value, pb.StructuredOutput):
+        getattr(msg, name).CopyFrom(value)
     else:
         setattr(msg, name, value)
     return msg
@@ -38,3 +42,7 @@ def test_a_drafters_settings_arrive_as_sent():
     sent = SamplingParams(temperature=0.75, top_k=5, top_p=0.875, min_p=0.125, presence_penalty=0.5, frequency_penalty=-0.5,
                           repetition_penalty=1.25, logit_bias=((3, 1.5),), min_tokens=2, allowed_token_ids=(1, 4))
     assert sampling_from_pb(sampling_to_pb(sent)) == sent
+    for shape in (Structure("json", '{"type": "object"}', any_whitespace=False), Structure("json_object"),
+                  Structure("choice", '["a", "b"]'), Structure("grammar", 'start: "x"')):
+        sent = SamplingParams(temperature=0.5, structured=shape)
+        assert sampling_from_pb(sampling_to_pb(sent)) == sent
