@@ -357,6 +357,8 @@ class VerificationEngine:
             raise errors.MalformedDraftError(
                 f"structured output ends the text with EOS ({structure.tokenizer.eos_token}), which is not one of the "
                 "request's ending tokens (ignore_eos cannot be combined with it)")
+        if not output:
+            return
         try:
             failure = structure.constraint(output).failure
         except StructureError as exc:

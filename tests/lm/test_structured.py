@@ -118,8 +118,8 @@ def test_a_constraint_past_its_limits_fails_to_eos_alone(tokenizer, monkeypatch)
     its masks allow EOS alone at every position, and committed tokens no longer raise."""
     from goodspeed.lm import structured
 
-    bound = Structure("json_object").bound(tokenizer)
     monkeypatch.setattr(structured, "LIMITS", structured.llguidance.LLParserLimits(step_lexer_fuel=100, verbose_errors=False))
+    bound = Structure("json_object").bound(tokenizer)  # its first mask fits the budget
     constraint = bound.constraint()
     ids = walk(tokenizer, '{"a": 1}')
     bits, reachable = constraint.masks([ids[:k] for k in range(len(ids))])

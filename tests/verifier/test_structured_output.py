@@ -107,8 +107,8 @@ def test_a_grammar_past_its_limits_ends_its_own_request_alone(tokenizer, pair, p
     from goodspeed.lm import structured
 
     target, draft = pair
-    json_object = Structure("json_object").bound(tokenizer)
     monkeypatch.setattr(structured, "LIMITS", structured.llguidance.LLParserLimits(step_lexer_fuel=100, verbose_errors=False))
+    json_object = Structure("json_object").bound(tokenizer)  # its first mask fits the budget
     plain = SamplingParams()
     engine = VerificationEngine(target, EngineConfig())
     serving = LocalServing(engine, draft, LocalConfig(policy="chain", k=2, budget=24, max_requests=8),
