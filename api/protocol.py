@@ -2,7 +2,7 @@
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs``, ``allowed_token_ids``, the chat
+``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs``, ``allowed_token_ids``, ``bad_words``, the chat
 template's options, and structured output: ``structured_outputs`` and the older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, with OpenAI's ``response_format``; ours:
 ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
@@ -11,7 +11,7 @@ template's options, and structured output: ``structured_outputs`` and the older 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
 * a feature this server does not implement (tools, ``best_of``, ``suffix``): 400 naming the
   field, never a silent fallback; a structured output constraint that does not compile, more than
-  one, or one with ``ignore_eos``, ``min_tokens`` or ``allowed_token_ids``: 400; more than
+  one, or one with ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or ``bad_words``: 400; more than
   :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
 * more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
 * an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
@@ -27,14 +27,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from goodspeed.lm.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_TEMPERATURE,
-                                   SamplingParams)
+from goodspeed.lm.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS,
+                                   MIN_TEMPERATURE, SamplingParams)
 from goodspeed.lm.structured import Structure, StructureError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORD_CHARS = 256
 
 
 class ApiError(Exception):
@@ -134,6 +135,10 @@ class _Sampling(BaseModel):
     truncation_side: Literal["left", "right"] = "left"
     # vLLM's: only these tokens may be sampled (every other one gets a logit of -inf); at least one
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    # vLLM's: these words may not be generated (each tokenized as it stands and after a space; the
+    # last token of a tokenization gets -inf where the output ends with the rest of it)
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     # Structured output, one of: vLLM's structured_outputs, its older guided_* fields, OpenAI's response_format
     structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict | None = None
@@ -222,7 +227,7 @@ class _Sampling(BaseModel):
             return None
         name, structure = asked[0]
         for conflict, on in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens),
-                             ("allowed_token_ids", self.allowed_token_ids)):
+                             ("allowed_token_ids", self.allowed_token_ids), ("bad_words", self.bad_words)):
             if on:  # the grammar ends a complete text with EOS; either could leave no token to sample
                 raise ApiError(400, f"{conflict} cannot be combined with structured output ({name})", param=conflict)
         return structure
@@ -245,8 +250,9 @@ class _Sampling(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling(self, structured: Structure | None = None) -> SamplingParams:
-        """The request's sampling settings; ``structured``: its constraint, bound (:meth:`structure`)."""
+    def sampling(self, structured: Structure | None = None, bad_words: tuple = ()) -> SamplingParams:
+        """The request's sampling settings; ``structured``: its constraint, bound (:meth:`structure`);
+        ``bad_words``: its bad words' token sequences (the server tokenizes them)."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():  # "7" and "007" name one token: the later one wins
             bias[int(key)] = value
@@ -254,7 +260,7 @@ class _Sampling(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=tuple(sorted(bias.items())),
                               min_tokens=self.min_tokens, allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
-                              structured=structured)
+                              structured=structured, bad_words=bad_words)
 
     @property
     def include_usage(self) -> bool:

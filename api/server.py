@@ -118,6 +118,22 @@ def template_variables(template: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
 
 
+def bad_word_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of ``bad_words``: each word (leading whitespace stripped) as it stands,
+    and after a space where that starts with another token and holds as many (so the word is
+    banned at the start of the text and inside it). 400 for a word that is no token at all."""
+    out = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ApiError(400, f"bad word {word[:32]!r} holds no token", param="bad_words")
+        out.append(tuple(plain))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(tuple(spaced))
+    return tuple(out)
+
+
 def _raise_failure(delta: Delta) -> None:
     """A last delta that ended in failure, as the client's error."""
     if delta.error is not None:
@@ -374,10 +390,13 @@ class OpenAIServer:
         eos = self.backend.tokenizer.eos_token_id
         # vLLM's stop_token_ids end the text like EOS (counted as a token; its text left out: api.text)
         stops = tuple(dict.fromkeys(([] if body.ignore_eos or eos is None else [int(eos)]) + list(body.stop_token_ids or ())))
-        sampling = body.sampling(structured).ending_with(stops)
+        try:
+            sampling = body.sampling(structured, bad_word_ids(self.backend.tokenizer, body.bad_words or ())).ending_with(stops)
+        except ValueError as exc:  # a bad word past MAX_BAD_WORD_TOKENS tokens
+            raise ApiError(400, str(exc), param="bad_words") from None
         if sampling.nothing_allowed:
-            raise ApiError(400, "min_tokens holds back every one of allowed_token_ids (each ends the text): no token could "
-                                "be sampled", param="allowed_token_ids")
+            raise ApiError(400, "min_tokens or bad_words hold back every one of allowed_token_ids: no token could be sampled",
+                           param="allowed_token_ids")
         base, many = f"{kind}-{secrets.token_hex(12)}", len(prompts) * n > 1
         return base, [GenerationRequest(
             request_id=f"{base}-{i * n + j}" if many else base, prompt_ids=prompt_ids, max_tokens=max_tokens,

@@ -11,7 +11,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                             logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-                            allowed_token_ids=params.allowed_token_ids)
+                            allowed_token_ids=params.allowed_token_ids,
+                            bad_words=[pb.TokenSequence(token_ids=w) for w in params.bad_words])
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty
     if params.structured is not None:
@@ -26,7 +27,8 @@ def unapplied_setting(params: SamplingParams, reply: pb.StartRequestReply) -> st
     for used, applied, what in ((params.extended, reply.extended_sampling, "min_p, penalties or logit_bias"),
                                 (bool(params.min_tokens), reply.min_tokens, "min_tokens"),
                                 (bool(params.allowed_token_ids), reply.allowed_token_ids, "allowed_token_ids"),
-                                (params.structured is not None, reply.structured_output, "structured output")):
+                                (params.structured is not None, reply.structured_output, "structured output"),
+                                (bool(params.bad_words), reply.bad_words, "bad_words")):
         if used and not applied:
             return f"the verifier does not apply {what} (a version older than it)"
     return None

@@ -17,8 +17,10 @@ frequency and presence penalties (OpenAI's: ``count * frequency + (count > 0) * 
 off a token's logit, ``count`` its occurrences in the output), then vLLM's ``min_tokens`` (the
 tokens that end the text, EOS and the request's stop token ids, get a logit of -inf while fewer
 than ``min_tokens`` tokens are generated), vLLM's ``allowed_token_ids`` (every other token gets
-a logit of -inf), and a structured output's grammar (:mod:`goodspeed.lm.structured`: every token
-it refuses after the text gets -inf). The penalties, ``min_tokens`` and the grammar read the text before
+a logit of -inf), vLLM's ``bad_words`` (a banned sequence's last token gets -inf where the output
+ends with the rest of it), and a structured output's grammar (:mod:`goodspeed.lm.structured`:
+every token it refuses after the text gets -inf). The penalties, ``min_tokens``, ``bad_words`` and
+the grammar read the text before
 each position, so a speculative row's positions each see the history plus the drafted tokens
 before them (:class:`TokenHistory` and the ``paths`` of :func:`adjust_logits`): the target's
 adjusted distribution at each position is the one plain decoding would sample from there, and
@@ -48,6 +50,9 @@ MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
 # The most tokens one request may bias (OpenAI's API takes 300; vLLM sets no limit).
 MAX_LOGIT_BIAS_TOKENS = 1024
+# vLLM's bad_words (as token sequences): at most this many, each at most this many tokens.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     structured: Structure | None = None  # a grammar the text must match (goodspeed.lm.structured)
+    # vLLM's bad_words, tokenized: a sequence's last token gets -inf where the output ends with the rest
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -128,6 +135,14 @@ class SamplingParams:
         if any(t < 0 for t in allowed) or list(allowed) != sorted(set(allowed)):
             raise ValueError("allowed_token_ids must be >= 0, distinct and ascending")
         object.__setattr__(self, "allowed_token_ids", allowed)
+        words = tuple(tuple(int(t) for t in w) for w in self.bad_words)
+        if len(words) > MAX_BAD_WORDS or any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in words):
+            raise ValueError(f"bad_words holds at most {MAX_BAD_WORDS} sequences of 1 to {MAX_BAD_WORD_TOKENS} tokens")
+        if any(t < 0 for w in words for t in w):
+            raise ValueError("bad_words token ids must be >= 0")
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(words)))
+        if self.structured is not None and self.bad_words:
+            raise ValueError("structured output cannot be combined with bad_words (together they could leave no token)")
         if self.structured is not None and not isinstance(self.structured, Structure):
             raise ValueError(f"structured must be a goodspeed.lm.structured.Structure, got {type(self.structured).__name__}")
         if self.structured is not None and (self.min_tokens or self.allowed_token_ids):
@@ -162,15 +177,19 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """:func:`adjust_logits` changes this request's logits (a penalty, a logit bias,
-        min_tokens holding back its ending tokens, allowed_token_ids, or a structured output grammar)."""
+        min_tokens holding back its ending tokens, allowed_token_ids, a structured output grammar, or
+        bad_words)."""
         return (self.penalized or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.eos_token_ids))
-                or bool(self.allowed_token_ids) or self.structured is not None)
+                or bool(self.allowed_token_ids) or self.structured is not None or bool(self.bad_words))
 
     @property
     def nothing_allowed(self) -> bool:
-        """``min_tokens`` holds back every one of ``allowed_token_ids`` (all are ending tokens): no
-        token could be sampled at the first positions. A request must be refused for it."""
-        return bool(self.min_tokens and self.allowed_token_ids) and set(self.allowed_token_ids) <= set(self.eos_token_ids)
+        """Every one of ``allowed_token_ids`` is held back, by ``min_tokens`` (an ending token) or
+        a one-token bad word: no token could be sampled at the first positions. A request must be
+        refused for it."""
+        held = set(self.eos_token_ids) if self.min_tokens else set()
+        banned = held | {w[0] for w in self.bad_words if len(w) == 1}  # banned everywhere
+        return bool(self.allowed_token_ids) and set(self.allowed_token_ids) <= banned
 
 
 class TokenHistory:
@@ -185,6 +204,7 @@ class TokenHistory:
         self.prompt = _sorted_unique(np.asarray(list(prompt), dtype=np.int64))
         self.counts: Counter[int] = Counter(int(t) for t in output)
         self.generated = len(output)
+        self.output = [int(t) for t in output]  # bad_words read its last tokens
         self.constraint: Constraint | None = None if structure is None else structure.constraint(output)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -192,6 +212,7 @@ class TokenHistory:
             self.constraint.extend(tokens)
         self.counts.update(int(t) for t in tokens)
         self.generated += len(tokens)
+        self.output.extend(int(t) for t in tokens)
 
 
 def _sorted_unique(x: np.ndarray) -> np.ndarray:
@@ -213,7 +234,9 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     order: bias, then repetition over the prompt and the output, then frequency and presence over
     the output; then ``min_tokens``: a position whose text holds fewer than ``min_tokens`` output
     tokens (the history's plus its path's) gets -inf for each of ``eos_token_ids``; then
-    ``allowed_token_ids``: every other token gets -inf; last, a structured output's grammar (the
+    ``bad_words``: a sequence's last token gets -inf where the position's output ends with its
+    other tokens (a one-token sequence everywhere); then ``allowed_token_ids``: every other token
+    gets -inf; last, a structured output's grammar (the
     history's ``constraint``): every token it does not allow after the position's text gets -inf
     (-inf commutes with the steps before, so the order is vLLM's result). The work touches only the tokens some setting names (the
     bias's, the prompt's and the output's, the drafted ones, the ending ones): it gathers those
@@ -228,6 +251,7 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
         return logits
     _penalize(logits, rows, params, histories, paths, [i for i in chosen if params[i].penalized or params[i].logit_bias])
     _hold_back_endings(logits, rows, params, histories, paths, [i for i in chosen if params[i].min_tokens])
+    _ban_words(logits, rows, params, histories, paths, [i for i in chosen if params[i].bad_words])
     _allow_only(logits, rows, params, paths, [i for i in chosen if params[i].allowed_token_ids])
     _constrain(logits, rows, histories, paths, [i for i in chosen if histories[i] is not None and histories[i].constraint])
     return logits
@@ -240,6 +264,31 @@ def _constrain(logits: torch.Tensor, rows, histories, paths, chosen: list[int]) 
     ``logits``' vocabulary (a draft's smaller one: only a draft's can be)."""
     for i in chosen:  # an unreachable position's bits are all set
         mask_logits(logits[rows[i], : len(paths[i])], histories[i].constraint.masks(paths[i])[0])
+
+
+def _ban_words(logits: torch.Tensor, rows, params, histories, paths, chosen: list[int]) -> None:
+    """vLLM's ``bad_words`` (:func:`adjust_logits`): -inf for a sequence's last token at each
+    position whose output (the history's plus its path) ends with the sequence's other tokens; a
+    one-token sequence everywhere."""
+    at_row, at_position, at_token = [], [], []
+    for i in chosen:
+        output = histories[i].output if histories[i] is not None else []
+        for j, path in enumerate(paths[i]):
+            for word in params[i].bad_words:
+                head = len(word) - 1
+                if head:
+                    if head > len(output) + len(path):
+                        continue
+                    tail = list(path[-head:]) if head <= len(path) else output[len(output) - head + len(path):] + list(path)
+                    if tail != list(word[:-1]):
+                        continue
+                at_row.append(rows[i])
+                at_position.append(j)
+                at_token.append(word[-1])
+    if at_row:
+        index = torch.tensor([at_row, at_position, at_token], dtype=torch.int64).to(logits.device)
+        keep = index[2] < logits.shape[-1]  # ids past a draft's smaller vocabulary: it cannot draft them
+        logits[index[0][keep], index[1][keep], index[2][keep]] = float("-inf")
 
 
 def _allow_only(logits: torch.Tensor, rows, params, paths, chosen: list[int]) -> None:

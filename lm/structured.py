@@ -62,9 +62,8 @@ class Structure:
     any_whitespace: bool = True  # JSON kinds: whitespace between tokens (vLLM's disable_any_whitespace turns it off)
     grammar: str | None = field(default=None, compare=False, repr=False)  # llguidance's, once bound
     tokenizer: object = field(default=None, compare=False, repr=False)  # llguidance.LLTokenizer, once bound
-    # A fresh matcher, its first mask computed: each request's is a copy (measured here on a
-    # 40-field schema at V = 49,152: a copy 0.014 ms and its first mask 0.05 ms, against 3.9 ms to
-    # build a matcher and 2.8 ms for its first mask)
+    # A fresh matcher, its first mask computed: each request's is a copy (bench_structured, a
+    # 40-field schema: a copy with its first mask in about 0.2 ms, against about 4 ms to build one)
     template: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

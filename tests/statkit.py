@@ -46,7 +46,8 @@ def fits(counts: np.ndarray, exact: np.ndarray) -> tuple[bool, str]:
 def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
     """``logits [V]`` with the request's logit bias and penalties, written out densely from their
     definitions in vLLM's order (bias; repetition over prompt and output; frequency and presence
-    over the output; min_tokens' ending tokens at -inf while the output is shorter; every token
+    over the output; min_tokens' ending tokens at -inf while the output is shorter; bad_words' last
+    tokens where the output ends with the rest; every token
     but allowed_token_ids at -inf; every token a structured output's grammar refuses at -inf): the reference the sparse :func:`goodspeed.lm.sampling.adjust_logits` is
     tested against."""
     x = logits.clone()
@@ -62,6 +63,9 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
     x = x - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(x.dtype)
     if len(output) < sampling.min_tokens:  # vLLM's min_tokens: the text may not end yet
         x[list(sampling.eos_token_ids)] = float("-inf")
+    for word in sampling.bad_words:  # vLLM's bad_words: the last token where the output ends with the rest
+        if len(word) == 1 or (len(word) - 1 <= len(output) and list(output[len(output) - len(word) + 1:]) == list(word[:-1])):
+            x[word[-1]] = float("-inf")
     if sampling.allowed_token_ids:  # vLLM's allowed_token_ids: no other token
         others = torch.ones(vocab, dtype=torch.bool)
         others[list(sampling.allowed_token_ids)] = False

@@ -390,8 +390,10 @@ class VerificationEngine:
             raise errors.InvalidTokenError(f"with min_tokens, eos token ids must lie in [0, {self.vocab_size})")
         if sampling is not None and sampling.allowed_token_ids and sampling.allowed_token_ids[-1] >= self.vocab_size:
             raise errors.InvalidTokenError(f"allowed_token_ids must lie in [0, {self.vocab_size})")
+        if sampling is not None and sampling.bad_words and max(max(w) for w in sampling.bad_words) >= self.vocab_size:
+            raise errors.InvalidTokenError(f"bad_words token ids must lie in [0, {self.vocab_size})")
         if sampling is not None and sampling.nothing_allowed:
-            raise errors.MalformedDraftError("min_tokens holds back every one of allowed_token_ids (each ends the text): "
+            raise errors.MalformedDraftError("min_tokens or bad_words hold back every one of allowed_token_ids: "
                                              "no token could be sampled")
         if not 0 <= generated <= len(prompt):
             raise errors.MalformedDraftError(f"generated must lie in 0..{len(prompt)} (the prompt's length), got {generated}")

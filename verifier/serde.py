@@ -26,7 +26,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
                               repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
                               logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens,
                               allowed_token_ids=tuple(msg.allowed_token_ids),
-                              structured=structure_from_pb(msg.structured) if msg.HasField("structured") else None)
+                              structured=structure_from_pb(msg.structured) if msg.HasField("structured") else None,
+                              bad_words=tuple(tuple(w.token_ids) for w in msg.bad_words))
     except ValueError as exc:  # StructureError is one
         raise MalformedDraftError(str(exc)) from None
 

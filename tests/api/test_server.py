@@ -72,6 +72,9 @@ def refusal(call, **kwargs):
     (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),  # vLLM's whole vocabulary: past the 20
     (dict(extra_body={"prompt_logprobs": -2}), "prompt_logprobs"),
     (dict(stream=True, extra_body={"prompt_logprobs": 0}), "prompt_logprobs"),  # vLLM's rule
+    (dict(extra_body={"bad_words": [""]}), "bad_words.0"),
+    (dict(extra_body={"bad_words": ["x"] * 129}), "bad_words"),
+    (dict(extra_body={"bad_words": ["x"], "guided_regex": "a+"}), "bad_words"),  # could leave no token
 ])
 def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     status, body = refusal(api.completions.create, model="tiny", **{"prompt": "x", **kwargs})

@@ -520,6 +520,30 @@ def test_structured_output_through_a_node_is_the_verifiers(models, monkeypatch):
     assert refused.value.status_code == 502
 
 
+def test_bad_words_through_a_node_are_the_verifiers(models, monkeypatch):
+    """bad_words reach the verifier (and the node's batched drafts) through a node, tokenized by
+    the node: the output is the target's greedy decoding with them banned; a verifier older than
+    the field would ignore them (502)."""
+    from goodspeed.api.server import bad_word_ids
+
+    target, _, tokenizer = models
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    plain = greedy_reference(target, prompt_ids, 12)
+    words = [tokenizer.decode(plain[1:2]), tokenizer.decode(plain[4:6])]
+    want = adjusted_greedy_reference(target, prompt_ids, SamplingParams(bad_words=bad_word_ids(tokenizer, words)), 12)
+    assert want != plain
+    body = dict(model="tiny", prompt=prompt_ids, max_tokens=12, temperature=0,
+                extra_body={"bad_words": words, "ignore_eos": True, "return_token_ids": True})
+    with verifier(models) as server, node(server, models) as edge:
+        out = api_of(edge).completions.create(**body)
+    assert out.choices[0].model_extra["token_ids"] == want
+    older_verifier(monkeypatch, "bad_words")
+    with verifier(models) as server, node(server, models) as edge:
+        with pytest.raises(openai.APIStatusError, match="does not apply bad_words") as refused:
+            api_of(edge).completions.create(**body)
+    assert refused.value.status_code == 502
+
+
 def test_min_tokens_through_a_node_holds_back_the_stop_token(models):
     """min_tokens reaches the verifier through a node: the output is the target's greedy decoding
     with the stop token (which the plain text emits second) held back until 6 tokens are out."""

@@ -188,6 +188,8 @@ def test_min_p_rows_in_one_batch_are_each_their_own():
     dict(logit_bias=((2, 1.0), (2, 2.0))), dict(logit_bias=tuple((i, 1.0) for i in range(2000))),
     dict(min_tokens=-1), dict(min_tokens=1.5), dict(min_tokens=True), dict(eos_token_ids=(-2,)),
     dict(allowed_token_ids=(-1,)), dict(allowed_token_ids=(4, 2)), dict(allowed_token_ids=(2, 2)),
+    dict(bad_words=((),)), dict(bad_words=((1, -2),)), dict(bad_words=tuple((i,) for i in range(129))),
+    dict(bad_words=(tuple(range(33)),)),
 ])
 def test_bad_adjustments(kwargs):
     with pytest.raises(ValueError):
@@ -210,6 +212,10 @@ def test_adjusts_logits_only_when_something_is_on():
     assert SamplingParams(min_tokens=2, allowed_token_ids=(2, 5)).ending_with([2, 5, 7]).nothing_allowed
     assert not SamplingParams(min_tokens=2, allowed_token_ids=(2, 5)).ending_with([2]).nothing_allowed
     assert not SamplingParams(allowed_token_ids=(2,)).ending_with([2]).nothing_allowed
+    # so do one-token bad words banning every allowed token (a longer one bans only after its head)
+    assert SamplingParams(allowed_token_ids=(2, 5), bad_words=((2,), (5,))).nothing_allowed
+    assert not SamplingParams(allowed_token_ids=(2, 5), bad_words=((2,), (3, 5))).nothing_allowed
+    assert SamplingParams(bad_words=((2,),)).adjusts_logits and SamplingParams(bad_words=((2, 2), (2, 2))).bad_words == ((2, 2),)
 
 
 ADJUSTING = [
@@ -222,6 +228,8 @@ ADJUSTING = [
     SamplingParams(temperature=1.0, allowed_token_ids=(0, 4, 6, 11)),
     SamplingParams(frequency_penalty=0.5, logit_bias=((8, 9.0),), min_tokens=6, eos_token_ids=(3,),
                    allowed_token_ids=(3, 5, 8)),  # on a tree: 3 held back where the text is short
+    SamplingParams(presence_penalty=0.2, bad_words=((11, 4), (3,), (3, 11, 7))),  # the output ends 3, 11
+    SamplingParams(temperature=1.0, bad_words=((11, 3, 8), (8, 3))),  # on a tree: 8 after 11, 3; 3 after 8
 ]
 
 
@@ -241,7 +249,7 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
     prompt, output = [1, 2, 2, 9], [4, 4, 3, 11]
     drafts = {0: ([4, 6, 6, 1], None), 1: ([3, 8, 3, 4], [-1, 0, -1, 2]), 2: ([7, 7], None), 3: ([], None),
               4: ([4, 6, 6, 1], None), 5: ([3, 8, 3, 4], [-1, 0, -1, 2]), 6: ([0, 6, 4], None),
-              7: ([3, 8, 3, 4], [-1, 0, -1, 2])}
+              7: ([3, 8, 3, 4], [-1, 0, -1, 2]), 8: ([4, 6, 6, 1], None), 9: ([3, 8, 3, 4], [-1, 0, -1, 2])}
     rows = list(range(len(ADJUSTING)))
     histories = [TokenHistory(prompt, output) for _ in rows]
     histories[3] = None  # a request that only biases needs no text
@@ -263,6 +271,10 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
     assert adjusted[6, :4].isfinite().sum(dim=-1).tolist() == [4] * 4  # the allowed ones alone
     assert adjusted[7, :, 3].isinf().tolist() == [True, True, False, True, False]
     assert adjusted[7, :].isfinite().sum(dim=-1).tolist() == [2, 2, 3, 2, 3]
+    assert adjusted[8, :, 3].isinf().all() and adjusted[8, :, 4].isinf().tolist() == [True, False, False, False, False]
+    assert adjusted[8, :, 7].isinf().tolist() == [True, False, False, False, False]
+    assert adjusted[9, :, 8].isinf().tolist() == [False, True, False, True, False]  # paths [3] after the output's 11
+    assert adjusted[9, :, 3].isinf().tolist() == [False, False, True, False, False]  # path [3, 8]
 
 
 def test_allowed_token_ids_past_a_drafts_vocabulary_are_left_out():

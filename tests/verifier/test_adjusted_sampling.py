@@ -1,4 +1,4 @@
-"""Logit bias, penalties, min-p, min_tokens and allowed_token_ids stay lossless on every path: the engine's chains (edge drafts,
+"""Logit bias, penalties, min-p, min_tokens, bad_words and allowed_token_ids stay lossless on every path: the engine's chains (edge drafts,
 delayed drafts decoded in transit) and trees, and local serving's policies, greedy and sampled.
 
 Greedy output must equal the target's own greedy decoding with the same settings, each step's
@@ -156,7 +156,7 @@ def test_allowed_token_ids_that_min_tokens_holds_back_entirely_or_past_the_vocab
     sid = engine.join("d")
     with pytest.raises(InvalidTokenError):
         engine.start_request(sid, [1, 2], SamplingParams(allowed_token_ids=(3, 48)), max_new_tokens=4)
-    with pytest.raises(MalformedDraftError, match="holds back every one"):
+    with pytest.raises(MalformedDraftError, match="hold back every one"):
         engine.start_request(sid, [1, 2], SamplingParams(min_tokens=2, allowed_token_ids=(3, 5)), max_new_tokens=4,
                              eos_token_ids=(3, 5, 9))
     engine.start_request(sid, [1, 2], SamplingParams(min_tokens=2, allowed_token_ids=(3, 5)), max_new_tokens=4,
@@ -220,6 +220,55 @@ def test_a_verifier_that_forgets_the_drafted_text_is_caught(small, monkeypatch):
     outputs, _ = run_edge(target, draft, PENALTIES, [PROMPT] * 800, 3, drafters=8)
     ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
     assert not ok, msg
+
+
+def likeliest_pair(target) -> tuple[int, int]:
+    """The target's most probable first token, and its most probable second after that one."""
+    free = exact_first_two(target, PROMPT, SamplingParams(temperature=1.0))
+    first = int(free.sum(axis=1).argmax())
+    return first, int(free[first, :V].argmax())
+
+
+@pytest.mark.parametrize("where", ["edge", "local-adaserve"])
+def test_sampled_bad_words_follow_the_target_that_may_not_say_them(small, where):
+    """vLLM's bad_words with the target's likeliest first two tokens as the banned pair: no output
+    starts with it, and the first two tokens follow the target's distribution with the pair's
+    second token banned after its first."""
+    target, draft = small
+    sampling = SamplingParams(temperature=1.0, bad_words=(likeliest_pair(target),))
+    if where == "edge":
+        outputs, _ = run_edge(target, draft, sampling, [PROMPT] * 800, 3, drafters=8)
+    else:
+        outputs, _ = run_local(target, draft, sampling, "adaserve", [PROMPT] * 600, 3)
+    assert not any(tuple(out[:2]) == sampling.bad_words[0] for out in outputs)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
+    assert ok, msg
+
+
+def test_a_verifier_that_bans_by_the_committed_text_alone_lets_a_bad_pair_through(small, monkeypatch):
+    """Power check for the test above: each position banned by the committed text alone lets the
+    drafted first token's banned successor through."""
+    monkeypatch.setattr(verify_rows, "draft_paths", lambda tokens, parents: [[] for _ in range(len(tokens) + 1)])
+    target, draft = small
+    pair = likeliest_pair(target)
+    outputs, _ = run_edge(target, draft, SamplingParams(temperature=1.0, bad_words=(pair,)), [PROMPT] * 800, 3, drafters=8)
+    assert sum(tuple(out[:2]) == pair for out in outputs) > 20
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_words_are_never_generated_and_stay_exact(wide, path):
+    """vLLM's bad_words: a two-token sequence and a token the plain greedy text emits are never
+    generated (the pair's second token is banned after its first, drafted or committed); each
+    output is the target's greedy decoding with them banned."""
+    target, draft = wide
+    prompts = [[1, 2, 3, 1], [5, 5, 5], [7, 8], [9, 1, 9, 1, 9]]
+    plain = [adjusted_greedy_reference(target, p, SamplingParams(), 16) for p in prompts]
+    pair, single = tuple(plain[0][2:4]), plain[1][0]
+    sampling = SamplingParams(bad_words=(pair, (single,)))
+    want = [adjusted_greedy_reference(target, p, sampling, 16) for p in prompts]
+    assert want != plain and all(single not in out and pair not in zip(out, out[1:]) for out in want)
+    outputs, accepted = on_path(path, target, draft, sampling, prompts, 16)
+    assert outputs == want and (accepted > 0 or path == "local-none")
 
 
 @pytest.mark.parametrize("where", ["edge", "local-adaserve"])

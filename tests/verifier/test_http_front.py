@@ -2,6 +2,7 @@
 local serving's output through the API equals the target's own greedy decoding."""
 
 import asyncio
+import functools
 
 import openai
 import pytest
@@ -628,6 +629,30 @@ def test_allowed_token_ids_keep_the_output_to_them(models):
     assert out["choices"][0]["token_ids"] == want
     assert [status for status, _ in refusals] == [400] * 3
     assert [body["param"] for _, body in refusals[1:]] == ["allowed_token_ids"] * 2
+
+
+def test_bad_words_are_never_generated(models):
+    """vLLM's bad_words: each word tokenized as it stands and after a space (where that gives
+    another first token and as many tokens), and those sequences never generated: the output is
+    the target's greedy decoding with them banned. A word with no token is a 400."""
+    from goodspeed.api.server import bad_word_ids
+
+    target, _, tokenizer = models
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    plain = reference_text(models, prompt_ids, 16)[0]
+    words = ["1", "\x11&"]
+    banned = bad_word_ids(tokenizer, words)
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    assert banned[:1] == (tuple(encode("1")),) and tuple(encode("\x11&")) in banned
+    assert all(any(b in (tuple(encode(w)), tuple(encode(" " + w))) for w in words) for b in banned)
+    want = adjusted_greedy_reference(target, prompt_ids, SamplingParams(bad_words=banned), 16)
+    assert want != plain and not any(tuple(want[k:k + len(b)]) == b for b in banned for k in range(len(want)))
+    base = {"model": "tiny", "prompt": prompt_ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with front(models) as server:
+        out = post(server, "completions", {**base, "bad_words": words})
+        status, body = refusal_of(server, "completions", {**base, "bad_words": ["  "]})
+    assert out["choices"][0]["token_ids"] == want
+    assert status == 400 and body["param"] == "bad_words"
 
 
 def test_structured_output_constrains_the_text_to_the_grammar(models):

@@ -11,7 +11,7 @@ from goodspeed.verifier.serde import SAMPLING_FIELDS, sampling_from_pb
 # a value off the default for every field; a new field needs one here, or the first test fails
 VALUES = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
           "repetition_penalty": 1.25, "logit_bias": {3: 1.5}, "min_tokens": 2, "allowed_token_ids": [1, 4],
-          "structured": pb.StructuredOutput(kind="regex", spec="[a-z]+")}
+          "structured": pb.StructuredOutput(kind="regex", spec="[a-z]+"), "bad_words": [pb.TokenSequence(token_ids=[2, 3])]}
 
 
 def message(name: str, value) -> pb.SamplingParams:
@@ -40,7 +40,8 @@ def test_the_verifier_reads_every_sampling_field_it_says_it_applies():
 def test_a_drafters_settings_arrive_as_sent():
     """(Values a float32 holds exactly: the wire carries float32.)"""
     sent = SamplingParams(temperature=0.75, top_k=5, top_p=0.875, min_p=0.125, presence_penalty=0.5, frequency_penalty=-0.5,
-                          repetition_penalty=1.25, logit_bias=((3, 1.5),), min_tokens=2, allowed_token_ids=(1, 4))
+                          repetition_penalty=1.25, logit_bias=((3, 1.5),), min_tokens=2, allowed_token_ids=(1, 4),
+                          bad_words=((5,), (2, 3, 7)))
     assert sampling_from_pb(sampling_to_pb(sent)) == sent
     for shape in (Structure("json", '{"type": "object"}', any_whitespace=False), Structure("json_object"),
                   Structure("choice", '["a", "b"]'), Structure("grammar", 'start: "x"')):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cgoodspeed/v1/goodspeed.proto\x12\x0cgoodspeed.v1\"\x91\x01\n\x0bJoinRequest\x12\x14\n\x0c\x64rafter_name\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07transit\x18\x06 \x01(\x08\"^\n\tJoinReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\x12\x14\n\x0ctarget_model\x18\x04 \x01(\t\"+\n\x15StreamVerdictsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x95\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.goodspeed.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\x05\x12\x32\n\nstructured\x18\x0b \x01(\x0b\x32\x1e.goodspeed.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x15\n\x13_repetition_penalty\"?\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\"\xa1\x02\n\x13StartRequestRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.goodspeed.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tgenerated\x18\x08 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xbc\x01\n\x11StartRequestReply\x12\x14\n\x0c\x64raft_length\x18\x01 \x01(\r\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x19\n\x11\x65xtended_sampling\x18\x03 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x04 \x01(\x08\x12\x12\n\nmin_tokens\x18\x05 \x01(\x08\x12\x19\n\x11\x61llowed_token_ids\x18\x06 \x01(\x08\x12\x19\n\x11structured_output\x18\x07 \x01(\x08\"-\n\tSparseRow\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xc2\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12)\n\x05\x64\x65nse\x18\x05 \x01(\x0b\x32\x18.goodspeed.v1.DenseProbsH\x00\x12+\n\x06sparse\x18\x06 \x01(\x0b\x32\x19.goodspeed.v1.SparseProbsH\x00\x42\r\n\x0b\x64raft_probs\"\x1b\n\nDenseProbs\x12\r\n\x05probs\x18\x01 \x03(\x02\"4\n\x0bSparseProbs\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.goodspeed.v1.SparseRow\"E\n\x0bSubmitReply\x12\x0e\n\x06queued\x18\x01 \x01(\x08\x12&\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.goodspeed.v1.Verdict\"\x80\x03\n\x07Verdict\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x07 \x01(\t\x12\x19\n\x11next_draft_length\x18\x08 \x01(\r\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x12\n\nacceptance\x18\x0b \x01(\x01\x12\x0f\n\x07goodput\x18\x0c \x01(\x01\x12\x13\n\x0bnum_transit\x18\r \x01(\r\x12,\n\x08logprobs\x18\x0e \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0f \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"*\n\x14\x46inishRequestRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x12\x46inishRequestReply\x12\x15\n\rcommitted_ids\x18\x01 \x03(\x05\"#\n\rResyncRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"O\n\x0bResyncReply\x12\x15\n\rcommitted_ids\x18\x01 \x03(\x05\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x14\n\x0c\x64raft_length\x18\x03 \x01(\r\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0c\n\nLeaveReply\"\xac\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.goodspeed.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btpot_slo_ms\x18\x05 \x01(\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xcf\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rtoken_times_s\x18\x04 \x03(\x01\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x0e\n\x06tpot_s\x18\x08 \x01(\x01\x12\x13\n\x0bnum_drafted\x18\t \x01(\r\x12\x14\n\x0cnum_accepted\x18\n \x01(\r\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\x12\x17\n\x0fsampling_fields\x18\r \x01(\r2\xd2\x04\n\x08Verifier\x12:\n\x04Join\x12\x19.goodspeed.v1.JoinRequest\x1a\x17.goodspeed.v1.JoinReply\x12N\n\x0eStreamVerdicts\x12#.goodspeed.v1.StreamVerdictsRequest\x1a\x15.goodspeed.v1.Verdict0\x01\x12R\n\x0cStartRequest\x12!.goodspeed.v1.StartRequestRequest\x1a\x1f.goodspeed.v1.StartRequestReply\x12\x44\n\x0bSubmitDraft\x12\x1a.goodspeed.v1.DraftRequest\x1a\x19.goodspeed.v1.SubmitReply\x12U\n\rFinishRequest\x12\".goodspeed.v1.FinishRequestRequest\x1a .goodspeed.v1.FinishRequestReply\x12@\n\x06Resync\x12\x1b.goodspeed.v1.ResyncRequest\x1a\x19.goodspeed.v1.ResyncReply\x12=\n\x05Leave\x12\x1a.goodspeed.v1.LeaveRequest\x1a\x18.goodspeed.v1.LeaveReply\x12H\n\x08Generate\x12\x1d.goodspeed.v1.GenerateRequest\x1a\x1b.goodspeed.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cgoodspeed/v1/goodspeed.proto\x12\x0cgoodspeed.v1\"\x91\x01\n\x0bJoinRequest\x12\x14\n\x0c\x64rafter_name\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07transit\x18\x06 \x01(\x08\"^\n\tJoinReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\x12\x14\n\x0ctarget_model\x18\x04 \x01(\t\"+\n\x15StreamVerdictsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc5\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.goodspeed.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\x05\x12\x32\n\nstructured\x18\x0b \x01(\x0b\x32\x1e.goodspeed.v1.StructuredOutput\x12.\n\tbad_words\x18\x0c \x03(\x0b\x32\x1b.goodspeed.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x15\n\x13_repetition_penalty\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"?\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\"\xa1\x02\n\x13StartRequestRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.goodspeed.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tgenerated\x18\x08 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xcf\x01\n\x11StartRequestReply\x12\x14\n\x0c\x64raft_length\x18\x01 \x01(\r\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x19\n\x11\x65xtended_sampling\x18\x03 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x04 \x01(\x08\x12\x12\n\nmin_tokens\x18\x05 \x01(\x08\x12\x19\n\x11\x61llowed_token_ids\x18\x06 \x01(\x08\x12\x19\n\x11structured_output\x18\x07 \x01(\x08\x12\x11\n\tbad_words\x18\x08 \x01(\x08\"-\n\tSparseRow\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xc2\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12)\n\x05\x64\x65nse\x18\x05 \x01(\x0b\x32\x18.goodspeed.v1.DenseProbsH\x00\x12+\n\x06sparse\x18\x06 \x01(\x0b\x32\x19.goodspeed.v1.SparseProbsH\x00\x42\r\n\x0b\x64raft_probs\"\x1b\n\nDenseProbs\x12\r\n\x05probs\x18\x01 \x03(\x02\"4\n\x0bSparseProbs\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.goodspeed.v1.SparseRow\"E\n\x0bSubmitReply\x12\x0e\n\x06queued\x18\x01 \x01(\x08\x12&\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.goodspeed.v1.Verdict\"\x80\x03\n\x07Verdict\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x07 \x01(\t\x12\x19\n\x11next_draft_length\x18\x08 \x01(\r\x12\x10\n\x08\x66inished\x18\t \x01(\x08\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x12\n\nacceptance\x18\x0b \x01(\x01\x12\x0f\n\x07goodput\x18\x0c \x01(\x01\x12\x13\n\x0bnum_transit\x18\r \x01(\r\x12,\n\x08logprobs\x18\x0e \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0f \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"*\n\x14\x46inishRequestRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x12\x46inishRequestReply\x12\x15\n\rcommitted_ids\x18\x01 \x03(\x05\"#\n\rResyncRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"O\n\x0bResyncReply\x12\x15\n\rcommitted_ids\x18\x01 \x03(\x05\x12\x13\n\x0bround_index\x18\x02 \x01(\x04\x12\x14\n\x0c\x64raft_length\x18\x03 \x01(\r\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0c\n\nLeaveReply\"\xac\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.goodspeed.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btpot_slo_ms\x18\x05 \x01(\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xcf\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rtoken_times_s\x18\x04 \x03(\x01\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x0e\n\x06tpot_s\x18\x08 \x01(\x01\x12\x13\n\x0bnum_drafted\x18\t \x01(\r\x12\x14\n\x0cnum_accepted\x18\n \x01(\r\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1a.goodspeed.v1.TokenLogprob\x12\x17\n\x0fsampling_fields\x18\r \x01(\r2\xd2\x04\n\x08Verifier\x12:\n\x04Join\x12\x19.goodspeed.v1.JoinRequest\x1a\x17.goodspeed.v1.JoinReply\x12N\n\x0eStreamVerdicts\x12#.goodspeed.v1.StreamVerdictsRequest\x1a\x15.goodspeed.v1.Verdict0\x01\x12R\n\x0cStartRequest\x12!.goodspeed.v1.StartRequestRequest\x1a\x1f.goodspeed.v1.StartRequestReply\x12\x44\n\x0bSubmitDraft\x12\x1a.goodspeed.v1.DraftRequest\x1a\x19.goodspeed.v1.SubmitReply\x12U\n\rFinishRequest\x12\".goodspeed.v1.FinishRequestRequest\x1a .goodspeed.v1.FinishRequestReply\x12@\n\x06Resync\x12\x1b.goodspeed.v1.ResyncRequest\x1a\x19.goodspeed.v1.ResyncReply\x12=\n\x05Leave\x12\x1a.goodspeed.v1.LeaveRequest\x1a\x18.goodspeed.v1.LeaveReply\x12H\n\x08Generate\x12\x1d.goodspeed.v1.GenerateRequest\x1a\x1b.goodspeed.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,45 +40,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMVERDICTSREQUEST']._serialized_start=290
   _globals['_STREAMVERDICTSREQUEST']._serialized_end=333
   _globals['_SAMPLINGPARAMS']._serialized_start=336
-  _globals['_SAMPLINGPARAMS']._serialized_end=741
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=670
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=718
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=743
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=806
-  _globals['_STARTREQUESTREQUEST']._serialized_start=809
-  _globals['_STARTREQUESTREQUEST']._serialized_end=1098
-  _globals['_STARTREQUESTREPLY']._serialized_start=1101
-  _globals['_STARTREQUESTREPLY']._serialized_end=1289
-  _globals['_SPARSEROW']._serialized_start=1291
-  _globals['_SPARSEROW']._serialized_end=1336
-  _globals['_DRAFTREQUEST']._serialized_start=1339
-  _globals['_DRAFTREQUEST']._serialized_end=1533
-  _globals['_DENSEPROBS']._serialized_start=1535
-  _globals['_DENSEPROBS']._serialized_end=1562
-  _globals['_SPARSEPROBS']._serialized_start=1564
-  _globals['_SPARSEPROBS']._serialized_end=1616
-  _globals['_SUBMITREPLY']._serialized_start=1618
-  _globals['_SUBMITREPLY']._serialized_end=1687
-  _globals['_VERDICT']._serialized_start=1690
-  _globals['_VERDICT']._serialized_end=2074
-  _globals['_TOKENLOGPROB']._serialized_start=2076
-  _globals['_TOKENLOGPROB']._serialized_end=2178
-  _globals['_FINISHREQUESTREQUEST']._serialized_start=2180
-  _globals['_FINISHREQUESTREQUEST']._serialized_end=2222
-  _globals['_FINISHREQUESTREPLY']._serialized_start=2224
-  _globals['_FINISHREQUESTREPLY']._serialized_end=2267
-  _globals['_RESYNCREQUEST']._serialized_start=2269
-  _globals['_RESYNCREQUEST']._serialized_end=2304
-  _globals['_RESYNCREPLY']._serialized_start=2306
-  _globals['_RESYNCREPLY']._serialized_end=2385
-  _globals['_LEAVEREQUEST']._serialized_start=2387
-  _globals['_LEAVEREQUEST']._serialized_end=2421
-  _globals['_LEAVEREPLY']._serialized_start=2423
-  _globals['_LEAVEREPLY']._serialized_end=2435
-  _globals['_GENERATEREQUEST']._serialized_start=2438
-  _globals['_GENERATEREQUEST']._serialized_end=2738
-  _globals['_GENERATECHUNK']._serialized_start=2741
-  _globals['_GENERATECHUNK']._serialized_end=3076
-  _globals['_VERIFIER']._serialized_start=3079
-  _globals['_VERIFIER']._serialized_end=3673
+  _globals['_SAMPLINGPARAMS']._serialized_end=789
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=718
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=766
+  _globals['_TOKENSEQUENCE']._serialized_start=791
+  _globals['_TOKENSEQUENCE']._serialized_end=825
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=827
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=890
+  _globals['_STARTREQUESTREQUEST']._serialized_start=893
+  _globals['_STARTREQUESTREQUEST']._serialized_end=1182
+  _globals['_STARTREQUESTREPLY']._serialized_start=1185
+  _globals['_STARTREQUESTREPLY']._serialized_end=1392
+  _globals['_SPARSEROW']._serialized_start=1394
+  _globals['_SPARSEROW']._serialized_end=1439
+  _globals['_DRAFTREQUEST']._serialized_start=1442
+  _globals['_DRAFTREQUEST']._serialized_end=1636
+  _globals['_DENSEPROBS']._serialized_start=1638
+  _globals['_DENSEPROBS']._serialized_end=1665
+  _globals['_SPARSEPROBS']._serialized_start=1667
+  _globals['_SPARSEPROBS']._serialized_end=1719
+  _globals['_SUBMITREPLY']._serialized_start=1721
+  _globals['_SUBMITREPLY']._serialized_end=1790
+  _globals['_VERDICT']._serialized_start=1793
+  _globals['_VERDICT']._serialized_end=2177
+  _globals['_TOKENLOGPROB']._serialized_start=2179
+  _globals['_TOKENLOGPROB']._serialized_end=2281
+  _globals['_FINISHREQUESTREQUEST']._serialized_start=2283
+  _globals['_FINISHREQUESTREQUEST']._serialized_end=2325
+  _globals['_FINISHREQUESTREPLY']._serialized_start=2327
+  _globals['_FINISHREQUESTREPLY']._serialized_end=2370
+  _globals['_RESYNCREQUEST']._serialized_start=2372
+  _globals['_RESYNCREQUEST']._serialized_end=2407
+  _globals['_RESYNCREPLY']._serialized_start=2409
+  _globals['_RESYNCREPLY']._serialized_end=2488
+  _globals['_LEAVEREQUEST']._serialized_start=2490
+  _globals['_LEAVEREQUEST']._serialized_end=2524
+  _globals['_LEAVEREPLY']._serialized_start=2526
+  _globals['_LEAVEREPLY']._serialized_end=2538
+  _globals['_GENERATEREQUEST']._serialized_start=2541
+  _globals['_GENERATEREQUEST']._serialized_end=2841
+  _globals['_GENERATECHUNK']._serialized_start=2844
+  _globals['_GENERATECHUNK']._serialized_end=3179
+  _globals['_VERIFIER']._serialized_start=3182
+  _globals['_VERIFIER']._serialized_end=3776
 # @@protoc_insertion_point(module_scope)
