@@ -194,8 +194,8 @@ class SamplingParams:
 
 class TokenHistory:
     """A request's text as its penalties read it: the prompt's distinct token ids (the repetition
-    penalty counts them as seen), how often each token occurs in the output, and how many tokens
-    the output holds (``min_tokens`` reads that). Extended with each committed token; a speculative
+    penalty counts them as seen), how often each token occurs in the output, how many tokens the
+    output holds (``min_tokens`` reads that), and the output itself (``bad_words`` reads its end). Extended with each committed token; a speculative
     row's drafted tokens come on top as :func:`adjust_logits`' ``paths``, never into the history itself.
     With a bound ``structure`` it also holds the request's grammar matcher (``constraint``), which
     consumes the output (:class:`~goodspeed.lm.structured.StructureError` if the grammar refuses it)."""
@@ -236,15 +236,16 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     tokens (the history's plus its path's) gets -inf for each of ``eos_token_ids``; then
     ``bad_words``: a sequence's last token gets -inf where the position's output ends with its
     other tokens (a one-token sequence everywhere); then ``allowed_token_ids``: every other token
-    gets -inf; last, a structured output's grammar (the
-    history's ``constraint``): every token it does not allow after the position's text gets -inf
-    (-inf commutes with the steps before, so the order is vLLM's result). The work touches only the tokens some setting names (the
-    bias's, the prompt's and the output's, the drafted ones, the ending ones): it gathers those
-    logits, adjusts them in the logits' dtype (callers pass float32 or wider), and scatters them
-    back, so its cost does not grow with the vocabulary; ``allowed_token_ids`` and a grammar alone
-    fill their row's positions over the vocabulary. Allowed ids at or past ``logits``' vocabulary are left
-    out (a draft with a smaller vocabulary cannot draft them); a row none of whose ids fits is
-    left unmasked, which only a draft's can be (the target's check refuses such ids).
+    gets -inf; last, a structured output's grammar (the history's ``constraint``): every token it
+    does not allow after the position's text gets -inf (-inf commutes with the steps before, so
+    the order is vLLM's result). The work touches only the tokens some setting names (the bias's,
+    the prompt's and the output's, the drafted ones, the ending ones, the banned ones): it gathers
+    those logits, adjusts them in the logits' dtype (callers pass float32 or wider), and scatters
+    them back, so its cost does not grow with the vocabulary; ``allowed_token_ids`` and a grammar
+    alone fill their row's positions over the vocabulary. Allowed and banned ids at or past
+    ``logits``' vocabulary are left out (a draft with a smaller vocabulary cannot draft them); a
+    row none of whose allowed ids fits is left unmasked, which only a draft's can be (the target's
+    check refuses such ids).
     """
     chosen = [i for i, p in enumerate(params) if p.adjusts_logits and len(paths[i])]
     if not chosen:
