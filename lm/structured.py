@@ -63,7 +63,7 @@ class Structure:
     grammar: str | None = field(default=None, compare=False, repr=False)  # llguidance's, once bound
     tokenizer: object = field(default=None, compare=False, repr=False)  # llguidance.LLTokenizer, once bound
     # A fresh matcher, its first mask computed: each request's is a copy (bench_structured, a
-    # 40-field schema: a copy with its first mask in about 0.2 ms, against about 4 ms to build one)
+    # 40-field schema at V = 49,152: a copy with its first mask 0.13 ms, against 2.6 ms to build one)
     template: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -258,9 +258,9 @@ _BYTE_BIAS: dict = {}  # (dtype, device) -> [256, 8]: row b holds 0 where bit i 
 def mask_logits(logits: torch.Tensor, bits: np.ndarray) -> None:
     """Add -inf to ``logits [P, V]`` IN PLACE wherever :meth:`Constraint.masks`' ``bits`` refuse a
     token (and past the mask's words: no token of the tokenizer). Each mask byte picks its eight
-    tokens' biases (0 or -inf) from a 256-row table: one gather and one add over ``[P, V]``,
-    several times faster on a CPU than a boolean fill (measured by ``bench_structured``). A
-    position that allows none of ``logits``' tokens (a draft's smaller vocabulary) is left as it is."""
+    tokens' biases (0 or -inf) from a 256-row table: one gather and one add over ``[P, V]``, with
+    no boolean tensor unpacked or filled through. A position that allows none of ``logits``'
+    tokens (a draft's smaller vocabulary) is left as it is."""
     key = (logits.dtype, logits.device)
     table = _BYTE_BIAS.get(key)
     if table is None:
