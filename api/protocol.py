@@ -4,15 +4,16 @@ Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM'
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
 ``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs``, ``allowed_token_ids``, ``bad_words``, the chat
 template's options, and structured output: ``structured_outputs`` and the older ``guided_json``,
-``guided_regex``, ``guided_choice``, ``guided_grammar``, with OpenAI's ``response_format``; ours:
-``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object
-``{"error": {"message", "type", "param", "code"}}``:
+``guided_regex``, ``guided_choice``, ``guided_grammar``, with OpenAI's ``response_format``; chat's
+tool calling, :mod:`goodspeed.api.tools`; ours: ``tpot_slo_ms``, AdaServe's per-request latency
+SLO). Every refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
-* a feature this server does not implement (tools, ``best_of``, ``suffix``): 400 naming the
-  field, never a silent fallback; a structured output constraint that does not compile, more than
-  one, or one with ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or ``bad_words``: 400; more than
-  :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
+* a feature this server does not implement (``best_of``, ``suffix``): 400 naming the field,
+  never a silent fallback; a structured output constraint that does not compile, more than one
+  (a forced tool call is one), or one with ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or
+  ``bad_words``: 400; tools that cannot be served as asked (:mod:`goodspeed.api.tools`): 400; more
+  than :data:`~goodspeed.lm.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
 * more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
 * an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
   400 ``context_length_exceeded``; a full queue: 429.
@@ -23,9 +24,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from goodspeed.api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCallMessage, forced_schema
 
 from goodspeed.lm.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS,
                                    MIN_TEMPERATURE, SamplingParams)
@@ -146,6 +149,7 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
+    STRUCTURE_FIELDS: ClassVar[tuple[str, ...]] = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format")
 
     @field_validator("temperature")
     @classmethod
@@ -190,34 +194,39 @@ class _Sampling(BaseModel):
             if self.stream:
                 raise ApiError(400, "prompt_logprobs is not available with stream = true (as vLLM's)", param="prompt_logprobs")
 
+    def asked_structures(self) -> list[tuple[str, Structure]]:
+        """Every structured output constraint the body asks for, with the field that asks (unbound)."""
+        asked: list[tuple[str, Structure]] = []
+        so = self.structured_outputs
+        if so is not None:
+            whitespace = not so.disable_any_whitespace
+            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                         ("grammar", so.grammar)) if v is not None]
+            given += [("json_object", "")] if so.json_object else []
+            asked += [(f"structured_outputs.{k}", Structure(k, "" if k == "json_object" else _spec(v), whitespace))
+                      for k, v in given]
+            if not given:
+                raise ApiError(400, "structured_outputs names no constraint (json, regex, choice, grammar or json_object)",
+                               param="structured_outputs")
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, Structure(kind, _spec(value))))
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", Structure("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ApiError(400, "response_format json_schema needs its json_schema", param="response_format")
+            asked.append(("response_format", Structure("json", json.dumps(rf.json_schema.schema_ or {}))))
+        return asked
+
     def structure(self) -> Structure | None:
         """The text's constraint (unbound: the server compiles it against its tokenizer), or None;
         400 for more than one, or for settings it cannot be combined with."""
-        asked: list[tuple[str, Structure]] = []
         try:
-            so = self.structured_outputs
-            if so is not None:
-                whitespace = not so.disable_any_whitespace
-                given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                             ("grammar", so.grammar)) if v is not None]
-                given += [("json_object", "")] if so.json_object else []
-                asked += [(f"structured_outputs.{k}", Structure(k, "" if k == "json_object" else _spec(v), whitespace))
-                          for k, v in given]
-                if not given:
-                    raise ApiError(400, "structured_outputs names no constraint (json, regex, choice, grammar or json_object)",
-                                   param="structured_outputs")
-            for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                               ("guided_grammar", "grammar")):
-                value = getattr(self, name)
-                if value is not None:
-                    asked.append((name, Structure(kind, _spec(value))))
-            rf = self.response_format
-            if rf is not None and rf.type == "json_object":
-                asked.append(("response_format", Structure("json_object")))
-            elif rf is not None and rf.type == "json_schema":
-                if rf.json_schema is None:
-                    raise ApiError(400, "response_format json_schema needs its json_schema", param="response_format")
-                asked.append(("response_format", Structure("json", json.dumps(rf.json_schema.schema_ or {}))))
+            asked = self.asked_structures()
         except StructureError as exc:
             raise ApiError(400, str(exc), param=self.structure_field()) from None
         if len(asked) > 1:
@@ -233,7 +242,7 @@ class _Sampling(BaseModel):
         return structure
 
     def structure_field(self) -> str:
-        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format"):
+        for name in self.STRUCTURE_FIELDS:
             if getattr(self, name) is not None:
                 return name
         return "structured_outputs"
@@ -345,12 +354,37 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: only an assistant message that calls tools
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message holds tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs the tool_call_id it answers, and only a tool message has one")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def turn(self) -> dict:
+        """The message as a chat template reads it (``developer`` as ``system``)."""
+        turn = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 class ChatCompletionRequest(_Sampling):
@@ -358,8 +392,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list | None = None
-    tool_choice: Any = None
+    # OpenAI's tool calling (api.tools): the functions the model may call, and whether it must
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True  # False: one call at most
     add_special_tokens: bool = False  # vLLM's extension: off, as the chat template holds them
     # vLLM's extensions: how the chat template renders the messages
     add_generation_prompt: bool = True
@@ -369,11 +405,43 @@ class ChatCompletionRequest(_Sampling):
     # (an assistant message the model continues, or any last message without add_generation_prompt)
     echo: bool = False
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value):
+        """One message for any other value (pydantic's would name one member of the union)."""
+        if value is None or value in ("none", "auto", "required") or isinstance(value, dict):
+            return value
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
+    @property
+    def tool_mode(self) -> str | NamedToolChoice:
+        """What the tools ask: "none" (no tools, or tool_choice "none"), "auto", "required" or a named function."""
+        if not self.tools:
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
+
+    def asked_structures(self) -> list[tuple[str, Structure]]:
+        asked = super().asked_structures()
+        if self.tools:
+            try:
+                schema = forced_schema(self.tools, self.tool_mode, self.parallel_tool_calls)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+            if schema is not None:  # a forced call: its arguments' schema, compiled as any other
+                asked.append(("tools", Structure("json", json.dumps(schema))))
+        return asked
+
+    def structure_field(self) -> str:
+        return "tools" if self.tool_mode not in ("none", "auto") else super().structure_field()
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         refuse_render_conflict(self)
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ApiError(400, "tools are not supported by this server", param="tools")
+        if self.tools is not None and not self.tools:
+            raise ApiError(400, "tools must not be empty: give at least one, or leave the field out", param="tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ApiError(400, f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'} "
+                                "needs tools", param="tool_choice")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
         if self.top_logprobs is not None and not self.logprobs:
@@ -415,6 +483,7 @@ class TokenizeChatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # rendered as chat completions render them
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

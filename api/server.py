@@ -57,6 +57,7 @@ from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, parse_body)
 from goodspeed.api.text import TextStream
+from goodspeed.api.tools import PARSERS, ToolCalls, merge
 from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
 from goodspeed.lm.structured import StructureError
@@ -148,10 +149,14 @@ def _finish_reason(stream: TextStream, reason: str | None) -> str:
 
 class OpenAIServer:
     def __init__(self, backend: Backend, registry: CollectorRegistry,
-                 authorize: Callable[[str | None], str] | None = None) -> None:
+                 authorize: Callable[[str | None], str] | None = None, tool_parser: str | None = None) -> None:
         """``authorize(authorization header) -> identity`` raises :class:`ApiError` (401) for a
-        caller it refuses; None: everyone is ``anonymous``."""
-        self.backend, self.registry, self.authorize = backend, registry, authorize
+        caller it refuses; None: everyone is ``anonymous``. ``tool_parser``: how a reply's tool
+        calls are read where the model chooses (``tool_choice`` "auto"; :data:`~goodspeed.api.tools.PARSERS`);
+        None: such requests are refused."""
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise ValueError(f"tool_parser must be one of {', '.join(PARSERS)}, got {tool_parser!r}")
+        self.backend, self.registry, self.authorize, self.tool_parser = backend, registry, authorize, tool_parser
         self._runner: web.AppRunner | None = None
         # responses' backend cleanups that run after the response went out (_close), which stop() waits for
         self._cleanups: set[asyncio.Task] = set()
@@ -251,15 +256,18 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(ChatCompletionRequest, await self._json(request))
         self._check_model(body.model)
+        self._check_tools(body)
         rendered = await self._render_chat(body)
         prompt_ids = body.truncated(await self._tokenize(rendered, body.add_special_tokens,
                                                          must_fit=body.truncate_prompt_tokens is None), self.backend.max_model_len)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
         rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._structure(body))
         echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
+        mode = body.tool_mode
+        tools = None if mode == "none" else [ToolCalls(mode, self.tool_parser, body.parallel_tool_calls) for _ in gens]
         if body.stream:
-            return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes)
-        return await self._complete(identity, rid, gens, body, chat=True, echoes=echoes)
+            return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes, tools=tools)
+        return await self._complete(identity, rid, gens, body, chat=True, echoes=echoes, tools=tools)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /tokenize``: a prompt's token ids (``prompt``, as completions tokenize it)
@@ -321,14 +329,29 @@ class OpenAIServer:
                 if key not in readable:
                     raise ApiError(400, f"chat_template_kwargs.{key}: this model's chat template does not read it (it reads "
                                         f"{', '.join(sorted(readable)) or 'none'})", param="chat_template_kwargs")
-        turns = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        turns = [m.turn() for m in body.messages]
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools]} if body.tools else {}
         render = functools.partial(tokenizer.apply_chat_template, turns, tokenize=False,
                                    add_generation_prompt=body.add_generation_prompt,
-                                   continue_final_message=body.continue_final_message, **extra)
+                                   continue_final_message=body.continue_final_message, **tools, **extra)
         try:
             return await asyncio.to_thread(render) if sum(len(t["content"]) for t in turns) > INLINE_CHARS else render()
         except (ValueError, jinja2.TemplateError) as exc:  # e.g. the template's own raise_exception
             raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+
+    def _check_tools(self, body: ChatCompletionRequest) -> None:
+        """400 for a reply whose tool calls could not be read (``tool_choice`` "auto" without
+        ``tool_parser``) or that could not call them (a chat template that does not render ``tools``)."""
+        if body.tool_mode != "auto":
+            return
+        if self.tool_parser is None:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with --tool-call-parser; '
+                                'name a function in tool_choice or give "required" to have the reply be a call',
+                           param="tool_choice")
+        template = getattr(self.backend.tokenizer, "chat_template", None)
+        if template is not None and "tools" not in template_variables(template):
+            raise ApiError(400, f"model {self.backend.model_ids[0]!r}'s chat template does not render tools, so the model "
+                                'could not know them: name a function in tool_choice or give "required"', param="tools")
 
     def _identify(self, request: web.Request) -> str:
         return self.authorize(request.headers.get("Authorization")) if self.authorize is not None else "anonymous"
@@ -608,10 +631,11 @@ class OpenAIServer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _complete(self, identity: str, rid: str, gens: list[GenerationRequest], body, chat: bool,
-                        echoes: list[str] | None = None) -> web.Response:
+                        echoes: list[str] | None = None, tools: list[ToolCalls] | None = None) -> web.Response:
         """The whole response at once; ``echoes[i]``: the text choice ``i`` starts with (completions'
         ``echo``: its prompt, whose tokens' log-probabilities come first where asked for; chat's:
-        the last message's)."""
+        the last message's); ``tools[i]``: the reader of choice ``i``'s tool calls (chat's, where
+        the request has tools)."""
         texts = [self._text_stream(body, gen) for gen in gens]
         pieces: list[list[str]] = [[] for _ in gens]
         reasons: list[str | None] = [None] * len(gens)
@@ -634,13 +658,22 @@ class OpenAIServer:
                     break
         finally:
             await self._close(runs, streams, detach=not running)
-        contents = [(echoes[i] if echoes else "") + "".join(p) for i, p in enumerate(pieces)]
+        messages = [{"role": "assistant", "content": (echoes[i] if echoes else "") + "".join(p)} for i, p in enumerate(pieces)]
+        if tools is not None:  # the reply read by the code a stream's is: content, then the calls
+            for i, (message, reader) in enumerate(zip(messages, tools)):
+                content, calls = reader.push("".join(pieces[i]))
+                rest, last = reader.finish()
+                text = (echoes[i] if echoes else "") + content + rest
+                message["content"] = text if text or not calls + last else None
+                if calls + last:
+                    message["tool_calls"] = merge(calls + last)
+                reasons[i] = reader.finish_reason(reasons[i])
+        contents = [m["content"] for m in messages]
         echoed = None if chat or echoes is None or scored is None else body.logprobs  # completions' echo with logprobs
         logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], scored and scored[i], echoed) + kept[i],
                                                                  chat, 0, body.return_tokens_as_token_ids)
                     for i in range(len(gens))]
-        choices = [{"index": i, "message": {"role": "assistant", "content": c}, "logprobs": lp, "finish_reason": r,
-                    "stop_reason": t.stop_reason}
+        choices = [{"index": i, "message": messages[i], "logprobs": lp, "finish_reason": r, "stop_reason": t.stop_reason}
                    if chat else {"index": i, "text": c, "logprobs": lp, "finish_reason": r, "stop_reason": t.stop_reason}
                    for i, (c, r, lp, t) in enumerate(zip(contents, reasons, logprobs, texts))]
         extra = {}
@@ -661,12 +694,14 @@ class OpenAIServer:
             "usage": self._usage(gens, body.n, texts), **extra})
 
     async def _stream(self, request: web.Request, identity: str, rid: str, gens: list[GenerationRequest], body,
-                      chat: bool, echoes: list[str] | None = None) -> web.StreamResponse:
+                      chat: bool, echoes: list[str] | None = None, tools: list[ToolCalls] | None = None) -> web.StreamResponse:
         """Admit every choice (a refusal is still a plain 4xx), send the headers at once (so the
         first token's chunk is all that is left on its path), then one event per new text of a
         choice, which the event's ``index`` names. With ``echoes`` (completions' ``echo``), a
         choice's first event is its prompt text (and its tokens' log-probabilities, where asked for);
-        chat's echo follows each choice's role event."""
+        chat's echo follows each choice's role event. With ``tools`` (chat's readers, as
+        :meth:`_complete`), a choice's text goes through its reader: the content it lets out, and
+        ``tool_calls`` deltas as its calls complete."""
         texts = [self._text_stream(body, gen) for gen in gens]
         received = None if gens[0].logprobs is None else [[] for _ in gens]
         scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
@@ -677,7 +712,7 @@ class OpenAIServer:
         usage = {"usage": None} if body.include_usage else {}
 
         def chunk(i: int, piece: str, reason: str | None, lps: list | None = None, role: bool = False,
-                  ids: list[int] = (), prompt: bool = False) -> dict:
+                  ids: list[int] = (), prompt: bool = False, calls: list[dict] = ()) -> dict:
             """Choice ``i``'s event; with ``return_token_ids`` its ``token_ids`` (``ids``) and, in the
             first event (``prompt``), the prompt's: chat's in the envelope, a completion choice's its own."""
             logprobs = None
@@ -691,6 +726,8 @@ class OpenAIServer:
             counts = {"usage": self._usage(gens, body.n, texts)} if body.continuous_usage else usage  # the tokens so far
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
+                if calls:
+                    delta["tool_calls"] = list(calls)
                 return {**envelope, **head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                                                          **tokens}], **counts}
             return {**envelope, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": reason,
@@ -716,7 +753,15 @@ class OpenAIServer:
                         opened[i] = True
                         await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], scored and scored[i], body.logprobs),
                                          prompt=True))
-                    await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i]))
+                    calls: list[dict] = []
+                    if tools is not None:
+                        piece, calls = tools[i].push(piece)
+                        if reason is not None:
+                            rest, last = tools[i].finish()
+                            piece, calls, reason = piece + rest, calls + last, tools[i].finish_reason(reason)
+                        if not (piece or calls or reason or lps or body.return_token_ids):
+                            continue  # held back by the reader: nothing to say yet
+                    await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i], calls=calls))
                     opened[i] = True
                     running -= reason is not None
                     if not running:  # every choice has ended: the rest is the backends' cleanup

@@ -85,7 +85,7 @@ def test_bad_completion_bodies_are_400_naming_the_field(api, kwargs, param):
     (dict(messages=[]), "messages"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
     (dict(messages=[{"role": "user", "content": 5}]), "messages.0.content.str"),
-    (dict(messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # auto: no parser
     (dict(messages=MESSAGES, response_format={"type": "json_schema"}), "response_format"),  # no schema
     (dict(messages=MESSAGES, response_format={"type": "yaml"}), "response_format.type"),
     (dict(messages=MESSAGES, max_tokens=3, max_completion_tokens=4), "max_completion_tokens"),

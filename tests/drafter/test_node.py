@@ -520,6 +520,33 @@ def test_structured_output_through_a_node_is_the_verifiers(models, monkeypatch):
     assert refused.value.status_code == 502
 
 
+def test_a_forced_tool_call_through_a_node_is_the_verifiers(models):
+    """tool_choice naming a function, through a node: the call's arguments are the target's greedy
+    decoding held to the function's schema (the verifier compiles it), read into tool_calls."""
+    import json
+
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    parameters = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+                  "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": parameters}}
+    blank = {str(i): -100.0 for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()}  # as test_http_front's
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
+    with ServerThread(engine, tokenizer=tokenizer, target_name="tiny") as server, node(server, models) as edge:
+        out = api_of(edge).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "pick"}], tools=[tool], max_tokens=40, temperature=0,
+            logit_bias=blank, tool_choice={"type": "function", "function": {"name": "pick"}},
+            extra_body={"return_token_ids": True})
+    sampling = SamplingParams(structured=Structure("json", json.dumps(parameters)).bound(tokenizer),
+                              logit_bias=tuple(sorted((int(k), v) for k, v in blank.items())))
+    want = adjusted_greedy_reference(target, out.model_extra["prompt_token_ids"], sampling, 40, eos=tokenizer.eos_token_id)
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == want and want[-1] == tokenizer.eos_token_id
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("pick", tokenizer.decode(want[:-1]))]
+    assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"n"} and choice.finish_reason == "stop"
+
+
 def test_bad_words_through_a_node_are_the_verifiers(models, monkeypatch):
     """bad_words reach the verifier (and the node's batched drafts) through a node, tokenized by
     the node: the output is the target's greedy decoding with them banned; a verifier older than

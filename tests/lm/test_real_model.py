@@ -252,3 +252,36 @@ def test_structured_output_on_the_real_pair_is_the_targets_constrained_greedy_de
     # The distilled draft predicts these short chat replies poorly, constrained or not (2026-11-28:
     # chain 19 of 108 drafted accepted with the schema, 14 of 143 without; docs/BENCHMARKS.md)
     assert serving.stats()["accepted"] > 0
+
+
+def test_a_required_tool_call_on_the_real_pair_is_the_targets_constrained_greedy_decoding(pair):
+    """tool_choice "required" through the verifier's OpenAI API on SmolLM2's chat (its template
+    renders no tools: the call's schema reaches the model through the grammar alone): the reply is
+    the target's greedy decoding under vLLM's array-of-calls schema, read into tool_calls."""
+    import openai
+
+    from goodspeed.api.tools import Tool, forced_schema
+    from goodspeed.lm.sampling import SamplingParams
+    from goodspeed.lm.structured import Structure
+    from grpckit import ServerThread
+    from modelkit import adjusted_greedy_reference
+
+    target, draft = pair
+    tool = {"type": "function", "function": {"name": "weather", "description": "the weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+        "additionalProperties": False}}}
+    engine = VerificationEngine(target.model, EngineConfig(budget=8, seed=0), target.fingerprint)
+    local = LocalServing(engine, draft.model, LocalConfig(policy="chain", k=3))
+    with ServerThread(engine, local=local, tokenizer=target.tokenizer, http_port=0, target_name="real") as server:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="-", max_retries=0)
+        out = api.chat.completions.create(model="real", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                          tools=[tool], tool_choice="required", max_tokens=60, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    schema = forced_schema([Tool.model_validate(tool)], "required")
+    sampling = SamplingParams(structured=Structure("json", json.dumps(schema)).bound(target.tokenizer))
+    eos = target.tokenizer.eos_token_id
+    want = adjusted_greedy_reference(target.model, out.model_extra["prompt_token_ids"], sampling, 60, eos=eos)
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == want and want[-1] == eos and choice.finish_reason == "tool_calls"
+    calls = [{"name": c.function.name, "parameters": json.loads(c.function.arguments)} for c in choice.message.tool_calls]
+    assert calls == json.loads(target.tokenizer.decode(want[:-1])) and calls[0]["name"] == "weather"

@@ -706,6 +706,80 @@ def test_structured_output_constrains_the_text_to_the_grammar(models):
                                                        "structured_outputs", "min_tokens"]
 
 
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"day": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["day"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock"}}
+
+
+def test_forced_tool_calls_are_the_targets_greedy_decoding_under_their_schema(models):
+    """A named function and "required": the reply is the target's greedy decoding held to the call's
+    schema (vLLM's), read into tool_calls (OpenAI's finish reasons: "stop" for a named call,
+    "tool_calls" for required), streamed the same; a conversation holding calls and a tool's
+    answer renders; "auto" without a --tool-call-parser, and on a template that does not render
+    tools, are 400s."""
+    import json
+
+    from goodspeed.api.tools import forced_schema, NamedToolChoice, Tool
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    eos = tokenizer.eos_token_id
+    tools = [WEATHER, CLOCK]
+    named = {"type": "function", "function": {"name": "weather"}}
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    # JSON may hold any whitespace (as vLLM's): the tiny target would spend its tokens on it, so a
+    # logit_bias holds its whitespace tokens back (the reference applies it too)
+    blank = {str(i): -100.0 for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()}
+    base = {"model": "tiny", "messages": history, "tools": tools, "max_tokens": 60, "temperature": 0, "return_token_ids": True,
+            "logit_bias": blank}
+    with front(models, policy="adaserve") as server:
+        replies = {name: post(server, "chat/completions", {**base, "tool_choice": choice, "parallel_tool_calls": name != "one"})
+                   for name, choice in (("named", named), ("required", "required"), ("one", "required"))}
+        streamed = post(server, "chat/completions", {**base, "tool_choice": "required", "stream": True})
+        auto = refusal_of(server, "chat/completions", {**base})
+        none = post(server, "chat/completions", {**base, "tool_choice": "none", "max_tokens": 4})
+    for name, choice in (("named", named), ("required", "required"), ("one", "required")):
+        reply = replies[name]
+        mode = NamedToolChoice.model_validate(choice) if isinstance(choice, dict) else choice
+        schema = forced_schema([Tool.model_validate(t) for t in tools], mode, parallel=name != "one")
+        sampling = SamplingParams(structured=Structure("json", json.dumps(schema)).bound(tokenizer),
+                                  logit_bias=tuple(sorted((int(k), v) for k, v in blank.items())))
+        want = adjusted_greedy_reference(target, reply["prompt_token_ids"], sampling, 60, eos=eos)
+        assert want[-1] == eos, name  # the call is complete
+        choice_out = reply["choices"][0]
+        assert choice_out["token_ids"] == want, name
+        message = choice_out["message"]
+        assert message["content"] is None and message["tool_calls"], name
+        assert choice_out["finish_reason"] == ("stop" if name == "named" else "tool_calls")
+        text = tokenizer.decode(want[:-1])
+        if name == "named":
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("weather", text)]
+        else:
+            assert [{"name": c["function"]["name"], "parameters": json.loads(c["function"]["arguments"])}
+                    for c in message["tool_calls"]] == json.loads(text)
+    assert len(replies["one"]["choices"][0]["message"]["tool_calls"]) == 1
+    calls: dict[int, dict] = {}
+    for event in streamed:
+        for delta in (c["delta"].get("tool_calls") or [] for c in event["choices"]):
+            for d in delta:
+                calls.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})["arguments"] += d["function"]["arguments"]
+    want_calls = replies["required"]["choices"][0]["message"]["tool_calls"]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+    assert streamed[-1]["choices"][0]["finish_reason"] == replies["required"]["choices"][0]["finish_reason"]
+    assert auto[0] == 400 and auto[1]["param"] == "tool_choice"
+    assert "tool_calls" not in none["choices"][0]["message"] and none["choices"][0]["finish_reason"] == "length"
+    prompt = tokenizer.decode(none["prompt_token_ids"])
+    assert "# tool:\nnoon" in prompt  # the tool's answer, through the demo template
+    with front(models, tool_call_parser="hermes") as server:
+        status, body = refusal_of(server, "chat/completions", {**base})
+    assert status == 400 and body["param"] == "tools"  # the demo template does not render tools
+
+
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
     tokenizer = models[2]
     prompts = ["import os", "class A:", "def f(x):", "return None"]

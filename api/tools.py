@@ -1,0 +1,356 @@
+"""Tool calling on chat completions, as OpenAI's ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` and vLLM's serving of them.
+
+What each ``tool_choice`` does:
+
+* **a named function** (``{"type": "function", "function": {"name": ...}}``): the reply is that
+  function's arguments, held to its ``parameters`` schema by the structured-output grammar
+  (:mod:`goodspeed.lm.structured`: exact under speculation on every path), returned as one tool
+  call; ``finish_reason`` "stop" (OpenAI's for a forced call);
+* ``"required"``: the reply is a JSON array of at least one ``{"name", "parameters"}`` object,
+  each matching one of the tools (vLLM's schema: ``anyOf`` over the tools, their ``$defs``
+  gathered at the top; at most one item with ``parallel_tool_calls: false``) with no other key
+  in an item (``additionalProperties: false``, which vLLM's schema leaves out: JSON Schema then
+  allows any key, and SmolLM2 went on after its call with a ``"description"`` of its own),
+  returned as the tool calls; ``finish_reason`` "tool_calls";
+* ``"auto"`` (the default when tools are given): the model decides, and the server's
+  ``--tool-call-parser`` reads its calls out of the text: ``hermes`` (Qwen2.5, Qwen3, Hermes:
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks) or ``llama3_json``
+  (Llama 3.1 / 3.2: a reply that is one or more ``{"name": ..., "parameters": {...}}`` objects,
+  separated by ``;``); ``finish_reason`` "tool_calls" when it called one. A server without a
+  parser, or a model whose chat template does not render ``tools`` (it could not know them),
+  refuses it (400) rather than answer as if no tools had been given;
+* ``"none"``: the tools are rendered into the prompt but no call is read.
+
+Every reader works on the text as it streams (:class:`ToolCalls`): a streamed reply sends
+content as soon as it cannot be part of a call, and each call when it is complete (a named
+call's arguments as they come); the whole reply is read by the same code, so a response and its
+stream agree. Text a reader cannot read as a call (a malformed block, a reply cut at
+``max_tokens``) is returned as content: nothing the model wrote is dropped but the whitespace
+between calls.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOOLS = 128  # OpenAI's limit
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+PARSERS = ("hermes", "llama3_json")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; none: no arguments
+    strict: bool | None = None  # OpenAI's; the arguments always match the schema where a grammar holds them
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    """A call in an assistant message of the conversation (its ``arguments``: JSON text)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """As chat templates read it (transformers' convention, vLLM's too): ``arguments`` a dict
+        when it is a JSON object, else the text as sent."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        arguments = arguments if isinstance(arguments, dict) else self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+def forced_schema(tools: list[Tool], choice: str | NamedToolChoice, parallel: bool = True) -> dict | None:
+    """The JSON schema a reply is held to: a named function's ``parameters``; for "required", an
+    array of ``{"name", "parameters"}`` objects, one of the tools each (at most one item unless
+    ``parallel``), every tool's ``$defs`` moved to the top so its references resolve. None for
+    "auto" and "none". ValueError: a named function that is not among the tools, two tools of one
+    name, or two tools defining one ``$defs`` name differently."""
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError("two tools share a name")
+    if isinstance(choice, NamedToolChoice):
+        for tool in tools:
+            if tool.function.name == choice.function.name:
+                return tool.function.parameters or NO_ARGUMENTS
+        raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+    if choice != "required":
+        return None
+    defs: dict[str, Any] = {}
+    options = []
+    for tool in tools:
+        parameters = dict(tool.function.parameters or NO_ARGUMENTS)
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"two tools define $defs {name!r} differently")
+        options.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
+                        "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _arguments(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------------ readers
+# Each reads a reply as it streams: push(text) -> (content, calls), finish() -> (content, calls), a
+# call as (name or None, arguments piece): a name opens a new call, None adds to the open one.
+
+
+class _Named:
+    """A named function's reply: the whole text is its arguments, sent as it comes."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.opened = name, False
+
+    def push(self, text: str):
+        if not text:
+            return "", []
+        first, self.opened = not self.opened, True
+        return "", [(self.name if first else None, text)]
+
+    def finish(self):
+        return "", [] if self.opened else [(self.name, "")]
+
+
+class _Array:
+    """"required"'s reply, ``[{"name": ..., "parameters": {...}}, ...]``: each object when it closes."""
+
+    def __init__(self) -> None:
+        self.text, self.at, self.decoder = "", 0, json.JSONDecoder()
+
+    def push(self, text: str):
+        self.text += text
+        calls = []
+        while True:
+            i = self.at
+            while i < len(self.text) and self.text[i] in " \t\r\n[,]":
+                i += 1
+            if i == len(self.text) or self.text[i] != "{":
+                break
+            try:
+                item, end = self.decoder.raw_decode(self.text, i)
+            except json.JSONDecodeError:  # not closed yet
+                break
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item):
+                break  # the grammar allows no other item: left as content
+            calls.append((item["name"], _arguments(item["parameters"])))
+            self.at = end
+        return "", calls
+
+    def finish(self):
+        rest = self.text[self.at:].lstrip(" \t\r\n[,").rstrip()
+        return ("" if rest == "]" else rest), []
+
+
+class _Hermes:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Qwen3, Hermes)."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.buffer, self.inside, self.called, self.pending = "", False, False, ""
+
+    def _content(self, text: str) -> str:
+        """Text outside the calls: as it is before the first call; after one, whitespace is held
+        until text follows it (dropped if only a call or the end does)."""
+        if not self.called:
+            return text
+        self.pending += text
+        if not self.pending.strip():
+            return ""
+        out, self.pending = self.pending, ""
+        return out
+
+    @staticmethod
+    def _call(body: str):
+        try:
+            item = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            return None
+        return item["name"], _arguments(item.get("arguments", item.get("parameters", {})))
+
+    def push(self, text: str):
+        self.buffer += text
+        content, calls = [], []
+        while True:
+            if not self.inside:
+                k = self.buffer.find(self.START)
+                if k < 0:  # keep what could still open a block
+                    keep = next((n for n in range(min(len(self.START) - 1, len(self.buffer)), 0, -1)
+                                 if self.START.startswith(self.buffer[-n:])), 0)
+                    content.append(self._content(self.buffer[:len(self.buffer) - keep]))
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    break
+                content.append(self._content(self.buffer[:k]))
+                self.buffer, self.inside = self.buffer[k + len(self.START):], True
+            k = self.buffer.find(self.END)
+            if k < 0:
+                break
+            body, self.buffer, self.inside = self.buffer[:k], self.buffer[k + len(self.END):], False
+            call = self._call(body)
+            if call is None:
+                content.append(self._content(self.START + body + self.END))
+            else:
+                calls.append(call)
+                self.called, self.pending = True, ""
+        return "".join(content), calls
+
+    def finish(self):
+        if self.inside:  # a block the reply did not close (cut at max_tokens, or the model's own end)
+            call = self._call(self.buffer)
+            if call is not None:
+                return "", [call]
+            text = self.START + self.buffer
+        else:
+            text = self.buffer
+        return self._content(text), []
+
+
+class _Llama3Json:
+    """Llama 3.1 / 3.2's JSON calls: a reply that opens with ``{`` (or ``<|python_tag|>``) is
+    one or more ``{"name": ..., "parameters": {...}}`` objects separated by ``;``."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.buffer, self.mode = "", None  # None: undecided, "content" or "calls"
+
+    def push(self, text: str):
+        if self.mode == "content":
+            return text, []
+        self.buffer += text
+        if self.mode == "calls":
+            return "", []
+        head = self.buffer.lstrip()
+        if not head or (self.TAG.startswith(head) and head != self.TAG):
+            return "", []  # undecided yet
+        if head.startswith("{") or head.startswith(self.TAG):
+            self.mode = "calls"
+            return "", []
+        self.mode, out, self.buffer = "content", self.buffer, ""
+        return out, []
+
+    def finish(self):
+        if self.mode != "calls":
+            out, self.buffer = self.buffer, ""
+            return out, []
+        text = self.buffer.strip().removeprefix(self.TAG)
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        while True:
+            while i < len(text) and text[i] in " \t\r\n;":
+                i += 1
+            if i == len(text):
+                return "", calls
+            try:
+                item, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return self.buffer, []
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+                return self.buffer, []
+            calls.append((item["name"], _arguments(item.get("parameters", item.get("arguments", {})))))
+
+
+READERS = {"hermes": _Hermes, "llama3_json": _Llama3Json}
+
+
+class ToolCalls:
+    """One choice's reader: its reply's text in, OpenAI's content and ``tool_calls`` deltas out.
+
+    ``mode``: a :class:`NamedToolChoice`, "required", or "auto" with ``parser`` (one of
+    :data:`PARSERS`). ``parallel`` False keeps the first call only. Each call gets an id
+    (``chatcmpl-tool-<hex>``, vLLM's form); its first delta holds the id, type and name."""
+
+    def __init__(self, mode: str | NamedToolChoice, parser: str | None = None, parallel: bool = True) -> None:
+        if isinstance(mode, NamedToolChoice):
+            self.reader = _Named(mode.function.name)
+        elif mode == "required":
+            self.reader = _Array()
+        elif mode == "auto" and parser in READERS:
+            self.reader = READERS[parser]()
+        else:
+            raise ValueError(f"no reader for tool_choice {mode!r} with parser {parser!r}")
+        self.parallel, self.count, self.dropped = parallel, 0, False
+
+    def _deltas(self, calls) -> list[dict]:
+        out = []
+        for name, arguments in calls:
+            if name is not None:
+                self.count += 1
+                self.dropped = self.count > 1 and not self.parallel
+                if not self.dropped:
+                    out.append({"index": self.count - 1, "id": f"chatcmpl-tool-{secrets.token_hex(16)}", "type": "function",
+                                "function": {"name": name, "arguments": arguments}})
+            elif not self.dropped:
+                out.append({"index": self.count - 1, "function": {"arguments": arguments}})
+        return out
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        """The content to send and the ``tool_calls`` deltas completed by ``text``."""
+        content, calls = self.reader.push(text)
+        return content, self._deltas(calls)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What the end of the reply releases (content held back, a call it closes)."""
+        content, calls = self.reader.finish()
+        return content, self._deltas(calls)
+
+    def finish_reason(self, reason: str) -> str:
+        """OpenAI's: "tool_calls" when the model called a tool ("auto") or was made to
+        ("required") and stopped; "stop" for a named call; otherwise the reply's own."""
+        called = self.count > 0 and not isinstance(self.reader, _Named)
+        return "tool_calls" if called and reason == "stop" else reason
+
+
+def merge(deltas: list[dict]) -> list[dict]:
+    """A reply's ``tool_calls`` deltas as the whole calls of a response message."""
+    calls: list[dict] = []
+    for delta in deltas:
+        if "id" in delta:
+            calls.append({"id": delta["id"], "type": "function", "function": dict(delta["function"])})
+        else:
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+    return calls
