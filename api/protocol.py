@@ -5,8 +5,8 @@ Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM'
 ``return_token_ids``, ``return_tokens_as_token_ids``, ``prompt_logprobs``, ``allowed_token_ids``, ``bad_words``, the chat
 template's options, and structured output: ``structured_outputs`` and the older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, with OpenAI's ``response_format``; chat's
-tool calling, :mod:`goodspeed.api.tools`; ours: ``tpot_slo_ms``, AdaServe's per-request latency
-SLO). Every refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
+tool calling, :mod:`goodspeed.api.tools`, and ``include_reasoning``, :mod:`goodspeed.api.reasoning`;
+ours: ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
 * a feature this server does not implement (``best_of``, ``suffix``): 400 naming the field,
@@ -396,6 +396,7 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool = True  # False: one call at most
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, the reply's reasoning in the response (api.reasoning)
     add_special_tokens: bool = False  # vLLM's extension: off, as the chat template holds them
     # vLLM's extensions: how the chat template renders the messages
     add_generation_prompt: bool = True

@@ -57,6 +57,8 @@ from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, parse_body)
 from goodspeed.api.text import TextStream
+from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
+from goodspeed.api.reasoning import Reasoning, closes_reasoning
 from goodspeed.api.tools import PARSERS, ToolCalls, merge
 from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
@@ -147,16 +149,49 @@ def _finish_reason(stream: TextStream, reason: str | None) -> str:
     return "stop" if stream.stopped or reason == "eos" else "length"
 
 
+class _Reply:
+    """One chat choice's text read as OpenAI's message parts: its reasoning (``thinking``, a
+    reasoning parser's reader), its content and its tool calls (``tools``), in that order."""
+
+    def __init__(self, thinking: Reasoning | None, tools: ToolCalls | None) -> None:
+        self.thinking, self.tools = thinking, tools
+
+    def push(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
+        """``(reasoning, content, tool_calls deltas)`` that ``text`` lets out; ``final``: the
+        reply's last piece, after which what the readers hold comes out."""
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.push(text)
+            if final:
+                more, rest = self.thinking.finish()
+                reasoning, text = reasoning + more, text + rest
+        calls: list[dict] = []
+        if self.tools is not None:
+            text, calls = self.tools.push(text)
+            if final:
+                rest, last = self.tools.finish()
+                text, calls = text + rest, calls + last
+        return reasoning, text, calls
+
+    def finish_reason(self, reason: str) -> str:
+        return reason if self.tools is None else self.tools.finish_reason(reason)
+
+
 class OpenAIServer:
     def __init__(self, backend: Backend, registry: CollectorRegistry,
-                 authorize: Callable[[str | None], str] | None = None, tool_parser: str | None = None) -> None:
+                 authorize: Callable[[str | None], str] | None = None, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         """``authorize(authorization header) -> identity`` raises :class:`ApiError` (401) for a
         caller it refuses; None: everyone is ``anonymous``. ``tool_parser``: how a reply's tool
         calls are read where the model chooses (``tool_choice`` "auto"; :data:`~goodspeed.api.tools.PARSERS`);
-        None: such requests are refused."""
+        None: such requests are refused. ``reasoning_parser``: how a chat reply's reasoning is
+        told from its content (:mod:`goodspeed.api.reasoning`); None: it is all content."""
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"tool_parser must be one of {', '.join(PARSERS)}, got {tool_parser!r}")
-        self.backend, self.registry, self.authorize, self.tool_parser = backend, registry, authorize, tool_parser
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+        self.backend, self.registry, self.authorize = backend, registry, authorize
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self._runner: web.AppRunner | None = None
         # responses' backend cleanups that run after the response went out (_close), which stop() waits for
         self._cleanups: set[asyncio.Task] = set()
@@ -261,13 +296,20 @@ class OpenAIServer:
         prompt_ids = body.truncated(await self._tokenize(rendered, body.add_special_tokens,
                                                          must_fit=body.truncate_prompt_tokens is None), self.backend.max_model_len)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
+        if self.reasoning_parser is not None and body.structure() is not None and not closes_reasoning(rendered):
+            raise ApiError(400, "a grammar holds a reply from its first token, and this prompt leaves the model's reasoning "
+                                "open: the reasoning would be held to it too; give a prompt that closes it (Qwen3: "
+                                'chat_template_kwargs {"enable_thinking": false})', param=body.structure_field())
         rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._structure(body))
         echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
-        mode = body.tool_mode
-        tools = None if mode == "none" else [ToolCalls(mode, self.tool_parser, body.parallel_tool_calls) for _ in gens]
+        replies = None
+        if body.tool_mode != "none" or self.reasoning_parser is not None:
+            replies = [_Reply(None if self.reasoning_parser is None else Reasoning(self.reasoning_parser, rendered),
+                              None if body.tool_mode == "none" else ToolCalls(body.tool_mode, self.tool_parser,
+                                                                               body.parallel_tool_calls)) for _ in gens]
         if body.stream:
-            return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes, tools=tools)
-        return await self._complete(identity, rid, gens, body, chat=True, echoes=echoes, tools=tools)
+            return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes, replies=replies)
+        return await self._complete(identity, rid, gens, body, chat=True, echoes=echoes, replies=replies)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /tokenize``: a prompt's token ids (``prompt``, as completions tokenize it)
@@ -631,11 +673,11 @@ class OpenAIServer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _complete(self, identity: str, rid: str, gens: list[GenerationRequest], body, chat: bool,
-                        echoes: list[str] | None = None, tools: list[ToolCalls] | None = None) -> web.Response:
+                        echoes: list[str] | None = None, replies: list[_Reply] | None = None) -> web.Response:
         """The whole response at once; ``echoes[i]``: the text choice ``i`` starts with (completions'
         ``echo``: its prompt, whose tokens' log-probabilities come first where asked for; chat's:
-        the last message's); ``tools[i]``: the reader of choice ``i``'s tool calls (chat's, where
-        the request has tools)."""
+        the last message's); ``replies[i]``: the reader of chat choice ``i``'s reasoning and tool
+        calls, where the request or the server asks for either."""
         texts = [self._text_stream(body, gen) for gen in gens]
         pieces: list[list[str]] = [[] for _ in gens]
         reasons: list[str | None] = [None] * len(gens)
@@ -659,15 +701,16 @@ class OpenAIServer:
         finally:
             await self._close(runs, streams, detach=not running)
         messages = [{"role": "assistant", "content": (echoes[i] if echoes else "") + "".join(p)} for i, p in enumerate(pieces)]
-        if tools is not None:  # the reply read by the code a stream's is: content, then the calls
-            for i, (message, reader) in enumerate(zip(messages, tools)):
-                content, calls = reader.push("".join(pieces[i]))
-                rest, last = reader.finish()
-                text = (echoes[i] if echoes else "") + content + rest
-                message["content"] = text if text or not calls + last else None
-                if calls + last:
-                    message["tool_calls"] = merge(calls + last)
-                reasons[i] = reader.finish_reason(reasons[i])
+        if replies is not None:  # the reply read by the code a stream's is
+            for i, (message, reply) in enumerate(zip(messages, replies)):
+                reasoning, content, calls = reply.push("".join(pieces[i]), final=True)
+                text = (echoes[i] if echoes else "") + content
+                message["content"] = text if text or not (calls or reasoning) else None
+                if reasoning and body.include_reasoning:
+                    message["reasoning_content"] = message["reasoning"] = reasoning
+                if calls:
+                    message["tool_calls"] = merge(calls)
+                reasons[i] = reply.finish_reason(reasons[i])
         contents = [m["content"] for m in messages]
         echoed = None if chat or echoes is None or scored is None else body.logprobs  # completions' echo with logprobs
         logprobs = [None if received is None else self._logprobs(self._echoed(gens[i], scored and scored[i], echoed) + kept[i],
@@ -694,14 +737,14 @@ class OpenAIServer:
             "usage": self._usage(gens, body.n, texts), **extra})
 
     async def _stream(self, request: web.Request, identity: str, rid: str, gens: list[GenerationRequest], body,
-                      chat: bool, echoes: list[str] | None = None, tools: list[ToolCalls] | None = None) -> web.StreamResponse:
+                      chat: bool, echoes: list[str] | None = None, replies: list[_Reply] | None = None) -> web.StreamResponse:
         """Admit every choice (a refusal is still a plain 4xx), send the headers at once (so the
         first token's chunk is all that is left on its path), then one event per new text of a
         choice, which the event's ``index`` names. With ``echoes`` (completions' ``echo``), a
         choice's first event is its prompt text (and its tokens' log-probabilities, where asked for);
-        chat's echo follows each choice's role event. With ``tools`` (chat's readers, as
-        :meth:`_complete`), a choice's text goes through its reader: the content it lets out, and
-        ``tool_calls`` deltas as its calls complete."""
+        chat's echo follows each choice's role event. With ``replies`` (chat's readers, as
+        :meth:`_complete`), a choice's text goes through its reader: the reasoning and content it
+        lets out, and ``tool_calls`` deltas as its calls complete."""
         texts = [self._text_stream(body, gen) for gen in gens]
         received = None if gens[0].logprobs is None else [[] for _ in gens]
         scored = None if gens[0].prompt_logprobs is None else [[] for _ in gens]
@@ -712,7 +755,7 @@ class OpenAIServer:
         usage = {"usage": None} if body.include_usage else {}
 
         def chunk(i: int, piece: str, reason: str | None, lps: list | None = None, role: bool = False,
-                  ids: list[int] = (), prompt: bool = False, calls: list[dict] = ()) -> dict:
+                  ids: list[int] = (), prompt: bool = False, calls: list[dict] = (), reasoning: str = "") -> dict:
             """Choice ``i``'s event; with ``return_token_ids`` its ``token_ids`` (``ids``) and, in the
             first event (``prompt``), the prompt's: chat's in the envelope, a completion choice's its own."""
             logprobs = None
@@ -726,6 +769,8 @@ class OpenAIServer:
             counts = {"usage": self._usage(gens, body.n, texts)} if body.continuous_usage else usage  # the tokens so far
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece else {})
+                if reasoning and body.include_reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = reasoning
                 if calls:
                     delta["tool_calls"] = list(calls)
                 return {**envelope, **head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
@@ -753,15 +798,13 @@ class OpenAIServer:
                         opened[i] = True
                         await send(chunk(i, echoes[i], None, None if received is None else self._echoed(gens[i], scored and scored[i], body.logprobs),
                                          prompt=True))
-                    calls: list[dict] = []
-                    if tools is not None:
-                        piece, calls = tools[i].push(piece)
-                        if reason is not None:
-                            rest, last = tools[i].finish()
-                            piece, calls, reason = piece + rest, calls + last, tools[i].finish_reason(reason)
-                        if not (piece or calls or reason or lps or body.return_token_ids):
+                    reasoning, calls = "", []
+                    if replies is not None:
+                        reasoning, piece, calls = replies[i].push(piece, final=reason is not None)
+                        reason = reason and replies[i].finish_reason(reason)
+                        if not (reasoning or piece or calls or reason or lps or body.return_token_ids):
                             continue  # held back by the reader: nothing to say yet
-                    await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i], calls=calls))
+                    await send(chunk(i, piece, reason, lps, ids=ids, prompt=not opened[i], calls=calls, reasoning=reasoning))
                     opened[i] = True
                     running -= reason is not None
                     if not running:  # every choice has ended: the rest is the backends' cleanup

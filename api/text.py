@@ -27,6 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+def held_back(text: str, marker: str, above: int = 0) -> int:
+    """How many characters at the end of ``text`` may still begin ``marker`` (the most, if more
+    than ``above``; else 0): text a stream holds back until the next piece tells whether the
+    marker follows."""
+    for k in range(min(len(marker) - 1, len(text)), above, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, include_stop: bool = False,
                  stop_token_ids: Sequence[int] = (), min_tokens: int = 0, eos_token_id: int | None = None) -> None:
@@ -110,10 +120,7 @@ class TextStream:
             return 0
         held = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:k]):
-                    held = k
-                    break
+            held = max(held, held_back(self.text, s, held))
         return held
 
     def _take(self, final: bool) -> str:

@@ -38,6 +38,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from goodspeed.api.text import held_back
+
 MAX_TOOLS = 128  # OpenAI's limit
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 PARSERS = ("hermes", "llama3_json")
@@ -220,8 +222,7 @@ class _Hermes:
             if not self.inside:
                 k = self.buffer.find(self.START)
                 if k < 0:  # keep what could still open a block
-                    keep = next((n for n in range(min(len(self.START) - 1, len(self.buffer)), 0, -1)
-                                 if self.START.startswith(self.buffer[-n:])), 0)
+                    keep = held_back(self.buffer, self.START)
                     content.append(self._content(self.buffer[:len(self.buffer) - keep]))
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break

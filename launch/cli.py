@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.tools import PARSERS
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec, add_setting_flags
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k
@@ -303,6 +304,9 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                     help="--serve: how tool calls are read out of a reply the model chose to make (tool_choice auto, the "
                          "default with tools): hermes (Qwen2.5/Qwen3, Hermes) or llama3_json (Llama 3.1/3.2); unset: such "
                          "requests are refused")
+    dr.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                    help="--serve: tell a chat reply's reasoning (<think> ... </think>) from its content, returned as "
+                         "reasoning_content: qwen3 or deepseek_r1; unset: all content")
     _add_sampling_args(dr, max_new_tokens=64)
     dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
     dr.add_argument("--name", default=None, help="this node's name, its identity without a token or certificate (default: "
@@ -403,7 +407,7 @@ def _drafter(args: argparse.Namespace) -> int:
         from goodspeed.launch.draft_node import serve_node
 
         return serve_node(spec, args.verifier, args.serve, args.max_concurrency, args.max_waiting, args.api_key_file,
-                          args.connect_timeout_s, args.tool_call_parser)
+                          args.connect_timeout_s, args.tool_call_parser, args.reasoning_parser)
     return run_drafter(spec, args.verifier, args.out, args.connect_timeout_s, progress=not args.quiet)
 
 

@@ -168,9 +168,11 @@ def _api_key_check(path: str | None, host: str):
 
 
 def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: int = 4, max_waiting: int = 64,
-               api_key_file: str | None = None, connect_timeout_s: float = 60.0, tool_parser: str | None = None) -> int:
+               api_key_file: str | None = None, connect_timeout_s: float = 60.0, tool_parser: str | None = None,
+               reasoning_parser: str | None = None) -> int:
     """Serve ``/v1/chat/completions`` and friends on ``listen`` (HOST:PORT) until SIGTERM/SIGINT;
-    ``tool_parser``: the API's reader of tool calls the model chooses (:mod:`goodspeed.api.tools`)."""
+    ``tool_parser``: the API's reader of tool calls the model chooses (:mod:`goodspeed.api.tools`);
+    ``reasoning_parser``: its reader of a chat reply's reasoning (:mod:`goodspeed.api.reasoning`)."""
     from goodspeed.launch.spec import split_host_port
 
     try:
@@ -181,11 +183,11 @@ def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: i
         raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
     authorize = _api_key_check(api_key_file, host)
     return asyncio.run(_serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s,
-                                   tool_parser))
+                                   tool_parser, reasoning_parser))
 
 
 async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s,
-                      tool_parser=None) -> int:
+                      tool_parser=None, reasoning_parser=None) -> int:
     from goodspeed.api.server import OpenAIServer
     from goodspeed.drafter.node import EdgeNode
 
@@ -196,7 +198,7 @@ async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, 
     config = node_config(spec, verifier, draft.fingerprint, max_concurrency, max_waiting, connect_timeout_s)
     node = EdgeNode(config, draft.model, draft.tokenizer)
     await node.start()
-    server = OpenAIServer(node, node.registry, authorize=authorize, tool_parser=tool_parser)
+    server = OpenAIServer(node, node.registry, authorize=authorize, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     try:
         bound = await server.start(host, port)
     except OSError as exc:  # the port is taken or not allowed: leave the verifier, say why

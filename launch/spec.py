@@ -32,6 +32,7 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.tools import PARSERS
 from goodspeed.launch.links import LinkSpec
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
@@ -185,6 +186,9 @@ class VerifierSpec:
                                                  "(tool_choice auto, the default with tools): hermes (Qwen2.5/Qwen3, Hermes) or "
                                                  "llama3_json (Llama 3.1/3.2); unset: such requests are refused",
                                            to="server.tool_call_parser", choices=PARSERS)
+    reasoning_parser: str | None = setting(None, "how the HTTP API tells a chat reply's reasoning (<think> ... </think>) from "
+                                                 "its content, returned as reasoning_content: qwen3 or deepseek_r1; unset: "
+                                                 "all content", to="server.reasoning_parser", choices=REASONING_PARSERS)
     auth_tokens: str | None = setting(None, "token file (`goodspeed tokens add`): every RPC but health needs a listed bearer "
                                             "token (`goodspeed launch` makes one per run if unset)", to="server.auth_tokens")
     tls_cert: str | None = setting(None, "PEM certificate: serve TLS (with --tls-key; `goodspeed launch` makes a CA per run "

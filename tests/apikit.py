@@ -1,5 +1,5 @@
-"""Helpers for the OpenAI API tests: concurrent requests through the official client, and a
-server's metrics as a dict."""
+"""Helpers for the OpenAI API tests: concurrent requests through the official client, a server's
+metrics as a dict, and a server on a scripted backend (tool calling, reasoning)."""
 
 import threading
 import urllib.request
@@ -29,3 +29,58 @@ def metric_samples(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         body = response.read().decode()
     return {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(body) for s in f.samples}
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "clock"}}
+
+
+class Scripted:
+    """A backend whose every reply is ``reply``, three tokens a delta, then EOS; it keeps the prompts it was sent."""
+
+    model_ids = ("scripted",)
+    max_model_len = 4096
+
+    def __init__(self, tokenizer, reply: str) -> None:
+        self.tokenizer, self.reply, self.prompts = tokenizer, reply, []
+
+    def ready(self) -> bool:
+        return True
+
+    async def open(self, request, identity):
+        from goodspeed.api.server import Delta
+
+        self.prompts.append(request.prompt_ids)
+        ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
+
+        async def deltas():
+            for k in range(0, len(ids), 3):
+                yield Delta(ids[k:k + 3])
+            yield Delta([self.tokenizer.eos_token_id], finished=True, finish_reason="eos")
+
+        return deltas()
+
+
+def serve(backend, **config):
+    """An :class:`OpenAIServer` on a loop of its own thread: (OpenAI client, stop)."""
+    import asyncio
+    import threading
+
+    import openai
+    from prometheus_client import CollectorRegistry
+
+    from goodspeed.api.server import OpenAIServer
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = OpenAIServer(backend, CollectorRegistry(), **config)
+    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0), stop

@@ -78,6 +78,8 @@ async def _deltas(stream):
         await stream.aclose()
 
 
-def make_http_front(service, model_name: str, tokenizer, tool_parser: str | None = None) -> OpenAIServer:
+def make_http_front(service, model_name: str, tokenizer, tool_parser: str | None = None,
+                    reasoning_parser: str | None = None) -> OpenAIServer:
     backend = LocalServingBackend(service, model_name, tokenizer)
-    return OpenAIServer(backend, service.metrics.registry, authorize=backend.authorize, tool_parser=tool_parser)
+    return OpenAIServer(backend, service.metrics.registry, authorize=backend.authorize, tool_parser=tool_parser,
+                        reasoning_parser=reasoning_parser)

@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.metrics import RequestTimer, finished_reason
+from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.tools import PARSERS
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.structured import StructureError
@@ -106,6 +107,7 @@ class ServerConfig:
     http_port: int | None = None  # the OpenAI-compatible front (verifier.http_front); None: off
     http_host: str = "127.0.0.1"
     tool_call_parser: str | None = None  # the HTTP API's reader of tool calls the model chooses (api.tools.PARSERS)
+    reasoning_parser: str | None = None  # the HTTP API's reader of a chat reply's reasoning (api.reasoning.PARSERS)
     transit_alone: bool = False  # async, transit decoding: also run steps for transit rows alone (round_loop)
     async_shares: str = "plan"  # async: how a step's drafters share C (SHARE_MODES, round_loop)
 
@@ -114,6 +116,8 @@ class ServerConfig:
         check_port("http_port", self.http_port)
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.rounds not in ROUND_MODES:
             raise ValueError(f"rounds must be one of {', '.join(ROUND_MODES)}, got {self.rounds!r}")
         if self.async_shares not in SHARE_MODES:
@@ -543,7 +547,7 @@ class VerifierServer:
         self._rounds.add_done_callback(self._on_rounds_done)
         if self.config.http_port is not None:
             self.http = make_http_front(self.service, self.config.target_name or "target", self.tokenizer,
-                                        self.config.tool_call_parser)
+                                        self.config.tool_call_parser, self.config.reasoning_parser)
             try:
                 self.http_port = await self.http.start(self.config.http_host, self.config.http_port, ssl_context=self._http_tls())
             except OSError as exc:  # stop what did start, so nothing is left serving half the daemon

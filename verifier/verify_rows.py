@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenHistory, TokenLogprob, adjust_logits, process_logits
+from goodspeed.lm.sampling import SamplingParams, TokenHistory, TokenLogprob, adjust_logits, process_logits
 from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
 from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
 from goodspeed.verifier.types import Draft

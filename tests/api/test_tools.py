@@ -8,10 +8,8 @@ import pytest
 
 from goodspeed.api.protocol import ApiError, ChatCompletionRequest, parse_body
 from goodspeed.api.tools import NamedToolChoice, Tool, ToolCalls, forced_schema, merge
+from apikit import CLOCK, WEATHER, Scripted, serve
 
-WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CLOCK = {"type": "function", "function": {"name": "clock"}}
 
 
 def read(reader: ToolCalls, text: str, cuts: list[int] = ()) -> tuple[str, list[dict], list[dict]]:
@@ -146,32 +144,6 @@ def test_a_conversation_with_calls_renders_for_the_template():
     assert body.tool_mode == "none" and body.structure() is None
 
 
-class Scripted:
-    """A backend whose every reply is ``reply``, three tokens a delta, then EOS; it keeps the prompts it was sent."""
-
-    model_ids = ("scripted",)
-    max_model_len = 4096
-
-    def __init__(self, tokenizer, reply: str) -> None:
-        self.tokenizer, self.reply, self.prompts = tokenizer, reply, []
-
-    def ready(self) -> bool:
-        return True
-
-    async def open(self, request, identity):
-        from goodspeed.api.server import Delta
-
-        self.prompts.append(request.prompt_ids)
-        ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
-
-        async def deltas():
-            for k in range(0, len(ids), 3):
-                yield Delta(ids[k:k + 3])
-            yield Delta([self.tokenizer.eos_token_id], finished=True, finish_reason="eos")
-
-        return deltas()
-
-
 @pytest.fixture(scope="module")
 def tool_tokenizer():
     """The demo's byte-level BPE with a chat template that renders tools (as Qwen3's and Llama 3.1's do)."""
@@ -180,30 +152,6 @@ def tool_tokenizer():
     tokenizer = chat_pair()[2]
     tokenizer.chat_template = "{% if tools %}# tools: {{ tools | tojson }}\n{% endif %}" + tokenizer.chat_template
     return tokenizer
-
-
-def serve(backend, **config):
-    """An :class:`OpenAIServer` on a loop of its own thread: (OpenAI client, stop)."""
-    import asyncio
-    import threading
-
-    import openai
-    from prometheus_client import CollectorRegistry
-
-    from goodspeed.api.server import OpenAIServer
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = OpenAIServer(backend, CollectorRegistry(), **config)
-    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
-
-    def stop():
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0), stop
 
 
 @pytest.mark.parametrize("parser, reply, content", [

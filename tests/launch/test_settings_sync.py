@@ -41,7 +41,7 @@ CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy
                local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
                local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
                max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True, cuda_graphs=True, torch_compile=True,
-               async_shares="free", tool_call_parser="llama3_json")
+               async_shares="free", tool_call_parser="llama3_json", reasoning_parser="qwen3")
 
 
 def test_the_launchers_spec_file_carries_every_setting(launched):
@@ -175,7 +175,7 @@ def test_bad_settings_fail_as_spec_errors_before_any_model_loads(monkeypatch):
 # entry must name itself, its model and its prompts; a node started by hand drafts proactively
 # (launched drafters share the launching machine's cores, so a spec turns it on per drafter).
 DRAFTER_CLI_DEFAULTS = {"name": None, "draft": None, "prompts": None, "max_new_tokens": 64, "proactive": True}
-DRAFTER_RUNTIME = {"spec", "verifier", "serve", "max_concurrency", "max_waiting", "api_key_file", "tool_call_parser", "out",
+DRAFTER_RUNTIME = {"spec", "verifier", "serve", "max_concurrency", "max_waiting", "api_key_file", "tool_call_parser", "reasoning_parser", "out",
                    "connect_timeout_s", "quiet"}
 DRAFTER_CHANGED = dict(name="edge", draft="demo:other", prompts="/p.jsonl", max_new_tokens=7, temperature=0.7, top_k=5,
                        top_p=0.9, device="cuda:1", dtype="bfloat16", seed=42, token_file="/t", tls_ca="/ca", tls_cert="/c",

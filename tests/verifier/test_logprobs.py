@@ -6,12 +6,11 @@ several requests in one batch); and asking for them changes no output."""
 import pytest
 import torch
 
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.types import Draft
-from goodspeed.verifier.verify_rows import MAX_TOP_LOGPROBS
 from modelkit import perturbed, tiny_llama
 
 V = 40
