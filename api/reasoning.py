@@ -25,10 +25,11 @@ reasoning, as vLLM's parsers read it. The text after ``</think>`` is the content
 wrote it (Qwen3's blank line included, as vLLM's). Streamed, a ``</think>`` split across tokens is
 held back until it is told apart, and the reasoning otherwise goes out as it is generated.
 
-A grammar (structured output, a forced tool call) holds the reply from its first token, so on a
-prompt whose reasoning is not closed it would hold the reasoning too: such a request is refused
-(400) rather than answered without reasoning; give a prompt that closes it (Qwen3:
-``chat_template_kwargs: {"enable_thinking": false}``).
+A grammar (structured output, a forced tool call) on a prompt that does not close the reasoning
+holds the reply from its first ``</think>`` token on, as vLLM's: the reasoning is free and the
+content matches the grammar (:class:`~goodspeed.lm.structured.Structure`'s ``after``; exact under
+speculation as any grammar). A tokenizer without ``</think>`` as one token cannot mark that point:
+such a request is refused (400) rather than answered with its reasoning held to the grammar.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def opens_reasoning(prompt_text: str) -> bool:
 def closes_reasoning(prompt_text: str) -> bool:
     """Whether the rendered prompt holds a ``<think>`` block it closes last (thinking disabled)."""
     return prompt_text.rfind(END) > prompt_text.rfind(START) >= 0
+
+
+def end_token(tokenizer) -> int | None:
+    """The id of ``</think>`` where the tokenizer holds it as one token (Qwen3's, DeepSeek-R1's),
+    else None."""
+    ids = tokenizer.encode(END, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 class Reasoning:

@@ -59,6 +59,7 @@ from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionR
 from goodspeed.api.text import TextStream
 from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.reasoning import Reasoning, closes_reasoning
+from goodspeed.api.reasoning import end_token as reasoning_end
 from goodspeed.api.tools import PARSERS, ToolCalls, merge
 from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
@@ -296,11 +297,15 @@ class OpenAIServer:
         prompt_ids = body.truncated(await self._tokenize(rendered, body.add_special_tokens,
                                                          must_fit=body.truncate_prompt_tokens is None), self.backend.max_model_len)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
+        after = None  # a reasoning model's grammar waits for its reasoning to end (api.reasoning)
         if self.reasoning_parser is not None and body.structure() is not None and not closes_reasoning(rendered):
-            raise ApiError(400, "a grammar holds a reply from its first token, and this prompt leaves the model's reasoning "
-                                "open: the reasoning would be held to it too; give a prompt that closes it (Qwen3: "
-                                'chat_template_kwargs {"enable_thinking": false})', param=body.structure_field())
-        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._structure(body))
+            after = reasoning_end(self.backend.tokenizer)
+            if after is None:
+                raise ApiError(400, "this prompt leaves the model's reasoning open and the tokenizer has no </think> token "
+                                    "to start the grammar at: the reasoning would be held to it too; give a prompt that "
+                                    'closes it (Qwen3: chat_template_kwargs {"enable_thinking": false})',
+                               param=body.structure_field())
+        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._structure(body, after))
         echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
         replies = None
         if body.tool_mode != "none" or self.reasoning_parser is not None:
@@ -424,15 +429,15 @@ class OpenAIServer:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.backend.model_ids[0]!r}",
                            param="model", code="model_not_found")
 
-    async def _structure(self, body):
+    async def _structure(self, body, after: int | None = None):
         """The request's structured output constraint compiled against the tokenizer (off the event
         loop: a vocabulary is indexed once, ~1 s, and a large grammar compiles slowly); 400 if it
-        does not compile."""
+        does not compile. ``after``: the token it waits for (a reasoning model's ``</think>``)."""
         structure = body.structure()
         if structure is None:
             return None
         try:
-            return await asyncio.to_thread(structure.bound, self.backend.tokenizer)
+            return await asyncio.to_thread(dataclasses.replace(structure, after=after).bound, self.backend.tokenizer)
         except StructureError as exc:
             raise ApiError(400, str(exc), param=body.structure_field()) from None
 

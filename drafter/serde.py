@@ -18,6 +18,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     if params.structured is not None:
         s = params.structured
         msg.structured.CopyFrom(pb.StructuredOutput(kind=s.kind, spec=s.spec, compact=not s.any_whitespace))
+        if s.after is not None:
+            msg.structured.after_token = s.after
     return msg
 
 
@@ -28,6 +30,8 @@ def unapplied_setting(params: SamplingParams, reply: pb.StartRequestReply) -> st
                                 (bool(params.min_tokens), reply.min_tokens, "min_tokens"),
                                 (bool(params.allowed_token_ids), reply.allowed_token_ids, "allowed_token_ids"),
                                 (params.structured is not None, reply.structured_output, "structured output"),
+                                (params.structured is not None and params.structured.after is not None,
+                                 reply.structured_after, "structured output after the reasoning"),
                                 (bool(params.bad_words), reply.bad_words, "bad_words")):
         if used and not applied:
             return f"the verifier does not apply {what} (a version older than it)"

@@ -19,6 +19,11 @@ distribution at every reachable position is the one plain constrained decoding s
 rejection sampling stays exact against it; the draft applies the same masks, so it never drafts a
 token the grammar refuses (one that would always be rejected).
 
+A reasoning model's reply (:mod:`goodspeed.api.reasoning`) may hold its grammar back until its
+reasoning ends, as vLLM does: a structure with ``after`` set holds the text that follows the first
+``after`` token (``</think>``) of the output, and every token before it is free (no mask). The mask
+is still a function of the position's text alone, so speculation stays exact the same way.
+
 A :class:`Structure` is what a request asks for (a kind and its text); :meth:`Structure.bound`
 compiles it against a tokenizer (a bad grammar is refused there, before the request is queued), and
 each request's :class:`~goodspeed.lm.sampling.TokenHistory` holds a :class:`Constraint`, its own
@@ -53,9 +58,11 @@ class StructureError(ValueError):
 class Structure:
     """A request's constraint: ``kind`` (one of :data:`KINDS`) and ``spec``, its text (a JSON
     schema as JSON, a regex, the choices as a JSON list of strings, a Lark or GBNF grammar; empty
-    for ``json_object``); ``any_whitespace`` False: JSON without whitespace between its tokens.
-    Unbound until :meth:`bound` compiles it against a tokenizer; only a
-    bound one makes matchers. Equality is the kind and text alone."""
+    for ``json_object``); ``any_whitespace`` False: JSON without whitespace between its tokens;
+    ``after``: a token id the grammar waits for (it holds the output after the first such token,
+    none before: a reasoning model's ``</think>``), None: from the first token. Unbound until
+    :meth:`bound` compiles it against a tokenizer; only a bound one makes matchers. Equality is
+    the kind, text, whitespace and ``after``."""
 
     kind: str
     spec: str = ""
@@ -65,8 +72,11 @@ class Structure:
     # A fresh matcher, its first mask computed: each request's is a copy (bench_structured, a
     # 40-field schema at V = 49,152: a copy with its first mask 0.13 ms, against 2.6 ms to build one)
     template: object = field(default=None, compare=False, repr=False)
+    after: int | None = None
 
     def __post_init__(self) -> None:
+        if self.after is not None and not (isinstance(self.after, int) and self.after >= 0):
+            raise StructureError(f"after must be a token id (an int >= 0), got {self.after!r}")
         if self.kind not in KINDS:
             raise StructureError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if len(self.spec) > MAX_SPEC_CHARS:
@@ -93,7 +103,7 @@ class Structure:
         template.compute_bitmask()
         if template.is_error():
             raise StructureError(f"the {self.kind} constraint does not compile: {_first_line(template.get_error())}")
-        return Structure(self.kind, self.spec, self.any_whitespace, grammar, tokenizer, template)
+        return Structure(self.kind, self.spec, self.any_whitespace, grammar, tokenizer, template, self.after)
 
     def constraint(self, output: Sequence[int] = ()) -> Constraint:
         """A fresh matcher for one request, having consumed ``output`` (its generated tokens so far)."""
@@ -178,10 +188,26 @@ class Constraint:
         self.eos = frozenset(structure.tokenizer.eos_tokens)
         self.words = (self.vocab + 31) // 32
         self.failure: str | None = None
+        self.after = structure.after
+        self.open = self.after is None  # the grammar holds the text from here on
         self.extend(output)
+
+    def _held(self, path: Sequence[int]) -> list[int] | None:
+        """The part of ``path`` (tokens past the committed text) the grammar holds: all of it once
+        open, else what follows its first ``after`` token; None where there is none yet."""
+        if self.open:
+            return list(path)
+        if self.after not in path:
+            return None
+        return list(path[list(path).index(self.after) + 1:])
 
     def extend(self, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
+        if not self.open:
+            held = self._held(tokens)
+            if held is None:
+                return
+            tokens, self.open = held, True
         if not tokens or self.failure is not None:  # failed: the text ends with the EOS its masks force
             return
         done = self.matcher.try_consume_tokens(tokens)
@@ -208,16 +234,19 @@ class Constraint:
         """``(bits, reachable)``: ``bits[j]`` the packed allowed-token mask (int32 words, bit ``t % 32``
         of word ``t // 32`` for token ``t``; llguidance's layout) after the committed text and
         ``paths[j]``; ``reachable[j]`` False where the grammar refuses ``paths[j]``, or where it
-        holds EOS, which ends the text (its bits are then all set: nothing masked). Consumes and
-        rolls back along the paths in their order, so a chain's prefixes cost one token each. A
-        failed constraint's masks allow EOS alone, at every position."""
+        holds EOS, which ends the text (its bits are then all set: nothing masked), and where the
+        grammar has not started (no ``after`` token yet: all set too). Consumes and rolls back
+        along the paths in their order, so a chain's prefixes cost one token each. A failed
+        constraint's masks allow EOS alone, at every position."""
         bits = np.full((len(paths), self.words), -1, dtype=np.int32)
         reachable = np.ones(len(paths), dtype=bool)
         stack: list[int] = []  # tokens consumed past the committed text
         for j, path in enumerate(paths):
             if self._failed():
                 break
-            path = [int(t) for t in path]
+            path = self._held([int(t) for t in path])
+            if path is None:  # before the grammar starts: any token
+                continue
             common = 0
             limit = min(len(stack), len(path))
             while common < limit and stack[common] == path[common]:

@@ -37,13 +37,14 @@ CLOCK = {"type": "function", "function": {"name": "clock"}}
 
 
 class Scripted:
-    """A backend whose every reply is ``reply``, three tokens a delta, then EOS; it keeps the prompts it was sent."""
+    """A backend whose every reply is ``reply``, three tokens a delta, then EOS; it keeps the
+    requests it was sent (and their prompts)."""
 
     model_ids = ("scripted",)
     max_model_len = 4096
 
     def __init__(self, tokenizer, reply: str) -> None:
-        self.tokenizer, self.reply, self.prompts = tokenizer, reply, []
+        self.tokenizer, self.reply, self.prompts, self.requests = tokenizer, reply, [], []
 
     def ready(self) -> bool:
         return True
@@ -52,6 +53,7 @@ class Scripted:
         from goodspeed.api.server import Delta
 
         self.prompts.append(request.prompt_ids)
+        self.requests.append(request)
         ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
 
         async def deltas():

@@ -76,10 +76,15 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
 
 
 def grammar_allows(structure, output: list[int], vocab: int) -> torch.Tensor:
-    """``[vocab]`` bool: the tokens a fresh matcher of ``structure`` allows after ``output``, read
-    bit by bit from llguidance's bytes (not through :func:`goodspeed.lm.structured.allowed`)."""
+    """``[vocab]`` bool: the tokens a fresh matcher of ``structure`` allows after ``output`` (after
+    its first ``structure.after`` token, where that is set: every token before one), read bit by
+    bit from llguidance's bytes (not through :func:`goodspeed.lm.structured.allowed`)."""
     import llguidance
 
+    if structure.after is not None:  # the grammar holds only what follows the first `after` token
+        if structure.after not in output:
+            return torch.ones(vocab, dtype=torch.bool)
+        output = output[output.index(structure.after) + 1:]
     matcher = llguidance.LLMatcher(structure.tokenizer, structure.grammar, log_level=0)
     assert matcher.consume_tokens(list(output)), matcher.get_error()
     mask = matcher.compute_bitmask()

@@ -353,6 +353,9 @@ class VerificationEngine:
         if structure.tokenizer.vocab_size > self.vocab_size:
             raise errors.MalformedDraftError(f"the constraint's tokenizer has {structure.tokenizer.vocab_size} tokens, "
                                              f"past the target's vocabulary of {self.vocab_size}")
+        if structure.after is not None and structure.after >= self.vocab_size:
+            raise errors.MalformedDraftError(f"the constraint's after token {structure.after} is past the target's "
+                                             f"vocabulary of {self.vocab_size}")
         if not set(structure.tokenizer.eos_tokens) & {int(t) for t in eos_token_ids}:
             raise errors.MalformedDraftError(
                 f"structured output ends the text with EOS ({structure.tokenizer.eos_token}), which is not one of the "

@@ -34,7 +34,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 
 def structure_from_pb(msg: pb.StructuredOutput) -> Structure:
     """The constraint as sent, unbound: the servicer compiles it against the verifier's tokenizer."""
-    return Structure(msg.kind, msg.spec, any_whitespace=not msg.compact)
+    return Structure(msg.kind, msg.spec, any_whitespace=not msg.compact,
+                     after=msg.after_token if msg.HasField("after_token") else None)
 
 
 def draft_from_pb(msg: pb.DraftRequest, vocab_size: int) -> Draft:

@@ -267,7 +267,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id),
                                     extended_sampling=True, prompt_logprobs=request.HasField("prompt_logprobs"), min_tokens=True,
-                                    allowed_token_ids=True, structured_output=True, bad_words=True)
+                                    allowed_token_ids=True, structured_output=True, bad_words=True,
+                                    structured_after=True)
 
     async def _bound(self, sampling: SamplingParams, context) -> SamplingParams:
         """``sampling`` with its structured output constraint compiled against the target's

@@ -49,10 +49,10 @@ def test_where_a_prompt_leaves_the_reasoning():
     assert not opens_reasoning(PLAIN) and not closes_reasoning(PLAIN)
 
 
-@pytest.fixture(scope="module")
-def thinking_tokenizer():
+def thinking(markers: bool):
     """The demo's BPE with a chat template that renders tools and, as Qwen3's, opens a <think>
-    block for the reply unless enable_thinking is false (then an empty, closed one)."""
+    block for the reply unless enable_thinking is false (then an empty, closed one); ``markers``:
+    with <think> and </think> as tokens of their own, as Qwen3's tokenizer has them."""
     from modelkit import chat_pair
 
     tokenizer = chat_pair()[2]
@@ -60,7 +60,14 @@ def thinking_tokenizer():
         "{% if tools %}# tools: {{ tools | tojson }}\n{% endif %}" + tokenizer.chat_template
         + "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
           "{% else %}<think>\n{% endif %}{% endif %}")
+    if markers:
+        tokenizer.add_tokens(["<think>", "</think>"])
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer():
+    return thinking(markers=True)
 
 
 MESSAGES = [{"role": "user", "content": "weather in Oslo?"}]
@@ -94,17 +101,29 @@ def test_reasoning_and_tool_calls_through_the_server_whole_and_streamed(thinking
     assert hidden.choices[0].message.content.startswith("\n\nOn it.")  # no tools: the block is content
 
 
-def test_a_grammar_needs_a_prompt_that_closes_the_reasoning(thinking_tokenizer):
+def test_a_grammar_waits_for_the_reasoning_to_end(thinking_tokenizer):
+    """On a prompt that leaves the reasoning open, a forced call's grammar holds the reply from
+    its </think> token on (``Structure.after``); on one that closes it, from the first token; a
+    tokenizer without </think> as one token cannot mark that point: 400."""
     import openai
 
-    api, stop = serve(Scripted(thinking_tokenizer, '{"city": "Oslo"}'), reasoning_parser="qwen3")
+    end = thinking_tokenizer.convert_tokens_to_ids("</think>")
     named = {"type": "function", "function": {"name": "weather"}}
+    backend = Scripted(thinking_tokenizer, 'Oslo, then.</think>{"city": "Oslo"}')
+    api, stop = serve(backend, reasoning_parser="qwen3")
+    try:
+        thought = api.chat.completions.create(model="scripted", messages=MESSAGES, tools=[WEATHER], tool_choice=named)
+        api.chat.completions.create(model="scripted", messages=MESSAGES, tools=[WEATHER], tool_choice=named,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    finally:
+        stop()
+    assert [r.sampling.structured.after for r in backend.requests] == [end, None]
+    assert thought.choices[0].message.model_extra["reasoning_content"] == "Oslo, then."
+    assert [(c.function.name, c.function.arguments) for c in thought.choices[0].message.tool_calls] == [("weather", '{"city": "Oslo"}')]
+    api, stop = serve(Scripted(thinking(markers=False), "x"), reasoning_parser="qwen3")
     try:
         with pytest.raises(openai.BadRequestError) as refused:
             api.chat.completions.create(model="scripted", messages=MESSAGES, tools=[WEATHER], tool_choice=named)
-        closed = api.chat.completions.create(model="scripted", messages=MESSAGES, tools=[WEATHER], tool_choice=named,
-                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     finally:
         stop()
-    assert refused.value.body["param"] == "tools" and "reasoning" in refused.value.body["message"]
-    assert [(c.function.name, c.function.arguments) for c in closed.choices[0].message.tool_calls] == [("weather", '{"city": "Oslo"}')]
+    assert refused.value.body["param"] == "tools" and "</think>" in refused.value.body["message"]

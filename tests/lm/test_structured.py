@@ -83,6 +83,32 @@ def test_masks_along_chain_and_tree_paths_equal_a_fresh_matchers(tokenizer, kind
     assert np.array_equal(constraint.masks([[]])[0], before)  # the matcher is where the committed text left it
 
 
+def test_a_grammar_after_a_token_frees_the_text_before_it(tokenizer):
+    """``after`` (a reasoning model's ``</think>``): positions whose text holds no ``after`` token
+    are free, the grammar holds what follows the first one, on a chain, on a tree branch, across
+    the committed text, and for a resumed output."""
+    gate = walk(tokenizer, "#")[0]
+    structure = Structure("regex", r"[a-z]{1,4}", after=gate).bound(tokenizer)
+    assert structure != Structure("regex", r"[a-z]{1,4}")  # after is part of what a request asked for
+    think, answer = walk(tokenizer, "anything (at all)"), walk(tokenizer, "ab")
+    constraint = structure.constraint(think)  # no gate yet: nothing consumed, nothing refused
+    drafted = think[:2] + [gate] + answer
+    paths = [drafted[:k] for k in range(len(drafted) + 1)] + [[gate], [gate, gate]]
+    bits, reachable = constraint.masks(paths)
+    got = allowed(bits, V)
+    for j, path in enumerate(paths):
+        if reachable[j]:
+            assert torch.equal(got[j], grammar_allows(structure, think + path, V)), (j, path)
+    assert got[0].all() and got[2].all() and not got[3].all()  # free until the gate, held after it
+    assert reachable.tolist() == [True] * len(paths[:-1]) + [False]  # a second gate is not [a-z]
+    constraint.extend(think[:1] + [gate] + answer[:1])  # the gate committed: the grammar holds what follows
+    assert torch.equal(allowed(constraint.masks([[]])[0], V)[0], grammar_allows(structure, think + think[:1] + [gate] + answer[:1], V))
+    with pytest.raises(StructureError, match="does not match"):
+        structure.constraint([gate] + walk(tokenizer, "(")).masks([[]])
+    with pytest.raises(StructureError):
+        Structure("regex", "a", after=-1)
+
+
 def test_eos_ends_a_complete_text_and_nothing_follows(tokenizer):
     structure = Structure("choice", json.dumps(["end"])).bound(tokenizer)
     ids, eos = walk(tokenizer, "end"), tokenizer.eos_token_id

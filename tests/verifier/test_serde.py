@@ -44,6 +44,18 @@ def test_a_drafters_settings_arrive_as_sent():
                           bad_words=((5,), (2, 3, 7)))
     assert sampling_from_pb(sampling_to_pb(sent)) == sent
     for shape in (Structure("json", '{"type": "object"}', any_whitespace=False), Structure("json_object"),
-                  Structure("choice", '["a", "b"]'), Structure("grammar", 'start: "x"')):
+                  Structure("choice", '["a", "b"]'), Structure("grammar", 'start: "x"'), Structure("regex", "a+", after=7)):
         sent = SamplingParams(temperature=0.5, structured=shape)
         assert sampling_from_pb(sampling_to_pb(sent)) == sent
+
+
+def test_a_grammar_after_the_reasoning_needs_a_verifier_that_says_it_applies_it():
+    """A verifier older than StructuredOutput.after_token would hold the reasoning to the grammar:
+    its reply, without StartRequestReply.structured_after, is not trusted."""
+    from goodspeed.drafter.serde import unapplied_setting
+
+    gated = SamplingParams(structured=Structure("regex", "a+", after=7))
+    older = pb.StartRequestReply(structured_output=True)
+    assert "after the reasoning" in unapplied_setting(gated, older)
+    assert unapplied_setting(SamplingParams(structured=Structure("regex", "a+")), older) is None
+    assert unapplied_setting(gated, pb.StartRequestReply(structured_output=True, structured_after=True)) is None

@@ -77,6 +77,32 @@ def test_greedy_output_is_the_targets_constrained_greedy_decoding(tokenizer, pai
     assert outputs == want and (accepted > 0 or path == "local-none")
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_grammar_after_a_token_is_the_targets_greedy_decoding_gated_the_same_way(tokenizer, pair, prompts, path):
+    """``after`` (a reasoning model's ``</think>``, here a token the tiny target writes often): the
+    text is free until the first one, then held to the grammar; every path gives the target's own
+    greedy decoding gated the same way (``statkit``'s reference)."""
+    target, draft = pair
+    free = [adjusted_greedy_reference(target, p, SamplingParams(), 40) for p in prompts]
+    counts = {}
+    for out in free:
+        for t in set(out[1:8]):
+            counts[t] = counts.get(t, 0) + 1
+    gate = max(counts, key=lambda t: (counts[t], -t))  # written early in the most continuations
+    structure = Structure("regex", r"[a-z_]{1,6}\((self|s), [0-9]{1,2}\)", after=gate).bound(tokenizer)
+    sampling = SamplingParams(structured=structure)
+    want = [adjusted_greedy_reference(target, p, sampling, 40, eos=EOS) for p in prompts]
+    gated = [out for out in want if gate in out]
+    assert any(out[-1] == EOS for out in gated), "no text reaches the gate and then completes its grammar"
+    for out, plain in zip(want, free):
+        k = out.index(gate) if gate in out else len(out)
+        assert out[:k] == plain[:k]  # free text until the gate: the plain greedy decoding
+        if gate in out and out[-1] == EOS:
+            assert matches("regex", tokenizer.decode(out[k + 1:-1]))
+    outputs, accepted = on_path(path, target, draft, sampling, prompts, 40, eos=(EOS,))
+    assert outputs == want and (accepted > 0 or path == "local-none")
+
+
 def test_the_grammar_changes_the_output(tokenizer, pair, prompts):
     """The greedy test shows something: unconstrained, the tiny target's text matches no grammar."""
     target, _ = pair
