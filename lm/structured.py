@@ -204,10 +204,9 @@ class Constraint:
     def extend(self, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
         if not self.open:
-            held = self._held(tokens)
-            if held is None:
+            if self.after not in tokens:
                 return
-            tokens, self.open = held, True
+            tokens, self.open = tokens[tokens.index(self.after) + 1:], True
         if not tokens or self.failure is not None:  # failed: the text ends with the EOS its masks force
             return
         done = self.matcher.try_consume_tokens(tokens)

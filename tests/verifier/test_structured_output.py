@@ -168,6 +168,44 @@ def test_sampled_output_follows_the_targets_constrained_distribution(tokenizer, 
     assert ok, msg
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["edge", "local-adaserve", "power"])
+def test_sampled_output_with_a_grammar_after_a_token_follows_the_targets_gated_distribution(tokenizer, pair, where,
+                                                                                           monkeypatch):
+    """``after`` set to the target's likeliest first token: a text that opens with it is held to
+    the grammar from its second token, any other is free; the joint distribution of the first two
+    tokens is the target's gated the same way (``statkit``). Power check: gating each position by
+    the committed text alone (a drafted gate left out) must fail, or commit a text the grammar
+    refuses (which the request's own matcher catches)."""
+    import torch
+
+    from goodspeed.lm.structured import Constraint
+
+    if where == "power":
+        monkeypatch.setattr(Constraint, "_held", lambda self, path: list(path) if self.open else None)  # masks only
+    target, draft = pair
+    prompt = tokenizer.encode("def scan(s, end):")
+    with torch.inference_mode():
+        gate = int(torch.argmax(target(input_ids=torch.tensor([prompt])).logits[0, -1]))
+    sampling = SamplingParams(temperature=1.0, structured=Structure(CHOICES.kind, CHOICES.spec, after=gate).bound(tokenizer))
+    try:
+        if where in ("edge", "power"):
+            outputs, _ = run_edge(target, draft, sampling, [prompt] * 800, 3, drafters=8, eos=(EOS,))
+        else:
+            outputs, _ = run_local(target, draft, sampling, where.removeprefix("local-"), [prompt] * 600, 3, eos=(EOS,))
+    except StructureError as exc:
+        assert where == "power" and "does not match the choice constraint" in str(exc)
+        return
+    if where == "power":
+        ok, _ = fits(count_first_two(outputs, V), exact_first_two(target, prompt, sampling, eos=EOS))
+        assert not ok or not all(matches_choice(tokenizer, out[1:]) for out in outputs if out[0] == gate and out[1:])
+        return
+    opened = [out[1:] for out in outputs if out[0] == gate]
+    assert len(opened) > 20 and all(matches_choice(tokenizer, out) for out in opened if out)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, prompt, sampling, eos=EOS))  # EOS is free first
+    assert ok, msg
+
+
 def matches_choice(tokenizer, out) -> bool:
     text = tokenizer.decode([t for t in out if t != EOS])
     return (text in ("ab", "ba", "b", "aab", "bb") if out[-1] == EOS else any(c.startswith(text) for c in ("ab", "ba", "b", "aab", "bb")))
