@@ -80,11 +80,11 @@ class NodeThread:
     """An edge node (goodspeed.drafter.node) with its OpenAI API on 127.0.0.1:0, in a background
     event-loop thread, drafting with ``draft`` against the verifier at ``address``."""
 
-    def __init__(self, address, draft, tokenizer, name="edge", api_key=None, **config) -> None:
+    def __init__(self, address, draft, tokenizer, name="edge", api_key=None, http=None, **config) -> None:
         from goodspeed.drafter.node import EdgeNode, NodeConfig
 
         self.node = EdgeNode(NodeConfig(address, name, **config), draft, tokenizer)
-        self.api_key = api_key
+        self.api_key, self.http_options = api_key, dict(http or {})  # http: more OpenAIServer keywords
         self.loop = asyncio.new_event_loop()
         self.port = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -100,7 +100,7 @@ class NodeThread:
 
         self._thread.start()
         self.run(self.node.start())
-        self.http = OpenAIServer(self.node, self.node.registry, authorize=authorize)
+        self.http = OpenAIServer(self.node, self.node.registry, authorize=authorize, **self.http_options)
         self.port = self.run(self.http.start("127.0.0.1", 0))
         return self
 

@@ -547,6 +547,41 @@ def test_a_forced_tool_call_through_a_node_is_the_verifiers(models):
     assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"n"} and choice.finish_reason == "stop"
 
 
+def test_a_grammar_waiting_for_the_reasoning_through_a_node_is_the_verifiers(models, monkeypatch):
+    """A node with a reasoning parser on a prompt that leaves the reasoning open sends its grammar
+    with ``after_token`` (here a token the tiny target writes, standing for ``</think>``): the
+    output is the target's greedy decoding gated the same way; a verifier older than the field
+    would hold the reasoning to the grammar (502)."""
+    from goodspeed.api import server as api_server
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    messages = [{"role": "user", "content": "scan"}]
+    prompt_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"]
+    free = adjusted_greedy_reference(target, prompt_ids, SamplingParams(), 12)
+    gate = free[2]  # the third token the target writes unconstrained
+    monkeypatch.setattr(api_server, "reasoning_end", lambda tokenizer: gate)
+    regex = r"[a-z]{1,6}\((self|s)\)"
+    sampling = SamplingParams(structured=Structure("regex", regex, after=gate).bound(tokenizer))
+    want = adjusted_greedy_reference(target, prompt_ids, sampling, 40, eos=tokenizer.eos_token_id)
+    assert want[:3] == free[:3] and want[-1] == tokenizer.eos_token_id
+    body = dict(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                extra_body={"structured_outputs": {"regex": regex}, "return_token_ids": True})
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
+    http = {"reasoning_parser": "qwen3"}
+    with ServerThread(engine, tokenizer=tokenizer, target_name="tiny") as server, node(server, models, http=http) as edge:
+        out = api_of(edge).chat.completions.create(**body)
+    assert out.choices[0].model_extra["token_ids"] == want
+    assert re.fullmatch(regex, tokenizer.decode(want[3:-1]))
+    older_verifier(monkeypatch, "structured_after")
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
+    with ServerThread(engine, tokenizer=tokenizer, target_name="tiny") as server, node(server, models, http=http) as edge:
+        with pytest.raises(openai.APIStatusError, match="structured output after the reasoning") as refused:
+            api_of(edge).chat.completions.create(**body)
+    assert refused.value.status_code == 502
+
+
 def test_bad_words_through_a_node_are_the_verifiers(models, monkeypatch):
     """bad_words reach the verifier (and the node's batched drafts) through a node, tokenized by
     the node: the output is the target's greedy decoding with them banned; a verifier older than
