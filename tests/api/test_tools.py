@@ -200,3 +200,21 @@ def test_auto_on_a_reply_without_calls_is_plain_content(tool_tokenizer):
         stop()
     assert reply.choices[0].message.content == "It is sunny <tool_ in Oslo." and not reply.choices[0].message.tool_calls
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_renders_the_tools_as_chat_completions_do(tool_tokenizer):
+    """vLLM's /tokenize with messages and tools counts the prompt a chat completion generates from."""
+    import urllib.request
+
+    backend = Scripted(tool_tokenizer, "ok")
+    api, stop = serve(backend, tool_parser="hermes")
+    try:
+        api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+        body = json.dumps({"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER]}).encode()
+        request = urllib.request.Request(str(api.base_url).replace("/v1/", "/tokenize"), data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            tokens = json.loads(response.read())["tokens"]
+    finally:
+        stop()
+    assert tokens == backend.prompts[0] and '"weather"' in tool_tokenizer.decode(tokens)
