@@ -6,7 +6,8 @@ Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM'
 template's options, and structured output: ``structured_outputs`` and the older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, with OpenAI's ``response_format``; chat's
 tool calling, :mod:`goodspeed.api.tools`, and ``include_reasoning``, :mod:`goodspeed.api.reasoning`;
-ours: ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
+ours: ``tpot_slo_ms``, AdaServe's per-request latency SLO). Every refusal is a 4xx with OpenAI's
+error object ``{"error": {"message", "type", "param", "code"}}``:
 
 * a body that is not JSON, has a wrong type, an out-of-range value or an unknown field: 400;
 * a feature this server does not implement (``best_of``, ``suffix``): 400 naming the field,
@@ -149,7 +150,8 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
-    STRUCTURE_FIELDS: ClassVar[tuple[str, ...]] = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format")
+    STRUCTURE_FIELDS: ClassVar[tuple[str, ...]] = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                                   "guided_grammar", "response_format")
 
     @field_validator("temperature")
     @classmethod

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 from goodspeed.api.text import held_back
 
-PARSERS = ("qwen3", "deepseek_r1")
+PARSERS = ("qwen3", "deepseek_r1")  # the servers' --reasoning-parser
+PARSER_HELP = ("tell a chat reply's reasoning (<think> ... </think>) from its content, returned as reasoning_content: "
+               "qwen3 or deepseek_r1; unset: all content")
 START, END = "<think>", "</think>"
 
 

@@ -150,6 +150,14 @@ def _finish_reason(stream: TextStream, reason: str | None) -> str:
     return "stop" if stream.stopped or reason == "eos" else "length"
 
 
+def check_parsers(tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """ValueError for a tool-call or reasoning parser this server does not have (None: none)."""
+    for what, name, known in (("tool_call_parser", tool_parser, PARSERS),
+                              ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+        if name is not None and name not in known:
+            raise ValueError(f"{what} must be one of {', '.join(known)}, got {name!r}")
+
+
 class _Reply:
     """One chat choice's text read as OpenAI's message parts: its reasoning (``thinking``, a
     reasoning parser's reader), its content and its tool calls (``tools``), in that order."""
@@ -187,10 +195,7 @@ class OpenAIServer:
         calls are read where the model chooses (``tool_choice`` "auto"; :data:`~goodspeed.api.tools.PARSERS`);
         None: such requests are refused. ``reasoning_parser``: how a chat reply's reasoning is
         told from its content (:mod:`goodspeed.api.reasoning`); None: it is all content."""
-        if tool_parser is not None and tool_parser not in PARSERS:
-            raise ValueError(f"tool_parser must be one of {', '.join(PARSERS)}, got {tool_parser!r}")
-        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+        check_parsers(tool_parser, reasoning_parser)
         self.backend, self.registry, self.authorize = backend, registry, authorize
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self._runner: web.AppRunner | None = None
@@ -277,7 +282,7 @@ class OpenAIServer:
         # max_tokens = 0 (with echo): the prompt alone, served as a one-token request (its first
         # verdict, its last, brings the prompt's scores); its token is not returned
         limit = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
-        rid, gens = self._generations("cmpl", body, prompts, limit, await self._structure(body))
+        rid, gens = self._generations("cmpl", body, prompts, limit, await self._bind(body, body.structure()))
         echoes = None
         if body.echo:  # each choice's text starts with its prompt's: as sent, or a token-id prompt's decode
             decode = functools.partial(self.backend.tokenizer.decode, skip_special_tokens=False)
@@ -297,15 +302,17 @@ class OpenAIServer:
         prompt_ids = body.truncated(await self._tokenize(rendered, body.add_special_tokens,
                                                          must_fit=body.truncate_prompt_tokens is None), self.backend.max_model_len)
         limit = body.token_limit or max(1, self.backend.max_model_len - len(prompt_ids))
-        after = None  # a reasoning model's grammar waits for its reasoning to end (api.reasoning)
-        if self.reasoning_parser is not None and body.structure() is not None and not closes_reasoning(rendered):
+        structure = body.structure()
+        if structure is not None and self.reasoning_parser is not None and not closes_reasoning(rendered):
+            # a reasoning model's grammar waits for its reasoning to end (api.reasoning)
             after = reasoning_end(self.backend.tokenizer)
             if after is None:
                 raise ApiError(400, "this prompt leaves the model's reasoning open and the tokenizer has no </think> token "
                                     "to start the grammar at: the reasoning would be held to it too; give a prompt that "
                                     'closes it (Qwen3: chat_template_kwargs {"enable_thinking": false})',
                                param=body.structure_field())
-        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._structure(body, after))
+            structure = dataclasses.replace(structure, after=after)
+        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._bind(body, structure))
         echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
         replies = None
         if body.tool_mode != "none" or self.reasoning_parser is not None:
@@ -429,15 +436,14 @@ class OpenAIServer:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.backend.model_ids[0]!r}",
                            param="model", code="model_not_found")
 
-    async def _structure(self, body, after: int | None = None):
-        """The request's structured output constraint compiled against the tokenizer (off the event
-        loop: a vocabulary is indexed once, ~1 s, and a large grammar compiles slowly); 400 if it
-        does not compile. ``after``: the token it waits for (a reasoning model's ``</think>``)."""
-        structure = body.structure()
+    async def _bind(self, body, structure):
+        """``structure`` (the request's constraint, :meth:`structure`, or None) compiled against the
+        tokenizer (off the event loop: a vocabulary is indexed once, ~1 s, and a large grammar
+        compiles slowly); 400 naming ``body``'s field if it does not compile."""
         if structure is None:
             return None
         try:
-            return await asyncio.to_thread(dataclasses.replace(structure, after=after).bound, self.backend.tokenizer)
+            return await asyncio.to_thread(structure.bound, self.backend.tokenizer)
         except StructureError as exc:
             raise ApiError(400, str(exc), param=body.structure_field()) from None
 

@@ -42,7 +42,6 @@ from goodspeed.api.text import held_back
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
-PARSERS = ("hermes", "llama3_json")
 
 
 class FunctionDefinition(BaseModel):
@@ -88,10 +87,10 @@ class ToolCallMessage(BaseModel):
         """As chat templates read it (transformers' convention, vLLM's too): ``arguments`` a dict
         when it is a JSON object, else the text as sent."""
         try:
-            arguments = json.loads(self.function.arguments)
+            parsed = json.loads(self.function.arguments)
         except json.JSONDecodeError:
-            arguments = self.function.arguments
-        arguments = arguments if isinstance(arguments, dict) else self.function.arguments
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else self.function.arguments
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
@@ -296,6 +295,9 @@ class _Llama3Json:
 
 
 READERS = {"hermes": _Hermes, "llama3_json": _Llama3Json}
+PARSERS = tuple(READERS)  # the servers' --tool-call-parser
+PARSER_HELP = ("how tool calls are read out of a reply the model chose to make (tool_choice auto, the default with "
+               "tools): hermes (Qwen2.5/Qwen3, Hermes) or llama3_json (Llama 3.1/3.2); unset: such requests are refused")
 
 
 class ToolCalls:

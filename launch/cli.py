@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 
+from goodspeed.api.reasoning import PARSER_HELP as REASONING_PARSER_HELP
 from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
-from goodspeed.api.tools import PARSERS
+from goodspeed.api.tools import PARSER_HELP as TOOL_PARSER_HELP
+from goodspeed.api.tools import PARSERS as TOOL_PARSERS
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec, add_setting_flags
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k
 from goodspeed.scheduler.policy import POLICIES
@@ -300,13 +302,8 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--max-waiting", type=_at_least(int, 0), default=64, help="--serve: requests queued behind those; more get 429")
     dr.add_argument("--api-key-file", default=None, help="--serve: clients must send this key as a bearer token "
                     "(required off loopback)")
-    dr.add_argument("--tool-call-parser", default=None, choices=PARSERS,
-                    help="--serve: how tool calls are read out of a reply the model chose to make (tool_choice auto, the "
-                         "default with tools): hermes (Qwen2.5/Qwen3, Hermes) or llama3_json (Llama 3.1/3.2); unset: such "
-                         "requests are refused")
-    dr.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                    help="--serve: tell a chat reply's reasoning (<think> ... </think>) from its content, returned as "
-                         "reasoning_content: qwen3 or deepseek_r1; unset: all content")
+    dr.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS, help="--serve: " + TOOL_PARSER_HELP)
+    dr.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help="--serve: " + REASONING_PARSER_HELP)
     _add_sampling_args(dr, max_new_tokens=64)
     dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
     dr.add_argument("--name", default=None, help="this node's name, its identity without a token or certificate (default: "

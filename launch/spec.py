@@ -32,8 +32,10 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
+from goodspeed.api.reasoning import PARSER_HELP as REASONING_PARSER_HELP
 from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
-from goodspeed.api.tools import PARSERS
+from goodspeed.api.tools import PARSER_HELP as TOOL_PARSER_HELP
+from goodspeed.api.tools import PARSERS as TOOL_PARSERS
 from goodspeed.launch.links import LinkSpec
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.lm.seeding import resolve_root_seed
@@ -182,13 +184,10 @@ class VerifierSpec:
     http_port: int | None = setting(None, "serve the OpenAI-compatible API of local serving here (/v1/chat/completions, "
                                           "/v1/completions, /v1/models, /metrics; needs --local-draft)", to="server.http_port")
     http_host: str = setting("127.0.0.1", "address of the HTTP API (default: loopback only)", to="server.http_host")
-    tool_call_parser: str | None = setting(None, "how the HTTP API reads tool calls out of a reply the model chose to make "
-                                                 "(tool_choice auto, the default with tools): hermes (Qwen2.5/Qwen3, Hermes) or "
-                                                 "llama3_json (Llama 3.1/3.2); unset: such requests are refused",
-                                           to="server.tool_call_parser", choices=PARSERS)
-    reasoning_parser: str | None = setting(None, "how the HTTP API tells a chat reply's reasoning (<think> ... </think>) from "
-                                                 "its content, returned as reasoning_content: qwen3 or deepseek_r1; unset: "
-                                                 "all content", to="server.reasoning_parser", choices=REASONING_PARSERS)
+    tool_call_parser: str | None = setting(None, "the HTTP API: " + TOOL_PARSER_HELP, to="server.tool_call_parser",
+                                           choices=TOOL_PARSERS)
+    reasoning_parser: str | None = setting(None, "the HTTP API: " + REASONING_PARSER_HELP, to="server.reasoning_parser",
+                                           choices=REASONING_PARSERS)
     auth_tokens: str | None = setting(None, "token file (`goodspeed tokens add`): every RPC but health needs a listed bearer "
                                             "token (`goodspeed launch` makes one per run if unset)", to="server.auth_tokens")
     tls_cert: str | None = setting(None, "PEM certificate: serve TLS (with --tls-key; `goodspeed launch` makes a CA per run "

@@ -195,8 +195,9 @@ class SamplingParams:
 class TokenHistory:
     """A request's text as its penalties read it: the prompt's distinct token ids (the repetition
     penalty counts them as seen), how often each token occurs in the output, how many tokens the
-    output holds (``min_tokens`` reads that), and the output itself (``bad_words`` reads its end). Extended with each committed token; a speculative
-    row's drafted tokens come on top as :func:`adjust_logits`' ``paths``, never into the history itself.
+    output holds (``min_tokens`` reads that), and the output itself (``bad_words`` reads its end).
+    Extended with each committed token; a speculative row's drafted tokens come on top as
+    :func:`adjust_logits`' ``paths``, never into the history itself.
     With a bound ``structure`` it also holds the request's grammar matcher (``constraint``), which
     consumes the output (:class:`~goodspeed.lm.structured.StructureError` if the grammar refuses it)."""
 

@@ -184,22 +184,19 @@ class Constraint:
     def __init__(self, structure: Structure, output: Sequence[int] = ()) -> None:
         self.structure = structure
         self.matcher = structure.template.deep_copy()
-        self.vocab = structure.tokenizer.vocab_size
         self.eos = frozenset(structure.tokenizer.eos_tokens)
-        self.words = (self.vocab + 31) // 32
+        self.words = (structure.tokenizer.vocab_size + 31) // 32  # int32 words of a mask
         self.failure: str | None = None
         self.after = structure.after
         self.open = self.after is None  # the grammar holds the text from here on
         self.extend(output)
 
-    def _held(self, path: Sequence[int]) -> list[int] | None:
+    def _held(self, path: list[int]) -> list[int] | None:
         """The part of ``path`` (tokens past the committed text) the grammar holds: all of it once
         open, else what follows its first ``after`` token; None where there is none yet."""
         if self.open:
-            return list(path)
-        if self.after not in path:
-            return None
-        return list(path[list(path).index(self.after) + 1:])
+            return path
+        return path[path.index(self.after) + 1:] if self.after in path else None
 
     def extend(self, tokens: Sequence[int]) -> None:
         tokens = [int(t) for t in tokens]
@@ -223,11 +220,6 @@ class Constraint:
         if self.failure is None and self.matcher.is_error():
             self.failure = f"the {self.structure.kind} constraint exceeded its limits: {_first_line(self.matcher.get_error())}"
         return self.failure is not None
-
-    @property
-    def finished(self) -> bool:
-        """The grammar takes no more tokens (EOS alone is allowed next)."""
-        return self.matcher.is_stopped()
 
     def masks(self, paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """``(bits, reachable)``: ``bits[j]`` the packed allowed-token mask (int32 words, bit ``t % 32``
@@ -269,15 +261,6 @@ class Constraint:
         elif stack:
             self.matcher.rollback(len(stack))
         return bits, reachable
-
-
-def allowed(bits: np.ndarray, vocab: int) -> torch.Tensor:
-    """Unpack :meth:`Constraint.masks`' words into a bool tensor ``[P, vocab]`` (True: allowed).
-    Tokens past the tokenizer's vocabulary (a model's padded rows) are never allowed."""
-    flat = np.unpackbits(bits.view(np.uint8), axis=-1, count=min(vocab, 32 * bits.shape[-1]), bitorder="little")
-    out = torch.zeros(len(bits), vocab, dtype=torch.bool)
-    out[:, : flat.shape[-1]] = torch.from_numpy(flat.view(np.bool_))
-    return out
 
 
 _BYTE_BIAS: dict = {}  # (dtype, device) -> [256, 8]: row b holds 0 where bit i of b is set, else -inf

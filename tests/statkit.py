@@ -78,7 +78,7 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
 def grammar_allows(structure, output: list[int], vocab: int) -> torch.Tensor:
     """``[vocab]`` bool: the tokens a fresh matcher of ``structure`` allows after ``output`` (after
     its first ``structure.after`` token, where that is set: every token before one), read bit by
-    bit from llguidance's bytes (not through :func:`goodspeed.lm.structured.allowed`)."""
+    bit from llguidance's bytes (not through :func:`allowed`)."""
     import llguidance
 
     if structure.after is not None:  # the grammar holds only what follows the first `after` token
@@ -89,6 +89,15 @@ def grammar_allows(structure, output: list[int], vocab: int) -> torch.Tensor:
     assert matcher.consume_tokens(list(output)), matcher.get_error()
     mask = matcher.compute_bitmask()
     return torch.tensor([t < 8 * len(mask) and bool(mask[t // 8] >> (t % 8) & 1) for t in range(vocab)])
+
+
+def allowed(bits: np.ndarray, vocab: int) -> torch.Tensor:
+    """Unpack :meth:`goodspeed.lm.structured.Constraint.masks`' int32 words into a bool tensor
+    ``[P, vocab]`` (True: allowed; bit ``t % 32`` of word ``t // 32``); tokens past the words never."""
+    flat = np.unpackbits(bits.view(np.uint8), axis=-1, count=min(vocab, 32 * bits.shape[-1]), bitorder="little")
+    out = torch.zeros(len(bits), vocab, dtype=torch.bool)
+    out[:, : flat.shape[-1]] = torch.from_numpy(flat.view(np.bool_))
+    return out
 
 
 def exact_first_two(model, prompt: list[int], sampling: SamplingParams, eos: int | None = None) -> np.ndarray:

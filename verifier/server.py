@@ -32,8 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.metrics import RequestTimer, finished_reason
-from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
-from goodspeed.api.tools import PARSERS
+from goodspeed.api.server import check_parsers
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.structured import StructureError
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
@@ -114,10 +113,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         check_port("port", self.port)
         check_port("http_port", self.http_port)
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        check_parsers(self.tool_call_parser, self.reasoning_parser)
         if self.rounds not in ROUND_MODES:
             raise ValueError(f"rounds must be one of {', '.join(ROUND_MODES)}, got {self.rounds!r}")
         if self.async_shares not in SHARE_MODES:

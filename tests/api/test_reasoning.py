@@ -119,7 +119,8 @@ def test_a_grammar_waits_for_the_reasoning_to_end(thinking_tokenizer):
         stop()
     assert [r.sampling.structured.after for r in backend.requests] == [end, None]
     assert thought.choices[0].message.model_extra["reasoning_content"] == "Oslo, then."
-    assert [(c.function.name, c.function.arguments) for c in thought.choices[0].message.tool_calls] == [("weather", '{"city": "Oslo"}')]
+    calls = thought.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("weather", '{"city": "Oslo"}')]
     api, stop = serve(Scripted(thinking(markers=False), "x"), reasoning_parser="qwen3")
     try:
         with pytest.raises(openai.BadRequestError) as refused:

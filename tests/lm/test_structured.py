@@ -11,8 +11,8 @@ import torch
 
 from goodspeed.lm.demo import train_tokenizer
 from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits
-from goodspeed.lm.structured import MAX_SPEC_CHARS, Structure, StructureError, allowed
-from statkit import grammar_allows
+from goodspeed.lm.structured import MAX_SPEC_CHARS, Structure, StructureError
+from statkit import allowed, grammar_allows
 
 V = 300
 
@@ -102,7 +102,8 @@ def test_a_grammar_after_a_token_frees_the_text_before_it(tokenizer):
     assert got[0].all() and got[2].all() and not got[3].all()  # free until the gate, held after it
     assert reachable.tolist() == [True] * len(paths[:-1]) + [False]  # a second gate is not [a-z]
     constraint.extend(think[:1] + [gate] + answer[:1])  # the gate committed: the grammar holds what follows
-    assert torch.equal(allowed(constraint.masks([[]])[0], V)[0], grammar_allows(structure, think + think[:1] + [gate] + answer[:1], V))
+    committed = think + think[:1] + [gate] + answer[:1]
+    assert torch.equal(allowed(constraint.masks([[]])[0], V)[0], grammar_allows(structure, committed, V))
     with pytest.raises(StructureError, match="does not match"):
         structure.constraint([gate] + walk(tokenizer, "(")).masks([[]])
     with pytest.raises(StructureError):
@@ -119,7 +120,7 @@ def test_eos_ends_a_complete_text_and_nothing_follows(tokenizer):
     with pytest.raises(StructureError, match="does not match"):
         structure.constraint(walk(tokenizer, "en") + [eos])  # not complete: EOS refused
     constraint.extend(ids + [eos])
-    assert constraint.finished
+    assert constraint.matcher.is_stopped()  # the grammar takes no more tokens
     with pytest.raises(StructureError):
         constraint.extend(walk(tokenizer, "e"))
 
