@@ -513,13 +513,15 @@ class DetokenizeRequest(BaseModel):
 
 
 def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
-    """Validate a JSON body into ``model``; 400 with the first problem's field path otherwise."""
+    """Validate a JSON body into ``model``; 400 with the deepest problem's field path otherwise."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        # the deepest problem: where a union's members all fail, the member that got furthest names it
+        # (a list of content parts whose part has a wrong type, not "content should be a string")
+        first = max(exc.errors(), key=lambda e: len(e["loc"]))
         param = ".".join(str(p) for p in first["loc"]) or None
         message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None

@@ -2,7 +2,9 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming as server-sent events —
 ``data: {chunk}`` lines, then ``data: [DONE]`` — with ``stream_options.include_usage``, or one
-JSON body), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text); and
+JSON body), ``POST /v1/responses`` (OpenAI's Responses API, read as the chat completion it stands
+for: :mod:`goodspeed.api.responses`) with ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (Prometheus text); and
 vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, which tokenize as the
 completions do (a text prompt with the tokenizer's special tokens unless ``add_special_tokens`` is
 false, vLLM's default; a chat through its template).
@@ -56,6 +58,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, parse_body)
+from goodspeed.api.responses import (Items, ResponsesRequest, ResponseStore, as_messages, now, renamed, response_object,
+                                     usage as response_usage)
 from goodspeed.api.text import TextStream
 from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.reasoning import Reasoning, closes_reasoning
@@ -199,6 +203,7 @@ class OpenAIServer:
         self.backend, self.registry, self.authorize = backend, registry, authorize
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self._runner: web.AppRunner | None = None
+        self.stored = ResponseStore()  # the Responses API's stored responses (api.responses)
         # responses' backend cleanups that run after the response went out (_close), which stop() waits for
         self._cleanups: set[asyncio.Task] = set()
 
@@ -213,6 +218,9 @@ class OpenAIServer:
         app.router.add_get("/version", self.version)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.get_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -297,6 +305,16 @@ class OpenAIServer:
         identity = self._identify(request)
         body = parse_body(ChatCompletionRequest, await self._json(request))
         self._check_model(body.model)
+        rid, gens, replies = await self._chat_generations("chatcmpl", body)
+        echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
+        if body.stream:
+            return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes, replies=replies)
+        return await self._complete(identity, rid, gens, body, chat=True, echoes=echoes, replies=replies)
+
+    async def _chat_generations(self, kind: str, body: ChatCompletionRequest, read: bool = False):
+        """A chat request's id, backend requests (one per choice) and each choice's reader of its
+        reasoning and tool calls (None where neither the request nor the server asks for one, unless
+        ``read``: the Responses API reads every reply into items)."""
         self._check_tools(body)
         rendered = await self._render_chat(body)
         prompt_ids = body.truncated(await self._tokenize(rendered, body.add_special_tokens,
@@ -312,16 +330,99 @@ class OpenAIServer:
                                     'closes it (Qwen3: chat_template_kwargs {"enable_thinking": false})',
                                param=body.structure_field())
             structure = dataclasses.replace(structure, after=after)
-        rid, gens = self._generations("chatcmpl", body, [prompt_ids], limit, await self._bind(body, structure))
-        echoes = [body.echoed] * len(gens) if body.echoed else None  # vLLM's echo
+        rid, gens = self._generations(kind, body, [prompt_ids], limit, await self._bind(body, structure))
         replies = None
-        if body.tool_mode != "none" or self.reasoning_parser is not None:
+        if read or body.tool_mode != "none" or self.reasoning_parser is not None:
             replies = [_Reply(None if self.reasoning_parser is None else Reasoning(self.reasoning_parser, rendered),
                               None if body.tool_mode == "none" else ToolCalls(body.tool_mode, self.tool_parser,
                                                                                body.parallel_tool_calls)) for _ in gens]
-        if body.stream:
-            return await self._stream(request, identity, rid, gens, body, chat=True, echoes=echoes, replies=replies)
-        return await self._complete(identity, rid, gens, body, chat=True, echoes=echoes, replies=replies)
+        return rid, gens, replies
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's ``POST /v1/responses`` (:mod:`goodspeed.api.responses`): the chat completion
+        the request stands for, its reply as output items, whole or as the Responses events."""
+        identity = self._identify(request)
+        body = parse_body(ResponsesRequest, await self._json(request))
+        self._check_model(body.model)
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            previous, conversation = self.stored.get(identity, body.previous_response_id, param="previous_response_id")
+            history = conversation + as_messages(previous["output"])
+        chat = body.to_chat(history)
+        try:
+            rid, gens, replies = await self._chat_generations("resp", chat, read=True)
+        except ApiError as exc:
+            raise renamed(exc) from None
+        conversation = history + body.messages()  # what a later turn continues (instructions are not carried)
+        text, reply, items = self._text_stream(chat, gens[0]), replies[0], Items()
+        created, model = now(), self.backend.model_ids[0]
+        chars = [0, 0]  # the reply's reasoning and other text, for usage's reasoning_tokens
+
+        def snapshot(status: str, error: dict | None = None) -> dict:
+            counted = response_usage(len(gens[0].prompt_ids), text.consumed, *chars) if status != "in_progress" else None
+            return response_object(rid, created, model, body, status, items.output, counted, error)
+
+        streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
+        runs = self._choices(streams, [text], None)
+        response, sequence, running, status = None, itertools.count(), True, "in_progress"
+
+        async def send(event: dict) -> None:
+            event = {**event, "sequence_number": next(sequence)}
+            await response.write(f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n")
+
+        try:
+            if body.stream:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await response.prepare(request)
+                await send({"type": "response.created", "response": snapshot(status)})
+                await send({"type": "response.in_progress", "response": snapshot(status)})
+            try:
+                async for _, piece, reason, _, _ in runs:
+                    reasoning, content, calls = reply.push(piece, final=reason is not None)
+                    chars[0] += len(reasoning)
+                    chars[1] += len(content) + sum(len(c["function"]["arguments"]) for c in calls)
+                    events = items.push(reasoning, content, calls)
+                    if reason is not None:
+                        status = "incomplete" if reason == "length" else "completed"
+                        events += items.finish(status)
+                        running = False
+                    if body.stream:
+                        for event in events:
+                            await send(event)
+                    if not running:
+                        break
+                if running:
+                    raise ApiError(502, "the generation ended without a finish reason")
+            except ApiError as exc:  # a failure after the headers went out: said in the stream
+                if not body.stream:
+                    raise
+                status = "failed"
+                await send({"type": "response.failed", "response": snapshot(status, {"code": exc.code or exc.type,
+                                                                                     "message": exc.message})})
+        finally:
+            await self._close(runs, streams, detach=not running)
+        whole = snapshot(status)
+        if body.store and status != "failed":
+            self.stored.put(identity, whole, conversation)
+        if not body.stream:
+            return web.json_response(whole)
+        if status != "failed":
+            await send({"type": f"response.{status}", "response": whole})
+        await response.write_eof()
+        return response
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        """OpenAI's ``GET /v1/responses/{id}``: a stored response, to its owner (else 404)."""
+        identity = self._identify(request)
+        whole, _ = self.stored.get(identity, request.match_info["response_id"])
+        return web.json_response(whole)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        """OpenAI's ``DELETE /v1/responses/{id}``: forget a stored response (its owner's; else 404)."""
+        identity = self._identify(request)
+        response_id = request.match_info["response_id"]
+        self.stored.delete(identity, response_id)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /tokenize``: a prompt's token ids (``prompt``, as completions tokenize it)
@@ -458,7 +559,7 @@ class OpenAIServer:
             if len(prompt_ids) >= limit or len(prompt_ids) + max_tokens > limit:
                 which = f"prompt {i} holds" if len(prompts) > 1 else "the prompt holds"
                 raise ApiError(400, f"this model's context is {limit} tokens; {which} {len(prompt_ids)} and "
-                                    f"{max_tokens} more were asked for", param="messages" if kind == "chatcmpl" else "prompt",
+                                    f"{max_tokens} more were asked for", param="prompt" if kind == "cmpl" else "messages",
                                code="context_length_exceeded")
         asked = body.max_tokens if body.max_tokens is not None else max_tokens
         if body.min_tokens > asked:  # vLLM's rule

@@ -1,5 +1,5 @@
 """Helpers for the OpenAI API tests: concurrent requests through the official client, a server's
-metrics as a dict, and a server on a scripted backend (tool calling, reasoning)."""
+metrics as a dict, and a server on a scripted backend (tool calling, reasoning) and a tokenizer whose template thinks."""
 
 import threading
 import urllib.request
@@ -37,8 +37,8 @@ CLOCK = {"type": "function", "function": {"name": "clock"}}
 
 
 class Scripted:
-    """A backend whose every reply is ``reply``, three tokens a delta, then EOS; it keeps the
-    requests it was sent (and their prompts)."""
+    """A backend whose every reply is ``reply``, three tokens a delta, then EOS (cut at the
+    request's ``max_tokens``); it keeps the requests it was sent (and their prompts)."""
 
     model_ids = ("scripted",)
     max_model_len = 4096
@@ -57,6 +57,12 @@ class Scripted:
         ids = self.tokenizer.encode(self.reply, add_special_tokens=False)
 
         async def deltas():
+            whole = ids + [self.tokenizer.eos_token_id]
+            if len(whole) > request.max_tokens:  # cut at max_tokens, as a backend's
+                for k in range(0, request.max_tokens, 3):
+                    last = k + 3 >= request.max_tokens
+                    yield Delta(whole[k:min(k + 3, request.max_tokens)], finished=last, finish_reason="length" if last else None)
+                return
             for k in range(0, len(ids), 3):
                 yield Delta(ids[k:k + 3])
             yield Delta([self.tokenizer.eos_token_id], finished=True, finish_reason="eos")
@@ -86,3 +92,19 @@ def serve(backend, **config):
         thread.join(10)
 
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0), stop
+
+
+def thinking(markers: bool):
+    """The demo's BPE with a chat template that renders tools and, as Qwen3's, opens a <think>
+    block for the reply unless enable_thinking is false (then an empty, closed one); ``markers``:
+    with <think> and </think> as tokens of their own, as Qwen3's tokenizer has them."""
+    from modelkit import chat_pair
+
+    tokenizer = chat_pair()[2]
+    tokenizer.chat_template = (
+        "{% if tools %}# tools: {{ tools | tojson }}\n{% endif %}" + tokenizer.chat_template
+        + "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+          "{% else %}<think>\n{% endif %}{% endif %}")
+    if markers:
+        tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from goodspeed.api.reasoning import Reasoning, closes_reasoning, opens_reasoning
-from apikit import CLOCK, WEATHER, Scripted, serve
+from apikit import CLOCK, WEATHER, Scripted, serve, thinking
 
 QWEN_OPEN = "<|im_start|>assistant\n<think>\n"  # Qwen3-2507 thinking, DeepSeek-R1: the prompt opens the block
 QWEN_CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking false
@@ -47,22 +47,6 @@ def test_where_a_prompt_leaves_the_reasoning():
     assert opens_reasoning(QWEN_OPEN) and not closes_reasoning(QWEN_OPEN)
     assert closes_reasoning(QWEN_CLOSED) and not opens_reasoning(QWEN_CLOSED)
     assert not opens_reasoning(PLAIN) and not closes_reasoning(PLAIN)
-
-
-def thinking(markers: bool):
-    """The demo's BPE with a chat template that renders tools and, as Qwen3's, opens a <think>
-    block for the reply unless enable_thinking is false (then an empty, closed one); ``markers``:
-    with <think> and </think> as tokens of their own, as Qwen3's tokenizer has them."""
-    from modelkit import chat_pair
-
-    tokenizer = chat_pair()[2]
-    tokenizer.chat_template = (
-        "{% if tools %}# tools: {{ tools | tojson }}\n{% endif %}" + tokenizer.chat_template
-        + "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-          "{% else %}<think>\n{% endif %}{% endif %}")
-    if markers:
-        tokenizer.add_tokens(["<think>", "</think>"])
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

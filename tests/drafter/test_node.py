@@ -70,6 +70,32 @@ def test_completions_and_chat_through_a_node_equal_the_targets_greedy_decoding(m
     assert metrics["goodspeed:time_to_first_token_seconds_count[]"] == 4
 
 
+def test_the_responses_api_through_a_node_is_the_targets_greedy_decoding(models):
+    """``/v1/responses`` on a node: the instructions and input rendered as chat completions render
+    them, drafted on the device and verified remotely; whole and streamed, the output text is the
+    target's greedy decoding (up to EOS or max_output_tokens), and a stored response continues."""
+    target, _, tokenizer = models
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "parse json"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    want = adjusted_greedy_reference(target, chat_ids, SamplingParams(), 16, eos=tokenizer.eos_token_id)
+    with verifier(models) as server, node(server, models) as edge:
+        api = api_of(edge)
+        whole = api.responses.create(model="tiny", instructions="Be brief.", input="parse json", max_output_tokens=16,
+                                     temperature=0)
+        events = list(api.responses.create(model="tiny", instructions="Be brief.", input="parse json", max_output_tokens=16,
+                                           temperature=0, stream=True))
+        follow = api.responses.create(model="tiny", previous_response_id=whole.id, input="more", max_output_tokens=4,
+                                      temperature=0)
+    text = tokenizer.decode([t for t in want if t != tokenizer.eos_token_id], skip_special_tokens=True)
+    assert whole.output_text == text and whole.usage.output_tokens == len(want)
+    assert whole.usage.input_tokens == len(chat_ids)
+    assert whole.status == ("incomplete" if len(want) == 16 and want[-1] != tokenizer.eos_token_id else "completed")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].response.output_text == text
+    assert follow.status in ("completed", "incomplete") and follow.usage.input_tokens > len(chat_ids)
+
+
 def test_logprobs_through_a_node_are_the_verifiers(models):
     """The verifier sends each token's log-probabilities with its verdicts; the node's API gives
     them as the verifier's own front does: the target's."""

@@ -780,6 +780,40 @@ def test_forced_tool_calls_are_the_targets_greedy_decoding_under_their_schema(mo
     assert status == 400 and body["param"] == "tools"  # the demo template does not render tools
 
 
+def test_the_responses_api_is_the_targets_greedy_decoding_and_its_formats_hold(models):
+    """``/v1/responses`` on the verifier's front (local serving, AdaServe's trees): the output text is
+    the target's greedy decoding of the chat-rendered input; ``text.format`` json_schema holds it
+    to the schema, exactly as the target decodes under that grammar; a schema that does not
+    compile and a context overflow are 400s naming the Responses fields."""
+    import json
+
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    eos = tokenizer.eos_token_id
+    chat_ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    with front(models, policy="adaserve") as server:
+        api = client(server)
+        plain = api.responses.create(model="tiny", input=MESSAGES, max_output_tokens=12, temperature=0)
+        shaped = post(server, "responses", {"model": "tiny", "input": MESSAGES, "max_output_tokens": 30, "temperature": 0,
+                                            "text": {"format": {"type": "json_schema", "name": "r", "schema": schema}}})
+        bad = refusal_of(server, "responses", {"model": "tiny", "input": "x", "text": {"format": {
+            "type": "json_schema", "name": "r", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}})
+        long = refusal_of(server, "responses", {"model": "tiny", "input": "x", "max_output_tokens": 10**6})
+    want = adjusted_greedy_reference(target, chat_ids, SamplingParams(), 12, eos=eos)
+    assert plain.output_text == tokenizer.decode([t for t in want if t != eos], skip_special_tokens=True)
+    structured = SamplingParams(structured=Structure("json", json.dumps(schema)).bound(tokenizer))
+    grammar_want = adjusted_greedy_reference(target, chat_ids, structured, 30, eos=eos)
+    text = shaped["output"][0]["content"][0]["text"]
+    assert text == tokenizer.decode([t for t in grammar_want if t != eos], skip_special_tokens=True)
+    if grammar_want[-1] == eos:
+        assert json.loads(text).keys() == {"ok"} and shaped["status"] == "completed"
+    assert bad[0] == 400 and bad[1]["param"] == "text.format"
+    assert long[0] == 400 and long[1]["code"] == "context_length_exceeded" and long[1]["param"] == "input"
+
+
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
     tokenizer = models[2]
     prompts = ["import os", "class A:", "def f(x):", "return None"]
