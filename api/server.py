@@ -335,7 +335,7 @@ class OpenAIServer:
         if read or body.tool_mode != "none" or self.reasoning_parser is not None:
             replies = [_Reply(None if self.reasoning_parser is None else Reasoning(self.reasoning_parser, rendered),
                               None if body.tool_mode == "none" else ToolCalls(body.tool_mode, self.tool_parser,
-                                                                               body.parallel_tool_calls)) for _ in gens]
+                                                                               body.parallel_tool_calls, body.tools)) for _ in gens]
         return rid, gens, replies
 
     async def responses(self, request: web.Request) -> web.StreamResponse:

@@ -15,11 +15,13 @@ What each ``tool_choice`` does:
   returned as the tool calls; ``finish_reason`` "tool_calls";
 * ``"auto"`` (the default when tools are given): the model decides, and the server's
   ``--tool-call-parser`` reads its calls out of the text: ``hermes`` (Qwen2.5, Qwen3, Hermes:
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks) or ``llama3_json``
-  (Llama 3.1 / 3.2: a reply that is one or more ``{"name": ..., "parameters": {...}}`` objects,
-  separated by ``;``); ``finish_reason`` "tool_calls" when it called one. A server without a
-  parser, or a model whose chat template does not render ``tools`` (it could not know them),
-  refuses it (400) rather than answer as if no tools had been given;
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks), ``qwen3_coder``
+  (Qwen3-Coder, Qwen3.5: ``<tool_call><function=NAME>`` blocks of ``<parameter=KEY>`` values,
+  typed by the tool's schema) or ``llama3_json`` (Llama 3.1 / 3.2: a reply that is one or more
+  ``{"name": ..., "parameters": {...}}`` objects, separated by ``;``); ``finish_reason``
+  "tool_calls" when it called one. A server without a parser, or a model whose chat template
+  does not render ``tools`` (it could not know them), refuses it (400) rather than answer as if
+  no tools had been given;
 * ``"none"``: the tools are rendered into the prompt but no call is read.
 
 Every reader works on the text as it streams (:class:`ToolCalls`): a streamed reply sends
@@ -33,6 +35,8 @@ between calls.
 from __future__ import annotations
 
 import json
+import math
+import re
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -190,7 +194,7 @@ class _Hermes:
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[Tool] = ()) -> None:
         self.buffer, self.inside, self.called, self.pending = "", False, False, ""
 
     def _content(self, text: str) -> str:
@@ -204,8 +208,8 @@ class _Hermes:
         out, self.pending = self.pending, ""
         return out
 
-    @staticmethod
-    def _call(body: str):
+    def _call(self, body: str):
+        """A block's body as ``(name, arguments)``, or None if it is not a call."""
         try:
             item = json.loads(body)
         except json.JSONDecodeError:
@@ -250,13 +254,65 @@ class _Hermes:
         return self._content(text), []
 
 
+class _Qwen3Coder(_Hermes):
+    """Qwen3-Coder's and Qwen3.5's XML calls, in the same ``<tool_call>`` blocks as hermes:
+    ``<function=NAME>`` then ``<parameter=KEY>`` value ``</parameter>`` pairs, ``</function>``.
+    A value is text (one newline either side of it is the layout's): it is converted by the type
+    its tool's ``parameters`` schema gives the key, as vLLM's ``qwen3_coder`` parser does: a
+    string as written, an integer or number parsed, a boolean from ``true``/``false``, an object
+    or array (or a key the schema does not type) read as JSON where it is JSON, else kept as text;
+    ``null`` is null for any type but a string."""
+
+    FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+    def __init__(self, tools: list[Tool] = ()) -> None:
+        super().__init__(tools)
+        self.types = {t.function.name: {k: v.get("type") if isinstance(v, dict) else None
+                                        for k, v in ((t.function.parameters or {}).get("properties") or {}).items()}
+                      for t in tools}
+
+    @staticmethod
+    def _value(text: str, kind) -> Any:
+        text = text.removeprefix("\n").removesuffix("\n")
+        kinds = set(kind) if isinstance(kind, list) else {kind}
+        if "string" in kinds:
+            return text
+        if text.strip() == "null":
+            return None
+        try:
+            if kinds & {"integer", "number"}:
+                try:
+                    return int(text.strip())
+                except ValueError:
+                    number = float(text.strip())
+                    return number if math.isfinite(number) else text  # JSON has no NaN or infinity
+            if "boolean" in kinds and text.strip().lower() in ("true", "false"):
+                return text.strip().lower() == "true"
+            return json.loads(text)
+        except ValueError:  # json.JSONDecodeError is one
+            return text
+
+    def _call(self, body: str):
+        match = self.FUNCTION.fullmatch(body)
+        if match is None or "<function=" in match.group(2):
+            return None
+        name, inner = match.group(1).strip(), match.group(2)
+        types = self.types.get(name, {})
+        arguments = {key.strip(): self._value(value, types.get(key.strip()))
+                     for key, value in self.PARAMETER.findall(inner)}
+        if self.PARAMETER.sub("", inner).strip():  # text outside the parameters: not a call
+            return None
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+
 class _Llama3Json:
     """Llama 3.1 / 3.2's JSON calls: a reply that opens with ``{`` (or ``<|python_tag|>``) is
     one or more ``{"name": ..., "parameters": {...}}`` objects separated by ``;``."""
 
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[Tool] = ()) -> None:
         self.buffer, self.mode = "", None  # None: undecided, "content" or "calls"
 
     def push(self, text: str):
@@ -294,26 +350,29 @@ class _Llama3Json:
             calls.append((item["name"], _arguments(item.get("parameters", item.get("arguments", {})))))
 
 
-READERS = {"hermes": _Hermes, "llama3_json": _Llama3Json}
+READERS = {"hermes": _Hermes, "llama3_json": _Llama3Json, "qwen3_coder": _Qwen3Coder}
 PARSERS = tuple(READERS)  # the servers' --tool-call-parser
 PARSER_HELP = ("how tool calls are read out of a reply the model chose to make (tool_choice auto, the default with "
-               "tools): hermes (Qwen2.5/Qwen3, Hermes) or llama3_json (Llama 3.1/3.2); unset: such requests are refused")
+               "tools): hermes (Qwen2.5/Qwen3, Hermes), qwen3_coder (Qwen3-Coder, Qwen3.5) or llama3_json (Llama 3.1/3.2); "
+               "unset: such requests are refused")
 
 
 class ToolCalls:
     """One choice's reader: its reply's text in, OpenAI's content and ``tool_calls`` deltas out.
 
     ``mode``: a :class:`NamedToolChoice`, "required", or "auto" with ``parser`` (one of
-    :data:`PARSERS`). ``parallel`` False keeps the first call only. Each call gets an id
+    :data:`PARSERS`). ``parallel`` False keeps the first call only. ``tools``: the request's (the
+    ``qwen3_coder`` reader types a call's values by their schemas). Each call gets an id
     (``chatcmpl-tool-<hex>``, vLLM's form); its first delta holds the id, type and name."""
 
-    def __init__(self, mode: str | NamedToolChoice, parser: str | None = None, parallel: bool = True) -> None:
+    def __init__(self, mode: str | NamedToolChoice, parser: str | None = None, parallel: bool = True,
+                 tools: list[Tool] = ()) -> None:
         if isinstance(mode, NamedToolChoice):
             self.reader = _Named(mode.function.name)
         elif mode == "required":
             self.reader = _Array()
         elif mode == "auto" and parser in READERS:
-            self.reader = READERS[parser]()
+            self.reader = READERS[parser](tools)
         else:
             raise ValueError(f"no reader for tool_choice {mode!r} with parser {parser!r}")
         self.parallel, self.count, self.dropped = parallel, 0, False

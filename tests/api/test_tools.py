@@ -27,13 +27,13 @@ def strip_ids(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-def every_cut(mode, text, parser=None, parallel=True):
+def every_cut(mode, text, parser=None, parallel=True, tools=()):
     """The reply read whole and cut in two at every character: all the same (ids aside)."""
-    whole = read(ToolCalls(mode, parser, parallel), text)
+    whole = read(ToolCalls(mode, parser, parallel, tools), text)
     for cut in range(len(text) + 1):
-        content, calls, _ = read(ToolCalls(mode, parser, parallel), text, [cut])
+        content, calls, _ = read(ToolCalls(mode, parser, parallel, tools), text, [cut])
         assert content == whole[0] and strip_ids(calls) == strip_ids(whole[1]), cut
-    one_char = read(ToolCalls(mode, parser, parallel), text, list(range(1, len(text))))
+    one_char = read(ToolCalls(mode, parser, parallel, tools), text, list(range(1, len(text))))
     assert one_char[0] == whole[0] and strip_ids(one_char[1]) == strip_ids(whole[1])
     return whole[0], strip_ids(whole[1])
 
@@ -50,6 +50,33 @@ def test_hermes_reads_calls_and_keeps_the_text_around_them():
     assert every_cut("auto", after, "hermes") == ("\n\nDone.", [("clock", {})])
     # an unclosed block that holds a whole call (the reply ended there) is a call
     assert every_cut("auto", '<tool_call>{"name": "clock", "arguments": {}}', "hermes") == ("", [("clock", {})])
+
+
+def test_qwen3_coder_reads_xml_calls_typed_by_the_tools_schemas():
+    typed = Tool.model_validate({"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "nights": {"type": "integer"}, "budget": {"type": "number"}, "late": {"type": "boolean"},
+        "rooms": {"type": "array"}, "note": {"type": ["string", "null"]}, "extra": {"type": "object"}}}}})
+    tools = [typed, Tool.model_validate(CLOCK)]
+    text = ("Booking.\n<tool_call>\n<function=book>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=nights>\n3\n</parameter>\n<parameter=budget>\n99.5\n</parameter>\n<parameter=late>\nTrue\n</parameter>\n"
+            "<parameter=rooms>\n[1, 2]\n</parameter>\n<parameter=note>\n007\n</parameter>\n<parameter=extra>\n{oops\n</parameter>\n"
+            "<parameter=untyped>\n{\"a\": 1}\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=clock>\n</function>\n</tool_call>")
+    content, calls = every_cut("auto", text, "qwen3_coder", tools=tools)
+    assert content == "Booking.\n"
+    assert calls == [("book", {"city": "New York", "nights": 3, "budget": 99.5, "late": True, "rooms": [1, 2], "note": "007",
+                               "extra": "{oops", "untyped": {"a": 1}}), ("clock", {})]
+    # a string keeps its inner lines; null is null but for a string; a parameter left open ends at the next
+    multi = "<tool_call><function=book><parameter=city>\nline 1\nline 2\n</parameter><parameter=nights>null<parameter=late>x</function></tool_call>"
+    assert every_cut("auto", multi, "qwen3_coder", tools=tools)[1] == [("book", {"city": "line 1\nline 2", "nights": None,
+                                                                                 "late": "x"})]
+    # not a call: stray text in the function, two functions, no function; all kept as content
+    for bad in ("<tool_call><function=book>hello</function></tool_call>",
+                "<tool_call><function=a></function><function=b></function></tool_call>",
+                '<tool_call>{"name": "clock"}</tool_call>'):
+        assert every_cut("auto", bad, "qwen3_coder", tools=tools) == (bad, [])
+    # a reply cut inside a call that holds a whole function is that call (as hermes reads it)
+    assert every_cut("auto", "<tool_call>\n<function=clock>\n", "qwen3_coder", tools=tools) == ("", [("clock", {})])
 
 
 def test_llama3_json_reads_objects_from_the_start_only():
@@ -158,6 +185,8 @@ def tool_tokenizer():
     ("hermes", 'Checking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
                '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>', "Checking.\n"),
     ("llama3_json", '{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "clock", "parameters": {}}', None),
+    ("qwen3_coder", 'Checking.\n<tool_call>\n<function=weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>\n'
+                    '<tool_call>\n<function=clock>\n</function>\n</tool_call>', "Checking.\n"),
 ])
 def test_auto_tool_calls_through_the_official_client_whole_and_streamed(tool_tokenizer, parser, reply, content):
     """tool_choice "auto" with a --tool-call-parser: the model's calls come back as tool_calls
