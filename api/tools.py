@@ -25,11 +25,11 @@ What each ``tool_choice`` does:
 * ``"none"``: the tools are rendered into the prompt but no call is read.
 
 Every reader works on the text as it streams (:class:`ToolCalls`): a streamed reply sends
-content as soon as it cannot be part of a call, and each call when it is complete (a named
-call's arguments as they come); the whole reply is read by the same code, so a response and its
-stream agree. Text a reader cannot read as a call (a malformed block, a reply cut at
-``max_tokens``) is returned as content: nothing the model wrote is dropped but the whitespace
-between calls.
+content as soon as it cannot be part of a call, each call the model chose when it is complete,
+and a forced call's arguments as they come (a named call's, and each "required" call's once its
+name is read); the whole reply is read by the same code, so a response and its stream agree. Text
+a reader cannot read as a call (a malformed block, an "auto" reply cut at ``max_tokens``) is
+returned as content: nothing the model wrote is dropped but the whitespace between calls.
 """
 
 from __future__ import annotations
@@ -160,32 +160,99 @@ class _Named:
 
 
 class _Array:
-    """"required"'s reply, ``[{"name": ..., "parameters": {...}}, ...]``: each object when it closes."""
+    """"required"'s reply, ``[{"name": ..., "parameters": {...}}, ...]``, read as it streams: a
+    call opens once its name and its ``"parameters":`` key are read (the grammar writes the keys
+    in the schema's order, name first), and its arguments go out as they come, the parameters'
+    text as the model wrote it, as vLLM streams them. An item with its keys the other way round
+    goes out whole when it closes."""
+
+    HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:')
+    SPACE = " \t\r\n"
 
     def __init__(self) -> None:
         self.text, self.at, self.decoder = "", 0, json.JSONDecoder()
+        self.state = "between"  # between items, in an item's "head", its parameters' "value", its "tail", or "broken"
+        self.depth, self.quoted, self.escaped, self.started = 0, False, False, False
+
+    def _value(self) -> tuple[str, bool]:
+        """The parameters' text read from ``at`` on, and whether it ended (its closing bracket, or
+        for a value that is not an object or array, the ``,`` or ``}`` after it)."""
+        i = start = self.at
+        while i < len(self.text):
+            c = self.text[i]
+            if not self.started:
+                if c in self.SPACE:
+                    i, start = i + 1, i + 1
+                    continue
+                self.started = True
+            if self.quoted:
+                self.escaped, self.quoted = (False, True) if self.escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self.quoted = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]" or c == ",":
+                if self.depth == 0:  # the end of a value that is not an object or array
+                    self.at = i
+                    return self.text[start:i].rstrip(self.SPACE), True
+                if c != ",":
+                    self.depth -= 1
+                    if self.depth == 0:
+                        self.at = i + 1
+                        return self.text[start:i + 1], True
+            i += 1
+        self.at = i
+        return self.text[start:i], False
 
     def push(self, text: str):
         self.text += text
         calls = []
         while True:
-            i = self.at
-            while i < len(self.text) and self.text[i] in " \t\r\n[,]":
-                i += 1
-            if i == len(self.text) or self.text[i] != "{":
+            if self.state == "between":
+                while self.at < len(self.text) and self.text[self.at] in self.SPACE + "[,]":
+                    self.at += 1
+                if self.at == len(self.text) or self.text[self.at] != "{":
+                    break  # the end so far, or text the grammar allows no item to be: content at the end
+                self.state = "head"
+            elif self.state == "head":
+                head = self.HEAD.match(self.text, self.at)
+                if head is not None:
+                    calls.append((json.loads(head.group(1)), ""))
+                    self.at, self.state, self.depth, self.quoted, self.escaped, self.started = head.end(), "value", 0, False, False, False
+                    continue
+                try:  # keys in another order: the item whole, once it closes
+                    item, end = self.decoder.raw_decode(self.text, self.at)
+                except json.JSONDecodeError:
+                    break
+                if not (isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item):
+                    self.state = "broken"
+                    break
+                calls.append((item["name"], _arguments(item["parameters"])))
+                self.at, self.state = end, "between"
+            elif self.state == "value":
+                piece, ended = self._value()
+                if piece:
+                    calls.append((None, piece))
+                if not ended:
+                    break
+                self.state = "tail"
+            elif self.state == "tail":
+                while self.at < len(self.text) and self.text[self.at] in self.SPACE:
+                    self.at += 1
+                if self.at == len(self.text):
+                    break
+                if self.text[self.at] != "}":  # a key after the parameters: the grammar allows none
+                    self.state = "broken"
+                    break
+                self.at, self.state = self.at + 1, "between"
+            else:
                 break
-            try:
-                item, end = self.decoder.raw_decode(self.text, i)
-            except json.JSONDecodeError:  # not closed yet
-                break
-            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item):
-                break  # the grammar allows no other item: left as content
-            calls.append((item["name"], _arguments(item["parameters"])))
-            self.at = end
         return "", calls
 
     def finish(self):
-        rest = self.text[self.at:].lstrip(" \t\r\n[,").rstrip()
+        if self.state in ("value", "tail"):  # cut inside a call: its arguments went out as far as they came
+            return "", []
+        rest = self.text[self.at:].lstrip(self.SPACE + "[,").rstrip()
         return ("" if rest == "]" else rest), []
 
 

@@ -89,13 +89,21 @@ def test_llama3_json_reads_objects_from_the_start_only():
     assert every_cut("auto", broken, "llama3_json") == (broken, [])
 
 
-def test_required_reads_each_array_item_as_it_closes():
-    text = '[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "clock", "parameters": {}}]'
-    assert every_cut("required", text) == ("", [("weather", {"city": "Oslo"}), ("clock", {})])
+def test_required_streams_each_calls_arguments_as_they_come():
+    text = '[{"name": "weather", "parameters": {"city": "Oslo", "q": "a\\"}]"}}, {"name": "clock", "parameters": {}}]'
+    assert every_cut("required", text) == ("", [("weather", {"city": "Oslo", "q": 'a"}]'}), ("clock", {})])
+    _, calls, deltas = read(ToolCalls("required"), text)
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Oslo", "q": "a\\"}]"}', "{}"]  # as written
     reader = ToolCalls("required")
-    _, calls = reader.push(text[:60])  # the first item is closed, the second not yet
-    assert [c["function"]["name"] for c in calls] == ["weather"]
-    assert every_cut("required", '[{"name": "clock", "parameters": {"a"') == ('{"name": "clock", "parameters": {"a"', [])
+    _, first = reader.push(text[:47])  # into the first call's parameters: it is open, its arguments so far sent
+    assert [d["function"].get("name") for d in first] == ["weather", None]
+    assert "".join(d["function"]["arguments"] for d in first) == '{"city": "Os'
+    # keys the other way round: the item whole once it closes; a reply cut inside a call keeps what was sent
+    backwards = '[{"parameters": {"city": "Oslo"}, "name": "weather"}]'
+    assert every_cut("required", backwards) == ("", [("weather", {"city": "Oslo"})])
+    content, calls, _ = read(ToolCalls("required"), '[{"name": "clock", "parameters": {"a"', [20, 37])
+    assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("clock", '{"a"')]
+    assert every_cut("required", '[{"name": "clock"') == ('{"name": "clock"', [])  # no call opened: content
 
 
 def test_a_named_call_streams_its_arguments_and_parallel_false_keeps_the_first_call():
