@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -528,6 +529,19 @@ def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
     if hasattr(request, "refuse_unsupported"):
         request.refuse_unsupported()
     return request
+
+
+def renamed(exc: ApiError, names: dict[str, str]) -> ApiError:
+    """A chat completion's refusal as another API that is served by it names its fields (the
+    Responses API's, Anthropic's Messages API's): ``names`` maps chat's field names to its."""
+    param, message = exc.param, exc.message
+    if param is not None and param.split(".")[0] in names:
+        head = param.split(".")[0]
+        param = names[head] + param[len(head):]
+    for old, new in names.items():
+        if "_" in old:  # a field's name in the text (not a word of prose such as "messages" or "stop")
+            message = re.sub(rf"\b{re.escape(old)}\b", new, message)
+    return ApiError(exc.status, message, param=param, code=exc.code, type_=exc.type)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ response belongs to the identity (API key) that created it: another gets a 404 f
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import secrets
 import time
@@ -34,7 +35,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from goodspeed.api.protocol import ApiError, ChatCompletionRequest, parse_body
+from goodspeed.api.protocol import ApiError, ChatCompletionRequest, parse_body, renamed
+from goodspeed.api.text import TextStream
 from goodspeed.api.tools import MAX_TOOLS, NAME_PATTERN
 
 STORE_RESPONSES = 1024  # stored responses kept in memory, the oldest forgotten first
@@ -247,7 +249,7 @@ class ResponsesRequest(BaseModel):
             body = parse_body(ChatCompletionRequest, chat)
             body.structure()  # its 400s, with this request's field names
         except ApiError as exc:
-            raise renamed(exc) from None
+            raise renamed(exc, FIELD_NAMES) from None
         return body
 
     def settings(self) -> dict:
@@ -264,19 +266,6 @@ class ResponsesRequest(BaseModel):
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
             "reasoning": {"effort": None, "summary": None}, "truncation": self.truncation, "store": self.store,
             "metadata": self.metadata or {}, "user": self.user, "background": False, "service_tier": "default"}
-
-
-def renamed(exc: ApiError) -> ApiError:
-    """A chat completion's refusal with the Responses field names in its ``param`` and message."""
-    param = exc.param
-    message = exc.message
-    if param is not None:
-        head = param.split(".")[0]
-        if head in FIELD_NAMES:
-            param = FIELD_NAMES[head] + param[len(head):]
-    for old, new in FIELD_NAMES.items():
-        message = message.replace(old, new)
-    return ApiError(exc.status, message, param=param, code=exc.code, type_=exc.type)
 
 
 def new_id(prefix: str) -> str:
@@ -431,12 +420,38 @@ class ResponseStore:
         return len(self._kept)
 
 
-def response_object(rid: str, created: int, model: str, body: ResponsesRequest, status: str, output: list[dict],
-                    usage_: dict | None, error: dict | None = None) -> dict:
-    return {"id": rid, "object": "response", "created_at": created, "status": status, "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": model, "output": output, "usage": usage_, **body.settings()}
+class ResponseWriter:
+    """One reply as a Responses response object: its events as the reply's pieces come (each
+    numbered as it is framed), and the whole object (:meth:`whole`) at any point."""
 
+    def __init__(self, rid: str, model: str, body: ResponsesRequest, prompt_tokens: int, text: TextStream) -> None:
+        self.rid, self.model, self.body, self.prompt_tokens, self.text = rid, model, body, prompt_tokens, text
+        self.created, self.items, self.status, self.error = int(time.time()), Items(), "in_progress", None
+        self.chars = [0, 0]  # the reply's reasoning and its other text, for usage's reasoning_tokens
+        self.sequence = itertools.count()
 
-def now() -> int:
-    return int(time.time())
+    def frame(self, event: dict) -> bytes:
+        event = {**event, "sequence_number": next(self.sequence)}
+        return f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n"
+
+    def whole(self) -> dict:
+        counted = None if self.status == "in_progress" else usage(self.prompt_tokens, self.text.consumed, *self.chars)
+        return {"id": self.rid, "object": "response", "created_at": self.created, "status": self.status, "error": self.error,
+                "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
+                "model": self.model, "output": self.items.output, "usage": counted, **self.body.settings()}
+
+    def opening(self) -> list[dict]:
+        return [{"type": "response.created", "response": self.whole()}, {"type": "response.in_progress", "response": self.whole()}]
+
+    def push(self, reasoning: str, content: str, calls: list[dict]) -> list[dict]:
+        self.chars[0] += len(reasoning)
+        self.chars[1] += len(content) + sum(len(c["function"]["arguments"]) for c in calls)
+        return self.items.push(reasoning, content, calls)
+
+    def finish(self, reason: str) -> list[dict]:
+        self.status = "incomplete" if reason == "length" else "completed"
+        return self.items.finish(self.status) + [{"type": f"response.{self.status}", "response": self.whole()}]
+
+    def failed(self, exc: ApiError) -> list[dict]:
+        self.status, self.error = "failed", {"code": exc.code or exc.type, "message": exc.message}
+        return [{"type": "response.failed", "response": self.whole()}]

@@ -3,8 +3,9 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming as server-sent events —
 ``data: {chunk}`` lines, then ``data: [DONE]`` — with ``stream_options.include_usage``, or one
 JSON body), ``POST /v1/responses`` (OpenAI's Responses API, read as the chat completion it stands
-for: :mod:`goodspeed.api.responses`) with ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
-``GET /health`` and ``GET /metrics`` (Prometheus text); and
+for: :mod:`goodspeed.api.responses`) with ``GET`` / ``DELETE /v1/responses/{id}``, Anthropic's
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (read the same way: :mod:`goodspeed.api.messages`),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text); and
 vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, which tokenize as the
 completions do (a text prompt with the tokenizer's special tokens unless ``add_special_tokens`` is
 false, vLLM's default; a chat through its template).
@@ -57,9 +58,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
-                                    TokenizeChatRequest, TokenizeCompletionRequest, parse_body)
-from goodspeed.api.responses import (Items, ResponsesRequest, ResponseStore, as_messages, now, renamed, response_object,
-                                     usage as response_usage)
+                                    TokenizeChatRequest, TokenizeCompletionRequest, parse_body, renamed)
+from goodspeed.api import messages as anthropic
+from goodspeed.api import responses as openai_responses
+from goodspeed.api.messages import MessagesRequest, MessageWriter, message_id
+from goodspeed.api.messages import error_body as anthropic_error
+from goodspeed.api.responses import ResponsesRequest, ResponseStore, ResponseWriter, as_messages
 from goodspeed.api.text import TextStream
 from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.reasoning import Reasoning, closes_reasoning
@@ -221,6 +225,8 @@ class OpenAIServer:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.get_response)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -352,64 +358,91 @@ class OpenAIServer:
         try:
             rid, gens, replies = await self._chat_generations("resp", chat, read=True)
         except ApiError as exc:
-            raise renamed(exc) from None
-        conversation = history + body.messages()  # what a later turn continues (instructions are not carried)
-        text, reply, items = self._text_stream(chat, gens[0]), replies[0], Items()
-        created, model = now(), self.backend.model_ids[0]
-        chars = [0, 0]  # the reply's reasoning and other text, for usage's reasoning_tokens
+            raise renamed(exc, openai_responses.FIELD_NAMES) from None
+        text = self._text_stream(chat, gens[0])
+        writer = ResponseWriter(rid, self.backend.model_ids[0], body, len(gens[0].prompt_ids), text)
+        response, ended = await self._translated(request, identity, gens, text, replies[0], writer, body.stream)
+        if body.store and ended:  # what a later turn continues (instructions are not carried)
+            self.stored.put(identity, writer.whole(), history + body.messages())
+        return response
 
-        def snapshot(status: str, error: dict | None = None) -> dict:
-            counted = response_usage(len(gens[0].prompt_ids), text.consumed, *chars) if status != "in_progress" else None
-            return response_object(rid, created, model, body, status, items.output, counted, error)
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's ``POST /v1/messages`` (:mod:`goodspeed.api.messages`): the chat completion
+        the request stands for, its reply as content blocks, whole or as Anthropic's events;
+        refusals in Anthropic's error object."""
+        try:
+            identity = self._identify(request, anthropic=True)
+            body = parse_body(MessagesRequest, await self._json(request))
+            self._check_model(body.model)
+            chat = body.to_chat()
+            try:
+                _, gens, replies = await self._chat_generations("msg", chat, read=True)
+            except ApiError as exc:
+                raise renamed(exc, anthropic.FIELD_NAMES) from None
+            text = self._text_stream(chat, gens[0])
+            writer = MessageWriter(message_id(), self.backend.model_ids[0], len(gens[0].prompt_ids), text)
+            return (await self._translated(request, identity, gens, text, replies[0], writer, body.stream))[0]
+        except ApiError as exc:
+            return web.json_response(anthropic_error(exc), status=exc.status)
 
+    async def count_message_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: the prompt tokens a message request's
+        conversation and tools make, rendered as :meth:`messages` renders them."""
+        try:
+            self._identify(request, anthropic=True)
+            raw = await self._json(request)
+            if isinstance(raw, dict):
+                raw = {"max_tokens": 1, **raw}  # count_tokens takes no max_tokens
+            body = parse_body(MessagesRequest, raw)
+            self._check_model(body.model)
+            chat = body.to_chat()
+            ids = await self._tokenize(await self._render_chat(chat), chat.add_special_tokens)
+            return web.json_response({"input_tokens": len(ids)})
+        except ApiError as exc:
+            return web.json_response(anthropic_error(exc), status=exc.status)
+
+    async def _translated(self, request: web.Request, identity: str, gens: list[GenerationRequest], text: TextStream,
+                          reply: _Reply, writer, stream: bool) -> tuple[web.StreamResponse, bool]:
+        """One chat choice's reply through ``writer`` (the Responses or the Messages API's: its
+        ``opening``, ``push``, ``finish`` and ``failed`` events, framed by its ``frame``, and its
+        ``whole`` body): streamed as those events, or whole. Returns the response and whether the
+        reply ended (not failed)."""
         streams = await self._open_all(gens, identity)  # a refusal (queue full, ...) raises its 4xx here
         runs = self._choices(streams, [text], None)
-        response, sequence, running, status = None, itertools.count(), True, "in_progress"
+        response, running, failed = None, True, False
 
-        async def send(event: dict) -> None:
-            event = {**event, "sequence_number": next(sequence)}
-            await response.write(f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n")
+        async def send(events: list[dict]) -> None:
+            for event in events:
+                await response.write(writer.frame(event))
 
         try:
-            if body.stream:
+            if stream:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await response.prepare(request)
-                await send({"type": "response.created", "response": snapshot(status)})
-                await send({"type": "response.in_progress", "response": snapshot(status)})
+                await send(writer.opening())
             try:
                 async for _, piece, reason, _, _ in runs:
-                    reasoning, content, calls = reply.push(piece, final=reason is not None)
-                    chars[0] += len(reasoning)
-                    chars[1] += len(content) + sum(len(c["function"]["arguments"]) for c in calls)
-                    events = items.push(reasoning, content, calls)
+                    events = writer.push(*reply.push(piece, final=reason is not None))
                     if reason is not None:
-                        status = "incomplete" if reason == "length" else "completed"
-                        events += items.finish(status)
+                        events += writer.finish(reply.finish_reason(reason))
                         running = False
-                    if body.stream:
-                        for event in events:
-                            await send(event)
+                    if stream:
+                        await send(events)
                     if not running:
                         break
                 if running:
                     raise ApiError(502, "the generation ended without a finish reason")
             except ApiError as exc:  # a failure after the headers went out: said in the stream
-                if not body.stream:
+                if not stream:
                     raise
-                status = "failed"
-                await send({"type": "response.failed", "response": snapshot(status, {"code": exc.code or exc.type,
-                                                                                     "message": exc.message})})
+                failed = True
+                await send(writer.failed(exc))
         finally:
             await self._close(runs, streams, detach=not running)
-        whole = snapshot(status)
-        if body.store and status != "failed":
-            self.stored.put(identity, whole, conversation)
-        if not body.stream:
-            return web.json_response(whole)
-        if status != "failed":
-            await send({"type": f"response.{status}", "response": whole})
+        if not stream:
+            return web.json_response(writer.whole()), True
         await response.write_eof()
-        return response
+        return response, not failed
 
     async def get_response(self, request: web.Request) -> web.Response:
         """OpenAI's ``GET /v1/responses/{id}``: a stored response, to its owner (else 404)."""
@@ -508,8 +541,15 @@ class OpenAIServer:
             raise ApiError(400, f"model {self.backend.model_ids[0]!r}'s chat template does not render tools, so the model "
                                 'could not know them: name a function in tool_choice or give "required"', param="tools")
 
-    def _identify(self, request: web.Request) -> str:
-        return self.authorize(request.headers.get("Authorization")) if self.authorize is not None else "anonymous"
+    def _identify(self, request: web.Request, anthropic: bool = False) -> str:
+        """The caller's identity from its API key: the bearer token (OpenAI's clients), or for
+        Anthropic's API, the ``x-api-key`` header where no bearer token is given (its SDK's way)."""
+        if self.authorize is None:
+            return "anonymous"
+        header = request.headers.get("Authorization")
+        if header is None and anthropic and "x-api-key" in request.headers:
+            header = f"Bearer {request.headers['x-api-key']}"
+        return self.authorize(header)
 
     async def _tokenize(self, text: str, add_special_tokens: bool, must_fit: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's special tokens, e.g. BOS, where asked):

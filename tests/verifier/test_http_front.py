@@ -814,6 +814,49 @@ def test_the_responses_api_is_the_targets_greedy_decoding_and_its_formats_hold(m
     assert long[0] == 400 and long[1]["code"] == "context_length_exceeded" and long[1]["param"] == "input"
 
 
+def test_the_messages_api_is_the_targets_greedy_decoding(models):
+    """Anthropic's ``/v1/messages`` on the verifier's front, called with Anthropic's client: the
+    reply's text, whole and streamed, is the target's greedy decoding of the chat-rendered
+    conversation; a forced tool (``tool_choice`` of type tool) is its greedy decoding under the
+    tool's schema, read into a tool_use block."""
+    import json
+
+    import anthropic
+
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    eos = tokenizer.eos_token_id
+    system = [{"role": "system", "content": "Be brief."}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(system + MESSAGES, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    tool = {"name": "ok", "input_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                           "additionalProperties": False}}
+    with front(models, policy="chain") as server:
+        api = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.server.http_port}", api_key="-", max_retries=0)
+        greedy = {"extra_body": {"temperature": 0}}  # Anthropic's current SDK has no temperature argument
+        whole = api.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=MESSAGES, **greedy)
+        with api.messages.stream(model="tiny", max_tokens=12, system="Be brief.", messages=MESSAGES, **greedy) as stream:
+            streamed = "".join(stream.text_stream)
+        forced = api.messages.create(model="tiny", max_tokens=30, system="Be brief.", messages=MESSAGES,
+                                     tools=[tool], tool_choice={"type": "tool", "name": "ok"}, **greedy)
+        shaped = api.messages.create(model="tiny", max_tokens=30, system="Be brief.", messages=MESSAGES,
+                                     output_config={"format": {"type": "json_schema", "schema": tool["input_schema"]}}, **greedy)
+    want = adjusted_greedy_reference(target, chat_ids, SamplingParams(), 12, eos=eos)
+    text = tokenizer.decode([t for t in want if t != eos], skip_special_tokens=True)
+    assert whole.content[0].text == text == streamed and whole.usage.input_tokens == len(chat_ids)
+    assert whole.stop_reason == ("end_turn" if want[-1] == eos else "max_tokens")
+    assert forced.usage.input_tokens == len(chat_ids)  # the demo's template renders no tools: the grammar holds the call
+    structured = SamplingParams(structured=Structure("json", json.dumps(tool["input_schema"])).bound(tokenizer))
+    forced_want = adjusted_greedy_reference(target, chat_ids, structured, 30, eos=eos)
+    arguments = tokenizer.decode([t for t in forced_want if t != eos], skip_special_tokens=True)
+    if forced_want[-1] == eos:
+        assert [(b.type, b.name, b.input) for b in forced.content] == [("tool_use", "ok", json.loads(arguments))]
+    else:
+        assert [(b.type, b.text) for b in forced.content] == [("text", arguments)]
+    assert [(b.type, b.text) for b in shaped.content] == [("text", arguments)]  # output_config.format: the same grammar
+
+
 def test_concurrent_requests_share_the_batch_and_metrics_count_them(models):
     tokenizer = models[2]
     prompts = ["import os", "class A:", "def f(x):", "return None"]
