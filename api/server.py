@@ -59,7 +59,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from goodspeed.api.aio import keep_until_done, run_to_the_end
 from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest, parse_body, renamed)
-from goodspeed.api import messages as anthropic
+from goodspeed.api import messages as anthropic_messages
 from goodspeed.api import responses as openai_responses
 from goodspeed.api.messages import MessagesRequest, MessageWriter, message_id
 from goodspeed.api.messages import error_body as anthropic_error
@@ -378,7 +378,7 @@ class OpenAIServer:
             try:
                 _, gens, replies = await self._chat_generations("msg", chat, read=True)
             except ApiError as exc:
-                raise renamed(exc, anthropic.FIELD_NAMES) from None
+                raise renamed(exc, anthropic_messages.FIELD_NAMES) from None
             text = self._text_stream(chat, gens[0])
             writer = MessageWriter(message_id(), self.backend.model_ids[0], len(gens[0].prompt_ids), text)
             return (await self._translated(request, identity, gens, text, replies[0], writer, body.stream))[0]

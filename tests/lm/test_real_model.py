@@ -285,3 +285,35 @@ def test_a_required_tool_call_on_the_real_pair_is_the_targets_constrained_greedy
     assert choice.model_extra["token_ids"] == want and want[-1] == eos and choice.finish_reason == "tool_calls"
     calls = [{"name": c.function.name, "parameters": json.loads(c.function.arguments)} for c in choice.message.tool_calls]
     assert calls == json.loads(target.tokenizer.decode(want[:-1])) and calls[0]["name"] == "weather"
+
+
+def test_the_responses_and_messages_apis_on_the_real_pair_are_the_targets_greedy_decoding(pair):
+    """OpenAI's Responses API and Anthropic's Messages API through their official clients, on
+    SmolLM2's own chat template and tokenizer: each reply is the target's greedy decoding of the
+    conversation as chat completions render it (instructions / system as the system message)."""
+    import anthropic
+    import openai
+
+    from goodspeed.lm.sampling import SamplingParams
+    from grpckit import ServerThread
+    from modelkit import adjusted_greedy_reference
+
+    target, draft = pair
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = chat_prompt_ids(target.tokenizer, [{"role": "system", "content": "Answer briefly."}] + messages)
+    eos = target.tokenizer.eos_token_id
+    engine = VerificationEngine(target.model, EngineConfig(budget=8, seed=0), target.fingerprint)
+    local = LocalServing(engine, draft.model, LocalConfig(policy="chain", k=3))
+    with ServerThread(engine, local=local, tokenizer=target.tokenizer, http_port=0, target_name="real") as server:
+        base = f"http://127.0.0.1:{server.server.http_port}"
+        api = openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0)
+        response = api.responses.create(model="real", instructions="Answer briefly.", input=messages, max_output_tokens=24,
+                                        temperature=0)
+        claude = anthropic.Anthropic(base_url=base, api_key="-", max_retries=0)
+        message = claude.messages.create(model="real", system="Answer briefly.", messages=messages, max_tokens=24,
+                                         extra_body={"temperature": 0})
+    want = adjusted_greedy_reference(target.model, ids, SamplingParams(), 24, eos=eos)
+    text = target.tokenizer.decode([t for t in want if t != eos], skip_special_tokens=True)
+    assert response.output_text == text == message.content[0].text
+    assert response.usage.input_tokens == message.usage.input_tokens == len(ids)
+    assert response.usage.output_tokens == message.usage.output_tokens == len(want)
