@@ -13,7 +13,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.goodspeed-installed
 
-.PHONY: install launch demo real test test-all test-real bench clean
+.PHONY: install launch demo real test test-slow test-all test-real bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ real: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not real"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not real"
 
 test-real: $(STAMP)
 	$(BIN)/goodspeed models get smollm2-135m

@@ -71,7 +71,7 @@ def test_experiment_end_to_end_report_matches_raw_data(model_dirs, tmp_path):
     assert report["goodspeed"]["utility"] >= report["fixed"]["utility"]
 
 
-@pytest.mark.slow  # a third experiment run; the default suite runs the two above
+@pytest.mark.slow  # another experiment run; the default suite runs the end-to-end one above
 def test_a_policy_rerun_alone_keeps_the_others_data(model_dirs, tmp_path):
     """A policy can be rerun alone; the other's data stays and the report is rebuilt from both."""
     settings = ExperimentSettings(name="tiny", policies=("goodspeed", "fixed"), rounds=8)
@@ -85,7 +85,8 @@ def test_a_policy_rerun_alone_keeps_the_others_data(model_dirs, tmp_path):
     assert set(json.loads((out / "report.json").read_text())) == {"goodspeed", "fixed"}
 
 
-@pytest.mark.parametrize("modes", [("async",), pytest.param(("sync", "async"), marks=pytest.mark.slow)])
+@pytest.mark.slow  # a cluster per policy and mode (56 s); async rounds are tested by default in tests/verifier/test_round_loop.py
+@pytest.mark.parametrize("modes", [("async",), ("sync", "async")])
 def test_one_spec_runs_each_policy_in_each_round_mode_with_and_without_proactive_drafting(model_dirs, tmp_path, modes):
     """Every (mode, proactive) run of the matrix. The default suite runs the async half (two runs);
     the sync runs' naming and records are the same code, and sync experiments run in
@@ -117,6 +118,7 @@ def test_one_spec_runs_each_policy_in_each_round_mode_with_and_without_proactive
             assert all(runs[0][k] == other[k] for k in common), drafter
 
 
+@pytest.mark.slow  # a third experiment (30 s); tests/launch/test_draft_node.py runs several requests per device by default
 def test_concurrency_runs_each_drafter_as_a_device_with_several_requests_at_once(model_dirs, tmp_path):
     from goodspeed.launch.spec import SpecError
 
@@ -146,6 +148,7 @@ def test_concurrency_runs_each_drafter_as_a_device_with_several_requests_at_once
     assert not (tmp_path / "refused" / "goodspeed+proactive+c2").exists()
 
 
+@pytest.mark.slow  # a fourth experiment (29 s); the report's transit share is checked below by default
 def test_transit_runs_give_the_verifier_transit_decoding_and_report_its_share(model_dirs, tmp_path):
     from goodspeed.launch.spec import SpecError
 

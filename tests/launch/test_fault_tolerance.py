@@ -104,6 +104,7 @@ def test_killed_and_frozen_drafters_do_not_stall_the_others(model_dirs, tmp_path
     assert sum(r["repairs"] for r in map(json.loads, (tmp_path / "frozen.jsonl").read_text().splitlines())) >= 1
 
 
+@pytest.mark.slow  # a third cluster (25 s); sync rounds' test above and tests/verifier/test_round_loop.py's async ones run by default
 def test_async_rounds_never_wait_on_killed_or_frozen_drafters(model_dirs, tmp_path):
     """Async mode: no step waits for anyone, so after SIGKILL / SIGSTOP the survivor's steps go on
     at once — the killed node leaves when its stream closes, the frozen one by the idle timeout,

@@ -175,6 +175,8 @@ def cluster_is_idle(address):
     return False
 
 
+@pytest.mark.slow  # a Ray cluster and a whole launch (about 65 s); the default suite checks the Ray
+# launcher's refusals and its Ctrl-C teardown, and the local backend's launches
 @requires_ray
 def test_ray_launch_serves_the_targets_output_and_honours_placement(ray_cluster, models, tmp_path):
     """Through Ray every drafter's output is the target's own greedy decoding (as through the local

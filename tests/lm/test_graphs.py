@@ -228,6 +228,7 @@ def test_after_the_warm_up_compiled_steps_compile_nothing_more(fresh_dynamo):
     assert_float32_close(expected, got)
 
 
+@pytest.mark.slow  # compiles a graph (about 30 s cold here); the static steps' test above runs by default
 @needs_cpp
 def test_a_compiled_step_gives_the_packed_forwards_logits(fresh_dynamo):
     """EngineConfig.torch_compile: a step of a chain and a tree at fixed shapes through a decoder

@@ -201,7 +201,9 @@ def test_a_resumed_request_counts_its_output_as_output(wide):
 # ------------------------------------------------------------------------------------- sampled
 
 
-@pytest.mark.parametrize("sampling", [PENALTIES, BIAS_MIN_P, ALLOWED], ids=["penalties", "bias-min-p", "allowed"])
+# Penalties by default; the other two (about 10 s each) with -m slow.
+@pytest.mark.parametrize("sampling", [PENALTIES, pytest.param(BIAS_MIN_P, marks=pytest.mark.slow), pytest.param(ALLOWED, marks=pytest.mark.slow)],
+                         ids=["penalties", "bias-min-p", "allowed"])
 def test_sampled_edge_chains_follow_the_adjusted_target(small, sampling):
     target, draft = small
     outputs, results = run_edge(target, draft, sampling, [PROMPT] * 800, 3, drafters=8)
@@ -229,7 +231,7 @@ def likeliest_pair(target) -> tuple[int, int]:
     return first, int(free[first, :V].argmax())
 
 
-@pytest.mark.parametrize("where", ["edge", "local-adaserve"])
+@pytest.mark.parametrize("where", [pytest.param("edge", marks=pytest.mark.slow), "local-adaserve"])  # edge: 10 s, slow
 def test_sampled_bad_words_follow_the_target_that_may_not_say_them(small, where):
     """vLLM's bad_words with the target's likeliest first two tokens as the banned pair: no output
     starts with it, and the first two tokens follow the target's distribution with the pair's
@@ -245,6 +247,7 @@ def test_sampled_bad_words_follow_the_target_that_may_not_say_them(small, where)
     assert ok, msg
 
 
+@pytest.mark.slow  # power check (11 s); the drafted-text one above runs by default
 def test_a_verifier_that_bans_by_the_committed_text_alone_lets_a_bad_pair_through(small, monkeypatch):
     """Power check for the test above: each position banned by the committed text alone lets the
     drafted first token's banned successor through."""
@@ -271,7 +274,7 @@ def test_bad_words_are_never_generated_and_stay_exact(wide, path):
     assert outputs == want and (accepted > 0 or path == "local-none")
 
 
-@pytest.mark.parametrize("where", ["edge", "local-adaserve"])
+@pytest.mark.parametrize("where", [pytest.param("edge", marks=pytest.mark.slow), "local-adaserve"])  # edge: 12 s, slow
 def test_sampled_min_tokens_follows_the_target_that_may_not_end_yet(small, where):
     """min_tokens = 2 with the target's most probable first token as the ending token: neither of
     the first two tokens is it, and they follow the target's distribution with it held back."""
@@ -288,7 +291,8 @@ def test_sampled_min_tokens_follows_the_target_that_may_not_end_yet(small, where
     assert ok, msg
 
 
-@pytest.mark.parametrize("policy, sampling", [("chain", PENALTIES), ("adaserve", PENALTIES), ("adaserve", ALLOWED)],
+@pytest.mark.parametrize("policy, sampling", [("chain", PENALTIES), ("adaserve", PENALTIES),
+                                              pytest.param("adaserve", ALLOWED, marks=pytest.mark.slow)],
                          ids=["chain", "adaserve", "adaserve-allowed"])
 def test_sampled_local_serving_follows_the_adjusted_target(small, policy, sampling):
     target, draft = small

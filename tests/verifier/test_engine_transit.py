@@ -146,6 +146,7 @@ def test_sampled_outputs_follow_the_target_with_drafts_in_transit(sampled_models
     assert sum(v.num_transit > 0 for v in verdicts) > 200 and sum(v.num_accepted > v.num_transit > 0 for v in verdicts) > 20
 
 
+@pytest.mark.slow  # 35 s; transit rows' sampled test within drafters' steps (T1) runs by default
 def test_sampled_outputs_follow_the_target_through_steps_for_transit_rows_alone(sampled_models):
     """Every drafter behind a link: many steps verify no draft and only decode in transit (what the
     round loop runs with ``transit_alone``). The output distribution is still the target's."""

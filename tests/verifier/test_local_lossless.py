@@ -73,12 +73,13 @@ def test_every_local_policy_follows_the_target(models, policy):
     check(models, generate(models, policy, 600))
 
 
-@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+@pytest.mark.parametrize("policy", ["chain", pytest.param("adaserve", marks=pytest.mark.slow)])  # trees padded: slow (10 s)
 def test_padded_rows_keep_sampling_exact(models, policy):
     """The engine's rows padded where a step allows it (EngineConfig.pad_rows): chains and trees."""
     check(models, generate(models, policy, 600, pad_rows=True))
 
 
+@pytest.mark.slow  # 10 s; test_graphs.py's static steps give the packed forward's logits by default
 def test_graph_steps_keep_sampling_exact(models):
     """AdaServe's trees and chains in the fixed-shape steps CUDA graphs replay (run eagerly here),
     its beam search in the draft's fixed-shape forwards."""
@@ -93,6 +94,7 @@ def test_compiled_steps_keep_sampling_exact(models):
     check(models, generate(models, "adaserve", 600, torch_compile=True))
 
 
+@pytest.mark.slow  # 26 s; every policy's sampled test above runs by default with the engine's seed
 @pytest.mark.parametrize("policy", ["chain", "tetris"])
 def test_per_request_seeds_keep_sampling_exact(models, policy):
     """Seeded requests (the API's ``seed``) draft and verify with streams of their own: request
@@ -106,6 +108,7 @@ def test_tetris_selection_keeps_sampling_exact(models):
     check(models, generate(models, "tetris", 2000))
 
 
+@pytest.mark.slow  # power check (28 s): the negative control of the TETRIS test above; run with -m slow when sampling changes
 def test_value_ranked_tetris_is_caught(models):
     """Negative control (fixed seed, so it is one known realisation): the old ranking fails."""
     check(models, generate(models, "tetris", 2000, cls=ValueRankedTetris, seed=1), expect_ok=False)

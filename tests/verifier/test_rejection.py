@@ -103,7 +103,7 @@ def chi2_stat(counts):
 CHI2_CRIT_35DOF_P001 = 66.6  # chi-square 0.999 quantile with V*V - 1 = 35 degrees of freedom
 
 
-@pytest.mark.parametrize("top_k", [0, 2])
+@pytest.mark.parametrize("top_k", [0, pytest.param(2, marks=pytest.mark.slow)])  # truncation: test_lossless by default
 def test_chain_sampling_matches_target_and_tv_shrinks(top_k):
     small = sample_pairs(1000, 3, seed=1, top_k=top_k)
     large = sample_pairs(16000, 3, seed=2, top_k=top_k)
