@@ -3,8 +3,8 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming as server-sent events —
 ``data: {chunk}`` lines, then ``data: [DONE]`` — with ``stream_options.include_usage``, or one
 JSON body), ``POST /v1/responses`` (OpenAI's Responses API, read as the chat completion it stands
-for: :mod:`goodspeed.api.responses`) with ``GET`` / ``DELETE /v1/responses/{id}``, Anthropic's
-``POST /v1/messages`` and ``/v1/messages/count_tokens`` (read the same way: :mod:`goodspeed.api.messages`),
+for: :mod:`goodspeed.api.responses`) with ``GET`` / ``DELETE /v1/responses/{id}`` and
+``GET /v1/responses/{id}/input_items``, Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (read the same way: :mod:`goodspeed.api.messages`),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text); and
 vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, which tokenize as the
 completions do (a text prompt with the tokenizer's special tokens unless ``add_special_tokens`` is
@@ -224,6 +224,7 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.get_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
@@ -363,7 +364,7 @@ class OpenAIServer:
         writer = ResponseWriter(rid, self.backend.model_ids[0], body, len(gens[0].prompt_ids), text)
         response, ended = await self._translated(request, identity, gens, text, replies[0], writer, body.stream)
         if body.store and ended:  # what a later turn continues (instructions are not carried)
-            self.stored.put(identity, writer.whole(), history + body.messages())
+            self.stored.put(identity, writer.whole(), history + body.messages(), body.input_items())
         return response
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
@@ -449,6 +450,13 @@ class OpenAIServer:
         identity = self._identify(request)
         whole, _ = self.stored.get(identity, request.match_info["response_id"])
         return web.json_response(whole)
+
+    async def response_input_items(self, request: web.Request) -> web.Response:
+        """OpenAI's ``GET /v1/responses/{id}/input_items``: a page of a stored response's own input
+        items (:func:`goodspeed.api.responses.page_of_items`), to its owner (else 404)."""
+        identity = self._identify(request)
+        items = self.stored.input_items(identity, request.match_info["response_id"])
+        return web.json_response(openai_responses.page_of_items(items, request.query))
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """OpenAI's ``DELETE /v1/responses/{id}``: forget a stored response (its owner's; else 404)."""

@@ -8,7 +8,9 @@ import openai
 import pytest
 
 from goodspeed.api.protocol import ApiError, parse_body
-from goodspeed.api.responses import Items, ResponsesRequest, ResponseStore, as_messages
+from multidict import MultiDict
+
+from goodspeed.api.responses import Items, ResponsesRequest, ResponseStore, as_messages, page_of_items
 from goodspeed.api.tools import ToolCalls
 from apikit import Scripted, serve, thinking
 
@@ -149,6 +151,45 @@ def test_the_store_keeps_the_latest_within_its_bounds_and_each_owners_own():
     assert len(small) == 2  # larger than the whole store: not kept, nothing evicted for it
 
 
+def test_input_items_are_the_requests_input_in_openais_item_shapes():
+    assert [(i["type"], i["role"], i["content"]) for i in request(input="hi").input_items()] == \
+        [("message", "user", [{"type": "input_text", "text": "hi"}])]
+    items = request(input=[
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}], "id": "msg_given"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": "Checking."},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "4 C"}]).input_items()
+    assert [i["type"] for i in items] == ["message", "message", "reasoning", "message", "function_call", "function_call_output"]
+    assert items[1]["id"] == "msg_given" and items[2] == {"id": "rs_1", "type": "reasoning", "summary": []}
+    assert items[3]["content"] == [{"type": "output_text", "text": "Checking."}]  # the assistant's text is output
+    assert (items[4]["call_id"], items[4]["name"], items[5]["output"]) == ("c1", "weather", "4 C")
+    assert len({i["id"] for i in items}) == 6 and all(i["id"].startswith(("msg_", "rs_", "fc_", "fco_")) for i in items)
+
+
+def test_a_page_of_input_items_is_ordered_windowed_and_says_whether_more_follow():
+    items = [{"id": f"i{k}"} for k in range(5)]
+
+    def ids(**query):
+        page = page_of_items(items, MultiDict(query))
+        return [i["id"] for i in page["data"]], page["has_more"], page["first_id"], page["last_id"]
+
+    assert ids() == (["i4", "i3", "i2", "i1", "i0"], False, "i4", "i0")  # newest first by default
+    assert ids(order="asc", limit="2") == (["i0", "i1"], True, "i0", "i1")
+    assert ids(order="asc", limit="2", after="i1") == (["i2", "i3"], True, "i2", "i3")
+    assert ids(order="asc", after="i3") == (["i4"], False, "i4", "i4")
+    assert ids(after="i3", before="i0") == (["i2", "i1"], False, "i2", "i1")  # desc: after i3 come i2, i1
+    assert ids(order="asc", after="i4") == ([], False, None, None)
+    assert ids(after="i1", before="i3") == ([], False, None, None)  # an empty window
+    for query, param in (({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "x"}, "limit"),
+                         ({"order": "newest"}, "order"), ({"after": "nope"}, "after"), ({"before": "nope"}, "before"),
+                         ({"include": "message.output_text.logprobs"}, "include"), ({"page": "2"}, "page")):
+        with pytest.raises(ApiError) as refused:
+            page_of_items(items, MultiDict(query))
+        assert (refused.value.status, refused.value.param) == (400, param), query
+
+
 @pytest.fixture(scope="module")
 def thinking_tokenizer():
     return thinking(markers=True)
@@ -190,6 +231,12 @@ def test_responses_through_the_official_client_whole_streamed_stored_and_continu
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(unkept.id)
         cut = api.responses.create(model="scripted", input="hi", max_output_tokens=4)
+        listed = list(api.responses.input_items.list(whole.id))  # every page, the SDK following has_more
+        paged = api.responses.input_items.list(follow.id, order="asc", limit=1)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.input_items.list(whole.id)
+        with pytest.raises(openai.BadRequestError):
+            api.responses.input_items.list(whole.id, limit=0)
         api.responses.delete(whole.id)
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(whole.id)
@@ -218,3 +265,7 @@ def test_responses_through_the_official_client_whole_streamed_stored_and_continu
     assert follow.previous_response_id == whole.id and follow.status == "completed"
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 4 and cut.output[-1].status == "incomplete"
+    # input items: the response's own input (newest first by default); a continued one lists its own only
+    assert [(i.type, i.role, i.content[0].text) for i in listed] == [("message", "user", "weather in Oslo?")]
+    assert [i.type for i in paged.data] == ["function_call_output"] and not paged.has_more
+    assert paged.data[0].call_id == whole.output[2].call_id and paged.first_id == paged.last_id == paged.data[0].id
