@@ -6,10 +6,9 @@ import json
 
 import openai
 import pytest
-
-from goodspeed.api.protocol import ApiError, parse_body
 from multidict import MultiDict
 
+from goodspeed.api.protocol import ApiError, parse_body
 from goodspeed.api.responses import Items, ResponsesRequest, ResponseStore, as_messages, page_of_items
 from goodspeed.api.tools import ToolCalls
 from apikit import Scripted, serve, thinking

@@ -88,9 +88,8 @@ def test_a_policy_rerun_alone_keeps_the_others_data(model_dirs, tmp_path):
 @pytest.mark.slow  # a cluster per policy and mode (56 s); async rounds are tested by default in tests/verifier/test_round_loop.py
 @pytest.mark.parametrize("modes", [("async",), ("sync", "async")])
 def test_one_spec_runs_each_policy_in_each_round_mode_with_and_without_proactive_drafting(model_dirs, tmp_path, modes):
-    """Every (mode, proactive) run of the matrix. The default suite runs the async half (two runs);
-    the sync runs' naming and records are the same code, and sync experiments run in
-    test_experiment_end_to_end_report_matches_raw_data."""
+    """Every (mode, proactive) run of the matrix (slow: the default suite runs sync experiments in
+    test_experiment_end_to_end_report_matches_raw_data, and async rounds in tests/verifier)."""
     settings = ExperimentSettings(name="modes", policies=("goodspeed",), modes=modes, proactive=(True, False), rounds=12)
     result = run_experiment(settings, spec_for(model_dirs, tmp_path), tmp_path / "out", log=lambda *a: None)
     out = tmp_path / "out"
