@@ -184,15 +184,17 @@ class _DraftJob:
 class EdgeNode:
     """:class:`goodspeed.api.server.Backend` of an edge device: ``await start()``, then serve."""
 
-    def __init__(self, config: NodeConfig, draft_model: torch.nn.Module, tokenizer,
+    def __init__(self, config: NodeConfig, draft: torch.nn.Module | object, tokenizer,
                  registry: CollectorRegistry | None = None) -> None:
+        """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.draft_source`: a
+        lookup, or a lookup in front of a model)."""
         self.config, self.tokenizer = config, tokenizer
         self.registry = registry or CollectorRegistry()
         self.requests = RequestMetrics(self.registry)
         self.spec = SpecDecodeMetrics(self.registry)
         self.node_metrics = DrafterMetrics(self.registry)
-        self.drafter = BatchDraftModel(draft_model, config.proposal_top_k, cuda_graphs=config.cuda_graphs,
-                                       torch_compile=config.torch_compile)
+        self.drafter = (BatchDraftModel(draft, config.proposal_top_k, cuda_graphs=config.cuda_graphs,
+                                        torch_compile=config.torch_compile) if isinstance(draft, torch.nn.Module) else draft)
         self.root_seed = resolve_root_seed(config.seed)
         self.metadata = bearer_metadata(config.token)
         self.model_ids: tuple[str, ...] = ()
@@ -430,8 +432,10 @@ class EdgeNode:
                     await self._discard(session)
                     await self._start(req)
                     continue
-                if verdict.num_transit:  # the text grew past a rejected draft: drop that draft's KV
-                    await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
+                # Keep the draft KV of the committed text and the accepted drafts only (a round
+                # drafting nothing, or the text growing past a rejected draft in transit, leaves
+                # rejected drafts cached otherwise)
+                await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
                 req.commit(list(verdict.token_ids))
                 req.timer.tokens(len(verdict.token_ids))
                 req.stats.rounds += 1
@@ -486,8 +490,8 @@ class EdgeNode:
                 req.in_progress = False
             session, req.session = req.session, None
             await self._release(session)
-        if req.key in self.drafter.slots:
-            await self._call(self.drafter.remove, req.key)
+        if req.key in self.drafter.slots:  # a source that learns across requests keeps its text
+            await self._call(self.drafter.remove, req.key, list(req.committed))
 
     async def _round(self, req: _Request) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index

@@ -51,7 +51,9 @@ from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, TokenHistory,
 @dataclass(frozen=True)
 class DraftOutput:
     token_ids: list[int]  # [S]
-    probs: torch.Tensor  # [S, V] float32 q_j after logits processing: what was sampled from and travels
+    # [S, V] float32 q_j after logits processing: what was sampled from and travels; None: the
+    # point mass on each drafted token (a deterministic proposal: goodspeed.lm.lookup)
+    probs: torch.Tensor | None
 
     def q_to_send(self, sampling: SamplingParams) -> tuple[str, object]:
         """How q travels, exactly: ``("none", None)`` for greedy (q is the point mass) or empty
@@ -61,6 +63,8 @@ class DraftOutput:
         ``("dense", probs [S, V])``."""
         if sampling.greedy or not self.token_ids:
             return "none", None
+        if self.probs is None:  # point masses (a lookup's draft): one (id, 1.0) a position
+            return "sparse", [([int(t)], [1.0]) for t in self.token_ids]
         support = self.probs > 0
         if 2 * int(support.sum()) < self.probs.numel():
             rows = []

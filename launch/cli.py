@@ -279,8 +279,13 @@ def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
 
 
 def _spec_models(spec) -> list[str]:
-    """Every model a launch spec's processes load: the target, the local draft, the drafts."""
-    return [spec.verifier.target] + [spec.verifier.local_draft] * bool(spec.verifier.local_draft) + [d.draft for d in spec.drafters]
+    """Every model a launch spec's processes load: the target, the local draft's, the drafts'
+    and the tokenizers of drafters without one."""
+    from goodspeed.lm.draft_source import DraftSpec
+
+    sources = [spec.verifier.local_draft] * bool(spec.verifier.local_draft) + [d.draft for d in spec.drafters]
+    models = [DraftSpec.parse(name).model for name in sources]
+    return [spec.verifier.target] + [m for m in models if m] + [d.tokenizer for d in spec.drafters if d.tokenizer]
 
 
 def _ensure_models(models: list[str]) -> None:
@@ -294,7 +299,10 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                     help="take the settings from FILE's [[drafters]] entry (the one named --name; a launch spec, or the "
                          "file `goodspeed launch` writes for each drafter); flags given as well override it")
     dr.add_argument("--verifier", required=True, help="HOST:PORT")
-    dr.add_argument("--draft", default=None, help="hub id, directory or demo:<name> (required, here or in --spec's file)")
+    dr.add_argument("--draft", default=None, help="the draft source (required, here or in --spec's file): a model (hub id, "
+                    "directory or demo:<name>), a lookup with no model (ngram, suffix; give --tokenizer), or LOOKUP+MODEL "
+                    "(the lookup's draft where it is confident, the model's elsewhere)")
+    dr.add_argument("--tokenizer", default=None, help="the target's tokenizer (a model name), for a draft source with no model")
     dr.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
     dr.add_argument("--serve", default=None, metavar="HOST:PORT", help="serve the OpenAI API here instead "
                     "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a --spec file's prompts are not read)")
@@ -378,6 +386,14 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
     args.name = args.name or "drafter"
     if args.draft is None:
         parser.error("the draft model is required: --draft MODEL, or a --spec whose [[drafters]] entry names it")
+    from goodspeed.lm.draft_source import DraftSpec
+
+    try:
+        source = DraftSpec.parse(args.draft)
+    except ValueError as exc:
+        parser.error(f"--draft: {exc}")
+    if source.model is None and args.tokenizer is None:
+        parser.error(f"--draft {args.draft} loads no model: give --tokenizer MODEL, the target's tokenizer")
     if (args.prompts is None) == (args.serve is None):
         parser.error("give exactly one of --prompts FILE (generate a file's prompts) or --serve HOST:PORT "
                      "(serve the OpenAI API)" + (", not both" if args.prompts is not None else ""))

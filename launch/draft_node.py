@@ -9,6 +9,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -17,7 +18,8 @@ from goodspeed.drafter.credentials import client_tls, read_token
 from goodspeed.drafter.prompts import load_prompts
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftRunner
 from goodspeed.launch.spec import DrafterSpec
-from goodspeed.lm.loading import load_causal_lm
+from goodspeed.lm.draft_source import DraftSpec
+from goodspeed.lm.loading import LoadedModel, load_causal_lm, load_tokenizer
 from goodspeed.lm.sampling import SamplingParams
 
 
@@ -30,22 +32,58 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
     if (why := spec.cuda_graphs_missing()) is not None:
         raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
     prompt_path = spec.prompt_path()  # before the draft loads (seconds for a real one): a missing file is said at once
-    draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
+    draft = load_draft(spec)
     prompts = load_prompts(prompt_path, draft.tokenizer)[: spec.max_prompts]
     out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
     try:
-        if spec.concurrency > 1:
-            asyncio.run(generate_concurrently(spec, verifier, draft.model, draft.tokenizer, draft.fingerprint, prompts, out,
+        if spec.concurrency > 1 or draft.source.lookup is not None:
+            if spec.concurrency == 1 and spec.proactive:
+                _say(spec.name)(f"proactive drafting is a draft model's alone; {draft.source} drafts through the node")
+            asyncio.run(generate_concurrently(spec, verifier, draft.drafter, draft.tokenizer, draft.fingerprint, prompts, out,
                                               connect_timeout_s, progress))
         else:
-            _generate_one_at_a_time(spec, verifier, draft, prompts, out, connect_timeout_s, progress)
+            _generate_one_at_a_time(spec, verifier, draft.model, prompts, out, connect_timeout_s, progress)
     finally:
         if out is not sys.stdout:
             out.close()
     return 0
 
 
-def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft, prompts, out, connect_timeout_s: float, progress: bool) -> None:
+@dataclass
+class LoadedDraft:
+    """A drafter's draft source, loaded: what the node drafts with (a model or a source), the
+    model if one was loaded, and the tokenizer the node serves with."""
+
+    source: DraftSpec
+    drafter: object
+    model: LoadedModel | None
+    tokenizer: object
+    fingerprint: str
+
+
+def load_draft(spec: DrafterSpec) -> LoadedDraft:
+    """Load ``spec.draft`` (:mod:`goodspeed.lm.draft_source`): its model, if it names one, and the
+    tokenizer (the model's, or ``spec.tokenizer`` for a lookup alone; both must agree)."""
+    try:
+        source = DraftSpec.parse(spec.draft)
+    except ValueError as exc:
+        raise SystemExit(f"goodspeed drafter {spec.name}: --draft: {exc}") from None
+    if source.model is None and spec.tokenizer is None:
+        raise SystemExit(f"goodspeed drafter {spec.name}: --draft {spec.draft} loads no model: give --tokenizer MODEL")
+    model = load_causal_lm(source.model, dtype=spec.dtype, device=spec.device) if source.model else None
+    tokenizer, fingerprint = (model.tokenizer, model.fingerprint) if model else load_tokenizer(spec.tokenizer)
+    if model is not None and spec.tokenizer is not None and load_tokenizer(spec.tokenizer)[1] != fingerprint:
+        raise SystemExit(f"goodspeed drafter {spec.name}: --tokenizer {spec.tokenizer} is not the draft model's tokenizer")
+    if source.lookup is None:
+        drafter = model.model
+    else:
+        drafter = source.build(model.model if model else None, len(tokenizer), spec.proposal_top_k,
+                               cuda_graphs=spec.cuda_graphs, torch_compile=spec.torch_compile)
+    return LoadedDraft(source, drafter, model, tokenizer, fingerprint)
+
+
+def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft: LoadedModel, prompts, out, connect_timeout_s: float,
+                            progress: bool) -> None:
     """The prompts through a :class:`DrafterClient`, one request after another (proactive
     drafting included), one JSONL record per request."""
     eos = draft.tokenizer.eos_token_id
@@ -194,9 +232,9 @@ async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, 
     def log(event: str, **fields) -> None:
         print(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}), file=sys.stderr, flush=True)
 
-    draft = load_causal_lm(spec.draft, dtype=spec.dtype, device=spec.device)
+    draft = load_draft(spec)
     config = node_config(spec, verifier, draft.fingerprint, max_concurrency, max_waiting, connect_timeout_s)
-    node = EdgeNode(config, draft.model, draft.tokenizer)
+    node = EdgeNode(config, draft.drafter, draft.tokenizer)
     await node.start()
     server = OpenAIServer(node, node.registry, authorize=authorize, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     try:

@@ -326,10 +326,14 @@ class RayCluster(LocalCluster):
         (processes on one machine share its model cache), all machines in parallel."""
         import ray
 
+        from goodspeed.lm.draft_source import DraftSpec
         from goodspeed.lm.loading import embedded_families
 
-        models = {d.name: [d.draft] for d in self.spec.expanded_drafters()}
-        models["verifier"] = [self.spec.verifier.target, self.spec.verifier.local_draft or ""]
+        def loaded(source: str | None) -> list[str]:  # the model a draft source loads, if any
+            return [DraftSpec.parse(source).model or ""] if source else []
+
+        models = {d.name: loaded(d.draft) + [d.tokenizer or ""] for d in self.spec.expanded_drafters()}
+        models["verifier"] = [self.spec.verifier.target] + loaded(self.spec.verifier.local_draft)
         machines: dict[str, tuple[Assignment, list[str]]] = {}
         for a in self.plan:
             for family in embedded_families(models[a.name]):

@@ -18,6 +18,7 @@ import torch
 
 from goodspeed.launch.spec import SpecError, VerifierSpec
 from goodspeed.lm.attention import varlen_missing
+from goodspeed.lm.draft_source import DraftSpec
 from goodspeed.lm.loading import LoadedModel, load_causal_lm, torch_dtype
 from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.auth import TokenAuth
@@ -37,7 +38,7 @@ def engine_config(opts: VerifierSpec) -> EngineConfig:
                               prefill_chunk=opts.prefill_chunk or None)
     except ValueError as exc:
         raise SpecError(f"verifier: {exc}") from None
-    if config.attention == "varlen" and (need := varlen_missing(opts.device, torch_dtype(opts.dtype))):
+    if config.attention == "varlen" and (need := varlen_missing(opts.device, torch_dtype(opts.dtype, opts.device))):
         raise SpecError(f"verifier: attention 'varlen' (flash's varlen kernel) needs {need}; device {opts.device}, "
                         f"dtype {opts.dtype}: use 'auto' or 'masked'")
     if config.cuda_graphs and torch.device(opts.device).type != "cuda":
@@ -68,14 +69,33 @@ def local_config(opts: VerifierSpec) -> LocalConfig:
         raise SpecError(f"local serving: {exc}") from None
 
 
+def local_draft_source(opts: VerifierSpec) -> DraftSpec:
+    """``--local-draft`` parsed (:mod:`goodspeed.lm.draft_source`); a bad name fails here."""
+    try:
+        return DraftSpec.parse(opts.local_draft)
+    except ValueError as exc:
+        raise SpecError(f"--local-draft: {exc}") from None
+
+
 def build_local(opts: VerifierSpec, engine: VerificationEngine, target: LoadedModel) -> LocalServing:
-    """The verifier's own draft model for Generate requests; it must share the target's tokenizer."""
+    """The verifier's own draft source for Generate requests: a draft model sharing the target's
+    tokenizer, a lookup, or both."""
     config = local_config(opts)  # bad settings fail before the draft model loads
-    draft = load_causal_lm(opts.local_draft, dtype=opts.dtype, device=opts.device)
-    if draft.fingerprint != target.fingerprint:
-        raise SpecError(f"--local-draft {opts.local_draft!r} does not share the target's tokenizer "
-                         f"({draft.fingerprint[:12]} != {target.fingerprint[:12]})")
-    local = LocalServing(engine, draft.model, config)
+    source = local_draft_source(opts)
+    model = None
+    if source.model is not None:
+        draft = load_causal_lm(source.model, dtype=opts.dtype, device=opts.device)
+        if draft.fingerprint != target.fingerprint:
+            raise SpecError(f"--local-draft {source.model!r} does not share the target's tokenizer "
+                            f"({draft.fingerprint[:12]} != {target.fingerprint[:12]})")
+        model = draft.model
+    if source.lookup is not None:  # a model alone is built by LocalServing, with the engine's graph settings
+        model = source.build(model, engine.vocab_size, cuda_graphs=engine.config.cuda_graphs,
+                             torch_compile=engine.config.torch_compile)
+    try:
+        local = LocalServing(engine, model, config)
+    except ValueError as exc:
+        raise SpecError(f"local serving: {exc}") from None
     local.retain_finished = False  # a daemon streams results; it must not keep every request
     return local
 
@@ -103,6 +123,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     engine_config(opts)
     if opts.local_draft is not None:
         local_config(opts)
+        local_draft_source(opts)
     log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
     engine, target = build_engine(opts)
     log.event("attention", path=engine.attention)

@@ -72,7 +72,8 @@ class SpecError(ValueError):
 
 
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")  # what --dtype accepts
+# What --dtype accepts; auto: bf16 where the device computes it natively, else fp32 (lm.loading.resolve_dtype)
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ class VerifierSpec:
     insecure: bool = setting(False, "accept plaintext on a non-loopback --host (refused otherwise)", to="server.insecure")
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux), e.g. to keep drafters off the verifier's cores
     # Local serving (Generate RPC): the verifier's own draft model and how it speculates.
-    local_draft: str | None = setting(None, "serve Generate requests, drafting with this model (hub id, directory or demo:<name>)")
+    local_draft: str | None = setting(None, "serve Generate requests, drafting with this source: a model (hub id, directory or "
+                                            "demo:<name>), a lookup (ngram, suffix) or LOOKUP+MODEL")
     local_policy: str = setting("chain", "how local requests speculate: none, chain, tetris, adaserve, turbospec or nightjar "
                                          "(goodspeed.verifier.local.LOCAL_POLICY_CLASSES; checked before any model loads)",
                                 to="local.policy")
@@ -365,7 +367,7 @@ class DrafterSpec:
     """One draft node's settings (``goodspeed drafter`` flags, a spec's ``[[drafters]]``)."""
 
     name: str
-    draft: str
+    draft: str  # a draft source: MODEL, a lookup (ngram, suffix) or LOOKUP+MODEL (goodspeed.lm.draft_source)
     prompts: str
     max_new_tokens: int = 48
     temperature: float = 0.0
@@ -376,6 +378,9 @@ class DrafterSpec:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int | None = None  # root seed (default: the spec's top-level seed)
+    # The target's tokenizer (a model name), for a draft source without a model (ngram, suffix);
+    # a draft model's own otherwise
+    tokenizer: str | None = None
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux)
     token_file: str | None = None  # this drafter's bearer token (set by `goodspeed launch` with the verifier's tokens)
     tls_ca: str | None = None  # PEM: the CA of the verifier's certificate (TLS); tls_cert/tls_key: this node's

@@ -51,7 +51,9 @@ from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_a
 @dataclass(frozen=True)
 class ChainDraft:
     token_ids: list[int]  # [k]
-    probs: torch.Tensor  # [k, V] processed q of each drafted position
+    # [k, V] processed q of each drafted position; None: the point mass on each drafted token (a
+    # deterministic proposal, as a lookup's: goodspeed.lm.lookup)
+    probs: torch.Tensor | None
     # [k] the draft's probability of each drafted token: q_j(s_j), or for greedy requests (one-hot
     # q) the draft's softmax probability of its argmax
     token_probs: list[float]
@@ -65,7 +67,7 @@ class ChainDraft:
         """[k] each position's confidence known BEFORE its token was drawn: ``E_{s~q_j}[q_j(s)] =
         sum_v q_j(v)^2`` for sampled drafts; for greedy ones (nothing is drawn) ``token_probs``.
         TETRIS ranks sampled tokens by this, never by their own sampled values (verifier.local)."""
-        if not self.sampled or not self.token_ids:
+        if not self.sampled or not self.token_ids or self.probs is None:
             return list(self.token_probs)
         return self.probs.double().square().sum(dim=-1).tolist()
 
@@ -115,7 +117,9 @@ class BatchDraftModel:
     def add(self, key: str) -> None:
         self.slots.add(key)
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: str, committed: Sequence[int] | None = None) -> None:
+        """Free the request's slot (``committed``, its final text, is for sources that learn from
+        it: :mod:`goodspeed.lm.draft_source`)."""
         self.slots.remove(key)
 
     def cached_length(self, key: str) -> int:

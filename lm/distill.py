@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from goodspeed.lm.corpus import encode, load_corpus, prompt_snippets, stdlib_files
-from goodspeed.lm.loading import save_model_dir
+from goodspeed.lm.loading import cpu_has_native_bf16, save_model_dir
 from goodspeed.lm.train import intermediate_size, optimize
 
 
@@ -181,22 +181,6 @@ class _Windows:
     def _window(self, ids: np.ndarray) -> np.ndarray:
         s = int(self.rng.integers(0, ids.size - self.recipe.seq_len))
         return ids[s : s + self.recipe.seq_len]
-
-
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bfloat16 natively (``/proc/cpuinfo``'s flags: x86
-    ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``); False where it cannot tell."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def build_precision() -> torch.dtype:

@@ -101,9 +101,37 @@ def ensure_models(specs: list[str], progress: bool = True, log=print) -> None:
             get_real(family, progress=progress, log=log)
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (``/proc/cpuinfo``'s flags: x86
+    ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``); False where it cannot tell."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """``auto``: ``bfloat16`` where ``device`` computes it natively (a CUDA device with bf16, a CPU
+    with native bf16: :func:`cpu_has_native_bf16`), else ``float32``; any other name as it is."""
+    if name != "auto":
+        return name
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if dev.type == "cpu" and cpu_has_native_bf16() else "float32"
+
+
+def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The torch dtype of ``name`` (``auto`` resolved for ``device``: :func:`resolve_dtype`)."""
     try:
-        return DTYPES[name]
+        return DTYPES[resolve_dtype(name, device)]
     except KeyError:
         raise ModelLoadError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
 
@@ -140,8 +168,9 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
 
 
 def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load ``spec`` (hub id, directory or ``demo:<name>``) in inference mode on ``device``."""
-    dev, torch_type = check_device(device), torch_dtype(dtype)
+    """Load ``spec`` (hub id, directory or ``demo:<name>``) in inference mode on ``device``, in
+    ``dtype`` (``auto``: :func:`resolve_dtype`)."""
+    dev, torch_type = check_device(device), torch_dtype(dtype, device)
     path = resolve_model_path(spec)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -152,3 +181,14 @@ def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> Lo
     model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: torch_type}).to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(spec, path, model, tokenizer, tokenizer_fingerprint(tokenizer))
+
+
+def load_tokenizer(spec: str) -> tuple[object, str]:
+    """The tokenizer of ``spec`` (hub id, directory, ``demo:<name>``, ``real:<name>``) and its
+    fingerprint, without the model's weights: what a node drafting without a model needs."""
+    path = resolve_model_path(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {exc}") from exc
+    return tokenizer, tokenizer_fingerprint(tokenizer)

@@ -49,3 +49,46 @@ def on_path(path, target, draft, sampling, prompts, max_new_tokens, eos=()):
         return outputs, sum(v.num_accepted for r in results for v in r.verdicts.values())
     outputs, serving = run_local(target, draft, sampling, path.removeprefix("local-"), prompts, max_new_tokens, eos=eos)
     return outputs, serving.stats()["accepted"]
+
+
+class SourceRunner:
+    """One request at a time over a batched draft source (a lookup, or a hybrid): the runner's
+    ``start`` / ``draft`` / ``apply`` as the in-process driver calls them, sending what an edge
+    node sends (a lookup's point masses as one ``(id, 1.0)`` a position when sampled)."""
+
+    KEY = "request"
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.committed: list[int] = []
+
+    def start(self, prompt_ids, generated: int = 0) -> None:
+        if self.KEY in self.source.slots:
+            self.source.remove(self.KEY, self.committed)  # the last request's text, for a source that learns from it
+        self.source.add(self.KEY)
+        self.committed = [int(t) for t in prompt_ids]
+
+    def draft(self, num_tokens, sampling, generator):
+        from goodspeed.drafter.runner import DraftOutput
+
+        d = self.source.draft_chains({self.KEY: self.committed}, {self.KEY: num_tokens}, {self.KEY: sampling}, generator)
+        return DraftOutput(d[self.KEY].token_ids, d[self.KEY].probs)
+
+    def apply(self, emitted, num_accepted) -> bool:
+        self.source.rollback(self.KEY, len(self.committed), num_accepted)
+        self.committed.extend(int(t) for t in emitted)
+        return False
+
+
+def run_edge_source(target, make_source, sampling, prompts, max_new_tokens, drafters=4, eos=()):
+    """``prompts`` over ``drafters`` in-process edge drafters drafting with ``make_source()`` each;
+    outputs in prompt order, and the rounds' results."""
+    engine = VerificationEngine(target, EngineConfig(budget=8 * drafters, max_draft_len=4))
+    ds = [InProcessDrafter(f"d{i}", SourceRunner(make_source()), prompts[i::drafters], sampling, max_new_tokens)
+          for i in range(drafters)]
+    results = run_inprocess(engine, ds, eos)
+    outputs = [None] * len(prompts)
+    for i, d in enumerate(ds):
+        for j, out in enumerate(d.outputs):
+            outputs[i + j * drafters] = out
+    return outputs, results

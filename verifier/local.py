@@ -77,7 +77,7 @@ from goodspeed.scheduler import (
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel, subtree
-from goodspeed.verifier.types import Draft, RoundResult
+from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
 
 # ------------------------------------------------------------------------------------- clocks
@@ -283,16 +283,22 @@ class StepReport:
 class LocalServing:
     """Local generation on the verifier. Every method runs on the engine's thread."""
 
-    def __init__(self, engine: VerificationEngine, draft_model: torch.nn.Module, config: LocalConfig,
+    def __init__(self, engine: VerificationEngine, draft: torch.nn.Module | object, config: LocalConfig,
                  clock: RealClock | SimulatedClock | None = None) -> None:
-        if int(draft_model.config.vocab_size) != engine.vocab_size:
-            raise ValueError(f"draft vocabulary {draft_model.config.vocab_size} != target vocabulary {engine.vocab_size}")
+        """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.draft_source`; a
+        lookup drafts chains, so it serves every policy but ``adaserve``'s beam trees)."""
+        if isinstance(draft, torch.nn.Module):
+            # The draft's forwards replayed as CUDA graphs, or compiled, too when the target's are
+            # (EngineConfig.cuda_graphs, EngineConfig.torch_compile)
+            draft = BatchDraftModel(draft, cuda_graphs=engine.config.cuda_graphs, torch_compile=engine.config.torch_compile)
+        if draft.vocab_size != engine.vocab_size:
+            raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {engine.vocab_size}")
+        if LOCAL_POLICY_CLASSES[config.policy].drafting(config)[1] is not None and not hasattr(draft, "draft_trees"):
+            raise ValueError(f"the {config.policy} policy drafts beam trees with a draft model alone; this draft source "
+                             "drafts chains: use chain, tetris, turbospec or nightjar")
         self.engine, self.config = engine, config
         self.clock = clock or RealClock()
-        # The draft's forwards replayed as CUDA graphs, or compiled, too when the target's are
-        # (EngineConfig.cuda_graphs, EngineConfig.torch_compile)
-        self.draft = BatchDraftModel(draft_model, cuda_graphs=engine.config.cuda_graphs,
-                                     torch_compile=engine.config.torch_compile)
+        self.draft = draft
         self.draft.on_forward = lambda ctx, batched: self.clock.charge("draft", ctx, batched)
         root = engine.root_seed if config.seed is None else config.seed
         # The local draft's sampling stream and the policy's (Nightjar's exploration): both
@@ -417,7 +423,7 @@ class LocalServing:
 
     def _release(self, req: LocalRequest, reason: str) -> None:
         self.engine.leave(req.session_id)
-        self.draft.remove(req.request_id)
+        self.draft.remove(req.request_id, req.committed)
         del self._active[req.request_id]
         self._finish(req, reason)
 
@@ -447,7 +453,7 @@ class LocalServing:
             plan = plans[req.request_id]
             self.allotments.set(req.session_id, len(plan.token_ids))
             self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents,
-                                                     dense.get(req.request_id)))
+                                                     dense.get(req.request_id), _point_masses(req, plan)))
             drafted += len(plan.token_ids)
         context = self.engine.context_tokens
         planned = self.clock.now()
@@ -544,7 +550,7 @@ class LocalServing:
         plans = {}
         for r, n in zip(reqs, keep.tolist()):
             d = drafts[r.request_id]
-            plans[r.request_id] = _Plan(d.token_ids[:n], None, d.q_rows()[:n] if d.token_ids else None)
+            plans[r.request_id] = _Plan(d.token_ids[:n], None, d.q_rows()[:n] if d.q_rows() is not None else None)
         return plans
 
     @staticmethod
@@ -585,6 +591,14 @@ class LocalServing:
         t = self.totals
         return {**t, "vsr": t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
                 "active": len(self._active), "waiting": len(self._waiting)}
+
+
+def _point_masses(req: LocalRequest, plan: _Plan) -> list[SparseProbs] | None:
+    """A sampled chain drafted without ``q`` (a lookup's deterministic draft) goes to the engine
+    as what it is: the point mass on each drafted token."""
+    if req.sampling.greedy or plan.parents is not None or plan.q is not None or not plan.token_ids:
+        return None
+    return [SparseProbs([int(t)], [1.0]) for t in plan.token_ids]
 
 
 # ----------------------------------------------------------------------------------- policies

@@ -272,6 +272,26 @@ def test_concurrent_requests_share_one_devices_sessions(models, graphs):
     assert warmed == ([sum(what == "chain" for _, what in BatchDraftModel.WARM_UP_PLAN)] if graphs else [])
 
 
+def test_a_node_drafting_by_suffix_with_no_model_serves_the_targets_greedy_decoding(models):
+    """``--draft suffix``: no draft model at all. Greedy output is the target's; the lookup's
+    drafts are accepted; a finished request's output is kept for the next, which then drafts
+    from it (the same prompt again: its whole output comes from the node's cache)."""
+    from goodspeed.lm.lookup import SuffixDraft
+
+    source = SuffixDraft(models[0].config.vocab_size)
+    prompt = "def f(x): return x\ndef f(x):"
+    with verifier(models) as server, NodeThread(server.address, source, models[2]) as edge:
+        api = api_of(edge)
+        first = api.completions.create(model="tiny", prompt=prompt, max_tokens=40, **GREEDY)
+        after_first = metric_samples(edge.port)["goodspeed:spec_decode_num_accepted_tokens_total[]"]
+        second = api.completions.create(model="tiny", prompt=prompt, max_tokens=40, **GREEDY)
+        metrics = metric_samples(edge.port)
+    assert first.choices[0].text == second.choices[0].text == reference(models, prompt, 40)
+    assert len(source._cached) == 2 and source.slots == {}
+    accepted_second = metrics["goodspeed:spec_decode_num_accepted_tokens_total[]"] - after_first
+    assert accepted_second > after_first and accepted_second >= 30  # nearly all of it drafted from the first's output
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models, n):
     """Every choice's request, when the response had several."""

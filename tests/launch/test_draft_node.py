@@ -33,7 +33,7 @@ def test_prompts_generated_several_at_a_time_equal_the_targets_greedy_decoding(m
     from goodspeed.lm.batch_draft import BatchDraftModel
 
     target, draft, tokenizer = models
-    rollbacks = []  # the node drops a rejected draft's KV when a verdict carries tokens decoded in transit
+    rollbacks = []  # after every verdict the node keeps the draft KV of the committed text and accepted drafts only
     rollback = BatchDraftModel.rollback
     monkeypatch.setattr(BatchDraftModel, "rollback", lambda self, *a: (rollbacks.append(a), rollback(self, *a))[1])
     texts = ["import os", "class A:", "def f(x):", "return None", "while True:", "import os"]  # a repeated prompt id too
@@ -57,9 +57,10 @@ def test_prompts_generated_several_at_a_time_equal_the_targets_greedy_decoding(m
     for e in server.events("round"):
         steps[e["round"]] = sum(d["name"] == "phone" for d in e["drafters"])
     assert max(steps.values()) >= 2
-    # With transit decoding, the node's requests whose drafts were away got tokens decoded for them
-    # (the node drops a rejected draft's KV before drafting on).
-    assert (sum(r["transit_tokens"] for r in records) > 0) == bool(transit) == bool(rollbacks)
+    # With transit decoding, the node's requests whose drafts were away got tokens decoded for them;
+    # every verdict (transit or not) rolled the draft KV back to the committed text and accepted drafts.
+    assert (sum(r["transit_tokens"] for r in records) > 0) == bool(transit)
+    assert len(rollbacks) == sum(r["rounds"] for r in records)
     assert sum(d["transit"] for d in round_rows) == sum(r["transit_tokens"] for r in records)
 
 
@@ -102,3 +103,16 @@ def test_the_cli_says_what_is_wrong_with_its_input(argv, said, capsys):
         rc = exc.code
     assert rc == 2
     assert said in capsys.readouterr().err
+
+
+def test_a_draft_source_without_a_model_needs_the_targets_tokenizer(capsys):
+    from goodspeed.launch.cli import drafter_settings
+
+    with pytest.raises(SystemExit):
+        drafter_settings(["--verifier", "h:1", "--draft", "suffix", "--serve", "127.0.0.1:1"])
+    assert "loads no model: give --tokenizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        drafter_settings(["--verifier", "h:1", "--draft", "lookup+x/y", "--serve", "127.0.0.1:1"])
+    assert "unknown lookup 'lookup'" in capsys.readouterr().err
+    spec, _ = drafter_settings(["--verifier", "h:1", "--draft", "suffix", "--tokenizer", "demo:target", "--serve", "127.0.0.1:1"])
+    assert (spec.draft, spec.tokenizer) == ("suffix", "demo:target")

@@ -1,0 +1,130 @@
+"""Draft sources by name: a draft model, a lookup, or a lookup in front of a model.
+
+A draft source proposes up to ``S`` tokens after each request's committed text, with the ``q``
+each was drawn from (a model's processed distribution, or the point mass of a deterministic
+proposal), and hears each request's text as its verdicts commit it. Every source has the batched
+drafting interface of :class:`~goodspeed.lm.batch_draft.BatchDraftModel`: ``add(key)``,
+``remove(key, committed)``, ``rollback(key, committed_before, num_accepted)`` after each verdict,
+``draft_chains(...)``, ``warm_up(...)``, ``graphs``, ``forwards``. An edge node
+(``goodspeed drafter --draft SOURCE``), a spec's ``draft`` and local serving (``--local-draft
+SOURCE``) name one the same way:
+
+* ``MODEL`` — a draft model (hub id, directory, ``demo:<name>``, ``real:<name>``);
+* ``ngram`` or ``suffix`` — a lookup alone (:mod:`goodspeed.lm.lookup`): no model is loaded, so
+  the node needs the target's tokenizer (``--tokenizer``);
+* ``LOOKUP+MODEL`` (``suffix+real:smollm2-135m-draft``) — :class:`HybridDraft`: the lookup's draft
+  where it expects at least ``min_score`` accepted tokens, the model's elsewhere.
+
+Adding a source is one class with that interface and one entry in :data:`LOOKUPS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from goodspeed.lm.batch_draft import BatchDraftModel, ChainDraft
+from goodspeed.lm.lookup import LookupDraft, PromptLookup, SuffixDraft
+from goodspeed.lm.sampling import SamplingParams
+
+LOOKUPS: dict[str, type[LookupDraft]] = {"ngram": PromptLookup, "suffix": SuffixDraft}
+
+# HybridDraft's default: the lookup's draft is taken where it expects two or more accepted tokens
+HYBRID_MIN_SCORE = 2.0
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A parsed draft source name: its lookup (or None) and its model (or None), never both None."""
+
+    lookup: str | None
+    model: str | None
+
+    @classmethod
+    def parse(cls, name: str) -> "DraftSpec":
+        """``MODEL``, ``LOOKUP`` or ``LOOKUP+MODEL``; a name that is neither raises ``ValueError``."""
+        if not name or not name.strip():
+            raise ValueError("the draft source is empty: give a model, " + " or ".join(LOOKUPS) + ", or LOOKUP+MODEL")
+        head, plus, rest = name.partition("+")
+        if name in LOOKUPS:
+            return cls(name, None)
+        if plus and head in LOOKUPS:
+            if not rest or rest in LOOKUPS:
+                raise ValueError(f"draft source {name!r}: after {head}+ name a draft model (hub id, directory or demo:<name>)")
+            return cls(head, rest)
+        if plus and head and ":" not in head and "/" not in head:
+            raise ValueError(f"draft source {name!r}: unknown lookup {head!r} (known: {', '.join(LOOKUPS)})")
+        return cls(None, name)
+
+    @property
+    def needs_model(self) -> bool:
+        return self.model is not None
+
+    def build(self, model: torch.nn.Module | None, vocab_size: int | None = None, proposal_top_k: int = 0,
+              cuda_graphs: bool = False, torch_compile: bool = False):
+        """The source: a :class:`BatchDraftModel` over ``model``, a lookup, or both in a
+        :class:`HybridDraft`. ``vocab_size``: a lookup's alone (a model's is its own)."""
+        if (model is None) == self.needs_model:
+            raise ValueError(f"draft source {self}: {'a model is needed' if self.needs_model else 'takes no model'}")
+        if model is None:
+            if vocab_size is None:
+                raise ValueError(f"draft source {self}: give the target's vocabulary size")
+            return LOOKUPS[self.lookup](vocab_size)
+        drafter = BatchDraftModel(model, proposal_top_k, cuda_graphs=cuda_graphs, torch_compile=torch_compile)
+        if self.lookup is None:
+            return drafter
+        return HybridDraft(LOOKUPS[self.lookup](drafter.vocab_size), drafter)
+
+    def __str__(self) -> str:
+        return "+".join(part for part in (self.lookup, self.model) if part)
+
+
+class HybridDraft:
+    """A lookup in front of a draft model: each request's draft is the lookup's where the lookup
+    expects at least ``min_score`` of its tokens accepted, else the model's. The choice reads
+    only the committed text (never a sampled token), so each drafted token's ``q`` is still what
+    it was drawn from: the lookup's point mass or the model's distribution."""
+
+    def __init__(self, lookup: LookupDraft, model: BatchDraftModel, min_score: float = HYBRID_MIN_SCORE) -> None:
+        if lookup.vocab_size != model.vocab_size:
+            raise ValueError(f"lookup vocabulary {lookup.vocab_size} != draft vocabulary {model.vocab_size}")
+        self.lookup, self.model, self.min_score = lookup, model, min_score
+        self.vocab_size = model.vocab_size
+        self.from_lookup = {"rounds": 0, "drafted": 0}  # rounds drafted by the lookup, and their tokens
+
+    graphs = property(lambda self: self.model.graphs)
+    slots = property(lambda self: self.lookup.slots)
+    forwards = property(lambda self: self.model.forwards, lambda self, n: setattr(self.model, "forwards", n))
+    on_forward = property(lambda self: self.model.on_forward, lambda self, fn: setattr(self.model, "on_forward", fn))
+
+    def add(self, key: str) -> None:
+        self.lookup.add(key)
+        self.model.add(key)
+
+    def remove(self, key: str, committed: Sequence[int] | None = None) -> None:
+        self.lookup.remove(key, committed)
+        self.model.remove(key)
+
+    def rollback(self, key: str, committed_before: int, num_accepted: int) -> None:
+        self.model.rollback(key, committed_before, num_accepted)
+
+    def warm_up(self, chains: int = 0, tree=None, prompt_len: int = 32) -> int:
+        return self.model.warm_up(chains, tree, prompt_len)
+
+    def draft_chains(self, committed: Mapping[str, Sequence[int]], lengths: Mapping[str, int],
+                     sampling: Mapping[str, SamplingParams], generator, histories=None) -> dict[str, ChainDraft]:
+        out: dict[str, ChainDraft] = {}
+        for key, n in lengths.items():
+            if n <= 0:
+                continue
+            tokens, score = self.lookup.propose_scored(key, committed[key], n)
+            if tokens and score >= self.min_score:
+                out[key] = ChainDraft(tokens, None, [1.0] * len(tokens), sampled=not sampling[key].greedy)
+                self.from_lookup["rounds"] += 1
+                self.from_lookup["drafted"] += len(tokens)
+        rest = {key: n for key, n in lengths.items() if key not in out}
+        if rest:
+            out.update(self.model.draft_chains(committed, rest, sampling, generator, histories))
+        return out
