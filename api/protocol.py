@@ -72,7 +72,8 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None  # Lark, or llama.cpp's GBNF
     json_object: bool | None = None  # any JSON object
-    disable_any_whitespace: bool = False  # JSON without whitespace between its tokens
+    # JSON without whitespace between its tokens: the default (None) as True; False allows any
+    disable_any_whitespace: bool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -202,7 +203,7 @@ class _Sampling(BaseModel):
         asked: list[tuple[str, Structure]] = []
         so = self.structured_outputs
         if so is not None:
-            whitespace = not so.disable_any_whitespace
+            whitespace = so.disable_any_whitespace is False
             given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                          ("grammar", so.grammar)) if v is not None]
             given += [("json_object", "")] if so.json_object else []

@@ -170,7 +170,7 @@ class _Request:
         self.generated += len(tokens)
         update_prefix_hasher(self.hasher, tokens)
         if self.history is not None:  # drafting and committing alternate, so no draft reads it meanwhile
-            self.history.extend(tokens)
+            self.history.extend(tokens, strict=False)
 
 
 @dataclass

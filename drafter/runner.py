@@ -265,6 +265,6 @@ class DraftRunner:
         self.committed.extend(emitted)
         update_prefix_hasher(self._hasher, emitted)
         if self._history is not None:
-            self._history.extend(emitted)
+            self._history.extend(emitted, strict=False)
         self._reusable = hit and bool(self.ahead)
         return self._reusable

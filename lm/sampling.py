@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from goodspeed.lm.structured import Constraint, Structure, mask_logits
+from goodspeed.lm.structured import Constraint, Structure, StructureError, mask_logits
 
 
 # Below this (and above 0) ``logits / temperature`` overflows float32 to inf and the softmax to NaN
@@ -208,9 +208,18 @@ class TokenHistory:
         self.output = [int(t) for t in output]  # bad_words read its last tokens
         self.constraint: Constraint | None = None if structure is None else structure.constraint(output)
 
-    def extend(self, tokens: Sequence[int]) -> None:
+    def extend(self, tokens: Sequence[int], strict: bool = True) -> None:
+        """Add committed ``tokens``. ``strict`` False (a drafter's copy of the text, which the
+        verifier decides): a grammar refusing them drops the constraint instead of raising, as
+        where the verifier's matcher ran past its limits and ended the text with EOS; the drafts
+        then go unmasked, which costs acceptance only."""
         if self.constraint is not None:
-            self.constraint.extend(tokens)
+            try:
+                self.constraint.extend(tokens)
+            except StructureError:
+                if strict:
+                    raise
+                self.constraint = None
         self.counts.update(int(t) for t in tokens)
         self.generated += len(tokens)
         self.output.extend(int(t) for t in tokens)

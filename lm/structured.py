@@ -66,7 +66,10 @@ class Structure:
 
     kind: str
     spec: str = ""
-    any_whitespace: bool = True  # JSON kinds: whitespace between tokens (vLLM's disable_any_whitespace turns it off)
+    # JSON kinds: any whitespace between tokens; False (the default, as OpenAI's structured outputs
+    # write JSON): none, which forces more tokens (drafted for free) and keeps a weak model from
+    # filling max_tokens with newlines the grammar allows
+    any_whitespace: bool = False
     grammar: str | None = field(default=None, compare=False, repr=False)  # llguidance's, once bound
     tokenizer: object = field(default=None, compare=False, repr=False)  # llguidance.LLTokenizer, once bound
     # A fresh matcher, its first mask computed: each request's is a copy (bench_structured, a
@@ -117,7 +120,7 @@ def _first_line(message: str) -> str:
     return line[:500]
 
 
-def _llguidance_grammar(kind: str, spec: str, any_whitespace: bool = True) -> str:
+def _llguidance_grammar(kind: str, spec: str, any_whitespace: bool = False) -> str:
     options = None if any_whitespace else {"whitespace_flexible": False}
     try:
         if kind == "json_object":

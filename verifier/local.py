@@ -227,7 +227,7 @@ class LocalRequest:
         self.committed.extend(tokens)
         self.token_times.extend([at] * len(tokens))
         if self.history is not None:
-            self.history.extend(tokens)
+            self.history.extend(tokens, strict=False)
 
     @property
     def cap(self) -> int:

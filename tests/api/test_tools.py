@@ -255,3 +255,19 @@ def test_tokenize_renders_the_tools_as_chat_completions_do(tool_tokenizer):
     finally:
         stop()
     assert tokens == backend.prompts[0] and '"weather"' in tool_tokenizer.decode(tokens)
+
+
+def test_json_is_compact_by_default_and_any_whitespace_only_when_asked():
+    """OpenAI's structured outputs write JSON without whitespace between tokens; vLLM's
+    ``disable_any_whitespace: false`` asks for any."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def structure(**extra):
+        return parse_body(ChatCompletionRequest, {"model": "m", "messages": MESSAGES, **extra}).structure()
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert not structure(response_format=fmt).any_whitespace
+    assert not structure(response_format={"type": "json_object"}).any_whitespace
+    assert not structure(tools=[WEATHER], tool_choice="required").any_whitespace
+    assert not structure(structured_outputs={"json": schema}).any_whitespace
+    assert structure(structured_outputs={"json": schema, "disable_any_whitespace": False}).any_whitespace
