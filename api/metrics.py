@@ -129,5 +129,7 @@ class DrafterMetrics:
                                             "Draft sent to its verdict received (link + verifier)",
                                             buckets=LATENCY_BUCKETS, registry=registry)
         self.sessions = Gauge(f"{PREFIX}drafter_sessions", "Verifier sessions this node holds", registry=registry)
+        self.forced_tokens = Counter(f"{PREFIX}drafter_forced_tokens", "Draft tokens a grammar forced (fast-forward: "
+                                     "drafted as point masses, always accepted)", registry=registry)
         self.draft_length = Histogram(f"{PREFIX}drafter_draft_length", "Draft length S the verifier allotted",
                                       buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=registry)

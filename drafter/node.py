@@ -57,6 +57,7 @@ from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, ch
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
+from goodspeed.lm.draft_source import draft_with_forced
 
 MAX_REPAIRS = 3  # session losses one request survives
 HEALTH_EVERY_S = 1.0  # how often the node checks its verifier's health
@@ -530,16 +531,17 @@ class EdgeNode:
                 continue
             started = time.perf_counter()
             try:
-                drafts = await self._call(
-                    self.drafter.draft_chains, {j.request.key: j.committed for j in jobs}, {j.request.key: j.length for j in jobs},
-                    {j.request.key: j.request.gen.sampling for j in jobs}, {j.request.key: j.request.generator for j in jobs},
-                    {j.request.key: j.request.history for j in jobs})
+                drafts, forced = await self._call(
+                    draft_with_forced, self.drafter, {j.request.key: j.committed for j in jobs},
+                    {j.request.key: j.length for j in jobs}, {j.request.key: j.request.gen.sampling for j in jobs},
+                    {j.request.key: j.request.generator for j in jobs}, {j.request.key: j.request.history for j in jobs})
             except Exception as exc:  # a device error: every request in the batch fails, the node goes on
                 for job in jobs:
                     if not job.future.done():
                         job.future.set_exception(DrafterError(f"drafting failed: {type(exc).__name__}: {exc}"))
                 continue
             self.node_metrics.draft_seconds.observe(time.perf_counter() - started)
+            self.node_metrics.forced_tokens.inc(forced)
             for job in jobs:
                 if not job.future.done():
                     job.future.set_result(drafts[job.request.key])

@@ -128,3 +128,42 @@ class HybridDraft:
         if rest:
             out.update(self.model.draft_chains(committed, rest, sampling, generator, histories))
         return out
+
+
+def draft_with_forced(source, committed: Mapping[str, Sequence[int]], lengths: Mapping[str, int],
+                      sampling: Mapping[str, SamplingParams], generator,
+                      histories: Mapping[str, object] | None = None) -> tuple[dict[str, ChainDraft], int]:
+    """``source.draft_chains`` with fast-forward (SGLang's jump-forward, done as drafting): where a
+    request's grammar forces tokens after its committed text (one token allowed at a position:
+    :meth:`goodspeed.lm.structured.Constraint.forced`), they open its draft as point masses,
+    which the target's masked distribution always accepts, and the source drafts the rest of
+    ``lengths[key]`` after them (its history extended by them, so its masks and penalties read
+    the right text). Returns the drafts and how many tokens were forced."""
+    forced: dict[str, list[int]] = {}
+    for key, n in lengths.items():
+        history = histories.get(key) if histories else None
+        if n > 0 and history is not None and history.constraint is not None:
+            if tokens := history.constraint.forced(n):
+                forced[key] = tokens
+    if not forced:
+        return source.draft_chains(committed, lengths, sampling, generator, histories), 0
+    inner_committed = {k: list(committed[k]) + forced[k] if k in forced else committed[k] for k in lengths}
+    inner_lengths = {k: n - len(forced.get(k, ())) for k, n in lengths.items()}
+    inner_histories = dict(histories)
+    for key, tokens in forced.items():
+        inner_histories[key] = histories[key].extended(tokens)
+    drafts = source.draft_chains(inner_committed, inner_lengths, sampling, generator, inner_histories)
+    for key, tokens in forced.items():
+        drafts[key] = _after_forced(tokens, drafts[key], sampling[key])
+    return drafts, sum(len(t) for t in forced.values())
+
+
+def _after_forced(forced: list[int], draft: ChainDraft, sampling: SamplingParams) -> ChainDraft:
+    """``forced`` point masses, then ``draft``: its q rows (if any) after one-hot rows for them."""
+    if not draft.token_ids or draft.probs is None:
+        return ChainDraft(forced + list(draft.token_ids), None, [1.0] * len(forced) + list(draft.token_probs),
+                          sampled=not sampling.greedy)
+    one_hot = torch.zeros(len(forced), draft.probs.shape[-1], dtype=draft.probs.dtype, device=draft.probs.device)
+    one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
+    return ChainDraft(forced + list(draft.token_ids), torch.cat([one_hot, draft.probs]),
+                      [1.0] * len(forced) + list(draft.token_probs), sampled=draft.sampled)

@@ -208,6 +208,16 @@ class TokenHistory:
         self.output = [int(t) for t in output]  # bad_words read its last tokens
         self.constraint: Constraint | None = None if structure is None else structure.constraint(output)
 
+    def extended(self, tokens: Sequence[int]) -> "TokenHistory":
+        """A copy of this history with ``tokens`` added (a drafter's, as :meth:`extend` with
+        ``strict`` False); this one is unchanged."""
+        other = object.__new__(TokenHistory)
+        other.prompt, other.counts, other.generated = self.prompt, Counter(self.counts), self.generated
+        other.output = list(self.output)
+        other.constraint = None if self.constraint is None else self.constraint.copy()
+        other.extend(tokens, strict=False)
+        return other
+
     def extend(self, tokens: Sequence[int], strict: bool = True) -> None:
         """Add committed ``tokens``. ``strict`` False (a drafter's copy of the text, which the
         verifier decides): a grammar refusing them drops the constraint instead of raising, as

@@ -188,11 +188,19 @@ class Constraint:
         self.structure = structure
         self.matcher = structure.template.deep_copy()
         self.eos = frozenset(structure.tokenizer.eos_tokens)
-        self.words = (structure.tokenizer.vocab_size + 31) // 32  # int32 words of a mask
+        self.vocab_size = structure.tokenizer.vocab_size
+        self.words = (self.vocab_size + 31) // 32  # int32 words of a mask
         self.failure: str | None = None
         self.after = structure.after
         self.open = self.after is None  # the grammar holds the text from here on
         self.extend(output)
+
+    def copy(self) -> "Constraint":
+        """An independent copy at the same place in the grammar (the matcher deep-copied)."""
+        other = object.__new__(Constraint)
+        other.__dict__.update(self.__dict__)
+        other.matcher = self.matcher.deep_copy()
+        return other
 
     def _held(self, path: list[int]) -> list[int] | None:
         """The part of ``path`` (tokens past the committed text) the grammar holds: all of it once
@@ -218,6 +226,26 @@ class Constraint:
             self.matcher.rollback(done)
             raise StructureError(f"token {tokens[done]} (the {done + 1}-th of {len(tokens)} committed) does not match the "
                                  f"{self.structure.kind} constraint")
+
+    def forced(self, max_tokens: int) -> list[int]:
+        """The tokens the grammar forces after the committed text, up to ``max_tokens``: at each
+        position the one token its mask allows (EOS excluded, which ends the text). The target's
+        masked distribution puts all its mass on such a token, so drafted as a point mass it is
+        always accepted. The matcher is left as it was found."""
+        if not self.open or self._failed() or max_tokens <= 0:
+            return []
+        out: list[int] = []
+        row = np.empty(self.words, dtype=np.int32)
+        while len(out) < max_tokens:
+            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+            allowed = np.flatnonzero(bits[: self.vocab_size])
+            if len(allowed) != 1 or int(allowed[0]) in self.eos or self.matcher.try_consume_tokens([int(allowed[0])]) != 1:
+                break
+            out.append(int(allowed[0]))
+        if out:
+            self.matcher.rollback(len(out))
+        return out
 
     def _failed(self) -> bool:
         if self.failure is None and self.matcher.is_error():

@@ -77,6 +77,7 @@ from goodspeed.scheduler import (
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel, subtree
+from goodspeed.lm.draft_source import draft_with_forced
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
 
@@ -318,7 +319,8 @@ class LocalServing:
         self.draft_forward_s = 0.0  # smoothed time of one draft forward (Nightjar's switching cost)
         # drafting_s / round_s: clock seconds spent planning (drafting, selection) and in the
         # engine's round (target forward and verification), summed over drafting steps
-        self.totals = {"steps": 0, "drafted": 0, "accepted": 0, "emitted": 0, "drafting_s": 0.0, "round_s": 0.0}
+        # forced: drafted tokens a grammar forced (fast-forward)
+        self.totals = {"steps": 0, "drafted": 0, "accepted": 0, "emitted": 0, "forced": 0, "drafting_s": 0.0, "round_s": 0.0}
 
     # ------------------------------------------------------------------ requests
 
@@ -519,9 +521,12 @@ class LocalServing:
         return {r.request_id: r.sampling for r in reqs}, {r.request_id: r.history for r in reqs}
 
     def _draft_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]):
+        """Chains from the draft source, tokens a grammar forces first (fast-forward)."""
         sampling, histories = self._draft_settings(reqs)
-        return self.draft.draft_chains({r.request_id: r.committed for r in reqs}, lengths, sampling,
-                                       {r.request_id: r.generator or self.generator for r in reqs}, histories)
+        drafts, forced = draft_with_forced(self.draft, {r.request_id: r.committed for r in reqs}, lengths, sampling,
+                                           {r.request_id: r.generator or self.generator for r in reqs}, histories)
+        self.totals["forced"] += forced
+        return drafts
 
     def _chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, _Plan]:
         return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in self._draft_chains(reqs, lengths).items()}

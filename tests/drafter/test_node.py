@@ -566,6 +566,29 @@ def test_structured_output_through_a_node_is_the_verifiers(models, monkeypatch):
     assert refused.value.status_code == 502
 
 
+def test_a_json_schema_through_a_node_fast_forwards_its_forced_tokens(models):
+    """A compact JSON schema through a node: its forced tokens (``{"name":"`` ...) are drafted as
+    point masses before the draft model's (the node's forced-token counter), and the output is
+    still the target's constrained greedy decoding."""
+    import json
+
+    from goodspeed.lm.structured import Structure
+
+    target, _, tokenizer = models
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"],
+              "additionalProperties": False}
+    prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    sampling = SamplingParams(structured=Structure("json", json.dumps(schema)).bound(tokenizer))
+    want = adjusted_greedy_reference(target, prompt_ids, sampling, 30, eos=tokenizer.eos_token_id)
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
+    with ServerThread(engine, tokenizer=tokenizer, target_name="tiny") as server, node(server, models) as edge:
+        out = api_of(edge).completions.create(model="tiny", prompt=prompt_ids, max_tokens=30, temperature=0, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}, "return_token_ids": True})
+        forced = metric_samples(edge.port)["goodspeed:drafter_forced_tokens_total[]"]
+    assert out.choices[0].model_extra["token_ids"] == want and json.loads(out.choices[0].text).keys() == {"name"}
+    assert forced >= 6  # a whole round's S (max_draft_len) of the nine tokens {"name":" forces
+
+
 def test_a_forced_tool_call_through_a_node_is_the_verifiers(models):
     """tool_choice naming a function, through a node: the call's arguments are the target's greedy
     decoding held to the function's schema (the verifier compiles it), read into tool_calls."""

@@ -165,3 +165,31 @@ def test_a_drafters_copy_of_the_text_drops_a_grammar_the_verifiers_text_left_ins
     history = TokenHistory([1], structure=structure)
     history.extend(refused, strict=False)
     assert history.constraint is None and history.output == refused
+
+
+@pytest.mark.parametrize("kind, spec, text", [
+    ("json", json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                         "required": ["name", "n"], "additionalProperties": False}), '{"name":"ab","n":12}'),
+    ("choice", json.dumps(["scanner", "scanned"]), "scanned"),
+])
+def test_forced_tokens_are_those_a_fresh_matcher_allows_alone(tokenizer, kind, spec, text):
+    """At every prefix of a valid text: the forced run is, token by token, the one token a fresh
+    matcher allows (EOS aside), and the constraint is left where it was."""
+    structure = Structure(kind, spec).bound(tokenizer)
+    eos = set(structure.tokenizer.eos_tokens)
+    tokens = walk(tokenizer, text)
+    seen = 0
+    for cut in range(len(tokens) + 1):
+        constraint = structure.constraint(tokens[:cut])
+        got = constraint.forced(6)
+        want, output = [], list(tokens[:cut])
+        while len(want) < 6:
+            only = torch.nonzero(grammar_allows(structure, output, len(tokenizer))).flatten().tolist()
+            if len(only) != 1 or only[0] in eos:
+                break
+            want.append(only[0])
+            output.append(only[0])
+        assert got == want, (cut, got, want)
+        seen += len(got)
+        assert constraint.forced(6) == got  # the matcher was left as it was
+    assert seen > 0
