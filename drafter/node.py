@@ -57,9 +57,11 @@ from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, ch
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
+from goodspeed.scheduler.paying import PayingLength
 from goodspeed.lm.draft_source import draft_with_forced
 
 MAX_REPAIRS = 3  # session losses one request survives
+DRAFT_LENGTH_RULES = ("goodput", "allotted")  # NodeConfig.draft_length
 HEALTH_EVERY_S = 1.0  # how often the node checks its verifier's health
 
 
@@ -79,12 +81,18 @@ class NodeConfig:
     proposal_top_k: int = PROPOSAL_TOP_K  # sampled drafts' q capped to this many tokens a position (lm.sampling.cap_support)
     cuda_graphs: bool = False  # the batched draft forwards replayed as CUDA graphs (goodspeed.lm.graphs; CUDA only)
     torch_compile: bool = False  # the batched draft forwards through a compiled decoder (goodspeed.lm.graphs.compiled)
+    # goodput: each request drafts the length (at most the verifier's S_i) with the most expected
+    # tokens per second from its measured acceptance and this node's drafting and round times, 0
+    # where speculation does not pay (goodspeed.scheduler.paying); allotted: always S_i
+    draft_length: str = "goodput"
     on_wait: Callable[[str], None] | None = field(default=None, compare=False)  # as DrafterConfig.on_wait
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_waiting < 0:
             raise ValueError("max_concurrency must be >= 1 and max_waiting >= 0")
         check_proposal_top_k(self.proposal_top_k)
+        if self.draft_length not in DRAFT_LENGTH_RULES:
+            raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTH_RULES)}, got {self.draft_length!r}")
 
 
 class _SessionLost(Exception):
@@ -196,6 +204,7 @@ class EdgeNode:
         self.node_metrics = DrafterMetrics(self.registry)
         self.drafter = (BatchDraftModel(draft, config.proposal_top_k, cuda_graphs=config.cuda_graphs,
                                         torch_compile=config.torch_compile) if isinstance(draft, torch.nn.Module) else draft)
+        self.paying = PayingLength()  # the goodput rule's estimates (config.draft_length)
         self.root_seed = resolve_root_seed(config.seed)
         self.metadata = bearer_metadata(config.token)
         self.model_ids: tuple[str, ...] = ()
@@ -481,6 +490,7 @@ class EdgeNode:
 
     async def _free_request(self, req: _Request, reason: str) -> None:
         req.timer.finish(reason)
+        self.paying.forget(req.key)
         if req.session is not None:
             if req.in_progress:
                 try:
@@ -496,6 +506,8 @@ class EdgeNode:
 
     async def _round(self, req: _Request) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index
+        if self.config.draft_length == "goodput":
+            length = self.paying.length(req.key, length)
         draft: ChainDraft = await self._draft(req, length)
         message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.gen.sampling)
         sent = time.perf_counter()
@@ -506,8 +518,10 @@ class EdgeNode:
                 raise _SessionLost() from None
             raise
         verdict = reply.verdict if reply.HasField("verdict") else await session.verdict(round_index, self.config.verdict_timeout_s)
-        self.node_metrics.round_trip_seconds.observe(time.perf_counter() - sent)
+        round_s = time.perf_counter() - sent
+        self.node_metrics.round_trip_seconds.observe(round_s)
         self.node_metrics.draft_length.observe(length)
+        self.paying.observe_round(req.key, len(draft.token_ids), verdict.num_accepted, round_s)
         self.spec.observe(verdict.num_drafted, verdict.num_accepted)
         return verdict
 
@@ -540,8 +554,10 @@ class EdgeNode:
                     if not job.future.done():
                         job.future.set_exception(DrafterError(f"drafting failed: {type(exc).__name__}: {exc}"))
                 continue
-            self.node_metrics.draft_seconds.observe(time.perf_counter() - started)
+            drafting_s = time.perf_counter() - started
+            self.node_metrics.draft_seconds.observe(drafting_s)
             self.node_metrics.forced_tokens.inc(forced)
+            self.paying.observe_drafting(drafting_s, max(len(d.token_ids) for d in drafts.values()))
             for job in jobs:
                 if not job.future.done():
                     job.future.set_result(drafts[job.request.key])

@@ -303,6 +303,11 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                     "directory or demo:<name>), a lookup with no model (ngram, suffix; give --tokenizer), or LOOKUP+MODEL "
                     "(the lookup's draft where it is confident, the model's elsewhere)")
     dr.add_argument("--tokenizer", default=None, help="the target's tokenizer (a model name), for a draft source with no model")
+    dr.add_argument("--draft-length", default="goodput", choices=("goodput", "allotted"),
+                    help="goodput: each round drafts the length (at most the verifier's S_i) with the most expected tokens "
+                         "per second from the request's measured acceptance and this node's drafting and round times, 0 where "
+                         "speculation does not pay; allotted: always S_i (through the node: --concurrency > 1, --serve, or a "
+                         "lookup draft source)")
     dr.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
     dr.add_argument("--serve", default=None, metavar="HOST:PORT", help="serve the OpenAI API here instead "
                     "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a --spec file's prompts are not read)")

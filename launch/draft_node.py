@@ -131,7 +131,7 @@ def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurre
         verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=max_concurrency,
         max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
         tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), proposal_top_k=spec.proposal_top_k,
-        cuda_graphs=spec.cuda_graphs, torch_compile=spec.torch_compile, on_wait=_say(spec.name))
+        cuda_graphs=spec.cuda_graphs, torch_compile=spec.torch_compile, draft_length=spec.draft_length, on_wait=_say(spec.name))
 
 
 def _say(name: str):

@@ -408,6 +408,10 @@ class DrafterSpec:
     # The node's draft forwards at fixed shapes through a decoder compiled by torch.compile
     # (goodspeed.lm.graphs.compiled), any device; with cuda_graphs the graphs record its kernels.
     torch_compile: bool = False
+    # How many tokens a round drafts: goodput, the length (at most the verifier's S_i) with the most
+    # expected tokens per second from the request's measured acceptance and the node's drafting and
+    # round times, 0 where speculation does not pay (goodspeed.scheduler.paying); allotted: S_i
+    draft_length: str = "goodput"
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0

@@ -280,7 +280,7 @@ def test_a_node_drafting_by_suffix_with_no_model_serves_the_targets_greedy_decod
 
     source = SuffixDraft(models[0].config.vocab_size)
     prompt = "def f(x): return x\ndef f(x):"
-    with verifier(models) as server, NodeThread(server.address, source, models[2]) as edge:
+    with verifier(models) as server, NodeThread(server.address, source, models[2], draft_length="allotted") as edge:
         api = api_of(edge)
         first = api.completions.create(model="tiny", prompt=prompt, max_tokens=40, **GREEDY)
         after_first = metric_samples(edge.port)["goodspeed:spec_decode_num_accepted_tokens_total[]"]
@@ -290,6 +290,33 @@ def test_a_node_drafting_by_suffix_with_no_model_serves_the_targets_greedy_decod
     assert len(source._cached) == 2 and source.slots == {}
     accepted_second = metrics["goodspeed:spec_decode_num_accepted_tokens_total[]"] - after_first
     assert accepted_second > after_first and accepted_second >= 30  # nearly all of it drafted from the first's output
+
+
+def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_the_targets(models):
+    """The goodput rule (goodspeed.scheduler.paying): with drafts the target always rejects, a node
+    drafting by the rule sends a fraction of the tokens one drafting every allotment sends (its
+    probes), for the same greedy output."""
+    from goodspeed.lm.lookup import PromptLookup
+
+    target, _, tokenizer = models
+    prompt = "def f(x):"
+    wrong = min(set(range(10, 100)) - set(greedy_reference(target, tokenizer.encode(prompt), 40)))
+
+    class AlwaysWrong(PromptLookup):  # a source that proposes a token the target's greedy text never holds
+        def _propose(self, state, max_tokens):
+            return [wrong] * max_tokens, float(max_tokens)
+
+    drafted = {}
+    for rule in ("allotted", "goodput"):
+        with verifier(models) as server, NodeThread(server.address, AlwaysWrong(target.config.vocab_size), tokenizer,
+                                                    draft_length=rule) as edge:
+            out = api_of(edge).completions.create(model="tiny", prompt=prompt, max_tokens=40, **GREEDY)
+            metrics = metric_samples(edge.port)
+        assert out.choices[0].text == reference(models, prompt, 40)
+        drafted[rule] = (metrics["goodspeed:spec_decode_num_draft_tokens_total[]"],
+                         metrics["goodspeed:spec_decode_num_accepted_tokens_total[]"])
+    assert drafted["allotted"][1] == drafted["goodput"][1] == 0 and drafted["allotted"][0] >= 40
+    assert drafted["goodput"][0] < drafted["allotted"][0] / 3
 
 
 @pytest.mark.parametrize("n", [1, 3])

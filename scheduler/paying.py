@@ -1,0 +1,136 @@
+"""A drafter's own length rule: draft only what pays, so speculation never makes a request slower.
+
+The verifier allots each drafter ``S_i`` (GoodSpeed's allocation of the budget ``C``); a drafter
+may send fewer. With acceptance ``a`` (the chance the target takes each drafted token, given it
+took the ones before), a round drafting ``S`` tokens yields ``l(a, S) = (1 - a^(S+1)) / (1 - a)``
+tokens (eq. 4 of TurboSpec, Liu et al., arXiv 2406.14066) and costs the drafter::
+
+    T(S) = S * t_draft + t_round + S * t_verify
+
+where ``t_draft`` is its own drafting time per token (a model's forward; a lookup's: about 0),
+``t_round`` the round trip of a draft of nothing (link and the verifier's step) and ``t_verify``
+what each drafted token adds to it. :func:`paying_draft_length` picks the ``S <= S_i`` with the
+most tokens per second, ``l(a, S) / T(S)``, as TurboSpec's Listing 2 picks ``k``; ``S = 0`` (one
+token a round, the target's own decoding) wins wherever a drafted token costs more than it is
+expected to bring. The choice reads past rounds only, never a token drawn this round, so it
+leaves the output's distribution unchanged.
+
+:class:`PayingLength` keeps the estimates: per request its acceptance (counts of accepted tokens
+and of rejections, which a chain's verdict gives, decayed so a request's acceptance can move
+with its text), and per drafter the times (smoothed means; ``t_round`` and ``t_verify`` fitted by
+least squares over recent rounds, the slope taken from ``default_verify_ratio`` until the rounds'
+lengths vary enough to fit it). A request at ``S = 0`` drafts one token every ``probe_every``
+rounds, so its acceptance is heard again and speculation resumes where it pays again.
+
+>>> paying_draft_length(0.8, 8, draft_s_per_token=0.0, round_s=0.030, verify_s_per_token=0.001)
+8
+>>> paying_draft_length(0.3, 8, draft_s_per_token=0.010, round_s=0.030, verify_s_per_token=0.001)
+0
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from goodspeed.scheduler.goodspeed import expected_goodput
+
+
+def paying_draft_length(acceptance: float, allotted: int, draft_s_per_token: float, round_s: float,
+                        verify_s_per_token: float) -> int:
+    """``argmax_{0 <= S <= allotted} l(a, S) / (S * (t_draft + t_verify) + t_round)``; ties go to
+    the smaller ``S``."""
+    if not 0.0 <= acceptance <= 1.0 or allotted < 0 or round_s <= 0 or draft_s_per_token < 0 or verify_s_per_token < 0:
+        raise ValueError("need acceptance in [0, 1], allotted >= 0, round_s > 0 and non-negative per-token times")
+    lengths = np.arange(allotted + 1)
+    rate = expected_goodput(acceptance, lengths) / (lengths * (draft_s_per_token + verify_s_per_token) + round_s)
+    return int(np.argmax(rate))
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 1.0  # a prior of one accepted token and one rejection: a = 0.5 before any verdict
+    rejected: float = 1.0
+    idle_rounds: int = 0  # rounds in a row at S = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+@dataclass
+class PayingLength:
+    """The estimates :func:`paying_draft_length` reads, kept from a drafter's own rounds."""
+
+    decay: float = 0.8  # weight of the past in a request's acceptance counts, per round
+    smoothing: float = 0.2  # weight of a new sample in the drafting time's mean
+    default_verify_ratio: float = 0.03  # t_verify / t_round until the rounds' lengths let it be fitted
+    window: int = 64  # rounds the round-time fit reads
+    probe_every: int = 8  # a request at S = 0 drafts one token this often
+    draft_s_per_token: float = 0.0
+    _rounds: deque = field(default_factory=deque)  # (drafted, round seconds)
+    _requests: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.decay < 1 and 0 < self.smoothing <= 1 and self.default_verify_ratio >= 0 and self.window >= 2
+                and self.probe_every >= 1):
+            raise ValueError("PayingLength needs decay in [0, 1), smoothing in (0, 1], default_verify_ratio >= 0, "
+                             "window >= 2 and probe_every >= 1")
+
+    def forget(self, request: Hashable) -> None:
+        self._requests.pop(request, None)
+
+    def acceptance(self, request: Hashable) -> float:
+        return self._requests.get(request, _Acceptance()).rate
+
+    def round_costs(self) -> tuple[float, float] | None:
+        """``(t_round, t_verify)`` from the recent rounds; None before any."""
+        if not self._rounds:
+            return None
+        s = np.array([r[0] for r in self._rounds], dtype=np.float64)
+        t = np.array([r[1] for r in self._rounds], dtype=np.float64)
+        if s.var() >= 0.5 and len(s) >= 4:
+            slope, intercept = np.polyfit(s, t, 1)
+            if intercept > 0:
+                return float(intercept), float(max(0.0, slope))
+        base = float(t.mean()) / (1.0 + self.default_verify_ratio * float(s.mean()))
+        return base, self.default_verify_ratio * base
+
+    def length(self, request: Hashable, allotted: int) -> int:
+        """The length to draft for ``request`` this round, at most ``allotted``."""
+        costs = self.round_costs()
+        if costs is None or allotted <= 0:
+            return allotted
+        state = self._requests.setdefault(request, _Acceptance())
+        best = paying_draft_length(state.rate, allotted, self.draft_s_per_token, costs[0], costs[1])
+        if best == 0:
+            state.idle_rounds += 1
+            if state.idle_rounds >= self.probe_every:
+                state.idle_rounds = 0
+                return 1
+        else:
+            state.idle_rounds = 0
+        return best
+
+    def observe_round(self, request: Hashable, drafted: int, accepted: int, round_s: float) -> None:
+        """A verdict: ``accepted`` of ``drafted`` tokens taken; ``round_s`` from sending the draft to
+        the verdict."""
+        if drafted > 0:
+            state = self._requests.setdefault(request, _Acceptance())
+            state.accepted = self.decay * state.accepted + accepted
+            state.rejected = self.decay * state.rejected + (accepted < drafted)
+        if math.isfinite(round_s) and round_s > 0:
+            self._rounds.append((drafted, round_s))
+            while len(self._rounds) > self.window:
+                self._rounds.popleft()
+
+    def observe_drafting(self, seconds: float, steps: int) -> None:
+        """A drafting call of ``steps`` sequential draft steps (its longest draft) took ``seconds``."""
+        if steps > 0 and math.isfinite(seconds) and seconds >= 0:
+            per = seconds / steps
+            w = self.smoothing if self.draft_s_per_token else 1.0
+            self.draft_s_per_token = w * per + (1 - w) * self.draft_s_per_token

@@ -1,0 +1,71 @@
+"""The drafter's own length rule (goodspeed.scheduler.paying): the paying length against brute
+force, and the estimator on scripted rounds: drafting falls to zero where it does not pay, probes,
+and recovers when the text turns repetitive again."""
+
+import itertools
+
+import pytest
+
+from goodspeed.scheduler.goodspeed import expected_goodput
+from goodspeed.scheduler.paying import PayingLength, paying_draft_length
+
+
+@pytest.mark.parametrize("a, draft, rnd, verify", list(itertools.product(
+    [0.0, 0.1, 0.35, 0.6, 0.9, 1.0], [0.0, 0.002, 0.02], [0.01, 0.05], [0.0, 0.0005, 0.01])))
+def test_the_paying_length_has_the_most_tokens_per_second(a, draft, rnd, verify):
+    rates = [float(expected_goodput(a, s)) / (s * (draft + verify) + rnd) for s in range(9)]
+    best = paying_draft_length(a, 8, draft, rnd, verify)
+    assert rates[best] == max(rates) and best == rates.index(max(rates))  # ties: the smaller length
+
+
+def test_a_draft_that_costs_nothing_and_is_often_right_takes_its_allotment_and_one_that_is_rarely_right_none():
+    assert paying_draft_length(0.9, 6, 0.0, 0.03, 0.0005) == 6
+    assert paying_draft_length(0.05, 6, 0.004, 0.03, 0.001) == 0
+    with pytest.raises(ValueError):
+        paying_draft_length(1.5, 4, 0.0, 0.03, 0.0)
+
+
+def scripted(rule: PayingLength, key: str, rounds: int, accept_all: bool, allotted: int = 8, round_s=lambda s: 0.03 + 0.004 * s):
+    """``rounds`` rounds of a scripted verifier: each drafted token accepted (or none), the round
+    costing ``round_s(S)``; the draft model costs 10 ms a token. Returns the lengths drafted."""
+    lengths = []
+    for _ in range(rounds):
+        s = rule.length(key, allotted)
+        rule.observe_drafting(0.010 * s, s)
+        rule.observe_round(key, s, s if accept_all else 0, round_s(s))
+        lengths.append(s)
+    return lengths
+
+
+def test_drafting_falls_to_zero_where_it_does_not_pay_probes_and_recovers():
+    rule = PayingLength(probe_every=4)
+    first = scripted(rule, "r", 1, accept_all=False)
+    assert first == [8]  # nothing measured yet: the allotment
+    idle = scripted(rule, "r", 12, accept_all=False)
+    assert idle.count(0) >= 9 and set(idle) <= {0, 1}
+    assert all(s == 1 for s in idle[idle.index(0):] if s)  # only probes of one token
+    again = scripted(rule, "r", 12, accept_all=True)  # the text turned repetitive: every probe accepted
+    assert again[-1] >= 4 and again[-1] > max(idle)
+
+
+def test_the_round_cost_is_fitted_from_rounds_of_different_lengths():
+    rule = PayingLength()
+    for s in (0, 2, 4, 6, 8) * 3:
+        rule.observe_round("r", s, s // 2, 0.030 + 0.002 * s)
+    base, per_token = rule.round_costs()
+    assert base == pytest.approx(0.030) and per_token == pytest.approx(0.002)
+    flat = PayingLength(default_verify_ratio=0.05)
+    for _ in range(5):
+        flat.observe_round("r", 4, 2, 0.036)
+    base, per_token = flat.round_costs()  # one length only: the default ratio, consistent with the mean
+    assert base * (1 + 0.05 * 4) == pytest.approx(0.036) and per_token == pytest.approx(0.05 * base)
+
+
+def test_a_requests_acceptance_follows_its_verdicts_and_is_forgotten_with_it():
+    rule = PayingLength(decay=0.5)
+    assert rule.acceptance("r") == 0.5  # the prior
+    rule.observe_round("r", 4, 4, 0.03)
+    rule.observe_round("r", 4, 4, 0.03)
+    assert rule.acceptance("r") > 0.85
+    rule.forget("r")
+    assert rule.acceptance("r") == 0.5
