@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.bench_service
 	$(BIN)/python -m bench.bench_http
 	$(BIN)/python -m bench.bench_tetris_sampling
+	$(BIN)/python -m bench.bench_workloads --pair demo --modes edge
 
 clean:
 	rm -rf $(VENV)

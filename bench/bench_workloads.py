@@ -1,0 +1,401 @@
+"""Speculation per task: tokens/s of each draft source against plain decoding, by task category.
+
+    python -m bench.bench_workloads [--pair real|demo] [--modes edge,local,fleet] [--sources model,ngram,suffix,hybrid]
+                                    [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
+                                    [--json PATH]
+
+The tasks are ``bench/workloads/tasks.jsonl``, written for this project: code completion, code
+editing, summary and extraction from a given passage, question answering over a given context,
+multi-turn chat, JSON extraction with a schema (``response_format``), tool calls (``tool_choice:
+required``) and open-ended chat, three each, sent as chat completions (greedy).
+
+* ``edge`` (batch 1 through an edge node over loopback): one verifier (``goodspeed verifier``,
+  pinned to CPU 0, one torch thread) serves plain decoding on its own OpenAI front (``--local-policy
+  none``) and the gRPC of one edge node per source and ``--draft-length`` rule (``goodspeed drafter
+  --serve``, pinned to CPU 1, one torch thread). Each task goes to plain decoding, then to each node, one request at a time:
+  the ratios are measured interleaved, in one run.
+* ``local`` (local serving, ``--batch`` requests at once): one verifier process per source
+  (``--local-draft SOURCE --local-policy chain``) and one plain (``none``), all pinned to the
+  same CPUs, served in turn batch by batch (interleaved); only one works at a time. A batch is one
+  category's tasks, cycled to ``--batch`` requests.
+* ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
+  once (each its share, one at a time), against the same verifier's batched plain decoding of the
+  same tasks ``--nodes`` at a time; the figure is the verifier's CPU seconds per generated token
+  (``/proc``), each phase ``--repeats`` times, interleaved.
+
+Per category and source: tokens/s and the speedup against plain decoding (its tokens/s in the
+same run), accepted tokens per verified draft and the acceptance rate (the server's
+``goodspeed:spec_decode_*`` counters), and how many outputs equal plain decoding's (greedy:
+all of them in fp32; in bf16 a batch shape may tip a near tie, which is counted, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+from bench.bench_http import free_port, wait_http
+from goodspeed.lm.loading import resolve_dtype
+
+TASKS = Path(__file__).resolve().parent / "workloads" / "tasks.jsonl"
+PAIRS = {"real": ("real:smollm2-135m", "real:smollm2-135m-draft"), "demo": ("demo:target", "demo:draft-distilled")}
+SOURCES = ("model", "ngram", "suffix", "hybrid")
+COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+
+
+def load_tasks(path: Path = TASKS) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def source_name(source: str, draft: str) -> str:
+    return {"model": draft, "ngram": "ngram", "suffix": "suffix", "hybrid": f"suffix+{draft}"}[source]
+
+
+def start(cmd: list[str], cpus: str, threads: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    pin = ["taskset", "-c", cpus] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
+    return subprocess.Popen(pin + cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, start_new_session=True)
+
+
+_MODELS: dict[int, str] = {}
+
+
+def served_model(port: int) -> str:
+    if port not in _MODELS:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
+            _MODELS[port] = json.loads(response.read())["data"][0]["id"]
+    return _MODELS[port]
+
+
+def post(port: int, task: dict, max_tokens: int) -> dict:
+    body = {"model": served_model(port), "messages": task["messages"], "max_tokens": max_tokens, "temperature": 0}
+    for key in ("response_format", "tools", "tool_choice"):
+        if key in task:
+            body[key] = task[key]
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            reply = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"task {task['id']} on port {port}: HTTP {exc.code}: {exc.read().decode()[:500]}") from None
+    message = reply["choices"][0]["message"]
+    return {"wall_s": time.perf_counter() - started, "tokens": reply["usage"]["completion_tokens"],
+            "output": json.dumps({k: message.get(k) for k in ("content", "tool_calls")}, sort_keys=True)}
+
+
+def text_of(output: str) -> str:
+    """A reply's text and calls without the calls' ids (random per reply): what greedy decoding
+    decides, for comparing a speculative reply with plain decoding's."""
+    message = json.loads(output)
+    calls = [c["function"] for c in message.get("tool_calls") or []]
+    return json.dumps({"content": message.get("content"), "calls": calls}, sort_keys=True)
+
+
+def counters(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("goodspeed:") and name.split(":", 1)[1] in out:
+            out[name.split(":", 1)[1]] += float(value)
+    return out
+
+
+def run_batch(port: int, tasks: list[dict], max_tokens: int, width: int | None = None) -> tuple[float, list[dict]]:
+    """``tasks`` sent at once (``width``: that many at a time, each sender taking the next); the
+    batch's wall time and each reply."""
+    replies: list[dict | None] = [None] * len(tasks)
+    width = width or len(tasks)
+
+    def one(i: int) -> None:
+        for k in range(i, len(tasks), width):
+            replies[k] = post(port, tasks[k], max_tokens)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(min(width, len(tasks)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started, replies
+
+
+class Servers:
+    """The processes of one mode; stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.procs = out, []
+
+    def __enter__(self) -> "Servers":
+        return self
+
+    def spawn(self, cmd: list[str], cpus: str, threads: int, name: str) -> None:
+        self.procs.append(start(cmd, cpus, threads, self.out / f"{name}.log"))
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
+    gs = [sys.executable, "-m", "goodspeed.launch.cli"]
+    grpc_port, plain_port = free_port(), free_port()
+    ports = {"plain": plain_port}
+    with Servers(out) as servers:
+        servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--http-port", str(plain_port),
+                            "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype,
+                            "--max-draft-len", str(args.max_draft_len), "--budget", str(args.budget)], "0", 1, "verifier")
+        wait_http(plain_port, 600)
+        for source in args.sources:
+            for rule in args.draft_lengths:
+                config = source if rule == args.draft_lengths[0] else f"{source}/{rule}"
+                ports[config] = free_port()
+                servers.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", source_name(source, draft),
+                                    "--tokenizer", target, "--name", f"edge-{config.replace('/', '-')}", "--serve",
+                                    f"127.0.0.1:{ports[config]}", "--dtype", dtype, "--no-proactive", "--max-concurrency", "1",
+                                    "--draft-length", rule], "1", 1, f"node-{config.replace('/', '-')}")
+        for port in ports.values():
+            wait_http(port, 600)
+        for port in ports.values():  # warm-up: the first request of each pays one-off costs
+            post(port, tasks[0], 8)
+        rows = []
+        for i, task in enumerate(tasks):
+            for config, port in ports.items():
+                before = counters(port)
+                reply = post(port, task, args.max_tokens)
+                after = counters(port)
+                rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
+                             **{k: after[k] - before[k] for k in COUNTERS}})
+            print(f"edge: {i + 1}/{len(tasks)} tasks", file=sys.stderr, flush=True)
+    return summarize(rows, list(ports))
+
+
+def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
+    gs = [sys.executable, "-m", "goodspeed.launch.cli"]
+    ports = {}
+    with Servers(out) as servers:
+        for config in ("plain", *args.sources):
+            ports[config] = free_port()
+            local = ["--local-draft", "ngram", "--local-policy", "none"] if config == "plain" else [
+                "--local-draft", source_name(config, draft), "--local-policy", "chain", "--local-k", str(args.local_k)]
+            servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
+                                "--dtype", dtype, "--max-local-requests", str(args.batch), *local], "0-1", 2, f"local-{config}")
+        for port in ports.values():
+            wait_http(port, 900)
+        for port in ports.values():
+            post(port, tasks[0], 8)
+        rows = []
+        categories = sorted({t["category"] for t in tasks}, key=[t["category"] for t in tasks].index)
+        batches = []  # one a category: its tasks cycled to --batch requests
+        for category in categories:
+            mine = [t for t in tasks if t["category"] == category]
+            batches.append([{**mine[i % len(mine)], "id": f"{mine[i % len(mine)]['id']}#{i}"} for i in range(args.batch)])
+        for b, batch in enumerate(batches):
+            for config, port in ports.items():
+                before = counters(port)
+                wall, replies = run_batch(port, batch, args.max_tokens)
+                after = counters(port)
+                for task, reply in zip(batch, replies):  # the batch's time shared by its tokens
+                    rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
+                                 "batch_wall_s": wall, "batch": b, **{k: (after[k] - before[k]) / len(batch) for k in COUNTERS}})
+            print(f"local: {b + 1}/{len(batches)} batches", file=sys.stderr, flush=True)
+    return summarize(rows, list(ports), batched=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fleet_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
+    """N edge nodes at once against batched plain decoding: the verifier's CPU seconds per
+    generated token (its capacity), both phases on one verifier, interleaved ``--repeats`` times."""
+    gs = [sys.executable, "-m", "goodspeed.launch.cli"]
+    grpc_port, plain_port = free_port(), free_port()
+    node_ports = []
+    with Servers(out) as servers:
+        servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--http-port", str(plain_port),
+                            "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype, "--max-local-requests",
+                            str(args.nodes), "--max-drafters", str(4 * args.nodes), "--budget", str(args.budget),
+                            "--max-draft-len", str(args.max_draft_len)], "0", 1, "verifier")
+        wait_http(plain_port, 600)
+        verifier_pid = servers.procs[0].pid
+        for i in range(args.nodes):
+            node_ports.append(free_port())
+            servers.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", source_name(args.fleet_source, draft),
+                                "--tokenizer", target, "--name", f"edge-{i}", "--serve", f"127.0.0.1:{node_ports[-1]}",
+                                "--dtype", dtype, "--no-proactive", "--max-concurrency", "1"], "1", 1, f"fleet-node-{i}")
+        for port in [plain_port, *node_ports]:
+            wait_http(port, 600)
+            post(port, tasks[0], 8)
+        phases = []
+        for repeat in range(args.repeats):
+            for phase in ("plain", "fleet"):
+                before, started = cpu_seconds(verifier_pid), time.perf_counter()
+                if phase == "plain":
+                    tokens = sum(r["tokens"] for r in run_batch(plain_port, tasks, args.max_tokens, width=args.nodes)[1])
+                else:
+                    tokens = run_fleet(node_ports, tasks, args.max_tokens)
+                phases.append({"phase": phase, "repeat": repeat, "tokens": tokens, "wall_s": time.perf_counter() - started,
+                               "verifier_cpu_s": cpu_seconds(verifier_pid) - before})
+                print(f"fleet: repeat {repeat + 1}/{args.repeats} {phase} done", file=sys.stderr, flush=True)
+    per_token = {phase: sum(p["verifier_cpu_s"] for p in phases if p["phase"] == phase)
+                 / sum(p["tokens"] for p in phases if p["phase"] == phase) for phase in ("plain", "fleet")}
+    return {"phases": phases, "verifier_cpu_s_per_token": per_token,
+            "fleet_over_plain": round(per_token["fleet"] / per_token["plain"], 3), "nodes": args.nodes,
+            "source": args.fleet_source}
+
+
+def run_fleet(ports: list[int], tasks: list[dict], max_tokens: int) -> int:
+    """Each node takes every ``len(ports)``-th task, one at a time, all nodes at once; tokens made."""
+    made = [0] * len(ports)
+
+    def node(i: int) -> None:
+        for task in tasks[i :: len(ports)]:
+            made[i] += post(ports[i], task, max_tokens)["tokens"]
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(len(ports))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(made)
+
+
+def summarize(rows: list[dict], configs: list[str], batched: bool = False) -> dict:
+    """Per category and config: tokens, seconds, tokens/s, speedup against plain, acceptance."""
+    plain = {r["id"]: text_of(r["output"]) for r in rows if r["config"] == "plain"}
+    table: dict = defaultdict(dict)
+    categories = sorted({r["category"] for r in rows}, key=[r["category"] for r in rows].index)
+    for category in categories + ["all"]:
+        for config in configs:
+            mine = [r for r in rows if r["config"] == config and category in (r["category"], "all")]
+            if batched:  # a batch's wall time, shared among its requests by their tokens
+                seconds = sum(r["batch_wall_s"] * r["tokens"] / max(1, sum(x["tokens"] for x in rows if x["config"] == config
+                                                                          and x["batch"] == r["batch"])) for r in mine)
+            else:
+                seconds = sum(r["wall_s"] for r in mine)
+            tokens = sum(r["tokens"] for r in mine)
+            drafts, drafted, accepted = (sum(r[k] for r in mine) for k in COUNTERS)
+            table[category][config] = {
+                "requests": len(mine), "tokens": tokens, "seconds": round(seconds, 4),
+                "tok_s": round(tokens / seconds, 3) if seconds else None,
+                "accepted_per_draft": round(accepted / drafts, 3) if drafts else None,
+                "acceptance": round(accepted / drafted, 3) if drafted else None,
+                "equal_to_plain": sum(text_of(r["output"]) == plain[r["id"]] for r in mine),
+            }
+        base = table[category]["plain"]["tok_s"]
+        for config in configs:
+            cell = table[category][config]
+            cell["speedup"] = round(cell["tok_s"] / base, 3) if base and cell["tok_s"] else None
+    geomean = {c: round(math.exp(sum(math.log(table[k][c]["speedup"]) for k in categories) / len(categories)), 3)
+               for c in configs}
+    return {"by_category": dict(table), "geomean_speedup": geomean, "rows": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="real")
+    parser.add_argument("--modes", default="edge,local")
+    parser.add_argument("--sources", default=",".join(SOURCES))
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-draft-len", type=int, default=8)
+    parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--draft-lengths", default="goodput", help="edge: the nodes' --draft-length rules, each a node per "
+                        "source (the first unnamed; others as SOURCE/RULE)")
+    parser.add_argument("--local-k", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tasks", type=Path, default=TASKS)
+    parser.add_argument("--nodes", type=int, default=8, help="fleet: edge nodes at once")
+    parser.add_argument("--fleet-source", choices=SOURCES, default="suffix", help="fleet: the nodes' draft source")
+    parser.add_argument("--repeats", type=int, default=2, help="fleet: interleaved repeats of both phases")
+    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--summarize", default=None, metavar="REPORT",
+                        help="recompute a written report's tables from its raw rows (no run) and write it back")
+    parser.add_argument("--logs", default="goodspeed-runs/bench-workloads", help="the servers' logs")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        return resummarize(Path(args.summarize))
+    args.sources = [s for s in args.sources.split(",") if s]
+    args.draft_lengths = [r for r in args.draft_lengths.split(",") if r]
+    if unknown := [r for r in args.draft_lengths if r not in ("goodput", "allotted")]:
+        parser.error(f"--draft-lengths: unknown {unknown}; known: goodput, allotted")
+    if unknown := [s for s in args.sources if s not in SOURCES]:
+        parser.error(f"--sources: unknown {unknown}; known: {', '.join(SOURCES)}")
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := [m for m in modes if m not in MODES]:
+        parser.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    target, draft = PAIRS[args.pair]
+    from goodspeed.lm.loading import ensure_models
+
+    ensure_models([target, draft])
+    out = Path(args.logs)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = load_tasks(args.tasks)
+    report = {"command": " ".join(["python -m bench.bench_workloads", *(argv if argv is not None else sys.argv[1:])]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())},
+              "pair": {"target": target, "draft": draft}, "dtype": args.dtype, "resolved_dtype": resolve_dtype(args.dtype),
+              "max_tokens": args.max_tokens, "max_draft_len": args.max_draft_len, "tasks": len(tasks)}
+    for mode in modes:
+        report[mode] = MODES[mode](args, tasks, target, draft, args.dtype, out)
+        if mode == "fleet":
+            print(f"\nfleet: verifier CPU s per token {report[mode]['verifier_cpu_s_per_token']}, "
+                  f"fleet / plain {report[mode]['fleet_over_plain']}")
+            continue
+        report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths} if mode == "edge"
+                                    else {"batch": args.batch, "local_k": args.local_k})
+        print_table(mode, report[mode])
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def resummarize(path: Path) -> int:
+    report = json.loads(path.read_text())
+    for mode in ("edge", "local"):
+        if mode in report:
+            configs = list(report[mode]["geomean_speedup"])
+            report[mode] = {**report[mode], **summarize(report[mode]["rows"], configs, batched=mode == "local")}
+            print_table(mode, report[mode])
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def print_table(mode: str, result: dict) -> None:
+    configs = list(result["geomean_speedup"])
+    print(f"\n{mode}: speedup against plain decoding (tok/s; acceptance)")
+    print(f"{'category':<20}" + "".join(f"{c:>22}" for c in configs))
+    for category, cells in result["by_category"].items():
+        print(f"{category:<20}" + "".join(
+            f"{cells[c]['speedup'] or 0:>7.2f}x {cells[c]['tok_s'] or 0:>6.1f} {cells[c]['acceptance'] or 0:>5.2f}" for c in configs))
+    print(f"{'geomean':<20}" + "".join(f"{result['geomean_speedup'][c]:>21.2f}x" for c in configs))
+
+
+MODES = {"edge": edge_mode, "local": local_mode, "fleet": fleet_mode}
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""The per-task benchmark's arithmetic (bench.bench_workloads.summarize) on hand-made rows, and its
+task file: every category the issue names, each task a valid chat request."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def repo_root_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+
+
+def row(config, category, tid, wall_s, tokens, output, drafts=0, drafted=0, accepted=0):
+    return {"config": config, "category": category, "id": tid, "wall_s": wall_s, "tokens": tokens, "output": output,
+            "spec_decode_num_drafts_total": drafts, "spec_decode_num_draft_tokens_total": drafted,
+            "spec_decode_num_accepted_tokens_total": accepted}
+
+
+def test_speedups_acceptance_and_equality_per_category():
+    from bench.bench_workloads import summarize
+
+    call = lambda cid: json.dumps({"content": None, "tool_calls": [{"id": cid, "function": {"name": "f", "arguments": "{}"}}]})
+    text = json.dumps({"content": "x", "tool_calls": None})
+    rows = [row("plain", "a", "1", 2.0, 20, text), row("src", "a", "1", 1.0, 20, text, 4, 16, 8),
+            row("plain", "b", "2", 1.0, 10, call("c1")), row("src", "b", "2", 2.0, 10, call("c2"), 2, 4, 1)]
+    out = summarize(rows, ["plain", "src"])
+    a, b = out["by_category"]["a"]["src"], out["by_category"]["b"]["src"]
+    assert (a["speedup"], a["acceptance"], a["accepted_per_draft"], a["equal_to_plain"]) == (2.0, 0.5, 2.0, 1)
+    assert (b["speedup"], b["acceptance"], b["equal_to_plain"]) == (0.5, 0.25, 1)  # a call's id is not its text
+    assert out["geomean_speedup"]["src"] == pytest.approx(1.0)
+    assert out["by_category"]["all"]["src"]["speedup"] == pytest.approx((30 / 3.0) / (30 / 3.0))
+
+
+def test_the_task_file_covers_each_category_with_chat_requests():
+    from bench.bench_workloads import load_tasks
+
+    tasks = load_tasks()
+    categories = {t["category"] for t in tasks}
+    assert categories == {"code-completion", "code-editing", "summary-extraction", "context-qa", "multi-turn-chat",
+                          "json-extraction", "tool-calls", "open-chat"}
+    assert len({t["id"] for t in tasks}) == len(tasks)
+    for t in tasks:
+        assert t["messages"] and t["messages"][-1]["role"] == "user"
+        assert ("tools" in t) == (t["category"] == "tool-calls") and ("response_format" in t) == (t["category"] == "json-extraction")
