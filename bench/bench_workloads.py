@@ -15,7 +15,7 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   --serve``, pinned to CPU 1, one torch thread). Each task goes to plain decoding, then to each node, one request at a time:
   the ratios are measured interleaved, in one run.
 * ``local`` (local serving, ``--batch`` requests at once): one verifier process per source
-  (``--local-draft SOURCE --local-policy chain``) and one plain (``none``), all pinned to the
+  (``--local-draft SOURCE --local-policy goodput``, or ``chain``) and one plain (``none``), all pinned to the
   same CPUs, served in turn batch by batch (interleaved); only one works at a time. A batch is one
   category's tasks, cycled to ``--batch`` requests.
 * ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
@@ -198,7 +198,8 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
         for config in ("plain", *args.sources):
             ports[config] = free_port()
             local = ["--local-draft", "ngram", "--local-policy", "none"] if config == "plain" else [
-                "--local-draft", source_name(config, draft), "--local-policy", "chain", "--local-k", str(args.local_k)]
+                "--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
+                "--local-max-k", str(args.local_k)]
             servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
                                 "--dtype", dtype, "--max-local-requests", str(args.batch), *local], "0-1", 2, f"local-{config}")
         for port in ports.values():
@@ -326,7 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--draft-lengths", default="goodput", help="edge: the nodes' --draft-length rules, each a node per "
                         "source (the first unnamed; others as SOURCE/RULE)")
-    parser.add_argument("--local-k", type=int, default=6)
+    parser.add_argument("--local-k", type=int, default=6, help="local: chain's k, goodput's longest length")
+    parser.add_argument("--local-policy", choices=("chain", "goodput"), default="goodput")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tasks", type=Path, default=TASKS)
     parser.add_argument("--nodes", type=int, default=8, help="fleet: edge nodes at once")
@@ -366,7 +368,7 @@ def main(argv=None) -> int:
                   f"fleet / plain {report[mode]['fleet_over_plain']}")
             continue
         report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths} if mode == "edge"
-                                    else {"batch": args.batch, "local_k": args.local_k})
+                                    else {"batch": args.batch, "local_k": args.local_k, "local_policy": args.local_policy})
         print_table(mode, report[mode])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ SOURCE``) name one the same way:
 * ``MODEL`` — a draft model (hub id, directory, ``demo:<name>``, ``real:<name>``);
 * ``ngram`` or ``suffix`` — a lookup alone (:mod:`goodspeed.lm.lookup`): no model is loaded, so
   the node needs the target's tokenizer (``--tokenizer``);
-* ``LOOKUP+MODEL`` (``suffix+real:smollm2-135m-draft``) — :class:`HybridDraft`: the lookup's draft
-  where it expects at least ``min_score`` accepted tokens, the model's elsewhere.
+* ``LOOKUP+MODEL`` (``suffix+real:smollm2-135m-draft``) — :class:`HybridDraft`: each round the
+  part whose draft is worth more, by each part's acceptance measured on the request.
 
 Adding a source is one class with that interface and one entry in :data:`LOOKUPS`.
 """
@@ -31,8 +31,10 @@ from goodspeed.lm.sampling import SamplingParams
 
 LOOKUPS: dict[str, type[LookupDraft]] = {"ngram": PromptLookup, "suffix": SuffixDraft}
 
-# HybridDraft's default: the lookup's draft is taken where it expects two or more accepted tokens
-HYBRID_MIN_SCORE = 2.0
+# HybridDraft's priors on each part's acceptance, as (accepted, rejections): a lookup's drafts are
+# text the request (or the node) has seen, so it starts trusted a little more than the model
+LOOKUP_PRIOR = (2.0, 1.0)
+MODEL_PRIOR = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -82,17 +84,25 @@ class DraftSpec:
 
 
 class HybridDraft:
-    """A lookup in front of a draft model: each request's draft is the lookup's where the lookup
-    expects at least ``min_score`` of its tokens accepted, else the model's. The choice reads
-    only the committed text (never a sampled token), so each drafted token's ``q`` is still what
-    it was drawn from: the lookup's point mass or the model's distribution."""
+    """A lookup in front of a draft model. Each round, for each request, the part expected to get
+    more tokens accepted drafts: the lookup's ``m`` tokens are worth ``sum_{k<=m} a_L^k``, the
+    model's ``n`` allotted ones ``sum_{k<=n} a_M^k``, each ``a`` the part's own acceptance on
+    this request, counted from the verdicts of the rounds it drafted (accepted tokens and
+    rejections, decayed by ``decay`` a round; priors :data:`LOOKUP_PRIOR` and :data:`MODEL_PRIOR`).
+    A tie goes to the lookup, which costs nothing to run. The choice reads only the committed text
+    and past verdicts (never a token sampled this round), so each drafted token's ``q`` is still
+    what it was drawn from: the lookup's point mass or the model's distribution."""
 
-    def __init__(self, lookup: LookupDraft, model: BatchDraftModel, min_score: float = HYBRID_MIN_SCORE) -> None:
+    def __init__(self, lookup: LookupDraft, model: BatchDraftModel, decay: float = 0.8) -> None:
         if lookup.vocab_size != model.vocab_size:
             raise ValueError(f"lookup vocabulary {lookup.vocab_size} != draft vocabulary {model.vocab_size}")
-        self.lookup, self.model, self.min_score = lookup, model, min_score
+        if not 0 <= decay < 1:
+            raise ValueError(f"decay must lie in [0, 1), got {decay}")
+        self.lookup, self.model, self.decay = lookup, model, decay
         self.vocab_size = model.vocab_size
         self.from_lookup = {"rounds": 0, "drafted": 0}  # rounds drafted by the lookup, and their tokens
+        self._counts: dict[str, dict[str, list[float]]] = {}  # key -> part -> [accepted, rejections]
+        self._last: dict[str, tuple[str, int, int]] = {}  # key -> (part, text length it drafted after, tokens)
 
     graphs = property(lambda self: self.model.graphs)
     slots = property(lambda self: self.lookup.slots)
@@ -102,12 +112,27 @@ class HybridDraft:
     def add(self, key: str) -> None:
         self.lookup.add(key)
         self.model.add(key)
+        self._counts[key] = {"lookup": list(LOOKUP_PRIOR), "model": list(MODEL_PRIOR)}
 
     def remove(self, key: str, committed: Sequence[int] | None = None) -> None:
         self.lookup.remove(key, committed)
         self.model.remove(key)
+        self._counts.pop(key, None)
+        self._last.pop(key, None)
+
+    def acceptance(self, key: str, part: str) -> float:
+        accepted, rejected = self._counts[key][part]
+        return accepted / (accepted + rejected)
 
     def rollback(self, key: str, committed_before: int, num_accepted: int) -> None:
+        """After a verdict: the drafting part's counts (tokens forced before its draft aside),
+        then the model's KV."""
+        part, start, drafted = self._last.pop(key, ("", 0, 0))
+        accepted = committed_before + num_accepted - start
+        if drafted and accepted >= 0 and key in self._counts:
+            counts = self._counts[key][part]
+            counts[0] = self.decay * counts[0] + min(accepted, drafted)
+            counts[1] = self.decay * counts[1] + (accepted < drafted)
         self.model.rollback(key, committed_before, num_accepted)
 
     def warm_up(self, chains: int = 0, tree=None, prompt_len: int = 32) -> int:
@@ -119,14 +144,19 @@ class HybridDraft:
         for key, n in lengths.items():
             if n <= 0:
                 continue
-            tokens, score = self.lookup.propose_scored(key, committed[key], n)
-            if tokens and score >= self.min_score:
+            tokens = self.lookup.propose(key, committed[key], n)
+            worth = [sum(self.acceptance(key, part) ** k for k in range(1, m + 1))
+                     for part, m in (("lookup", len(tokens)), ("model", n))]
+            if tokens and worth[0] >= worth[1]:
                 out[key] = ChainDraft(tokens, None, [1.0] * len(tokens), sampled=not sampling[key].greedy)
                 self.from_lookup["rounds"] += 1
                 self.from_lookup["drafted"] += len(tokens)
         rest = {key: n for key, n in lengths.items() if key not in out}
         if rest:
             out.update(self.model.draft_chains(committed, rest, sampling, generator, histories))
+        for key, draft in out.items():
+            if draft.token_ids:
+                self._last[key] = ("lookup" if draft.probs is None else "model", len(committed[key]), len(draft.token_ids))
         return out
 
 

@@ -7,6 +7,7 @@ transformers), with randomness and time passed in.
 - :mod:`.adaserve` — AdaServe's SLO-customized tree selection (Alg. 2, eqs. 8-9)
 - :mod:`.turbospec` — TurboSpec's latency model and goodput-maximising proposal length
 - :mod:`.nightjar` — Nightjar's switching-cost-aware bandit (Alg. 1, eq. 3)
+- :mod:`.paying` — a drafter's own length rule: draft only what pays (TurboSpec's goodput, per request)
 - :mod:`.policy` — the by-name interface the verifier uses
 - :mod:`.allotments` — the verifier's per-round draft-length bookkeeping (engine and simulator)
 """
@@ -27,6 +28,7 @@ from goodspeed.scheduler.goodspeed import (
     expected_goodput,
 )
 from goodspeed.scheduler.nightjar import NightjarBandit
+from goodspeed.scheduler.paying import PayingLength, paying_batch_lengths, paying_draft_length
 from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, default_eta, make_policy, POLICIES, smoothing_of
 from goodspeed.scheduler.allotments import DraftAllotments, OwnerSizedAllotments
 from goodspeed.scheduler.tetris import presample_scores, select_by_scores, select_tokens, verification_success_rate
@@ -40,6 +42,7 @@ __all__ = [
     "GoodputEstimator",
     "LatencyModel",
     "NightjarBandit",
+    "PayingLength",
     "OwnerSizedAllotments",
     "POLICIES",
     "ProposalChoice",
@@ -53,6 +56,8 @@ __all__ = [
     "fit_latency_model",
     "fixed_draft_lengths",
     "make_policy",
+    "paying_batch_lengths",
+    "paying_draft_length",
     "random_draft_lengths",
     "select_tokens",
     "presample_scores",

@@ -51,6 +51,37 @@ def paying_draft_length(acceptance: float, allotted: int, draft_s_per_token: flo
     return int(np.argmax(rate))
 
 
+def paying_batch_lengths(acceptance, allotted: int, step_s: float, verify_s_per_token: float,
+                         draft_s_per_step: float) -> list[int]:
+    """A batch's draft lengths with the most expected tokens per second: each request ``i`` with
+    acceptance ``a_i`` drafts ``S_i <= allotted``; a step costs ``step_s + verify_s_per_token *
+    sum_i S_i + draft_s_per_step * max_i S_i`` (the draft model drafts the batch together, one
+    forward a step). For each longest length ``m``, the best set of ``n`` units is the ``n`` largest
+    gains ``a_i^s`` (``s <= m``; a request's gains fall with ``s``, so each takes a prefix), and
+    the best ``n`` is read off all of them; the best ``m`` wins (ties: the shorter). ``S = 0`` for
+    all where nothing pays.
+
+    >>> paying_batch_lengths([0.9, 0.1], 4, step_s=0.03, verify_s_per_token=0.002, draft_s_per_step=0.0)
+    [4, 0]
+    """
+    a = [float(x) for x in acceptance]
+    if any(not 0.0 <= x <= 1.0 for x in a) or allotted < 0 or step_s <= 0 or verify_s_per_token < 0 or draft_s_per_step < 0:
+        raise ValueError("need acceptances in [0, 1], allotted >= 0, step_s > 0 and non-negative per-token times")
+    best, best_rate = [0] * len(a), len(a) / step_s
+    for longest in range(1, allotted + 1):
+        units = sorted(((x ** s, i) for i, x in enumerate(a) for s in range(1, longest + 1)), key=lambda u: (-u[0], u[1]))
+        gains = np.cumsum([g for g, _ in units])
+        counts = np.arange(1, len(units) + 1)
+        rates = (len(a) + gains) / (step_s + draft_s_per_step * longest + verify_s_per_token * counts)
+        n = int(np.argmax(rates)) + 1
+        if rates[n - 1] > best_rate:
+            lengths = [0] * len(a)
+            for _, i in units[:n]:
+                lengths[i] += 1
+            best, best_rate = lengths, float(rates[n - 1])
+    return best
+
+
 @dataclass
 class _Acceptance:
     accepted: float = 1.0  # a prior of one accepted token and one rejection: a = 0.5 before any verdict

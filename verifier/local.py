@@ -31,7 +31,10 @@ Policies (``--local-policy``), one :class:`LocalPolicy` subclass each, found by 
 * ``turbospec`` — TurboSpec (seeds 001, Listing 2): ``k`` (0 included) maximising predicted
   goodput under the profiled latency models, from the requests' smoothed acceptance;
 * ``nightjar`` — Nightjar (seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded with
-  the measured goodput of the step, with the draft catch-up as the switching cost.
+  the measured goodput of the step, with the draft catch-up as the switching cost;
+* ``goodput`` — each request's own length (0 included), the batch's most expected tokens per
+  second from the requests' smoothed acceptances and the step's measured costs
+  (:mod:`goodspeed.scheduler.paying`): speculation stops where it does not pay.
 
 Losslessness under sampling (DESIGN.md section 3): no decision looks at a sampled token's value
 before it is verified. TETRIS ranks by what was known before each draw (above); AdaServe's beam
@@ -67,7 +70,9 @@ from goodspeed.scheduler import (
     LatencyModel,
     NightjarBandit,
     OwnerSizedAllotments,
+    PayingLength,
     choose_proposal_length,
+    paying_batch_lengths,
     presample_scores,
     select_by_scores,
     select_tree_nodes,
@@ -717,6 +722,57 @@ class NightjarChains(LocalPolicy):
             self.bandit.observe(batch_size, k, emitted / duration_s)
 
 
+class GoodputChains(LocalPolicy):
+    """``goodput``: each request drafts the length (at most ``max_k``) that, with the others',
+    gives the batch the most expected tokens per second (:func:`goodspeed.scheduler.paying_batch_lengths`),
+    from each request's smoothed acceptance and the step's measured costs: a round's time fitted
+    against the tokens it verified, the draft's forward time per drafting step. A request whose
+    drafts do not pay drafts nothing, and one token every ``probe_every`` steps to hear its
+    acceptance again. The first step, with nothing measured, drafts ``k``."""
+
+    name = "goodput"
+
+    def __init__(self, serving):
+        super().__init__(serving)
+        self.costs = PayingLength()
+        self._idle: dict[str, int] = {}  # steps in a row a request drafted nothing
+        self._drafted = 0
+        self._drafting_s = 0.0
+
+    @staticmethod
+    def check(config):
+        if config.max_k < 1:
+            raise ValueError("goodput needs max_k >= 1")
+
+    @staticmethod
+    def drafting(config):
+        return max(config.k, config.max_k), None
+
+    def plan(self, reqs):
+        s, cfg = self.serving, self.serving.config
+        costs = self.costs.round_costs()
+        if costs is None:
+            lengths = {r.request_id: min(cfg.k, r.cap) for r in reqs}
+        else:
+            chosen = paying_batch_lengths([s._acceptance(r) for r in reqs], cfg.max_k, costs[0], costs[1], s.draft_forward_s)
+            lengths = {r.request_id: min(self._probe(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
+        self._drafted = sum(lengths.values())
+        started = s.clock.now()
+        plans = s._timed_chains(reqs, lengths)
+        self._drafting_s = s.clock.now() - started
+        return plans, None
+
+    def _probe(self, request_id: str, length: int) -> int:
+        idle = self._idle.get(request_id, 0) + 1 if length == 0 else 0
+        if idle >= self.costs.probe_every:
+            idle, length = 0, 1
+        self._idle[request_id] = idle
+        return length
+
+    def observe(self, batch_size, k, emitted, duration_s):
+        self.costs.observe_round("batch", self._drafted, 0, duration_s - self._drafting_s)
+
+
 class TetrisSelection(LocalPolicy):
     """``tetris`` (TETRIS, seeds 004, Alg. 1): draft ``k + extra``, verify the batch's ``capacity``
     most probable tokens (:meth:`LocalServing._tetris`)."""
@@ -746,6 +802,7 @@ class AdaServeTrees(LocalPolicy):
 
 
 LOCAL_POLICY_CLASSES: dict[str, type[LocalPolicy]] = {
-    cls.name: cls for cls in (PlainDecoding, FixedChains, TetrisSelection, AdaServeTrees, TurboSpecChains, NightjarChains)
+    cls.name: cls for cls in (PlainDecoding, FixedChains, TetrisSelection, AdaServeTrees, TurboSpecChains, NightjarChains,
+                              GoodputChains)
 }
 LOCAL_POLICIES = tuple(LOCAL_POLICY_CLASSES)

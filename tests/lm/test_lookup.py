@@ -182,17 +182,25 @@ def test_draft_source_names():
         DraftSpec.parse("suffix").build(torch.nn.Linear(1, 1), 10)
 
 
-def test_the_hybrid_takes_the_lookups_draft_where_it_expects_two_accepted_tokens_else_the_models():
+def test_the_hybrid_drafts_with_the_part_whose_measured_acceptance_makes_its_draft_worth_more():
     model = tiny_llama(0, vocab=16)
     hybrid = HybridDraft(PromptLookup(16), BatchDraftModel(model))
     for key in "ab":
         hybrid.add(key)
     committed = {"a": [1, 2, 3, 4, 1, 2], "b": [5, 6, 7]}  # a repeats itself; b does not
     drafts = hybrid.draft_chains(committed, {"a": 3, "b": 3}, {"a": GREEDY, "b": GREEDY}, torch.Generator().manual_seed(0))
-    assert drafts["a"].token_ids == [3, 4, 1] and drafts["a"].probs is None
-    assert len(drafts["b"].token_ids) == 3 and drafts["b"].probs is not None  # the model's chain, with its q
+    assert drafts["a"].token_ids == [3, 4, 1] and drafts["a"].probs is None  # the priors favour the free lookup
+    assert len(drafts["b"].token_ids) == 3 and drafts["b"].probs is not None  # nothing to look up: the model, with its q
     assert hybrid.from_lookup == {"rounds": 1, "drafted": 3} and hybrid.forwards > 0
     hybrid.rollback("b", 3, 1)
     assert hybrid.model.cached_length("b") == 4  # the committed text and the accepted draft
+    assert hybrid.acceptance("b", "model") == pytest.approx((0.8 * 1 + 1) / (0.8 * 2 + 1 + 1))
+    parts = []
+    for _ in range(6):  # every draft for a rejected outright, round after round
+        d = hybrid.draft_chains(committed, {"a": 3}, {"a": GREEDY}, torch.Generator().manual_seed(0))["a"]
+        parts.append("lookup" if d.probs is None else "model")
+        hybrid.rollback("a", len(committed["a"]), 0)
+    assert parts[0] == "lookup" and "model" in parts  # the lookup's measured acceptance fell below the model's
+    assert hybrid.acceptance("a", "lookup") < 2 / 3
     hybrid.remove("a", committed["a"])
     assert "a" not in hybrid.slots and "a" not in hybrid.model.slots

@@ -4,10 +4,12 @@ and recovers when the text turns repetitive again."""
 
 import itertools
 
+import numpy as np
+
 import pytest
 
 from goodspeed.scheduler.goodspeed import expected_goodput
-from goodspeed.scheduler.paying import PayingLength, paying_draft_length
+from goodspeed.scheduler.paying import PayingLength, paying_batch_lengths, paying_draft_length
 
 
 @pytest.mark.parametrize("a, draft, rnd, verify", list(itertools.product(
@@ -69,3 +71,23 @@ def test_a_requests_acceptance_follows_its_verdicts_and_is_forgotten_with_it():
     assert rule.acceptance("r") > 0.85
     rule.forget("r")
     assert rule.acceptance("r") == 0.5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_batch_lengths_have_the_most_tokens_per_second(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.choice([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0], size=3)
+    step, verify, draft = rng.choice([0.01, 0.05]), rng.choice([0.0, 0.001, 0.01]), rng.choice([0.0, 0.002, 0.02])
+
+    def rate(lengths):
+        tokens = sum(float(expected_goodput(x, s)) for x, s in zip(a, lengths))
+        return tokens / (step + verify * sum(lengths) + draft * max(lengths))
+
+    best = max(rate(s) for s in itertools.product(range(4), repeat=3))
+    got = paying_batch_lengths(a, 3, step, verify, draft)
+    assert rate(got) == pytest.approx(best) and all(0 <= s <= 3 for s in got)
+
+
+def test_a_batch_drafts_for_the_requests_that_pay_and_nothing_where_none_does():
+    assert paying_batch_lengths([0.9, 0.05, 0.9], 4, 0.03, 0.002, 0.001) == [4, 0, 4]
+    assert paying_batch_lengths([0.05] * 8, 6, 0.2, 0.004, 0.003) == [0] * 8

@@ -249,7 +249,7 @@ def test_fail_all_ends_every_request_and_frees_its_state(models):
 
 def test_a_local_policy_is_one_registered_class(models, monkeypatch):
     """Adding a policy: one LocalPolicy subclass in the registry; the config checks it, serving uses it."""
-    assert LOCAL_POLICIES == ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar")
+    assert LOCAL_POLICIES == ("none", "chain", "tetris", "adaserve", "turbospec", "nightjar", "goodput")
 
     class EveryOtherStep(LocalPolicy):
         name = "every-other"

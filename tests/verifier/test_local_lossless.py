@@ -55,8 +55,8 @@ def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_reque
     while serving.step() is not None:
         pass
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
-    if policy != "none":
-        assert serving.stats()["drafted"] > n  # speculation really happened
+    if policy != "none":  # speculation really happened (goodput drafts only where it pays: this draft, some of the time)
+        assert serving.stats()["drafted"] > (n // 4 if policy == "goodput" else n)
     if graphs or torch_compile:  # every step took the fixed shapes, and the draft's forwards but its first (which makes its KV pool)
         assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)
         assert serving.draft.graphs.steps == serving.draft.forwards - 1
@@ -68,7 +68,7 @@ def check(models, outputs, expect_ok=True):
     assert ok == expect_ok, msg
 
 
-@pytest.mark.parametrize("policy", ["none", "chain", "adaserve", "turbospec", "nightjar"])
+@pytest.mark.parametrize("policy", ["none", "chain", "adaserve", "turbospec", "nightjar", "goodput"])
 def test_every_local_policy_follows_the_target(models, policy):
     check(models, generate(models, policy, 600))
 
@@ -115,7 +115,7 @@ def test_value_ranked_tetris_is_caught(models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar"])
+@pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar", "goodput"])
 def test_every_local_policy_large_sample(models, policy):
     check(models, generate(models, policy, 6000))
 

@@ -25,7 +25,7 @@ PROMPT = [1, 2, 3, 4, 1, 2]  # "1 2" occurred before: both lookups propose 3, 4,
 SOURCES = {
     "ngram": lambda target, draft: PromptLookup(target.config.vocab_size),
     "suffix": lambda target, draft: SuffixDraft(target.config.vocab_size),
-    "hybrid": lambda target, draft: HybridDraft(SuffixDraft(target.config.vocab_size), BatchDraftModel(draft), min_score=1.0),
+    "hybrid": lambda target, draft: HybridDraft(SuffixDraft(target.config.vocab_size), BatchDraftModel(draft)),
 }
 
 
