@@ -17,7 +17,8 @@ leaves the output's distribution unchanged.
 
 :class:`PayingLength` keeps the estimates: per request its acceptance (counts of accepted tokens
 and of rejections, which a chain's verdict gives, decayed so a request's acceptance can move
-with its text), and per drafter the times (smoothed means; ``t_round`` and ``t_verify`` fitted by
+with its text, starting from the drafter's pooled acceptance over its recent verdicts), and per
+drafter the times (smoothed means; ``t_round`` and ``t_verify`` fitted by
 least squares over recent rounds, the slope taken from ``default_verify_ratio`` until the rounds'
 lengths vary enough to fit it). A request at ``S = 0`` drafts one token every ``probe_every``
 rounds, so its acceptance is heard again and speculation resumes where it pays again.
@@ -82,6 +83,10 @@ def paying_batch_lengths(acceptance, allotted: int, step_s: float, verify_s_per_
     return best
 
 
+PRIOR_WEIGHT = 2.0  # verdicts' worth of the pooled acceptance a new request starts with
+POOLED_DECAY = 0.95  # the pooled counts' decay a verdict (its memory: some 20 verdicts)
+
+
 @dataclass
 class _Acceptance:
     accepted: float = 1.0  # a prior of one accepted token and one rejection: a = 0.5 before any verdict
@@ -105,6 +110,7 @@ class PayingLength:
     draft_s_per_token: float = 0.0
     _rounds: deque = field(default_factory=deque)  # (drafted, round seconds)
     _requests: dict = field(default_factory=dict)
+    _pooled: _Acceptance = field(default_factory=_Acceptance)  # every request's verdicts, decayed slowly
 
     def __post_init__(self) -> None:
         if not (0 <= self.decay < 1 and 0 < self.smoothing <= 1 and self.default_verify_ratio >= 0 and self.window >= 2
@@ -116,7 +122,17 @@ class PayingLength:
         self._requests.pop(request, None)
 
     def acceptance(self, request: Hashable) -> float:
-        return self._requests.get(request, _Acceptance()).rate
+        return self._state(request).rate
+
+    def _state(self, request: Hashable) -> _Acceptance:
+        """A request's counts; a new one starts from the drafter's pooled acceptance (its recent
+        requests', as :data:`PRIOR_WEIGHT` verdicts), so a request whose text is like the last
+        ones' does not begin by over-drafting."""
+        state = self._requests.get(request)
+        if state is None:
+            rate = self._pooled.rate
+            state = self._requests[request] = _Acceptance(PRIOR_WEIGHT * rate, PRIOR_WEIGHT * (1.0 - rate))
+        return state
 
     def round_costs(self) -> tuple[float, float] | None:
         """``(t_round, t_verify)`` from the recent rounds; None before any."""
@@ -136,7 +152,7 @@ class PayingLength:
         costs = self.round_costs()
         if costs is None or allotted <= 0:
             return allotted
-        state = self._requests.setdefault(request, _Acceptance())
+        state = self._state(request)
         best = paying_draft_length(state.rate, allotted, self.draft_s_per_token, costs[0], costs[1])
         if best == 0:
             state.idle_rounds += 1
@@ -151,9 +167,9 @@ class PayingLength:
         """A verdict: ``accepted`` of ``drafted`` tokens taken; ``round_s`` from sending the draft to
         the verdict."""
         if drafted > 0:
-            state = self._requests.setdefault(request, _Acceptance())
-            state.accepted = self.decay * state.accepted + accepted
-            state.rejected = self.decay * state.rejected + (accepted < drafted)
+            for state, decay in ((self._state(request), self.decay), (self._pooled, POOLED_DECAY)):
+                state.accepted = decay * state.accepted + accepted
+                state.rejected = decay * state.rejected + (accepted < drafted)
         if math.isfinite(round_s) and round_s > 0:
             self._rounds.append((drafted, round_s))
             while len(self._rounds) > self.window:

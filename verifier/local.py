@@ -725,8 +725,10 @@ class NightjarChains(LocalPolicy):
 class GoodputChains(LocalPolicy):
     """``goodput``: each request drafts the length (at most ``max_k``) that, with the others',
     gives the batch the most expected tokens per second (:func:`goodspeed.scheduler.paying_batch_lengths`),
-    from each request's smoothed acceptance and the step's measured costs: a round's time fitted
-    against the tokens it verified, the draft's forward time per drafting step. A request whose
+    from each request's acceptance (its verdicts' accepted tokens and rejections, a new request
+    starting from the recent requests': :class:`~goodspeed.scheduler.PayingLength`) and the step's
+    measured costs: a round's time fitted against the tokens it verified, the draft's forward
+    time per drafting step. A request whose
     drafts do not pay drafts nothing, and one token every ``probe_every`` steps to hear its
     acceptance again. The first step, with nothing measured, drafts ``k``."""
 
@@ -736,6 +738,7 @@ class GoodputChains(LocalPolicy):
         super().__init__(serving)
         self.costs = PayingLength()
         self._idle: dict[str, int] = {}  # steps in a row a request drafted nothing
+        self._seen: dict[str, tuple[int, int]] = {}  # a request's drafted and accepted totals at its last plan
         self._drafted = 0
         self._drafting_s = 0.0
 
@@ -750,11 +753,21 @@ class GoodputChains(LocalPolicy):
 
     def plan(self, reqs):
         s, cfg = self.serving, self.serving.config
+        current = {r.request_id for r in reqs}
+        for gone in [key for key in self._seen if key not in current]:  # finished (or prefilling again): forgotten
+            del self._seen[gone]
+            self._idle.pop(gone, None)
+            self.costs.forget(gone)
+        for r in reqs:  # each request's last verdict, from its running totals: accepted tokens and a rejection
+            before = self._seen.get(r.request_id, (0, 0))
+            self.costs.observe_round(r.request_id, r.drafted - before[0], r.accepted - before[1], math.nan)
+            self._seen[r.request_id] = (r.drafted, r.accepted)
         costs = self.costs.round_costs()
         if costs is None:
             lengths = {r.request_id: min(cfg.k, r.cap) for r in reqs}
         else:
-            chosen = paying_batch_lengths([s._acceptance(r) for r in reqs], cfg.max_k, costs[0], costs[1], s.draft_forward_s)
+            acceptance = [self.costs.acceptance(r.request_id) for r in reqs]
+            chosen = paying_batch_lengths(acceptance, cfg.max_k, costs[0], costs[1], s.draft_forward_s)
             lengths = {r.request_id: min(self._probe(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
         self._drafted = sum(lengths.values())
         started = s.clock.now()

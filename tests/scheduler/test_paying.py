@@ -63,14 +63,16 @@ def test_the_round_cost_is_fitted_from_rounds_of_different_lengths():
     assert base * (1 + 0.05 * 4) == pytest.approx(0.036) and per_token == pytest.approx(0.05 * base)
 
 
-def test_a_requests_acceptance_follows_its_verdicts_and_is_forgotten_with_it():
+def test_a_requests_acceptance_follows_its_verdicts_and_a_new_one_starts_from_the_pooled_rate():
     rule = PayingLength(decay=0.5)
-    assert rule.acceptance("r") == 0.5  # the prior
+    assert rule.acceptance("r") == 0.5  # nothing heard yet: the pooled prior
     rule.observe_round("r", 4, 4, 0.03)
     rule.observe_round("r", 4, 4, 0.03)
     assert rule.acceptance("r") > 0.85
+    pooled = rule._pooled.rate
+    assert 0.5 < pooled < rule.acceptance("r")
     rule.forget("r")
-    assert rule.acceptance("r") == 0.5
+    assert rule.acceptance("r") == pytest.approx(pooled) and rule.acceptance("new") == pytest.approx(pooled)
 
 
 @pytest.mark.parametrize("seed", range(20))
