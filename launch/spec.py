@@ -201,7 +201,7 @@ class VerifierSpec:
     # Local serving (Generate RPC): the verifier's own draft model and how it speculates.
     local_draft: str | None = setting(None, "serve Generate requests, drafting with this source: a model (hub id, directory or "
                                             "demo:<name>), a lookup (ngram, suffix) or LOOKUP+MODEL")
-    local_policy: str = setting("chain", "how local requests speculate: none, chain, tetris, adaserve, turbospec or nightjar "
+    local_policy: str = setting("chain", "how local requests speculate: none, chain, tetris, adaserve, turbospec, nightjar or goodput "
                                          "(goodspeed.verifier.local.LOCAL_POLICY_CLASSES; checked before any model loads)",
                                 to="local.policy")
     local_k: int = setting(4, "chain: tokens drafted per request; tetris: base length", to="local.k")

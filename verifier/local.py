@@ -33,7 +33,7 @@ Policies (``--local-policy``), one :class:`LocalPolicy` subclass each, found by 
 * ``nightjar`` — Nightjar (seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded with
   the measured goodput of the step, with the draft catch-up as the switching cost;
 * ``goodput`` — each request's own length (0 included), the batch's most expected tokens per
-  second from the requests' smoothed acceptances and the step's measured costs
+  second from the requests' measured acceptances and the step's measured costs
   (:mod:`goodspeed.scheduler.paying`): speculation stops where it does not pay.
 
 Losslessness under sampling (DESIGN.md section 3): no decision looks at a sampled token's value
@@ -301,7 +301,7 @@ class LocalServing:
             raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {engine.vocab_size}")
         if LOCAL_POLICY_CLASSES[config.policy].drafting(config)[1] is not None and not hasattr(draft, "draft_trees"):
             raise ValueError(f"the {config.policy} policy drafts beam trees with a draft model alone; this draft source "
-                             "drafts chains: use chain, tetris, turbospec or nightjar")
+                             "drafts chains: use chain, tetris, turbospec, nightjar or goodput")
         self.engine, self.config = engine, config
         self.clock = clock or RealClock()
         self.draft = draft
