@@ -59,6 +59,7 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
 from goodspeed.scheduler.paying import PayingLength
 from goodspeed.lm.draft_source import draft_with_forced
+from goodspeed.lm.lookup import LookupDraft
 
 MAX_REPAIRS = 3  # session losses one request survives
 DRAFT_LENGTH_RULES = ("goodput", "allotted")  # NodeConfig.draft_length
@@ -205,6 +206,7 @@ class EdgeNode:
         self.drafter = (BatchDraftModel(draft, config.proposal_top_k, cuda_graphs=config.cuda_graphs,
                                         torch_compile=config.torch_compile) if isinstance(draft, torch.nn.Module) else draft)
         self.paying = PayingLength()  # the goodput rule's estimates (config.draft_length)
+        self._inline = isinstance(self.drafter, LookupDraft)  # drafted on the event loop, not the drafting thread
         self.root_seed = resolve_root_seed(config.seed)
         self.metadata = bearer_metadata(config.token)
         self.model_ids: tuple[str, ...] = ()
@@ -445,7 +447,8 @@ class EdgeNode:
                 # Keep the draft KV of the committed text and the accepted drafts only (a round
                 # drafting nothing, or the text growing past a rejected draft in transit, leaves
                 # rejected drafts cached otherwise)
-                await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
+                if not self._inline:  # a lookup caches nothing past the committed text
+                    await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
                 req.commit(list(verdict.token_ids))
                 req.timer.tokens(len(verdict.token_ids))
                 req.stats.rounds += 1
@@ -528,11 +531,24 @@ class EdgeNode:
     # ------------------------------------------------------------------ drafting
 
     async def _draft(self, req: _Request, length: int) -> ChainDraft:
-        """Queue the request for the next batched drafting call and wait for its draft."""
+        """Queue the request for the next batched drafting call and wait for its draft; a lookup
+        drafts here at once (no model to run, nothing to batch: the hops to the drafting thread
+        were most of a round's turnaround on the node)."""
+        if self._inline:
+            key, started = req.key, time.perf_counter()
+            drafts, forced = draft_with_forced(self.drafter, {key: list(req.committed)}, {key: length},
+                                               {key: req.gen.sampling}, {key: req.generator}, {key: req.history})
+            self._drafted(time.perf_counter() - started, drafts, forced)
+            return drafts[key]
         future = asyncio.get_running_loop().create_future()
         self._jobs.append(_DraftJob(req, length, list(req.committed), future))
         self._jobs_ready.set()
         return await future
+
+    def _drafted(self, seconds: float, drafts: dict[str, ChainDraft], forced: int) -> None:
+        self.node_metrics.draft_seconds.observe(seconds)
+        self.node_metrics.forced_tokens.inc(forced)
+        self.paying.observe_drafting(seconds, max(len(d.token_ids) for d in drafts.values()))
 
     async def _batch_loop(self) -> None:
         """Draft every queued request in one batched call (one forward per draft step)."""
@@ -554,10 +570,7 @@ class EdgeNode:
                     if not job.future.done():
                         job.future.set_exception(DrafterError(f"drafting failed: {type(exc).__name__}: {exc}"))
                 continue
-            drafting_s = time.perf_counter() - started
-            self.node_metrics.draft_seconds.observe(drafting_s)
-            self.node_metrics.forced_tokens.inc(forced)
-            self.paying.observe_drafting(drafting_s, max(len(d.token_ids) for d in drafts.values()))
+            self._drafted(time.perf_counter() - started, drafts, forced)
             for job in jobs:
                 if not job.future.done():
                     job.future.set_result(drafts[job.request.key])
