@@ -16,10 +16,10 @@ expected to bring. The choice reads past rounds only, never a token drawn this r
 leaves the output's distribution unchanged.
 
 :class:`PayingLength` keeps the estimates: per request its acceptance (counts of accepted tokens
-and of rejections, which a chain's verdict gives, decayed so a request's acceptance can move
-with its text, starting from the drafter's pooled acceptance over its recent verdicts), and per
-drafter the times (smoothed means; ``t_round`` and ``t_verify`` fitted by
-least squares over recent rounds, the slope taken from ``default_verify_ratio`` until the rounds'
+and of rejections, which a chain's verdict gives, decayed so a request's acceptance can move with
+its text, starting from the drafter's pooled acceptance over its recent verdicts), and per drafter
+the times (a smoothed mean of the drafting time; ``t_round`` and ``t_verify`` fitted by least
+squares over recent rounds, the slope taken from ``default_verify_ratio`` until the rounds'
 lengths vary enough to fit it). A request at ``S = 0`` drafts one token every ``probe_every``
 rounds, so its acceptance is heard again and speculation resumes where it pays again.
 
