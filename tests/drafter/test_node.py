@@ -608,7 +608,7 @@ def test_a_json_schema_through_a_node_fast_forwards_its_forced_tokens(models):
     sampling = SamplingParams(structured=Structure("json", json.dumps(schema)).bound(tokenizer))
     want = adjusted_greedy_reference(target, prompt_ids, sampling, 30, eos=tokenizer.eos_token_id)
     engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=5))
-    with ServerThread(engine, tokenizer=tokenizer, target_name="tiny") as server, node(server, models) as edge:
+    with ServerThread(engine, tokenizer=tokenizer, target_name="tiny") as server, node(server, models, draft_length="allotted") as edge:
         out = api_of(edge).completions.create(model="tiny", prompt=prompt_ids, max_tokens=30, temperature=0, extra_body={
             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}, "return_token_ids": True})
         forced = metric_samples(edge.port)["goodspeed:drafter_forced_tokens_total[]"]

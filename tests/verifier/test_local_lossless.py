@@ -55,8 +55,9 @@ def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_reque
     while serving.step() is not None:
         pass
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
-    if policy != "none":  # speculation really happened (goodput drafts only where it pays: this draft, some of the time)
-        assert serving.stats()["drafted"] > (n // 4 if policy == "goodput" else n)
+    if policy != "none":  # speculation really happened (goodput drafts only where it pays: with this draft,
+        # 140-214 tokens over 600 requests in three runs)
+        assert serving.stats()["drafted"] > (n // 10 if policy == "goodput" else n)
     if graphs or torch_compile:  # every step took the fixed shapes, and the draft's forwards but its first (which makes its KV pool)
         assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)
         assert serving.draft.graphs.steps == serving.draft.forwards - 1
