@@ -57,9 +57,9 @@ from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, ch
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
-from goodspeed.scheduler.paying import PayingLength
 from goodspeed.lm.draft_source import draft_with_forced
 from goodspeed.lm.lookup import LookupDraft
+from goodspeed.scheduler.paying import PayingLength
 
 MAX_REPAIRS = 3  # session losses one request survives
 DRAFT_LENGTH_RULES = ("goodput", "allotted")  # NodeConfig.draft_length
@@ -510,7 +510,7 @@ class EdgeNode:
     async def _round(self, req: _Request) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index
         if self.config.draft_length == "goodput":
-            length = self.paying.length(req.key, length)
+            length = self.paying.length(req.key, req.length)
         draft: ChainDraft = await self._draft(req, length)
         message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.gen.sampling)
         sent = time.perf_counter()
@@ -523,7 +523,7 @@ class EdgeNode:
         verdict = reply.verdict if reply.HasField("verdict") else await session.verdict(round_index, self.config.verdict_timeout_s)
         round_s = time.perf_counter() - sent
         self.node_metrics.round_trip_seconds.observe(round_s)
-        self.node_metrics.draft_length.observe(length)
+        self.node_metrics.draft_length.observe(req.length)  # what the verifier allotted (the draft may be shorter)
         self.paying.observe_round(req.key, len(draft.token_ids), verdict.num_accepted, round_s)
         self.spec.observe(verdict.num_drafted, verdict.num_accepted)
         return verdict

@@ -301,7 +301,7 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--verifier", required=True, help="HOST:PORT")
     dr.add_argument("--draft", default=None, help="the draft source (required, here or in --spec's file): a model (hub id, "
                     "directory or demo:<name>), a lookup with no model (ngram, suffix; give --tokenizer), or LOOKUP+MODEL "
-                    "(the lookup's draft where it is confident, the model's elsewhere)")
+                    "(each round the part whose draft is worth more by its acceptance measured on the request)")
     dr.add_argument("--tokenizer", default=None, help="the target's tokenizer (a model name), for a draft source with no model")
     dr.add_argument("--draft-length", default="goodput", choices=("goodput", "allotted"),
                     help="goodput: each round drafts the length (at most the verifier's S_i) with the most expected tokens "

@@ -15,7 +15,8 @@ SOURCE``) name one the same way:
 * ``LOOKUP+MODEL`` (``suffix+real:smollm2-135m-draft``) — :class:`HybridDraft`: each round the
   part whose draft is worth more, by each part's acceptance measured on the request.
 
-Adding a source is one class with that interface and one entry in :data:`LOOKUPS`.
+Adding a lookup is one :class:`~goodspeed.lm.lookup.LookupDraft` subclass with its ``name``, listed in
+:data:`LOOKUPS`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from goodspeed.lm.batch_draft import BatchDraftModel, ChainDraft
 from goodspeed.lm.lookup import LookupDraft, PromptLookup, SuffixDraft
 from goodspeed.lm.sampling import SamplingParams
 
-LOOKUPS: dict[str, type[LookupDraft]] = {"ngram": PromptLookup, "suffix": SuffixDraft}
+LOOKUPS: dict[str, type[LookupDraft]] = {cls.name: cls for cls in (PromptLookup, SuffixDraft)}
 
 # HybridDraft's priors on each part's acceptance, as (accepted, rejections): a lookup's drafts are
 # text the request (or the node) has seen, so it starts trusted a little more than the model

@@ -185,7 +185,6 @@ class LookupDraft:
         self.slots: dict[str, object] = {}
         self.forwards = 0  # draft model forwards: none
         self.on_forward = None
-        self.proposed = {"rounds": 0, "drafted": 0}  # rounds asked for a draft, tokens proposed
 
     def add(self, key: str) -> None:
         if key in self.slots:
@@ -210,17 +209,11 @@ class LookupDraft:
         out = {}
         for key, n in lengths.items():
             tokens = self.propose(key, committed[key], n) if n > 0 else []
-            self.proposed["rounds"] += n > 0
-            self.proposed["drafted"] += len(tokens)
             out[key] = ChainDraft(tokens, None, [1.0] * len(tokens), sampled=not sampling[key].greedy)
         return out
 
     def propose(self, key: str, committed: Sequence[int], max_tokens: int) -> list[int]:
         """The lookup's draft of at most ``max_tokens`` tokens after ``committed``."""
-        return self.propose_scored(key, committed, max_tokens)[0]
-
-    def propose_scored(self, key: str, committed: Sequence[int], max_tokens: int) -> tuple[list[int], float]:
-        """The draft and the lookup's estimate of how many of its tokens the target accepts."""
         state = self.slots[key]
         self._sync(state, committed)
         return self._propose(state, max_tokens)
@@ -235,7 +228,7 @@ class LookupDraft:
         state's is read afresh, as after a resynchronisation)."""
         raise NotImplementedError
 
-    def _propose(self, state, max_tokens: int) -> tuple[list[int], float]:
+    def _propose(self, state, max_tokens: int) -> list[int]:
         raise NotImplementedError
 
     def _learn(self, state, committed: Sequence[int] | None) -> None:
@@ -249,8 +242,7 @@ def _extends(known: Sequence[int], committed: Sequence[int]) -> bool:
 
 
 class PromptLookup(LookupDraft):
-    """``ngram``: prompt lookup over the request's prompt and output so far (:class:`NgramIndex`).
-    Its score is the draft's length: an n-gram match carries no frequency to estimate from."""
+    """``ngram``: prompt lookup over the request's prompt and output so far (:class:`NgramIndex`)."""
 
     name = "ngram"
 
@@ -267,9 +259,8 @@ class PromptLookup(LookupDraft):
             state.__init__(self.min_n, self.max_n)
         state.extend(committed[len(state.tokens) :])
 
-    def _propose(self, state: NgramIndex, max_tokens: int) -> tuple[list[int], float]:
-        tokens = state.propose(max_tokens)
-        return tokens, float(len(tokens))
+    def _propose(self, state: NgramIndex, max_tokens: int) -> list[int]:
+        return state.propose(max_tokens)
 
 
 class _SuffixState:
@@ -315,15 +306,15 @@ class SuffixDraft(LookupDraft):
         state.tokens.extend(new)
         state.trie.append(new)
 
-    def _propose(self, state: _SuffixState, max_tokens: int) -> tuple[list[int], float]:
-        best: tuple[list[int], float] = ([], 0.0)
+    def _propose(self, state: _SuffixState, max_tokens: int) -> list[int]:
+        best: tuple[list[int], float] = ([], 0.0)  # the draft, and its expected accepted tokens
         for trie in (state.trie, self.outputs):
             node, length = trie.match(state.tokens, self.max_match)
             limit = min(max_tokens, self.max_spec, math.ceil(self.max_spec_factor * length))
             tokens, score = continue_from(node, limit, self.min_token_prob)
             if score > best[1]:
                 best = (tokens, score)
-        return best
+        return best[0]
 
     def _learn(self, state: _SuffixState, committed: Sequence[int] | None) -> None:
         if committed is not None:

@@ -108,7 +108,7 @@ class PayingLength:
     window: int = 64  # rounds the round-time fit reads
     probe_every: int = 8  # a request at S = 0 drafts one token this often
     draft_s_per_token: float = 0.0
-    _rounds: deque = field(default_factory=deque)  # (drafted, round seconds)
+    _rounds: deque = field(init=False)  # (drafted, round seconds) of the last ``window`` rounds
     _requests: dict = field(default_factory=dict)
     _pooled: _Acceptance = field(default_factory=_Acceptance)  # every request's verdicts, decayed slowly
 
@@ -117,6 +117,7 @@ class PayingLength:
                 and self.probe_every >= 1):
             raise ValueError("PayingLength needs decay in [0, 1), smoothing in (0, 1], default_verify_ratio >= 0, "
                              "window >= 2 and probe_every >= 1")
+        self._rounds = deque(maxlen=self.window)
 
     def forget(self, request: Hashable) -> None:
         self._requests.pop(request, None)
@@ -152,16 +153,16 @@ class PayingLength:
         costs = self.round_costs()
         if costs is None or allotted <= 0:
             return allotted
+        best = paying_draft_length(self.acceptance(request), allotted, self.draft_s_per_token, costs[0], costs[1])
+        return self.probed(request, best)
+
+    def probed(self, request: Hashable, length: int) -> int:
+        """``length``, or 1 where the request has drafted nothing for ``probe_every`` rounds."""
         state = self._state(request)
-        best = paying_draft_length(state.rate, allotted, self.draft_s_per_token, costs[0], costs[1])
-        if best == 0:
-            state.idle_rounds += 1
-            if state.idle_rounds >= self.probe_every:
-                state.idle_rounds = 0
-                return 1
-        else:
-            state.idle_rounds = 0
-        return best
+        state.idle_rounds = state.idle_rounds + 1 if length == 0 else 0
+        if state.idle_rounds >= self.probe_every:
+            state.idle_rounds, length = 0, 1
+        return length
 
     def observe_round(self, request: Hashable, drafted: int, accepted: int, round_s: float) -> None:
         """A verdict: ``accepted`` of ``drafted`` tokens taken; ``round_s`` from sending the draft to
@@ -172,8 +173,6 @@ class PayingLength:
                 state.rejected = decay * state.rejected + (accepted < drafted)
         if math.isfinite(round_s) and round_s > 0:
             self._rounds.append((drafted, round_s))
-            while len(self._rounds) > self.window:
-                self._rounds.popleft()
 
     def observe_drafting(self, seconds: float, steps: int) -> None:
         """A drafting call of ``steps`` sequential draft steps (its longest draft) took ``seconds``."""

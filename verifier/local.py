@@ -737,7 +737,6 @@ class GoodputChains(LocalPolicy):
     def __init__(self, serving):
         super().__init__(serving)
         self.costs = PayingLength()
-        self._idle: dict[str, int] = {}  # steps in a row a request drafted nothing
         self._seen: dict[str, tuple[int, int]] = {}  # a request's drafted and accepted totals at its last plan
         self._drafted = 0
         self._drafting_s = 0.0
@@ -756,7 +755,6 @@ class GoodputChains(LocalPolicy):
         current = {r.request_id for r in reqs}
         for gone in [key for key in self._seen if key not in current]:  # finished (or prefilling again): forgotten
             del self._seen[gone]
-            self._idle.pop(gone, None)
             self.costs.forget(gone)
         for r in reqs:  # each request's last verdict, from its running totals: accepted tokens and a rejection
             before = self._seen.get(r.request_id, (0, 0))
@@ -768,19 +766,12 @@ class GoodputChains(LocalPolicy):
         else:
             acceptance = [self.costs.acceptance(r.request_id) for r in reqs]
             chosen = paying_batch_lengths(acceptance, cfg.max_k, costs[0], costs[1], s.draft_forward_s)
-            lengths = {r.request_id: min(self._probe(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
+            lengths = {r.request_id: min(self.costs.probed(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
         self._drafted = sum(lengths.values())
         started = s.clock.now()
         plans = s._timed_chains(reqs, lengths)
         self._drafting_s = s.clock.now() - started
         return plans, None
-
-    def _probe(self, request_id: str, length: int) -> int:
-        idle = self._idle.get(request_id, 0) + 1 if length == 0 else 0
-        if idle >= self.costs.probe_every:
-            idle, length = 0, 1
-        self._idle[request_id] = idle
-        return length
 
     def observe(self, batch_size, k, emitted, duration_s):
         self.costs.observe_round("batch", self._drafted, 0, duration_s - self._drafting_s)

@@ -292,11 +292,15 @@ def test_a_node_drafting_by_suffix_with_no_model_serves_the_targets_greedy_decod
     assert accepted_second > after_first and accepted_second >= 30  # nearly all of it drafted from the first's output
 
 
-def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_the_targets(models):
+def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_the_targets(models, monkeypatch):
     """The goodput rule (goodspeed.scheduler.paying): with drafts the target always rejects, a node
     drafting by the rule sends a fraction of the tokens one drafting every allotment sends (its
-    probes), for the same greedy output."""
+    probes), for the same greedy output. The round costs are fixed (a 30 ms round, 3 ms a drafted
+    token), so the rule's choices follow the verdicts alone, not this machine's timings."""
     from goodspeed.lm.lookup import PromptLookup
+    from goodspeed.scheduler.paying import PayingLength
+
+    monkeypatch.setattr(PayingLength, "round_costs", lambda self: (0.030, 0.003))
 
     target, _, tokenizer = models
     prompt = "def f(x):"
@@ -304,7 +308,7 @@ def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_t
 
     class AlwaysWrong(PromptLookup):  # a source that proposes a token the target's greedy text never holds
         def _propose(self, state, max_tokens):
-            return [wrong] * max_tokens, float(max_tokens)
+            return [wrong] * max_tokens
 
     drafted = {}
     for rule in ("allotted", "goodput"):
