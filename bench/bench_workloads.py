@@ -15,7 +15,8 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   --serve``, pinned to CPU 1, one torch thread). Each task goes to plain decoding, then to each node, one request at a time:
   the ratios are measured interleaved, in one run.
 * ``local`` (local serving, ``--batch`` requests at once): one verifier process per source
-  (``--local-draft SOURCE --local-policy goodput``, or ``chain``) and one plain (``none``), all pinned to the
+  (``--local-draft SOURCE --local-policy goodput``, or ``chain``, or ``adaserve`` with its trees for
+  the sources that draft them: ``model``, ``hybrid``) and one plain (``none``), all pinned to the
   same CPUs, served in turn batch by batch (interleaved); only one works at a time. A batch is one
   category's tasks, cycled to ``--batch`` requests.
 * ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
@@ -199,7 +200,7 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
             ports[config] = free_port()
             local = ["--local-draft", "ngram", "--local-policy", "none"] if config == "plain" else [
                 "--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
-                "--local-max-k", str(args.local_k)]
+                "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
             servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
                                 "--dtype", dtype, "--max-local-requests", str(args.batch), *local], "0-1", 2, f"local-{config}")
         for port in ports.values():
@@ -324,11 +325,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-draft-len", type=int, default=8)
-    parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=32, help="the verifier's budget C; local adaserve: its tree budget B")
     parser.add_argument("--draft-lengths", default="goodput", help="edge: the nodes' --draft-length rules, each a node per "
                         "source (the first unnamed; others as SOURCE/RULE)")
     parser.add_argument("--local-k", type=int, default=6, help="local: chain's k, goodput's longest length")
-    parser.add_argument("--local-policy", choices=("chain", "goodput"), default="goodput")
+    parser.add_argument("--local-policy", choices=("chain", "goodput", "adaserve"), default="goodput")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tasks", type=Path, default=TASKS)
     parser.add_argument("--nodes", type=int, default=8, help="fleet: edge nodes at once")
@@ -347,6 +348,8 @@ def main(argv=None) -> int:
         parser.error(f"--draft-lengths: unknown {unknown}; known: goodput, allotted")
     if unknown := [s for s in args.sources if s not in SOURCES]:
         parser.error(f"--sources: unknown {unknown}; known: {', '.join(SOURCES)}")
+    if args.local_policy == "adaserve" and "local" in args.modes and (chains := [s for s in args.sources if s in ("ngram", "suffix")]):
+        parser.error(f"--local-policy adaserve drafts trees, which {', '.join(chains)} cannot: give --sources model,hybrid")
     modes = [m for m in args.modes.split(",") if m]
     if unknown := [m for m in modes if m not in MODES]:
         parser.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")

@@ -13,7 +13,9 @@ SOURCE``) name one the same way:
 * ``ngram`` or ``suffix`` — a lookup alone (:mod:`goodspeed.lm.lookup`): no model is loaded, so
   the node needs the target's tokenizer (``--tokenizer``);
 * ``LOOKUP+MODEL`` (``suffix+real:smollm2-135m-draft``) — :class:`HybridDraft`: each round the
-  part whose draft is worth more, by each part's acceptance measured on the request.
+  part whose chain is worth more, by each part's acceptance measured on the request; where the
+  policy verifies trees (local serving's ``adaserve``), one tree with both: the model's beam tree
+  and the lookup's chain as a branch of it.
 
 Adding a lookup is one :class:`~goodspeed.lm.lookup.LookupDraft` subclass with its ``name``, listed in
 :data:`LOOKUPS`.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from goodspeed.lm.batch_draft import BatchDraftModel, ChainDraft
+from goodspeed.lm.batch_draft import BatchDraftModel, BeamTree, ChainDraft
 from goodspeed.lm.lookup import LookupDraft, PromptLookup, SuffixDraft
 from goodspeed.lm.sampling import SamplingParams
 
@@ -104,6 +106,7 @@ class HybridDraft:
         self.from_lookup = {"rounds": 0, "drafted": 0}  # rounds drafted by the lookup, and their tokens
         self._counts: dict[str, dict[str, list[float]]] = {}  # key -> part -> [accepted, rejections]
         self._last: dict[str, tuple[str, int, int]] = {}  # key -> (part, text length it drafted after, tokens)
+        self._in_tree: dict[str, tuple[int, list[int]]] = {}  # key -> (text length, the lookup's branch of its tree)
 
     graphs = property(lambda self: self.model.graphs)
     slots = property(lambda self: self.lookup.slots)
@@ -120,6 +123,7 @@ class HybridDraft:
         self.model.remove(key)
         self._counts.pop(key, None)
         self._last.pop(key, None)
+        self._in_tree.pop(key, None)
 
     def acceptance(self, key: str, part: str) -> float:
         accepted, rejected = self._counts[key][part]
@@ -130,11 +134,15 @@ class HybridDraft:
         then the model's KV."""
         part, start, drafted = self._last.pop(key, ("", 0, 0))
         accepted = committed_before + num_accepted - start
-        if drafted and accepted >= 0 and key in self._counts:
-            counts = self._counts[key][part]
-            counts[0] = self.decay * counts[0] + min(accepted, drafted)
-            counts[1] = self.decay * counts[1] + (accepted < drafted)
+        if drafted and accepted >= 0:
+            self._count(key, part, min(accepted, drafted), accepted < drafted)
         self.model.rollback(key, committed_before, num_accepted)
+
+    def _count(self, key: str, part: str, accepted: int, rejected: bool) -> None:
+        if key in self._counts:
+            counts = self._counts[key][part]
+            counts[0] = self.decay * counts[0] + accepted
+            counts[1] = self.decay * counts[1] + rejected
 
     def warm_up(self, chains: int = 0, tree=None, prompt_len: int = 32) -> int:
         return self.model.warm_up(chains, tree, prompt_len)
@@ -159,6 +167,64 @@ class HybridDraft:
             if draft.token_ids:
                 self._last[key] = ("lookup" if draft.probs is None else "model", len(committed[key]), len(draft.token_ids))
         return out
+
+    def draft_trees(self, committed: Mapping[str, Sequence[int]], depth: int, width: int,
+                    sampling: Mapping[str, SamplingParams], max_depths: Mapping[str, int] | None = None,
+                    histories=None) -> dict[str, BeamTree]:
+        """The model's beam trees, each with the lookup's chain (up to the request's depth) as a
+        branch: a lookup token that a beam already holds at its place shares that node, the others
+        are new nodes. A lookup node's path probability is ``a_L^d`` at depth ``d``, ``a_L`` the
+        lookup's acceptance on the request (a shared node keeps the larger of the two), so the
+        policy's selection weighs the branch by what it has been worth. Every node is a
+        deterministic candidate, verified as the point mass on its token.
+
+        The lookup's acceptance in trees is learned from the committed text the next round brings:
+        how many of its branch's tokens the text now matches (whether or not the policy verified
+        the branch), and a rejection where it stops matching."""
+        for key in committed:
+            self._learn_branch(key, committed[key])
+        trees = self.model.draft_trees(committed, depth, width, sampling, max_depths, histories)
+        for key, toks in committed.items():
+            cap = min(depth, (max_depths or {}).get(key, depth))
+            branch = self.lookup.propose(key, toks, cap) if cap > 0 else []
+            if branch:
+                a = self.acceptance(key, "lookup")
+                trees[key] = with_branch(trees[key], branch, [a ** d for d in range(1, len(branch) + 1)])
+                self._in_tree[key] = (len(toks), branch)
+                self.from_lookup["rounds"] += 1
+                self.from_lookup["drafted"] += len(branch)
+        return trees
+
+    def _learn_branch(self, key: str, committed: Sequence[int]) -> None:
+        start, branch = self._in_tree.pop(key, (0, []))
+        new = committed[start : start + len(branch)]
+        if not branch or len(committed) < start or not new:
+            return
+        matched = next((i for i, (a, b) in enumerate(zip(branch, new)) if a != b), len(new))
+        self._count(key, "lookup", matched, matched < len(new))
+
+
+def with_branch(tree: BeamTree, tokens: Sequence[int], path_probs: Sequence[float]) -> BeamTree:
+    """``tree`` with the chain ``tokens`` from its root: along the chain, a node holding the same
+    token under the same parent is shared (keeping the larger path probability), the rest are
+    appended after it (parents before children, as every tree here is). ``path_probs`` must not
+    increase along the chain, so no node's path probability exceeds its parent's."""
+    token_ids, parents, probs, depths = list(tree.token_ids), list(tree.parents), list(tree.path_probs), list(tree.depths)
+    children: dict[tuple[int, int], int] = {(p, t): k for k, (p, t) in enumerate(zip(parents, token_ids))}
+    parent = -1
+    for d, (tok, prob) in enumerate(zip(tokens, path_probs), start=1):
+        node = children.get((parent, int(tok)))
+        if node is None:
+            node = len(token_ids)
+            token_ids.append(int(tok))
+            parents.append(parent)
+            probs.append(float(prob))
+            depths.append(d)
+            children[(parent, int(tok))] = node
+        else:
+            probs[node] = max(probs[node], float(prob))
+        parent = node
+    return BeamTree(token_ids, parents, probs, depths)
 
 
 def draft_with_forced(source, committed: Mapping[str, Sequence[int]], lengths: Mapping[str, int],
@@ -187,6 +253,47 @@ def draft_with_forced(source, committed: Mapping[str, Sequence[int]], lengths: M
     for key, tokens in forced.items():
         drafts[key] = _after_forced(tokens, drafts[key], sampling[key])
     return drafts, sum(len(t) for t in forced.values())
+
+
+def draft_trees_with_forced(source, committed: Mapping[str, Sequence[int]], depth: int, width: int,
+                            sampling: Mapping[str, SamplingParams], max_depths: Mapping[str, int] | None = None,
+                            histories: Mapping[str, object] | None = None) -> tuple[dict[str, BeamTree], int]:
+    """``source.draft_trees`` with fast-forward: where a request's grammar forces tokens after its
+    committed text, they are the trunk of its tree (a chain from the root, path probability 1) and
+    the source's tree, drafted after them, hangs from the trunk's last node, all within the
+    request's depth. Returns the trees and how many tokens were forced."""
+    caps = {key: min(depth, (max_depths or {}).get(key, depth)) for key in committed}
+    forced = _forced(caps, histories)
+    if not forced:
+        return source.draft_trees(committed, depth, width, sampling, max_depths, histories), 0
+    inner_committed = {k: list(committed[k]) + forced[k] if k in forced else committed[k] for k in committed}
+    inner_caps = {k: cap - len(forced.get(k, ())) for k, cap in caps.items()}
+    inner_histories = dict(histories)
+    for key, tokens in forced.items():
+        inner_histories[key] = histories[key].extended(tokens)
+    trees = source.draft_trees(inner_committed, depth, width, sampling, inner_caps, inner_histories)
+    for key, tokens in forced.items():
+        trees[key] = _under_trunk(tokens, trees[key])
+    return trees, sum(len(t) for t in forced.values())
+
+
+def _forced(lengths: Mapping[str, int], histories: Mapping[str, object] | None) -> dict[str, list[int]]:
+    """Per request with a grammar: the tokens it forces next, at most ``lengths[key]``."""
+    forced: dict[str, list[int]] = {}
+    for key, n in lengths.items():
+        history = histories.get(key) if histories else None
+        if n > 0 and history is not None and history.constraint is not None:
+            if tokens := history.constraint.forced(n):
+                forced[key] = tokens
+    return forced
+
+
+def _under_trunk(trunk: list[int], tree: BeamTree) -> BeamTree:
+    """The chain ``trunk`` (path probability 1), then ``tree`` hanging from its last node."""
+    f = len(trunk)
+    return BeamTree(list(trunk) + list(tree.token_ids),
+                    list(range(-1, f - 1)) + [f - 1 if p < 0 else p + f for p in tree.parents],
+                    [1.0] * f + list(tree.path_probs), list(range(1, f + 1)) + [d + f for d in tree.depths])
 
 
 def _after_forced(forced: list[int], draft: ChainDraft, sampling: SamplingParams) -> ChainDraft:

@@ -82,7 +82,7 @@ from goodspeed.scheduler import (
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel, subtree
-from goodspeed.lm.draft_source import draft_with_forced
+from goodspeed.lm.draft_source import draft_trees_with_forced, draft_with_forced
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
 
@@ -292,7 +292,8 @@ class LocalServing:
     def __init__(self, engine: VerificationEngine, draft: torch.nn.Module | object, config: LocalConfig,
                  clock: RealClock | SimulatedClock | None = None) -> None:
         """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.draft_source`; a
-        lookup drafts chains, so it serves every policy but ``adaserve``'s beam trees)."""
+        lookup alone drafts chains, so it serves every policy but ``adaserve``'s beam trees, which
+        a model or a lookup with a model drafts)."""
         if isinstance(draft, torch.nn.Module):
             # The draft's forwards replayed as CUDA graphs, or compiled, too when the target's are
             # (EngineConfig.cuda_graphs, EngineConfig.torch_compile)
@@ -300,8 +301,8 @@ class LocalServing:
         if draft.vocab_size != engine.vocab_size:
             raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {engine.vocab_size}")
         if LOCAL_POLICY_CLASSES[config.policy].drafting(config)[1] is not None and not hasattr(draft, "draft_trees"):
-            raise ValueError(f"the {config.policy} policy drafts beam trees with a draft model alone; this draft source "
-                             "drafts chains: use chain, tetris, turbospec, nightjar or goodput")
+            raise ValueError(f"the {config.policy} policy drafts beam trees, which need a draft model (MODEL or "
+                             "LOOKUP+MODEL); a lookup alone drafts chains: use chain, tetris, turbospec, nightjar or goodput")
         self.engine, self.config = engine, config
         self.clock = clock or RealClock()
         self.draft = draft
@@ -577,8 +578,9 @@ class LocalServing:
             return {r.request_id: _Plan([]) for r in reqs}
         depth, width = speculation_shape(budget, len(reqs), cfg.max_depth, cfg.max_width)
         sampling, histories = self._draft_settings(reqs)
-        trees = self.draft.draft_trees({r.request_id: r.committed for r in reqs}, depth, width, sampling,
-                                       {r.request_id: r.cap for r in reqs}, histories)
+        trees, forced = draft_trees_with_forced(self.draft, {r.request_id: r.committed for r in reqs}, depth, width,
+                                                sampling, {r.request_id: r.cap for r in reqs}, histories)
+        self.totals["forced"] += forced
         now = self.clock.now()
         need = np.zeros(len(reqs))  # no SLO: only the throughput phase grows its tree
         timed = [i for i, r in enumerate(reqs) if r.tpot_slo_s is not None]

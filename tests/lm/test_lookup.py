@@ -1,7 +1,8 @@
 """Model-free draft sources (goodspeed.lm.lookup) against brute-force references: prompt lookup's
 matches, the suffix trie's substring counts (streamed, added whole, removed), its longest match
 and most frequent continuation, the node-wide cache's eviction under its bound; and the draft
-source names and the hybrid's choice (goodspeed.lm.draft_source)."""
+source names, the hybrid's choice, and its trees (goodspeed.lm.draft_source): the lookup's branch
+added to a beam tree holds exactly the union of both trees' paths."""
 
 import random
 from collections import Counter
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.draft_source import DraftSpec, HybridDraft
+from goodspeed.lm.batch_draft import BeamTree
+from goodspeed.lm.draft_source import DraftSpec, HybridDraft, with_branch
 from goodspeed.lm.lookup import NgramIndex, PromptLookup, SuffixDraft, SuffixTrie, continue_from
 from goodspeed.lm.sampling import SamplingParams
 from modelkit import tiny_llama
@@ -204,3 +206,56 @@ def test_the_hybrid_drafts_with_the_part_whose_measured_acceptance_makes_its_dra
     assert hybrid.acceptance("a", "lookup") < 2 / 3
     hybrid.remove("a", committed["a"])
     assert "a" not in hybrid.slots and "a" not in hybrid.model.slots
+
+
+def paths(tree) -> dict[tuple[int, ...], float]:
+    """Every node's path of tokens from the root, with its path probability."""
+    out, at = {}, []
+    for tok, parent, prob in zip(tree.token_ids, tree.parents, tree.path_probs):
+        at.append((tok,) if parent < 0 else at[parent] + (tok,))
+        assert at[-1] not in out, "two nodes hold one path"
+        out[at[-1]] = prob
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_branch_added_to_a_tree_holds_the_union_of_their_paths_and_keeps_probabilities_falling(seed):
+    rng = random.Random(seed)
+    tokens, parents, probs, depths = [], [], [], []
+    for k in range(rng.randrange(0, 12)):  # a random tree over 3 tokens, no two siblings alike
+        parent = rng.randrange(-1, k)
+        taken = {t for t, p in zip(tokens, parents) if p == parent}
+        if len(taken) == 3:
+            continue
+        tokens.append(rng.choice([t for t in range(3) if t not in taken]))
+        parents.append(parent)
+        probs.append((probs[parent] if parent >= 0 else 1.0) * rng.random())
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    tree = BeamTree(tokens, parents, probs, depths)
+    branch = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+    a = rng.random()
+    merged = with_branch(tree, branch, [a ** d for d in range(1, len(branch) + 1)])
+    want = paths(tree)
+    for d in range(1, len(branch) + 1):
+        want[tuple(branch[:d])] = max(want.get(tuple(branch[:d]), 0.0), a ** d)
+    assert paths(merged) == want
+    assert merged.token_ids[: len(tokens)] == tokens and merged.parents[: len(tokens)] == parents  # the beam tree's nodes kept
+    for k, parent in enumerate(merged.parents):
+        assert parent < k and (parent < 0 or merged.path_probs[k] <= merged.path_probs[parent])
+        assert merged.depths[k] == (1 if parent < 0 else merged.depths[parent] + 1)
+
+
+def test_the_hybrids_tree_carries_the_lookups_branch_weighted_by_what_it_has_been_worth():
+    model = tiny_llama(0, vocab=16)
+    hybrid = HybridDraft(PromptLookup(16), BatchDraftModel(model))
+    hybrid.add("a")
+    committed = [1, 2, 3, 4, 1, 2]
+    trees = hybrid.draft_trees({"a": committed}, 3, 2, {"a": GREEDY}, {"a": 3})
+    beam = hybrid.model.draft_trees({"a": committed}, 3, 2, {"a": GREEDY}, {"a": 3})["a"]
+    got = paths(trees["a"])
+    a = hybrid.acceptance("a", "lookup")
+    for d in (1, 2, 3):  # the lookup's 3, 4, 1 at its acceptance's powers, or the beam's where larger
+        assert got[(3, 4, 1)[:d]] == pytest.approx(max(a ** d, paths(beam).get((3, 4, 1)[:d], 0.0)))
+    assert set(paths(beam)) <= set(got) and hybrid.from_lookup == {"rounds": 1, "drafted": 3}
+    hybrid.draft_trees({"a": committed + [3, 9]}, 3, 2, {"a": GREEDY}, {"a": 3})  # the text took 3, then not 4
+    assert hybrid.acceptance("a", "lookup") == pytest.approx((0.8 * 2 + 1) / (0.8 * 3 + 1 + 1))

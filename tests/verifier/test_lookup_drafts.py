@@ -1,7 +1,8 @@
 """Lookup drafts (goodspeed.lm.lookup) and the hybrid (goodspeed.lm.draft_source) through the
 engine: greedy output equals the target's greedy decoding on edge drafters and in local serving
-under every chain policy; sampled output follows the target's exact distribution of the first two
-tokens (chi-square, p = 0.001), on an edge drafter and in local serving, and after a rejection
+under every chain policy, and for the hybrid's trees under AdaServe; sampled output follows the target's exact distribution of the first two
+tokens (chi-square, p = 0.001), on an edge drafter, in local serving (chains and the hybrid's
+trees), and after a rejection
 (a prompt whose lookup proposes a token the target rarely takes). Power check: a lookup's draft
 sent with a ``q`` it was not drawn from (uniform instead of its point mass) fails the same test
 at the default sample size with p < 1e-6."""
@@ -65,6 +66,15 @@ def test_greedy_in_local_serving_is_the_targets_greedy_decoding(loopy, name, pol
     assert serving.stats()["accepted"] > 0
 
 
+def test_the_hybrids_trees_under_adaserve_are_the_targets_greedy_decoding(loopy):
+    target, draft = loopy
+    prompts = greedy_prompts()
+    source = SOURCES["hybrid"](target, draft)
+    outputs, serving = run_local(target, source, SamplingParams(), "adaserve", prompts, 24)
+    assert outputs == [greedy_reference(target, p, 24) for p in prompts]
+    assert source.from_lookup["rounds"] > 0 and serving.stats()["accepted"] > len(prompts)
+
+
 def test_adaserve_refuses_a_source_that_drafts_no_trees(target):
     with pytest.raises(ValueError, match="beam trees"):
         run_local(target, SuffixDraft(V), SamplingParams(), "adaserve", [PROMPT], 4)
@@ -90,6 +100,17 @@ def test_sampled_hybrid_drafts_in_local_serving_follow_the_target(target):
     ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
     assert ok, msg
     assert source.from_lookup["rounds"] > 0 and source.model.forwards > 0  # both halves drafted
+
+
+def test_sampled_hybrid_trees_under_adaserve_follow_the_target(target):
+    """Each node of the tree (the beam's and the lookup's branch alike) is a deterministic
+    candidate, verified as a point mass by recursive rejection over its siblings."""
+    sampling = SamplingParams(temperature=1.0)
+    source = SOURCES["hybrid"](target, perturbed(target, 1.0, 5))
+    outputs, serving = run_local(target, source, sampling, "adaserve", [PROMPT] * 800, 3)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
+    assert ok, msg
+    assert source.from_lookup["rounds"] > 0 and serving.stats()["accepted"] > 0
 
 
 def test_a_lookups_draft_sent_with_a_q_it_was_not_drawn_from_is_caught(target, monkeypatch):

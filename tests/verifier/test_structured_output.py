@@ -232,11 +232,11 @@ def test_power_masks_by_the_committed_text_alone_fail(tokenizer, pair, monkeypat
 FORCED_FIRST = Structure("choice", json.dumps(["xa", "xb", "xc"]))  # "x" is the one token allowed first
 
 
-@pytest.mark.parametrize("policy", ["chain", "tetris"])
+@pytest.mark.parametrize("policy", ["chain", "tetris", "adaserve"])
 def test_fast_forward_drafts_forced_tokens_and_greedy_stays_the_targets(tokenizer, pair, prompts, policy):
     """Local serving drafts the tokens a compact JSON schema forces (``{"a":`` and so on) as
-    point masses before the draft model's own tokens; the output is the target's constrained
-    greedy decoding and every forced token was accepted."""
+    point masses before the draft model's own tokens (under AdaServe, as the trunk of its tree);
+    the output is the target's constrained greedy decoding and every forced token was accepted."""
     target, draft = pair
     sampling = SamplingParams(structured=structures(tokenizer)["json"])
     want = [adjusted_greedy_reference(target, p, sampling, 40, eos=EOS) for p in prompts]
@@ -246,14 +246,16 @@ def test_fast_forward_drafts_forced_tokens_and_greedy_stays_the_targets(tokenize
     assert serving.totals["accepted"] >= serving.totals["forced"]
 
 
-def test_sampled_output_after_a_forced_token_follows_the_target(tokenizer, pair):
-    """The first token forced (drafted as a point mass, p = 1 under the mask), the second the
-    target's masked choice among three: their joint distribution is the target's."""
+@pytest.mark.parametrize("policy", ["chain", "adaserve"])
+def test_sampled_output_after_a_forced_token_follows_the_target(tokenizer, pair, policy):
+    """The first token forced (drafted as a point mass, p = 1 under the mask; under AdaServe the
+    trunk of the tree), the second the target's masked choice among three: their joint
+    distribution is the target's."""
     target, draft = pair
     sampling = SamplingParams(temperature=1.0, structured=FORCED_FIRST.bound(tokenizer))
     assert sampling.structured.constraint().forced(2) == tokenizer.encode("x")
     prompt = tokenizer.encode("def scan(s, end):")
-    outputs, serving = run_local(target, draft, sampling, "chain", [prompt] * 600, 3, eos=(EOS,))
+    outputs, serving = run_local(target, draft, sampling, policy, [prompt] * 600, 3, eos=(EOS,))
     ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, prompt, sampling, eos=EOS))
     assert ok, msg
     assert serving.totals["forced"] >= 600
