@@ -23,9 +23,7 @@ error object ``{"error": {"message", "type", "param", "code"}}``:
 from __future__ import annotations
 
 import json
-import math
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +33,7 @@ from goodspeed.api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCallMessag
 from goodspeed.lm.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS,
                                    MIN_TEMPERATURE, SamplingParams)
 from goodspeed.lm.structured import Structure, StructureError
+from goodspeed.serving.generation import RequestError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
@@ -55,6 +54,16 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def of(cls, exc: RequestError) -> "ApiError":
+        """A backend's refusal or failure as the HTTP status of its kind (:data:`HTTP_STATUS`)."""
+        return cls(HTTP_STATUS[exc.kind], exc.message, param=exc.param, code=exc.code)
+
+
+# A backend's error kinds (goodspeed.serving.generation.ERROR_KINDS) as HTTP statuses
+HTTP_STATUS = {"invalid": 400, "unauthorized": 401, "overloaded": 429, "unavailable": 503, "upstream": 502, "timeout": 504,
+               "internal": 500}
 
 
 class StreamOptions(BaseModel):
@@ -543,22 +552,3 @@ def renamed(exc: ApiError, names: dict[str, str]) -> ApiError:
         if "_" in old:  # a field's name in the text (not a word of prose such as "messages" or "stop")
             message = re.sub(rf"\b{re.escape(old)}\b", new, message)
     return ApiError(exc.status, message, param=param, code=exc.code, type_=exc.type)
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What a backend generates: the API's request reduced to tokens and sampling."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    eos_token_ids: tuple[int, ...]
-    seed: int | None = None
-    tpot_slo_ms: float | None = None
-    logprobs: int | None = None  # each token's log-probability and this many top ones; None: none
-    prompt_logprobs: int | None = None  # the prompt tokens' too (``echo``, ``prompt_logprobs``), with the first delta; None: none
-
-    def __post_init__(self) -> None:
-        if self.tpot_slo_ms is not None and not (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0):
-            raise ValueError("tpot_slo_ms must be > 0")

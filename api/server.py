@@ -47,7 +47,6 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import jinja2
@@ -56,9 +55,9 @@ import jinja2.sandbox
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from goodspeed.api.aio import keep_until_done, run_to_the_end
-from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationRequest,
-                                    TokenizeChatRequest, TokenizeCompletionRequest, parse_body, renamed)
+from goodspeed.serving.aio import keep_until_done, run_to_the_end
+from goodspeed.api.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                    TokenizeCompletionRequest, parse_body, renamed)
 from goodspeed.api import messages as anthropic_messages
 from goodspeed.api import responses as openai_responses
 from goodspeed.api.messages import MessagesRequest, MessageWriter, message_id
@@ -72,6 +71,7 @@ from goodspeed.api.tools import PARSERS, ToolCalls, merge
 from goodspeed.lm.sampling import TokenLogprob
 from goodspeed.lm.seeding import ROOT_SEED_BITS, stream_seed
 from goodspeed.lm.structured import StructureError
+from goodspeed.serving.generation import Delta, GenerationRequest, RequestError, StopStringMatched
 
 try:
     _VERSION = importlib.metadata.version("goodspeed")
@@ -83,19 +83,6 @@ INLINE_CHARS = 8192  # prompts up to this long are tokenized on the event loop (
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer packs more characters per token: longer text cannot fit the context
 
 
-@dataclass(frozen=True)
-class Delta:
-    """New tokens of a request; the last delta has ``finished`` and a ``finish_reason``
-    ("eos", "length", "cancelled" or "error: ...")."""
-
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: ApiError | None = None  # with finish_reason "error: ...": what the client is told
-    logprobs: list | None = None  # TokenLogprob of each of token_ids, for a request that asked for them
-    prompt_logprobs: list | None = None  # the first delta's, if asked: TokenLogprob of each prompt token after the first
-
-
 class Backend(Protocol):
     model_ids: Sequence[str]  # names the ``model`` field may take; the first is listed by /v1/models
     tokenizer: object
@@ -104,17 +91,11 @@ class Backend(Protocol):
     def ready(self) -> bool: ...
 
     async def open(self, request: GenerationRequest, identity: str) -> AsyncIterator[Delta]:
-        """Admit the request (raising :class:`ApiError` if refused) and return its delta stream;
+        """Admit the request (raising :class:`~goodspeed.serving.generation.RequestError` if refused) and return its delta stream;
         closing the stream (``aclose``) before its last delta cancels the request, and frees it
         even when the closing is cancelled again meanwhile (:func:`run_to_the_end`). A stream that
         :class:`StopStringMatched` is thrown into cancels it too, as finished by a stop string."""
         ...
-
-
-class StopStringMatched(Exception):
-    """Thrown into a backend stream (``athrow``) when a stop string ended the text: the backend
-    cancels the request as one that finished (``stop`` in its metrics), not one its client
-    abandoned (``abort``). A backend that does not catch it is closed as on a disconnect."""
 
 
 # Variables a chat template gets from the server, never from a request's chat_template_kwargs
@@ -149,7 +130,7 @@ def bad_word_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
 def _raise_failure(delta: Delta) -> None:
     """A last delta that ended in failure, as the client's error."""
     if delta.error is not None:
-        raise delta.error
+        raise ApiError.of(delta.error)
     if delta.finish_reason not in ("eos", "length"):
         raise ApiError(500, f"generation failed: {delta.finish_reason}")
 
@@ -198,7 +179,8 @@ class OpenAIServer:
     def __init__(self, backend: Backend, registry: CollectorRegistry,
                  authorize: Callable[[str | None], str] | None = None, tool_parser: str | None = None,
                  reasoning_parser: str | None = None) -> None:
-        """``authorize(authorization header) -> identity`` raises :class:`ApiError` (401) for a
+        """``authorize(authorization header) -> identity`` raises :class:`ApiError` (401), or a
+        :class:`~goodspeed.serving.generation.RequestError` of kind ``unauthorized``, for a
         caller it refuses; None: everyone is ``anonymous``. ``tool_parser``: how a reply's tool
         calls are read where the model chooses (``tool_choice`` "auto"; :data:`~goodspeed.api.tools.PARSERS`);
         None: such requests are refused. ``reasoning_parser``: how a chat reply's reasoning is
@@ -252,6 +234,9 @@ class OpenAIServer:
             return await handler(request)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
+        except RequestError as exc:  # an authorizer's or backend's, by kind
+            error = ApiError.of(exc)
+            return web.json_response(error.body(), status=error.status)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -557,7 +542,10 @@ class OpenAIServer:
         header = request.headers.get("Authorization")
         if header is None and anthropic and "x-api-key" in request.headers:
             header = f"Bearer {request.headers['x-api-key']}"
-        return self.authorize(header)
+        try:
+            return self.authorize(header)
+        except RequestError as exc:
+            raise ApiError.of(exc) from None
 
     async def _tokenize(self, text: str, add_special_tokens: bool, must_fit: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's special tokens, e.g. BOS, where asked):
@@ -711,8 +699,8 @@ class OpenAIServer:
         a refusal (queue full, ...) raises its 4xx after cancelling the others' admissions and
         closing the streams already opened, which cancels their requests."""
         if len(gens) == 1:
-            return [await self.backend.open(gens[0], identity)]
-        tasks = [asyncio.ensure_future(self.backend.open(gen, identity)) for gen in gens]
+            return [await self._open(gens[0], identity)]
+        tasks = [asyncio.ensure_future(self._open(gen, identity)) for gen in gens]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in tasks:
@@ -725,6 +713,12 @@ class OpenAIServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._close_all([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
             raise
+
+    async def _open(self, gen: GenerationRequest, identity: str):
+        try:
+            return await self.backend.open(gen, identity)
+        except RequestError as exc:
+            raise ApiError.of(exc) from None
 
     @staticmethod
     async def _close_all(streams: list) -> None:

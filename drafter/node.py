@@ -43,10 +43,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from goodspeed.api.aio import run_to_the_end, within
-from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
-from goodspeed.api.protocol import ApiError, GenerationRequest
-from goodspeed.api.server import Delta, StopStringMatched
+from goodspeed.serving.aio import run_to_the_end, within
+from goodspeed.serving.generation import Delta, GenerationRequest, RequestError, StopStringMatched
+from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
 from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
@@ -252,7 +251,7 @@ class EdgeNode:
             await asyncio.sleep(pause)
         try:
             session, reply = await self._join()
-        except ApiError as exc:
+        except RequestError as exc:
             raise DrafterError(exc.message) from None
         self._sessions = 1
         self.node_metrics.sessions.set(1)
@@ -334,7 +333,7 @@ class EdgeNode:
                 self.node_metrics.sessions.set(self._sessions)
                 return session
             if self._waiting >= self.config.max_waiting:
-                raise ApiError(429, f"{self._waiting} requests are already waiting on this node; retry later")
+                raise RequestError("overloaded", f"{self._waiting} requests are already waiting on this node; retry later")
             self._waiting += 1
             self.requests.waiting.set(self._waiting)
             try:
@@ -361,12 +360,12 @@ class EdgeNode:
 
     async def open(self, request: GenerationRequest, identity: object = None, stats: RequestStats | None = None):
         """Admit the request: a session, a draft KV slot and ``StartRequest`` (refusals raise
-        :class:`ApiError` here, before any response is sent); then its rounds run in a task.
+        :class:`RequestError` here, before any response is sent); then its rounds run in a task.
         ``stats``: filled in as the request's verdicts arrive."""
         if not self.ready():
-            raise ApiError(503, "the node's verifier is not serving (unreachable or draining); retry later")
+            raise RequestError("unavailable", "the node's verifier is not serving (unreachable or draining); retry later")
         if request.tpot_slo_ms is not None:
-            raise ApiError(400, "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
+            raise RequestError("invalid", "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
         generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                      else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
         req = _Request(request, list(request.prompt_ids), generator, self.requests.track(len(request.prompt_ids)),
@@ -423,12 +422,12 @@ class EdgeNode:
                 continue
             req.in_progress, req.length, req.round_index = True, reply.draft_length, reply.round_index
             if (why := unapplied_setting(req.gen.sampling, reply)) is not None:
-                raise ApiError(502, f"{why}: this request needs it; upgrade the verifier or leave it out")
+                raise RequestError("upstream", f"{why}: this request needs it; upgrade the verifier or leave it out")
             if scores_prompt and not reply.prompt_logprobs:
-                raise ApiError(502, "the verifier does not score prompts (a version older than prompt_logprobs): "
+                raise RequestError("upstream", "the verifier does not score prompts (a version older than prompt_logprobs): "
                                     "this request needs it for echo with logprobs; upgrade the verifier or leave them out")
             return
-        raise ApiError(502, f"the verifier dropped this node's sessions {MAX_REPAIRS + 1} times in a row")
+        raise RequestError("upstream", f"the verifier dropped this node's sessions {MAX_REPAIRS + 1} times in a row")
 
     async def _serve(self, req: _Request) -> None:
         reason = "error"
@@ -439,7 +438,7 @@ class EdgeNode:
                 except _SessionLost:
                     req.stats.repairs += 1
                     if req.stats.repairs > MAX_REPAIRS:
-                        raise ApiError(502, f"the verifier dropped this request's session {req.stats.repairs} times") from None
+                        raise RequestError("upstream", f"the verifier dropped this request's session {req.stats.repairs} times") from None
                     session, req.session, req.in_progress = req.session, None, False
                     await self._discard(session)
                     await self._start(req)
@@ -456,13 +455,13 @@ class EdgeNode:
                 req.stats.accepted_tokens += verdict.num_accepted
                 req.stats.transit_tokens += verdict.num_transit
                 if len(req.committed) != verdict.committed_length or req.hasher.hexdigest() != verdict.prefix_hash:
-                    raise ApiError(502, "a verdict does not match this node's text (committed length or prefix hash)")
+                    raise RequestError("upstream", "a verdict does not match this node's text (committed length or prefix hash)")
                 req.in_progress = not verdict.finished
                 prompt_scores = None
                 if req.gen.prompt_logprobs is not None and not req.prompt_scored:
                     prompt_scores, req.prompt_scored = logprobs_from_pb(verdict.prompt_logprobs), True
                     if [lp.token_id for lp in prompt_scores] != req.gen.prompt_ids[1:]:
-                        raise ApiError(502, "a verdict's prompt log-probabilities do not match this request's prompt")
+                        raise RequestError("upstream", "a verdict's prompt log-probabilities do not match this request's prompt")
                 req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None,
                                          logprobs=_logprobs(verdict) if req.gen.logprobs is not None else None,
                                          prompt_logprobs=prompt_scores))
@@ -474,13 +473,13 @@ class EdgeNode:
             reason = "stop" if req.stop_string else "abort"
             raise
         except Exception as exc:  # the client is told; the node and its other requests go on
-            if isinstance(exc, ApiError):
+            if isinstance(exc, RequestError):
                 error = exc
             elif isinstance(exc, grpc.aio.AioRpcError):
                 error = _refusal("a round", exc)
             else:
-                error = ApiError(502 if isinstance(exc, DrafterError) else 500, f"{type(exc).__name__}: {exc}"
-                                 if not isinstance(exc, DrafterError) else str(exc))
+                error = (RequestError("upstream", str(exc)) if isinstance(exc, DrafterError)
+                         else RequestError("internal", f"{type(exc).__name__}: {exc}"))
             req.out.put_nowait(Delta([], True, f"error: {error.message}", error=error))
         finally:
             await self._end(req, reason)
@@ -584,12 +583,13 @@ def _logprobs(verdict: pb.Verdict) -> list[TokenLogprob] | None:
     return logprobs_from_pb(verdict.logprobs)
 
 
-def _refusal(what: str, exc: grpc.aio.AioRpcError) -> ApiError:
-    """A verifier's refusal as the HTTP status an application should see. A call the verifier
+def _refusal(what: str, exc: grpc.aio.AioRpcError) -> RequestError:
+    """A verifier's refusal as the kind of error an application should see. A call the verifier
     cancelled is its going away (gRPC cancels what is in flight when a stopping server's grace runs
-    out; the node's own cancellations end its tasks, not its calls), so it is a 503 like UNAVAILABLE."""
+    out; the node's own cancellations end its tasks, not its calls), so it is unavailable, like
+    UNAVAILABLE."""
     code = exc.code()
-    status = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.INVALID_ARGUMENT: 400,
-              grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.CANCELLED: 503,
-              grpc.StatusCode.DEADLINE_EXCEEDED: 504}.get(code, 502)
-    return ApiError(status, f"the verifier refused {what}: {code.name}: {exc.details()}")
+    kind = {grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded", grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+            grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "unavailable",
+            grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}.get(code, "upstream")
+    return RequestError(kind, f"the verifier refused {what}: {code.name}: {exc.details()}")

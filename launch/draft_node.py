@@ -145,7 +145,7 @@ async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, t
     requests at a time (in file order; a request starts when one ends), one JSONL record per
     finished request, in the order they finish. A request the node fails raises: a file-mode
     drafter stops, as the one-at-a-time client does."""
-    from goodspeed.api.protocol import GenerationRequest
+    from goodspeed.serving.generation import GenerationRequest
     from goodspeed.drafter.node import EdgeNode, RequestStats
 
     eos = tokenizer.eos_token_id

@@ -125,7 +125,7 @@ async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: Sam
     """Replay ``trace`` against a verifier's Generate RPC in real time (one stream per request)."""
     import grpc
 
-    from goodspeed.api.aio import within
+    from goodspeed.serving.aio import within
     from goodspeed.drafter.credentials import bearer_metadata, open_aio_channel
     from goodspeed.launch import generate
     from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc

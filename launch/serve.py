@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from goodspeed.api.server import OpenAIServer, check_parsers
 from goodspeed.launch.spec import SpecError, VerifierSpec
 from goodspeed.lm.attention import varlen_missing
 from goodspeed.lm.draft_source import DraftSpec
@@ -23,6 +24,7 @@ from goodspeed.lm.loading import LoadedModel, load_causal_lm, torch_dtype
 from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.http_front import LocalServingBackend
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.server import ServerConfig, check_port, check_transit, make_server
@@ -105,6 +107,7 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
     an unreadable token file) fail here, before any model loads."""
     try:
         config = ServerConfig(**opts.routed("server"), port=50051 if opts.port is None else opts.port, target_name=target_name)
+        check_parsers(config.tool_call_parser, config.reasoning_parser)
         server_credentials(config)  # the PEM files are readable
         check_transit(config.rounds, opts.transit_tokens, opts.transit_alone)
         check_port("metrics_port", opts.metrics_port)
@@ -115,6 +118,13 @@ def server_config(opts: VerifierSpec, target_name: str = "") -> ServerConfig:
     if config.auth_tokens:
         TokenAuth.from_file(config.auth_tokens)
     return config
+
+
+def make_http_front(service, config: ServerConfig, tokenizer) -> OpenAIServer:
+    """The verifier's OpenAI-compatible front (``--http-port``): the API over local serving."""
+    backend = LocalServingBackend(service, config.target_name or "target", tokenizer)
+    return OpenAIServer(backend, service.metrics.registry, authorize=backend.authorize, tool_parser=config.tool_call_parser,
+                        reasoning_parser=config.reasoning_parser)
 
 
 async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
@@ -137,7 +147,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     if opts.metrics_port is not None:
         metrics.serve(opts.metrics_port, addr=opts.metrics_host)  # loopback unless told otherwise
     server = make_server(engine, replace(config, target_name=target.name), metrics=metrics, log=log,
-                         local=local, tokenizer=target.tokenizer)
+                         local=local, tokenizer=target.tokenizer, http_front=make_http_front)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -50,7 +50,7 @@ class Scripted:
         return True
 
     async def open(self, request, identity):
-        from goodspeed.api.server import Delta
+        from goodspeed.serving.generation import Delta
 
         self.prompts.append(request.prompt_ids)
         self.requests.append(request)

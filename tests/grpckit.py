@@ -15,7 +15,10 @@ from goodspeed.verifier.server import ServerConfig, VerifierService, make_server
 class ServerThread:
     def __init__(self, engine, local=None, tokenizer=None, **config) -> None:
         self.log_stream = io.StringIO()
-        self.server = make_server(engine, ServerConfig(**config), log=JsonLog(self.log_stream), local=local, tokenizer=tokenizer)
+        from goodspeed.launch.serve import make_http_front
+
+        self.server = make_server(engine, ServerConfig(**config), log=JsonLog(self.log_stream), local=local, tokenizer=tokenizer,
+                                  http_front=make_http_front)
         self.loop = asyncio.new_event_loop()
         self.port = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

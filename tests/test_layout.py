@@ -1,5 +1,7 @@
-"""The package layers (README, *Layout*): the verifier and the drafter never import each other,
-and the shared layers (lm, api, scheduler, proto) import neither, nor the launcher."""
+"""The package layers (README, *Layout*): the verifier and the drafter never import each other;
+the core (verifier, drafter, scheduler, lm) never imports the HTTP API, which only the daemons'
+entry points (launch) put in front of it; the shared layers (lm, serving, api, scheduler, proto)
+import neither the verifier nor the drafter, nor the launcher."""
 
 import ast
 from pathlib import Path
@@ -8,11 +10,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
-    "verifier": {"drafter", "launch"},
-    "drafter": {"verifier", "launch"},
+    "verifier": {"drafter", "launch", "api"},
+    "drafter": {"verifier", "launch", "api"},
     "api": {"verifier", "drafter", "launch"},
-    "lm": {"verifier", "drafter", "launch", "api"},
-    "scheduler": {"verifier", "drafter", "launch", "api", "lm"},
+    "serving": {"verifier", "drafter", "launch", "api"},
+    "lm": {"verifier", "drafter", "launch", "api", "serving"},
+    "scheduler": {"verifier", "drafter", "launch", "api", "serving", "lm"},
 }
 
 

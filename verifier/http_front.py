@@ -1,4 +1,4 @@
-"""The verifier's OpenAI-compatible front (``--http-port``): the API served by local serving.
+"""The verifier's OpenAI-compatible front (``--http-port``): local serving as a backend of the API.
 
 Requests join the same continuous batch as gRPC ``Generate`` (:meth:`VerifierService.open_local`:
 the same admission, identity limits, cancellation and metrics), drafted by the verifier's own
@@ -6,35 +6,38 @@ draft model and verified by the target, so the verifier is a drop-in server for 
 the OpenAI API. ``tpot_slo_ms`` in a body is AdaServe's per-request latency SLO. With a token
 file (``--auth-tokens``) the API wants ``Authorization: Bearer <token>`` — the OpenAI client's
 ``api_key`` — and counts requests against that identity's limits, as gRPC does.
+
+:class:`LocalServingBackend` speaks the generation contract (:mod:`goodspeed.serving.generation`):
+engine refusals become error kinds, which the API maps to HTTP statuses. The daemon's entry point
+puts it behind the API (:func:`goodspeed.launch.serve.make_http_front`).
 """
 
 from __future__ import annotations
 
-from goodspeed.api.protocol import ApiError, GenerationRequest
-from goodspeed.api.server import Delta, OpenAIServer, StopStringMatched
+from goodspeed.serving.generation import Delta, GenerationRequest, RequestError, StopStringMatched
 from goodspeed.verifier import errors
 from goodspeed.verifier.auth import ANONYMOUS, AuthError, Identity
 
-# Engine refusals as HTTP statuses (everything else an engine error says is the request's fault: 400).
-HTTP_STATUS = {
-    errors.QueueFullError: (429, None),
-    errors.LimitExceededError: (429, None),
-    errors.PromptTooLongError: (400, "context_length_exceeded"),
-    errors.LengthLimitError: (400, "context_length_exceeded"),
-    errors.DrainingError: (503, None),
+# Engine refusals by kind (everything else an engine error says is the request's fault: invalid).
+ERROR_KINDS = {
+    errors.QueueFullError: ("overloaded", None),
+    errors.LimitExceededError: ("overloaded", None),
+    errors.PromptTooLongError: ("invalid", "context_length_exceeded"),
+    errors.LengthLimitError: ("invalid", "context_length_exceeded"),
+    errors.DrainingError: ("unavailable", None),
 }
 
 
-def api_error(exc: errors.EngineError) -> ApiError:
+def request_error(exc: errors.EngineError) -> RequestError:
     for cls in type(exc).__mro__:
-        if cls in HTTP_STATUS:
-            status, code = HTTP_STATUS[cls]
-            return ApiError(status, str(exc), code=code)
-    return ApiError(400, str(exc))
+        if cls in ERROR_KINDS:
+            kind, code = ERROR_KINDS[cls]
+            return RequestError(kind, str(exc), code=code)
+    return RequestError("invalid", str(exc))
 
 
 class LocalServingBackend:
-    """:class:`goodspeed.api.server.Backend` over a verifier's local serving."""
+    """A backend of the HTTP API (``goodspeed.api.server.Backend``) over a verifier's local serving."""
 
     def __init__(self, service, model_name: str, tokenizer) -> None:
         if service.local is None:
@@ -55,7 +58,7 @@ class LocalServingBackend:
         try:
             return auth.identify([("authorization", header)] if header else [])
         except AuthError as exc:
-            raise ApiError(401, str(exc), code="invalid_api_key") from None
+            raise RequestError("unauthorized", str(exc), code="invalid_api_key") from None
 
     async def open(self, request: GenerationRequest, identity: Identity):
         try:
@@ -63,7 +66,7 @@ class LocalServingBackend:
                                                    request.eos_token_ids, request.tpot_slo_ms, request.request_id, request.seed,
                                                    request.logprobs, request.prompt_logprobs)
         except errors.EngineError as exc:
-            raise api_error(exc) from None
+            raise request_error(exc) from None
         return _deltas(stream)
 
 
@@ -76,10 +79,3 @@ async def _deltas(stream):
         stream.stop_string = True  # cancelled as finished, not abandoned
     finally:
         await stream.aclose()
-
-
-def make_http_front(service, model_name: str, tokenizer, tool_parser: str | None = None,
-                    reasoning_parser: str | None = None) -> OpenAIServer:
-    backend = LocalServingBackend(service, model_name, tokenizer)
-    return OpenAIServer(backend, service.metrics.registry, authorize=backend.authorize, tool_parser=tool_parser,
-                        reasoning_parser=reasoning_parser)

@@ -1,6 +1,6 @@
 """Prometheus metrics (bounded labels) and structured JSON log lines for the verifier daemon.
 
-Names follow vLLM's under a ``goodspeed:`` prefix (:mod:`goodspeed.api.metrics`). Per-drafter
+Names follow vLLM's under a ``goodspeed:`` prefix (:mod:`goodspeed.serving.metrics`). Per-drafter
 detail goes to the JSON round log only (one line per round, read by the experiment
 runner and the launcher's live table); metrics carry no drafter labels, so their cardinality does
 not grow with the fleet.
@@ -15,14 +15,14 @@ from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from goodspeed.api.metrics import PREFIX, RequestMetrics, SpecDecodeMetrics
+from goodspeed.serving.metrics import PREFIX, RequestMetrics, SpecDecodeMetrics
 
 PHASES = ("receive", "assembly", "forward", "sampling", "scheduling", "send")
 
 
 class Metrics:
     """The verifier's metrics: its rounds (``goodspeed:round_*``) and vLLM's request and
-    spec-decode metrics (:mod:`goodspeed.api.metrics`), all in one registry."""
+    spec-decode metrics (:mod:`goodspeed.serving.metrics`), all in one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

@@ -119,8 +119,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from goodspeed.api.aio import within
-from goodspeed.api.metrics import RequestTimer, finished_reason
+from goodspeed.serving.aio import within
+from goodspeed.serving.metrics import RequestTimer, finished_reason
 from goodspeed.verifier import errors
 from goodspeed.verifier.auth import Identity
 from goodspeed.verifier.records import DrafterRound, LocalRound, RoundRecord

@@ -19,20 +19,21 @@ are dropped only by ``idle_timeout_s``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import functools
 import ssl
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from goodspeed.api.aio import keep_until_done, run_to_the_end
-from goodspeed.api.metrics import RequestTimer, finished_reason
-from goodspeed.api.server import check_parsers
+from goodspeed.serving.aio import keep_until_done, run_to_the_end
+from goodspeed.serving.metrics import RequestTimer, finished_reason
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.structured import StructureError
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
@@ -44,7 +45,6 @@ from goodspeed.verifier.fields import (
     MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PROMPT_CHARS_PER_TOKEN, MAX_REQUEST_ID_CHARS, check_free_text,
     check_identifier,
 )
-from goodspeed.verifier.http_front import make_http_front
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
@@ -103,7 +103,7 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # PEM: mutual TLS, clients need a certificate signed by this CA
     insecure: bool = False  # allow plaintext on a non-loopback address (refused otherwise)
-    http_port: int | None = None  # the OpenAI-compatible front (verifier.http_front); None: off
+    http_port: int | None = None  # the OpenAI-compatible front (VerifierServer's http_front); None: off
     http_host: str = "127.0.0.1"
     tool_call_parser: str | None = None  # the HTTP API's reader of tool calls the model chooses (api.tools.PARSERS)
     reasoning_parser: str | None = None  # the HTTP API's reader of a chat reply's reasoning (api.reasoning.PARSERS)
@@ -113,7 +113,6 @@ class ServerConfig:
     def __post_init__(self) -> None:
         check_port("port", self.port)
         check_port("http_port", self.http_port)
-        check_parsers(self.tool_call_parser, self.reasoning_parser)
         if self.rounds not in ROUND_MODES:
             raise ValueError(f"rounds must be one of {', '.join(ROUND_MODES)}, got {self.rounds!r}")
         if self.async_shares not in SHARE_MODES:
@@ -498,12 +497,26 @@ class LocalStream:
         self.service.log.event("cancelled", request=self.request_id, freed=freed)
 
 
+class HttpFront(Protocol):
+    """What :class:`VerifierServer` serves on its HTTP port."""
+
+    async def start(self, host: str, port: int, ssl_context=None) -> int: ...
+
+    async def stop(self) -> None: ...
+
+
 class VerifierServer:
     """An unstarted server: ``port = await start()``, then ``await drain()`` / ``await stop()``."""
 
     def __init__(self, engine: VerificationEngine, config: ServerConfig = ServerConfig(), metrics: Metrics | None = None,
-                 log: JsonLog | None = None, local: LocalServing | None = None, tokenizer=None) -> None:
+                 log: JsonLog | None = None, local: LocalServing | None = None, tokenizer=None,
+                 http_front: Callable[[VerifierService, ServerConfig, object], HttpFront] | None = None) -> None:
+        """``http_front(service, config, tokenizer)``: the front served on ``config.http_port``
+        (the daemon's is the OpenAI API over local serving: :func:`goodspeed.launch.serve.make_http_front`)."""
         check_transit(config.rounds, engine.config.transit_tokens, config.transit_alone)
+        if config.http_port is not None and http_front is None:
+            raise ValueError("http_port is set but no HTTP front was given to serve on it")
+        self.http_front = http_front
         self.engine, self.config = engine, config
         self.local, self.tokenizer = local, tokenizer
         self.metrics, self.log = metrics or Metrics(), log or JsonLog()
@@ -543,8 +556,7 @@ class VerifierServer:
         self._rounds = asyncio.create_task(self.service.rounds.run())
         self._rounds.add_done_callback(self._on_rounds_done)
         if self.config.http_port is not None:
-            self.http = make_http_front(self.service, self.config.target_name or "target", self.tokenizer,
-                                        self.config.tool_call_parser, self.config.reasoning_parser)
+            self.http = self.http_front(self.service, self.config, self.tokenizer)
             try:
                 self.http_port = await self.http.start(self.config.http_host, self.config.http_port, ssl_context=self._http_tls())
             except OSError as exc:  # stop what did start, so nothing is left serving half the daemon

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from goodspeed.api.protocol import GenerationRequest
+from goodspeed.serving.generation import GenerationRequest
 from goodspeed.drafter import node as node_module
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs
@@ -756,10 +756,11 @@ def test_each_verifier_status_is_the_http_status_an_application_retries_on(code,
     (a race inside gRPC): both must say 503, so an application retries either the same way."""
     import grpc
 
+    from goodspeed.api.protocol import ApiError
     from goodspeed.drafter.node import _refusal
 
     error = _refusal("a round", grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"))
-    assert error.status == status and f"{code}: gone" in error.message
+    assert ApiError.of(error).status == status and f"{code}: gone" in error.message  # the node's kind, as the API says it
 
 
 def test_an_api_key_guards_the_node(models):

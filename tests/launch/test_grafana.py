@@ -7,7 +7,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 import goodspeed.launch
-from goodspeed.api.metrics import DrafterMetrics, RequestMetrics, SpecDecodeMetrics
+from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, SpecDecodeMetrics
 from goodspeed.verifier.observability import Metrics
 
 DASHBOARD = Path(goodspeed.launch.__file__).parent / "grafana" / "goodspeed.json"

@@ -907,6 +907,7 @@ def test_an_http_port_in_use_stops_what_had_started(models):
     the gRPC server and the round loop it had already started (nothing half-serving)."""
     import socket
 
+    from goodspeed.launch.serve import make_http_front
     from goodspeed.verifier.errors import ListenError
     from goodspeed.verifier.server import ServerConfig, make_server
 
@@ -917,7 +918,8 @@ def test_an_http_port_in_use_stops_what_had_started(models):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        server = make_server(engine, ServerConfig(port=0, http_port=port, warmup=False), local=local, tokenizer=tokenizer)
+        server = make_server(engine, ServerConfig(port=0, http_port=port, warmup=False), local=local, tokenizer=tokenizer,
+                             http_front=make_http_front)
 
         async def start():
             with pytest.raises(ListenError, match=f"cannot serve HTTP on 127.0.0.1:{port}"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from goodspeed.api.aio import run_to_the_end, within
+from goodspeed.serving.aio import run_to_the_end, within
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("api", "drafter", "launch", "lm", "scheduler", "verifier")
