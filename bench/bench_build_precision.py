@@ -12,7 +12,7 @@ Needs ``goodspeed models get smollm2-135m`` (its target). Times the two costs of
   prompts of 60 random tokens (``generate``, as the build's transcripts are written).
 
 Median of ``--repeats`` (train steps: after one discarded). Prints whether this CPU has native
-bfloat16 (:func:`goodspeed.lm.distill.cpu_has_native_bf16`), which decides the build's precision.
+bfloat16 (:func:`goodspeed.lm.precision.cpu_has_native_bf16`), which decides the build's precision.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.bench_http import free_port, wait_http
-from goodspeed.lm.loading import resolve_dtype
+from goodspeed.lm.precision import resolve_dtype
 
 TASKS = Path(__file__).resolve().parent / "workloads" / "tasks.jsonl"
 PAIRS = {"real": ("real:smollm2-135m", "real:smollm2-135m-draft"), "demo": ("demo:target", "demo:draft-distilled")}

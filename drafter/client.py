@@ -29,10 +29,10 @@ from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb, unapplied_setting
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
+from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 
-PROTOCOL_VERSION = 1
 # What a retry may cure: the verifier unreachable, or a call it cancelled. This client cancels
 # nothing it sends (its own time limits end as DEADLINE_EXCEEDED), so a CANCELLED call is the
 # verifier's: it stopped with the call in flight, and gRPC cancels what is left when a server's
@@ -174,7 +174,7 @@ class DrafterClient:
             except queue.Empty:
                 raise DrafterError(f"no verdict for round {round_index} within {self.config.verdict_timeout_s} s") from None
             if not isinstance(item, pb.Verdict):
-                raise _SessionLost()
+                raise SessionLost()
             if item.round_index == round_index:
                 return item
             if item.round_index > round_index:  # the verifier is ahead of us: only a resync can tell
@@ -222,7 +222,7 @@ class DrafterClient:
         while True:
             try:
                 verdict = self._round(length, round_index, result)
-            except _SessionLost:
+            except SessionLost:
                 result.repairs += 1
                 self.join()
                 committed = list(prompt_ids) + result.token_ids  # the verifier's tokens, from its verdicts
@@ -254,7 +254,7 @@ class DrafterClient:
             reply = self._retry(self.stub.SubmitDraft, draft_to_pb(self.session_id, round_index, out, self.config.sampling))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise _SessionLost() from None
+                raise SessionLost() from None
             raise DrafterError(f"draft refused: {exc.code().name}: {exc.details()}") from None
         if reply.HasField("verdict"):
             verdict = reply.verdict
@@ -309,7 +309,7 @@ def backoff(timeout_s: float, cap_s: float):
         delay = min(delay * 2, cap_s)
 
 
-class _SessionLost(Exception):
+class SessionLost(Exception):
     """The verdict stream ended or the verifier no longer knows the session."""
 
 

@@ -46,13 +46,14 @@ from prometheus_client import CollectorRegistry
 from goodspeed.serving.aio import run_to_the_end, within
 from goodspeed.serving.generation import Delta, GenerationRequest, RequestError, StopStringMatched
 from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
-from goodspeed.drafter.client import PROTOCOL_VERSION, DrafterError, backoff, say_waiting
+from goodspeed.drafter.client import DrafterError, SessionLost, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, sampling_to_pb, unapplied_setting
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, check_proposal_top_k
+from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
@@ -95,10 +96,6 @@ class NodeConfig:
             raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTH_RULES)}, got {self.draft_length!r}")
 
 
-class _SessionLost(Exception):
-    """The verifier no longer knows the session, or its verdict stream ended."""
-
-
 class _Session:
     """One pooled verifier session and its verdict stream."""
 
@@ -123,7 +120,7 @@ class _Session:
             except asyncio.TimeoutError:
                 raise DrafterError(f"no verdict for round {round_index} within {timeout_s:g} s") from None
             if item is None:
-                raise _SessionLost()
+                raise SessionLost()
             if item.round_index == round_index:
                 return item
             if item.round_index > round_index:
@@ -435,7 +432,7 @@ class EdgeNode:
             while True:
                 try:
                     verdict = await self._round(req)
-                except _SessionLost:
+                except SessionLost:
                     req.stats.repairs += 1
                     if req.stats.repairs > MAX_REPAIRS:
                         raise RequestError("upstream", f"the verifier dropped this request's session {req.stats.repairs} times") from None
@@ -517,7 +514,7 @@ class EdgeNode:
             reply = await self.stub.SubmitDraft(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise _SessionLost() from None
+                raise SessionLost() from None
             raise
         verdict = reply.verdict if reply.HasField("verdict") else await session.verdict(round_index, self.config.verdict_timeout_s)
         round_s = time.perf_counter() - sent

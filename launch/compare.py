@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from goodspeed.launch.report import goodput_matrix, read_rows, utility_curve
+from goodspeed.launch.report import goodput_matrix, markdown_table, read_rows, utility_curve
 from goodspeed.launch.simulate import SimulationError, expected_settle, fit_profile
 
 
@@ -75,7 +75,7 @@ def compare_runs(run_dirs: list[Path], out_dir: Path | None = None) -> dict:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2))
-        (out_dir / "COMPARISON.md").write_text(render_markdown(summary))
+        (out_dir / "COMPARISON.md").write_text(comparison_markdown(summary))
         _figure(runs, out_dir / "fig_utility_by_run.png")
     return summary
 
@@ -84,24 +84,24 @@ def _mean_sd(key: str, values: list[float]) -> dict:
     return {f"{key}_mean": statistics.fmean(values), f"{key}_sd": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
-def render_markdown(summary: dict) -> str:
+def comparison_markdown(summary: dict) -> str:
+    """COMPARISON.md: each policy's figures in every run compared, and their mean and spread."""
     def joined(values, fmt="{}"):
         return ", ".join(fmt.format(v) for v in values)
 
     def per_second(t):
         if "utility_per_s" not in t:
-            return "not in every run's report | -"
-        return f"{joined(t['utility_per_s'], '{:.3f}')} | {t['utility_per_s_mean']:.3f} ± {t['utility_per_s_sd']:.3f}"
+            return ["not in every run's report", "-"]
+        return [joined(t["utility_per_s"], "{:.3f}"), f"{t['utility_per_s_mean']:.3f} ± {t['utility_per_s_sd']:.3f}"]
 
-    lines = ["# Runs compared", "", "Runs: " + ", ".join(f"`{r}`" for r in summary["runs"]), "",
-             "| policy | U(x̄) per run | mean ± sd | U(tok/s) per run | mean ± sd | rounds to settle (1%) | on E[x\\|S] "
-             "| Jain (mean) | tok/s (mean) | longest S = 0 run |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for policy, t in summary["policies"].items():
-        lines.append(f"| {policy} | {joined(t['utility'], '{:.3f}')} | {t['utility_mean']:.3f} ± {t['utility_sd']:.3f} "
-                     f"| {per_second(t)} "
-                     f"| {joined(t['rounds_to_settle'])} | {joined(t['rounds_to_settle_expected'])} "
-                     f"| {statistics.fmean(t['jain_index']):.3f} | {statistics.fmean(t['total_tokens_per_s']):.0f} "
-                     f"| {joined(t['longest_zero_draft_run'])} |")
+    lines = ["# Runs compared", "", "Runs: " + ", ".join(f"`{r}`" for r in summary["runs"]), ""]
+    lines += markdown_table(
+        ["policy", "U(x̄) per run", "mean ± sd", "U(tok/s) per run", "mean ± sd", "rounds to settle (1%)", "on E[x\\|S]",
+         "Jain (mean)", "tok/s (mean)", "longest S = 0 run"],
+        ([policy, joined(t["utility"], "{:.3f}"), f"{t['utility_mean']:.3f} ± {t['utility_sd']:.3f}", *per_second(t),
+          joined(t["rounds_to_settle"]), joined(t["rounds_to_settle_expected"]), f"{statistics.fmean(t['jain_index']):.3f}",
+          f"{statistics.fmean(t['total_tokens_per_s']):.0f}", joined(t["longest_zero_draft_run"])]
+         for policy, t in summary["policies"].items()))
     return "\n".join(lines + ["", "![U per run](fig_utility_by_run.png)", ""])
 
 

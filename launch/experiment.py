@@ -277,7 +277,8 @@ def measurement_window(rows: list[dict], drafters: list[str], rounds: int, per_d
     return [r for r in rows if r["round"] in window]
 
 
-def load_rows(out_dir: Path, policy: str) -> list[dict] | None:
+def finished_rows(out_dir: Path, policy: str) -> list[dict] | None:
+    """A policy's rows of an experiment directory, once its run finished (its status written); else None."""
     status, rows = out_dir / policy / "status.json", out_dir / policy / "rounds.jsonl"
     if not status.exists() or not rows.exists():
         return None
@@ -289,7 +290,7 @@ def run_experiment(settings: ExperimentSettings, spec: LaunchSpec, out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = runs_of(settings)
     todo = [run for run in runs
-            if (only is None or run[0] in only) and (force or only or load_rows(out_dir, run_name(*run)) is None)]
+            if (only is None or run[0] in only) and (force or only or finished_rows(out_dir, run_name(*run)) is None)]
     for run in todo:  # a setting that cannot run is refused before any run starts
         spec_for_run(spec, run_name(*run), *run)
     failed = []
@@ -299,7 +300,7 @@ def run_experiment(settings: ExperimentSettings, spec: LaunchSpec, out_dir: Path
         except Exception as exc:  # one run failing must not lose the others' data
             failed.append(run_name(*run))
             log(f"run {run_name(*run)} failed: {exc}; rerun it alone with --policies {run[0]}")
-    data = {name: rows for run in runs if (rows := load_rows(out_dir, name := run_name(*run))) is not None}
+    data = {name: rows for run in runs if (rows := finished_rows(out_dir, name := run_name(*run))) is not None}
     metrics = write_report(settings.name, data, out_dir) if data else {}
     summaries = {name: json.loads(path.read_text()) for name in data if (path := out_dir / name / "proactive.json").exists()}
     if summaries:

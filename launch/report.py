@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -231,24 +232,31 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
-def render_markdown(name: str, metrics: dict[str, dict], figures: dict[str, str]) -> str:
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, and a line per row (cells as they are)."""
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+def report_markdown(name: str, metrics: dict[str, dict], figures: dict[str, str]) -> str:
+    """An experiment's REPORT.md: every policy's headline figures, then each one's per drafter."""
     lines = [f"# Experiment {name}", ""]
-    lines += ["| policy | rounds | U(xbar) | U(tok/s) | Jain | total tok/s | rounds to settle (1%) | receive s | verify s | send s |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for policy, m in metrics.items():
-        lines.append(f"| {policy} | {m['rounds']} | {m['utility']:.4f} | {m['utility_per_s']:.3f} | {m['jain_index']:.4f} | "
-                     f"{m['total_tokens_per_s']:.2f} | {m['rounds_to_settle']} | {m['receive_s']:.3f} | {m['verify_s']:.3f} | "
-                     f"{m['send_s']:.3f} |")
+    lines += markdown_table(
+        ["policy", "rounds", "U(xbar)", "U(tok/s)", "Jain", "total tok/s", "rounds to settle (1%)", "receive s", "verify s",
+         "send s"],
+        ([policy, m["rounds"], f"{m['utility']:.4f}", f"{m['utility_per_s']:.3f}", f"{m['jain_index']:.4f}",
+          f"{m['total_tokens_per_s']:.2f}", m["rounds_to_settle"], f"{m['receive_s']:.3f}", f"{m['verify_s']:.3f}",
+          f"{m['send_s']:.3f}"] for policy, m in metrics.items()))
     for policy, m in metrics.items():
         transit = any(m.get("transit_share", {}).values())  # a column only for runs with transit decoding
-        lines += ["", f"## {policy}: per drafter", "", "| drafter | tokens/round | tokens/s | mean S | acceptance | receive ms (median) "
-                  "| cycle ms (median) | rounds with S = 0 | longest S = 0 run |" + (" decoded in transit |" if transit else ""),
-                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if transit else "")]
-        for d in m["drafters"]:
-            lines.append(f"| {d} | {m['tokens_per_round'][d]:.4f} | {m['tokens_per_s'][d]:.2f} | {m['mean_draft_length'][d]:.2f} | "
-                         f"{m['acceptance'][d]:.4f} | {m['receive_ms_median'][d]:.1f} | {m['cycle_ms_median'][d]:.1f} | "
-                         f"{m['zero_draft_rounds'][d]} | {m['longest_zero_draft_run'][d]} |"
-                         + (f" {m['transit_share'][d]:.2f} |" if transit else ""))
+        lines += ["", f"## {policy}: per drafter", ""]
+        lines += markdown_table(
+            ["drafter", "tokens/round", "tokens/s", "mean S", "acceptance", "receive ms (median)", "cycle ms (median)",
+             "rounds with S = 0", "longest S = 0 run"] + (["decoded in transit"] if transit else []),
+            ([d, f"{m['tokens_per_round'][d]:.4f}", f"{m['tokens_per_s'][d]:.2f}", f"{m['mean_draft_length'][d]:.2f}",
+              f"{m['acceptance'][d]:.4f}", f"{m['receive_ms_median'][d]:.1f}", f"{m['cycle_ms_median'][d]:.1f}",
+              m["zero_draft_rounds"][d], m["longest_zero_draft_run"][d]] + ([f"{m['transit_share'][d]:.2f}"] if transit else [])
+             for d in m["drafters"]))
         if m.get("transit_steps"):
             lines += ["", f"{m['transit_steps']} steps decoded for transit rows alone (`transit_alone`); their seconds "
                           "are in the receive and verify columns, their tokens in the drafters' rows."]
@@ -260,7 +268,7 @@ def write_report(name: str, data: dict[str, list[dict]], out_dir: Path) -> dict:
     metrics = {p: policy_metrics(rows) for p, rows in data.items()}
     figures = write_figures(data, out_dir)
     (out_dir / "report.json").write_text(json.dumps(metrics, indent=2, default=_finite))
-    (out_dir / "REPORT.md").write_text(render_markdown(name, metrics, figures))
+    (out_dir / "REPORT.md").write_text(report_markdown(name, metrics, figures))
     return metrics
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from goodspeed.launch.report import goodput_matrix, jain_index, longest_run, read_rows, rounds_to_settle, utility_curve
+from goodspeed.launch.report import goodput_matrix, jain_index, longest_run, markdown_table, read_rows, rounds_to_settle, utility_curve
 from goodspeed.scheduler import DraftAllotments, LatencyModel, SmoothingConfig, make_policy, smoothing_of
 from goodspeed.scheduler.policy import DraftLengthPolicy
 
@@ -194,7 +194,7 @@ def _fit_step(rows: list[dict]) -> tuple[LatencyModel, float]:
     return LatencyModel(0.0, gamma, delta), send
 
 
-def load_rows(run_dir: Path) -> list[dict]:
+def every_policys_rows(run_dir: Path) -> list[dict]:
     """Every policy's rows of an experiment directory (``DIR/<policy>/rounds.jsonl``)."""
     files = sorted(Path(run_dir).glob("*/rounds.jsonl"))
     if not files:
@@ -220,7 +220,7 @@ def load_profile(path: str | Path, eta: float = 0.2) -> RunProfile:
     path = Path(path)
     try:
         if path.is_dir():
-            return fit_profile(load_rows(path), eta, source=str(path))
+            return fit_profile(every_policys_rows(path), eta, source=str(path))
         return RunProfile.from_dict(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SimulationError(f"{path}: not a usable profile: {exc}") from None
@@ -424,31 +424,29 @@ def validation_table(sim: dict[str, dict], real: dict[str, list[dict]]) -> list[
     return rows
 
 
-def render_markdown(title: str, results: dict[str, dict], validation: list[dict] | None,
-                    convergence: list[dict] | None = None) -> str:
-    lines = [f"# Simulation {title}", "",
-             "| policy | drafters | U (mean ± sd) | U on E[x\\|S] | U / drafter | Jain | tokens/s (simulated) "
-             "| rounds to settle (1%) | on E[x\\|S] | longest S = 0 run | scheduling ms/round | scheduling / step "
-             "| scheduling share of round |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for policy, m in results.items():
-        lines.append(f"| {policy} | {m['drafters']:.0f} | {m['utility']:.3f} ± {m['utility_sd']:.3f} "
-                     f"| {m['expected_utility']:.3f} ± {m['expected_utility_sd']:.3f} | {m['utility_per_drafter']:.4f} "
-                     f"| {m['jain_index']:.3f} | {m['total_tokens_per_s']:.1f} | {m['rounds_to_settle']:.0f} "
-                     f"| {m['rounds_to_settle_expected']:.0f} "
-                     f"| {m['longest_zero_draft_run']:.0f} | {m['schedule_ms_mean']:.3f} | {m['schedule_over_step']:.4f} "
-                     f"| {m['schedule_share_of_round']:.4f} |")
+def simulation_markdown(title: str, results: dict[str, dict], validation: list[dict] | None,
+                        convergence: list[dict] | None = None) -> str:
+    """SIMULATION.md: each policy's simulated figures, then the comparisons with real runs."""
+    lines = [f"# Simulation {title}", ""]
+    lines += markdown_table(
+        ["policy", "drafters", "U (mean ± sd)", "U on E[x\\|S]", "U / drafter", "Jain", "tokens/s (simulated)",
+         "rounds to settle (1%)", "on E[x\\|S]", "longest S = 0 run", "scheduling ms/round", "scheduling / step",
+         "scheduling share of round"],
+        ([policy, f"{m['drafters']:.0f}", f"{m['utility']:.3f} ± {m['utility_sd']:.3f}",
+          f"{m['expected_utility']:.3f} ± {m['expected_utility_sd']:.3f}", f"{m['utility_per_drafter']:.4f}",
+          f"{m['jain_index']:.3f}", f"{m['total_tokens_per_s']:.1f}", f"{m['rounds_to_settle']:.0f}",
+          f"{m['rounds_to_settle_expected']:.0f}", f"{m['longest_zero_draft_run']:.0f}", f"{m['schedule_ms_mean']:.3f}",
+          f"{m['schedule_over_step']:.4f}", f"{m['schedule_share_of_round']:.4f}"] for policy, m in results.items()))
     if validation:
-        lines += ["", "## Against the real runs (tokens per round; U)", "", "| policy | drafter | simulated | real | error |",
-                  "|---|---|---|---|---|"]
-        for v in validation:
-            lines.append(f"| {v['policy']} | {v['drafter']} | {v['sim']:.3f} | {v['real']:.3f} | {v['rel_err'] * 100:+.1f}% |")
+        lines += ["", "## Against the real runs (tokens per round; U)", ""]
+        lines += markdown_table(["policy", "drafter", "simulated", "real", "error"],
+                                ([v["policy"], v["drafter"], f"{v['sim']:.3f}", f"{v['real']:.3f}", f"{v['rel_err'] * 100:+.1f}%"]
+                                 for v in validation))
     if convergence:
-        lines += ["", "## Rounds until U stays within 1% of its final value", "",
-                  "| policy | simulated | real runs | simulated, on E[x\\|S] | real runs, on E[x\\|S] |", "|---|---|---|---|---|"]
-        for c in convergence:
-            lines.append(f"| {c['policy']} | {c['sim']:.0f} | {', '.join(map(str, c['real']))} | {c['sim_expected']:.0f} "
-                         f"| {', '.join(map(str, c['real_expected']))} |")
+        lines += ["", "## Rounds until U stays within 1% of its final value", ""]
+        lines += markdown_table(["policy", "simulated", "real runs", "simulated, on E[x\\|S]", "real runs, on E[x\\|S]"],
+                                ([c["policy"], f"{c['sim']:.0f}", ", ".join(map(str, c["real"])), f"{c['sim_expected']:.0f}",
+                                  ", ".join(map(str, c["real_expected"]))] for c in convergence))
     return "\n".join(lines) + "\n"
 
 
@@ -520,6 +518,6 @@ def run_simulation(spec_file: str | Path, profile: RunProfile, out_dir: Path | N
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "simulation.json").write_text(json.dumps(summary, indent=2))
-        (out_dir / "SIMULATION.md").write_text(render_markdown(title, results, validation, convergence))
+        (out_dir / "SIMULATION.md").write_text(simulation_markdown(title, results, validation, convergence))
         log(f"report: {out_dir / 'SIMULATION.md'}")
     return summary

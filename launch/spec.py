@@ -37,6 +37,7 @@ from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.tools import PARSER_HELP as TOOL_PARSER_HELP
 from goodspeed.api.tools import PARSERS as TOOL_PARSERS
 from goodspeed.launch.links import LinkSpec
+from goodspeed.lm.precision import DTYPES as TORCH_DTYPES
 from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.lm.seeding import resolve_root_seed
 from goodspeed.scheduler.policy import POLICIES
@@ -72,8 +73,8 @@ class SpecError(ValueError):
 
 
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-# What --dtype accepts; auto: bf16 where the device computes it natively, else fp32 (lm.loading.resolve_dtype)
-DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+# What --dtype accepts; auto: bf16 where the device computes it natively, else fp32 (lm.precision)
+DTYPES = ("auto", *TORCH_DTYPES)
 
 
 @dataclass(frozen=True)

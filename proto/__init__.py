@@ -1,1 +1,4 @@
 """The wire contract (goodspeed/v1/*.proto) and its generated stubs. Imports nothing of ours."""
+
+# What a drafter says in Join and a verifier requires; raised when a message changes meaning
+PROTOCOL_VERSION = 1

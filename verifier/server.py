@@ -36,6 +36,7 @@ from goodspeed.serving.aio import keep_until_done, run_to_the_end
 from goodspeed.serving.metrics import RequestTimer, finished_reason
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.structured import StructureError
+from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier import errors
@@ -52,7 +53,6 @@ from goodspeed.verifier.round_loop import Drafter, RoundLoop
 from goodspeed.verifier.serde import SAMPLING_FIELDS, draft_from_pb, logprobs_to_pb, sampling_from_pb, verdict_to_pb
 from goodspeed.verifier.tls import is_loopback, server_credentials
 
-PROTOCOL_VERSION = 1
 SERVICE_NAME = "goodspeed.v1.Verifier"
 STATUS = {
     errors.UnknownSessionError: grpc.StatusCode.FAILED_PRECONDITION,

@@ -177,7 +177,7 @@ def test_steps_for_transit_rows_alone_fold_into_the_next_steps_rows(tmp_path):
     """A step that verified no draft (``closed = "transit"``) makes no row; its receive and verify
     seconds go into the next step's, so the report's wall-time split still adds up."""
     from goodspeed.launch.experiment import rows_from_log
-    from goodspeed.launch.report import policy_metrics, render_markdown
+    from goodspeed.launch.report import policy_metrics, report_markdown
     from goodspeed.verifier.records import DrafterRound, RoundRecord
 
     def step(index, receive, verify, drafters, closed):
@@ -194,7 +194,7 @@ def test_steps_for_transit_rows_alone_fold_into_the_next_steps_rows(tmp_path):
     assert rows[2]["receive_s"] == pytest.approx(0.008) and rows[2]["verify_s"] == pytest.approx(0.013)
     m = policy_metrics(rows)
     assert m["verify_s"] == pytest.approx(0.015) and m["receive_s"] == pytest.approx(0.018) and m["transit_steps"] == 2
-    assert "2 steps decoded for transit rows alone" in render_markdown("x", {"goodspeed@async": m}, {})
+    assert "2 steps decoded for transit rows alone" in report_markdown("x", {"goodspeed@async": m}, {})
 
 
 def test_a_seed_shuffles_each_drafters_prompt_cycle(tmp_path):

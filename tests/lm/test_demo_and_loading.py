@@ -97,12 +97,3 @@ def test_fingerprint_tells_tokenizers_apart(toy_cache):
     other = demo.train_tokenizer("completely different text " * 200, vocab_size=300)
     assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(tok)
     assert tokenizer_fingerprint(tok) != tokenizer_fingerprint(other)
-
-
-def test_auto_dtype_is_bf16_where_the_cpu_computes_it_natively_and_fp32_elsewhere(monkeypatch):
-    from goodspeed.lm import loading
-
-    for native, want in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda native=native: native)
-        assert loading.resolve_dtype("auto", "cpu") == want and loading.torch_dtype("auto") == loading.DTYPES[want]
-    assert loading.resolve_dtype("float32", "cpu") == "float32" and loading.resolve_dtype("bf16") == "bf16"

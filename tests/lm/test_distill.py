@@ -42,18 +42,6 @@ def test_candidate_softmax_equals_the_full_softmax_over_the_whole_vocabulary():
     torch.testing.assert_close(logp, full, atol=2e-2, rtol=0)  # both through bf16 autocast
 
 
-@pytest.mark.parametrize("cpuinfo, native", [
-    ("flags\t\t: fpu sse2 avx2 fma\nflags\t\t: fpu sse2 avx2 fma\n", False),  # AVX2 only: emulated
-    ("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n", True),
-    ("flags\t\t: fpu avx2 avx512f amx_bf16\n", True),
-    ("Features\t: fp asimd bf16 i8mm\n", True),  # Arm
-    ("Features\t: fp asimd\n", False),
-    ("", False),
-])
-def test_the_build_computes_in_bfloat16_only_where_the_cpu_has_it(cpuinfo, native):
-    assert distill.cpu_has_native_bf16(cpuinfo) == native
-
-
 def test_chat_requests_are_deterministic_and_varied():
     a, b = distill.chat_requests(0), distill.chat_requests(0)
     assert a == b and len(set(a)) == len(a) > 80

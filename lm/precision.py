@@ -1,0 +1,48 @@
+"""Precision names: what ``--dtype`` and a spec's ``dtype`` accept, and ``auto``'s choice.
+
+``auto`` is bfloat16 where the device computes it natively (a CUDA device with bf16; a CPU whose
+flags say ``avx512_bf16``, ``amx_bf16`` or Arm's ``bf16``) and float32 elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (``/proc/cpuinfo``'s flags: x86
+    ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``); False where it cannot tell."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """``auto``: ``bfloat16`` where ``device`` computes it natively (a CUDA device with bf16, a CPU
+    with native bf16: :func:`cpu_has_native_bf16`), else ``float32``; any other name as it is."""
+    if name != "auto":
+        return name
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if dev.type == "cpu" and cpu_has_native_bf16() else "float32"
