@@ -2,7 +2,7 @@
 
 Each run directory is what ``goodspeed experiment --out DIR`` wrote (``report.json`` and
 ``<policy>/rounds.jsonl``). Per policy the comparison gives every run's final utility
-``U(x̄(T))`` (GoodSpeed, seeds 003_e4f9b92fd7e1d2ba, Fig. 4) with the mean and sample standard
+``U(x̄(T))`` (GoodSpeed, arXiv 2512.09963, Fig. 4) with the mean and sample standard
 deviation, the same for ``U`` on each drafter's tokens per second (the time-aware utility; a report
 written before it was recorded says so instead), Jain's index, the longest run of rounds any
 drafter was allotted ``S = 0``, and the

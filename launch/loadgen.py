@@ -1,6 +1,6 @@
 """Load generation for local serving: Poisson arrivals with mixed TPOT-SLO classes.
 
-The classes follow AdaServe's Table 2 (seeds 000, Section 6.1): a strict class whose TPOT SLO is
+The classes follow AdaServe's Table 2 (arXiv 2501.12162, Section 6.1): a strict class whose TPOT SLO is
 the *baseline latency* (plain decoding's per-iteration latency, profiled at batch 8), a moderate
 one and a relaxed one. AdaServe's absolute values for Llama-2-7B are 12.5 / 30 / 100 ms, so the
 moderate and relaxed SLOs here are 2.4x and 8x the baseline, whatever this machine's baseline is.

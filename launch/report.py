@@ -6,7 +6,7 @@ Inputs are the rows an experiment records (one per round and drafter: ``policy``
 ``transit``: of ``x``, the tokens decoded while its draft was in transit, and ``transit_steps``:
 the steps for transit rows alone since the previous step, whose seconds its receive and verify
 seconds include). Everything in the report is computed here and nowhere else
-(GoodSpeed, seeds 003_e4f9b92fd7e1d2ba, Section IV):
+(GoodSpeed, arXiv 2512.09963, Section IV):
 
 * Fig. 2 — estimated goodput (sum of the smoothed ``X_i``, eq. 4) vs real goodput (sum of
   ``x_i(t) = m_i + 1``) per round, with a moving average (window 10) and a std band;

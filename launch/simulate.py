@@ -1,7 +1,7 @@
 """``goodspeed simulate``: GoodSpeed's synchronous round loop at any scale, calibrated on real runs.
 
 The simulator runs the verifier's own scheduling code — :class:`~goodspeed.scheduler.allotments.DraftAllotments`:
-smoothing (GoodSpeed, seeds 003_e4f9b92fd7e1d2ba, eqs. 3-4), the draft-length policy (eq. 5 or a
+smoothing (GoodSpeed, arXiv 2512.09963, eqs. 3-4), the draft-length policy (eq. 5 or a
 baseline), first allotments of new requests and per-request caps — on drafters whose behaviour
 is sampled from profiles measured on a real experiment (``DIR/<policy>/rounds.jsonl``, every
 policy's rows pooled):
@@ -17,7 +17,7 @@ policy's rows pooled):
   the first rejection (0 for a drafter whose later positions never match).
 * **time**: a drafter's receive time (round open -> its draft arrived) is ``base + per_token * S``,
   fitted per drafter by least squares, plus a link round trip for synthetic drafters; the
-  verification step is TurboSpec's latency model (seeds 001, eq. 3) fitted to the real rounds'
+  verification step is TurboSpec's latency model (arXiv 2406.14066, eq. 3) fitted to the real rounds'
   verification seconds against the batched tokens ``rows * longest row`` (the engine pads every
   row to the longest). A synchronous round lasts its
   slowest drafter's receive time plus the step plus the measured median send time.

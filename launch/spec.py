@@ -135,8 +135,7 @@ class VerifierSpec:
                                   "engine is free (verifier.round_loop)", to="server.rounds", choices=ROUND_MODES)
     async_shares: str = setting("plan", "async rounds: plan: the policy splits C among every drafter with a request at each "
                                         "step and the step's drafters take their shares as far as the others' outstanding "
-                                        "allotments leave room; free: the step's drafters split what the others leave "
-                                        "(before 2026-11-26)", to="server.async_shares", choices=SHARE_MODES)
+                                        "allotments leave room; free: the step's drafters split what the others leave", to="server.async_shares", choices=SHARE_MODES)
     round_deadline_ms: float = setting(250.0, "close a round this long after its first draft", to="server.round_deadline_ms")
     max_missed_rounds: int = setting(3, "drop a drafter after this many consecutive misses", to="server.max_missed_rounds")
     idle_timeout_s: float = setting(60.0, "drop a session with a request in progress that sends nothing this long",

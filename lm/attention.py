@@ -14,10 +14,9 @@ math kernel, which copies every key head once per query head and runs attention 
 is one the memory-efficient kernel takes, and its masks are laid out so that kernel does not pad
 them again per layer (:data:`MASK_ALIGN`). Not yet timed on a GPU (docs/BENCHMARKS.md).
 
-On this project's CPU the folded call also replaced a matmul form of verification rows' attention
-(two matmuls, heads folded the same way; rows of 2-32 queries, 2026-11-25 to 11-26), which had
-been measured faster than SDPA with ``enable_gqa``: against the folded SDPA call the engine's
-rounds took 0.95-1.02x the matmul form's time (``bench/bench_engine.py``; per call,
+On this project's CPU the folded call costs the engine's rounds 0.95-1.02x what a matmul form of
+verification rows' attention does (two matmuls, heads folded the same way; rows of 2-32 queries),
+which is faster than SDPA with ``enable_gqa`` (``bench/bench_engine.py``; per call,
 ``bench/bench_attention.py``), so one call serves every device.
 
 Packed forwards (:meth:`goodspeed.lm.kv_slots.SlotKVCache.pack`, the verifier's target): the

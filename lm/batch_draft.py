@@ -138,7 +138,7 @@ class BatchDraftModel:
         """One forward over the slot window holding ``tokens``' keys; returns their logits
         ``[len(tokens[key]), V]`` per key, or with ``last_only`` ``[1, V]``, the logits after each
         key's last token: the LM head then runs only at the positions where some row ends, not
-        at every padded position (a new request's prompt no longer costs every row of the
+        at every padded position (so a new request's prompt does not cost every row of the
         window ``len(prompt)`` vocabulary projections). ``scratch_anc`` (beam steps): per key a
         bool matrix ``[q_len, offset]`` of the scratch entries each new token may see, besides the prefix.
         ``stacked``: one tensor ``[len(tokens), q_len, V]`` instead, the keys' rows in ``tokens``'

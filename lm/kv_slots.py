@@ -1,7 +1,7 @@
 """A slotted KV cache: one slot (batch row) per session or request, each written at its own offset
 (the verifier's target and every batched draft model use it).
 
-DESIGN.md section 6: a round must cost O(new tokens), never O(prefix). Every layer keeps one
+docs/DESIGN.md, *A round costs O(new tokens)*: a round must cost O(new tokens), never O(prefix). Every layer keeps one
 *pool* buffer ``[num_slots, kv_heads, capacity, head_dim]``; a forward over all slots writes row
 ``b``'s new keys at ``lengths[b] ..`` and hands attention a view of the buffer (no copy), while
 an additive 4-D mask and explicit position ids keep each row to its own prefix. Rolling back

@@ -1,7 +1,7 @@
 """Logits processing and sampling shared by drafter and verifier.
 
 The draft distribution ``q`` and the target distribution ``p`` go through the SAME processing
-(temperature, min-p, top-k, top-p) of the request (DESIGN.md section 3), so both sides call
+(temperature, min-p, top-k, top-p) of the request (docs/DESIGN.md, *Lossless verification*), so both sides call
 :func:`process_logits`; that is what keeps acceptance high. Exactness needs only that each drafted
 token was sampled from the very ``q`` the verifier gets, so an edge drafter may also cap that
 ``q``'s support (:func:`cap_support`) to send it small. Temperature 0 means greedy: the result is
@@ -496,7 +496,7 @@ def cap_support(probs: torch.Tensor, k: int) -> torch.Tensor:
 
     A drafter's proposal (drafter.runner, lm.batch_draft): the accept test and the residual
     ``max(0, p - q)`` are exact for ANY ``q`` the token was sampled from, provided the verifier gets
-    that very ``q`` (DESIGN.md section 3 needs ``s_j ~ q_j``, nothing about how ``q_j`` was made).
+    that very ``q`` (docs/DESIGN.md, *Lossless verification*, needs ``s_j ~ q_j``, nothing about how ``q_j`` was made).
     Capping the support lets a sampled draft travel sparse: ``k`` (id, prob) pairs a position
     instead of ``V`` floats; the correctness argument of speculative sampling (Leviathan et al.,
     verifier.rejection) never uses where the proposal came from. It costs acceptance at most the

@@ -1,7 +1,7 @@
 """Random streams: one root seed per run, one independent stream per role by construction.
 
 Lossless verification assumes the drafted tokens are independent of the verifier's uniforms
-(DESIGN.md section 3). Two generators seeded with the same integer are the SAME stream whatever
+(docs/DESIGN.md, *Random streams*). Two generators seeded with the same integer are the SAME stream whatever
 the tensor shapes (``torch.rand`` yields the same values), so the verifier's accept uniform would
 be the very uniform that sampled the drafted token. No two components here are ever seeded from
 the same integer: each stream's seed is derived from the run's root seed and a *domain* — the

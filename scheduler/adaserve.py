@@ -1,6 +1,7 @@
 """AdaServe: SLO-customized selection of draft token trees under a verification budget.
 
-Implements AdaServe (seeds 000_dc4cc5349a3ee9fe):
+Implements AdaServe (Li et al., "AdaServe: SLO-customized LLM serving with fine-grained speculative
+decoding", arXiv 2501.12162):
 
 * Section 3: a request needs ``A(r) = (l + t_spec) / t_TPOT - o`` accepted tokens this iteration
   to stay within its TPOT SLO (``l`` latency so far, ``o`` tokens decoded so far), and the

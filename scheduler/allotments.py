@@ -1,6 +1,6 @@
 """The verifier's draft-length bookkeeping, as pure code: who drafts how much next round.
 
-GoodSpeed (seeds 003_e4f9b92fd7e1d2ba, Algorithm 1, lines 13-16): after each verified round the
+GoodSpeed (arXiv 2512.09963, Algorithm 1, lines 13-16): after each verified round the
 verifier updates every participant's smoothed acceptance and goodput (eqs. 3-4,
 :class:`~goodspeed.scheduler.goodspeed.GoodputEstimator`) and asks the draft-length policy for
 next round's ``S_i`` under the budget ``C`` (eq. 5 or a baseline, :mod:`.policy`).

@@ -1,6 +1,6 @@
 """Fixed-S and Random-S, the two baselines of GoodSpeed's evaluation.
 
-GoodSpeed (seeds 003_e4f9b92fd7e1d2ba, Section IV-B2): "Fixed-S: each draft server consistently
+GoodSpeed (arXiv 2512.09963, Section IV-B2): "Fixed-S: each draft server consistently
 generates a fixed number of tokens per iteration, with S_i = C/N; Random-S: each draft server
 randomly samples S_i per iteration, constrained such that the total across clients does not
 exceed C."

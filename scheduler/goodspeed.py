@@ -1,6 +1,7 @@
 """GoodSpeed: smoothed per-drafter estimates and the gradient allocation of draft lengths.
 
-Implements GoodSpeed (seeds 003_e4f9b92fd7e1d2ba, Section III, Algorithm 1):
+Implements GoodSpeed (Tran et al., "GoodSpeed: fair goodput with adaptive speculative decoding in
+distributed edge inference", INFOCOM 2026, arXiv 2512.09963; Section III, Algorithm 1):
 
 * eq. (3), acceptance smoothing, for a drafter that drafted ``S > 0`` tokens::
 

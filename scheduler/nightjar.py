@@ -1,6 +1,7 @@
 """Nightjar: a per-batch-size bandit over the speculative length, aware of switching cost.
 
-Implements Nightjar (seeds 002_75ed832cf2292f88, Section 3, Algorithm 1 and eq. 3). Each batch
+Implements Nightjar (Li et al., "Nightjar: bandit-based adaptive speculative length", arXiv
+2512.22420; Section 3, Algorithm 1 and eq. 3). Each batch
 size ``B`` keeps its own hierarchy: blocks ``j`` of length ``H = 2^(j-1)`` steps-squared, split into
 bins of ``sqrt(H)`` steps. A bin is an exploration bin with probability ``1 / sqrt(b)`` (``b`` the
 bin's index within its block); exploration plays a uniform arm in ``0..G_max``, exploitation plays

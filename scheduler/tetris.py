@@ -1,6 +1,7 @@
 """TETRIS: pick the draft tokens of a batch most likely to be accepted, under a capacity.
 
-Implements TETRIS (seeds 004_b5774adbc245755c, Section 4.1, Algorithm 1). Each request drafts
+Implements TETRIS (Wu et al., "TETRIS: optimal draft token selection for batch speculative
+decoding", ACL 2025, arXiv 2502.15197; Section 4.1, Algorithm 1). Each request drafts
 ``k + extra`` tokens; the token at position ``j`` of request ``i`` is worth its cumulative draft
 probability ``prod_{t<=j} q_{i,t}(s_{i,t})``, a surrogate of the probability that the whole prefix
 up to ``j`` is accepted. Algorithm 1 pops the best frontier token of a heap ``C`` times. Because a
@@ -12,7 +13,7 @@ metric (eq. 1), is ``accepted / sent``.
 Sampled drafts (temperature > 0) need one change to stay lossless. The rejection test
 ``u < p(s_j) / q_j(s_j)`` is exact only if ``s_j ~ q_j`` given everything that decided to verify
 it; ranking position ``j`` by ``q_j(s_j)`` — its own sampled value — conditions the sample
-(DESIGN.md section 3), and the output drifts off the target's distribution. So for sampled
+(docs/DESIGN.md, *Lossless verification*), and the output drifts off the target's distribution. So for sampled
 drafts :func:`presample_scores` ranks position ``j`` by what was known before ``s_j`` was drawn:
 
     score_j = min_{i <= j} ( prod_{t < i} q_t(s_t) ) * E_{s ~ q_i}[q_i(s)],   E_{s ~ q}[q(s)] = sum_v q(v)^2

@@ -1,6 +1,6 @@
 """Time-aware GoodSpeed: the log utility of each drafter's goodput in tokens per SECOND.
 
-GoodSpeed's eq. (5) (seeds 003_e4f9b92fd7e1d2ba, Section III) maximises the gradient of
+GoodSpeed's eq. (5) (arXiv 2512.09963, Section III) maximises the gradient of
 ``sum_i log X_i`` — ``X_i`` tokens per *round* — over the rounds a budget ``C`` allows. That is
 right for the paper's lockstep round, which lasts the same for everyone. When drafters run at
 their own cadence (``--rounds async``, :mod:`goodspeed.verifier.round_loop`), a round of drafter

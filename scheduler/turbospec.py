@@ -1,6 +1,7 @@
 """TurboSpec: a profiled latency model and the proposal length that maximises goodput.
 
-Implements TurboSpec (seeds 001_abbae4e529b15a0b, Section 4.1.3):
+Implements TurboSpec (Liu et al., "TurboSpec: closed-loop speculation control for goodput", arXiv
+2406.14066; Section 4.1.3):
 
 * eq. (3): a forward pass costs ``T_fwd = alpha * N_context + gamma * N_batched + delta``, fitted by
   least squares on offline profile samples (one model for the target, one for the draft);

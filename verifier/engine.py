@@ -1,6 +1,7 @@
 """The verification engine: one session per drafter, one batched target forward per round.
 
-A round (GoodSpeed Alg. 1, lines 12-16; DESIGN.md sections 3, 4, 6):
+A round (GoodSpeed Alg. 1, lines 12-16; docs/DESIGN.md: *Lossless verification*, *GoodSpeed's allocation*,
+*A round costs O(new tokens)*):
 
 1. assemble every submitted draft as one row of new tokens — the session's pending token (the
    last committed token, not yet in the KV cache) followed by its drafts — over a contiguous

@@ -17,26 +17,26 @@ Policies (``--local-policy``), one :class:`LocalPolicy` subclass each, found by 
 ``LOCAL_POLICY_CLASSES`` (adding one touches that registry and nothing else):
 
 * ``none`` — plain decoding (no draft), ``chain`` — every request drafts ``k`` tokens;
-* ``tetris`` — TETRIS (seeds 004, Alg. 1): each request drafts ``k + extra`` tokens and the batch
+* ``tetris`` — TETRIS (arXiv 2502.15197, Alg. 1): each request drafts ``k + extra`` tokens and the batch
   verifies the ``capacity`` tokens with the highest cumulative draft probability; VSR reported.
   Sampled tokens are ranked by the confidence known before each was drawn
   (:func:`goodspeed.scheduler.tetris.presample_scores`): ranking by their own sampled values
   would condition them and bias the output;
-* ``adaserve`` — AdaServe (seeds 000, Alg. 2): beam-search candidate trees with depth and width
+* ``adaserve`` — AdaServe (arXiv 2501.12162, Alg. 2): beam-search candidate trees with depth and width
   from eqs. (8)-(9), SLO-customized then throughput-optimized node selection under the budget
   ``B``, where ``A(r) = (l + t_spec) / t_TPOT - o`` with ``l`` the time since the request's
   decoding began, ``o`` its tokens so far and ``t_spec`` the smoothed iteration time. When the
   ``n`` requests' roots take the whole budget (``n >= B``) Alg. 2 can select no node, so the
   iteration drafts nothing and decodes plainly;
-* ``turbospec`` — TurboSpec (seeds 001, Listing 2): ``k`` (0 included) maximising predicted
+* ``turbospec`` — TurboSpec (arXiv 2406.14066, Listing 2): ``k`` (0 included) maximising predicted
   goodput under the profiled latency models, from the requests' smoothed acceptance;
-* ``nightjar`` — Nightjar (seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded with
+* ``nightjar`` — Nightjar (arXiv 2512.22420, Alg. 1): a bandit over ``k`` per batch size, rewarded with
   the measured goodput of the step, with the draft catch-up as the switching cost;
 * ``goodput`` — each request's own length (0 included), the batch's most expected tokens per
   second from the requests' measured acceptances and the step's measured costs
   (:mod:`goodspeed.scheduler.paying`): speculation stops where it does not pay.
 
-Losslessness under sampling (DESIGN.md section 3): no decision looks at a sampled token's value
+Losslessness under sampling (docs/DESIGN.md, *Lossless verification*): no decision looks at a sampled token's value
 before it is verified. TETRIS ranks by what was known before each draw (above); AdaServe's beam
 candidates are deterministic and verified as point masses; TurboSpec and Nightjar choose ``k``
 before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
@@ -673,7 +673,7 @@ class FixedChains(LocalPolicy):
 
 
 class TurboSpecChains(LocalPolicy):
-    """``turbospec`` (TurboSpec, seeds 001, Listing 2): the ``k`` (0 included) that maximises
+    """``turbospec`` (TurboSpec, arXiv 2406.14066, Listing 2): the ``k`` (0 included) that maximises
     predicted goodput under the profiled latency models, from the smoothed acceptances."""
 
     name = "turbospec"
@@ -696,7 +696,7 @@ class TurboSpecChains(LocalPolicy):
 
 
 class NightjarChains(LocalPolicy):
-    """``nightjar`` (Nightjar, seeds 002, Alg. 1): a bandit over ``k`` per batch size, rewarded
+    """``nightjar`` (Nightjar, arXiv 2512.22420, Alg. 1): a bandit over ``k`` per batch size, rewarded
     with each step's measured goodput, the draft catch-up forward as its switching cost."""
 
     name = "nightjar"
@@ -780,7 +780,7 @@ class GoodputChains(LocalPolicy):
 
 
 class TetrisSelection(LocalPolicy):
-    """``tetris`` (TETRIS, seeds 004, Alg. 1): draft ``k + extra``, verify the batch's ``capacity``
+    """``tetris`` (TETRIS, arXiv 2502.15197, Alg. 1): draft ``k + extra``, verify the batch's ``capacity``
     most probable tokens (:meth:`LocalServing._tetris`)."""
 
     name = "tetris"
@@ -794,7 +794,7 @@ class TetrisSelection(LocalPolicy):
 
 
 class AdaServeTrees(LocalPolicy):
-    """``adaserve`` (AdaServe, seeds 000, Alg. 2): SLO-customized then throughput-optimized token
+    """``adaserve`` (AdaServe, arXiv 2501.12162, Alg. 2): SLO-customized then throughput-optimized token
     trees under the budget ``B`` (:meth:`LocalServing._adaserve`)."""
 
     name = "adaserve"

@@ -1,6 +1,6 @@
 """``goodspeed profile``: measure forward times on this machine and fit TurboSpec's latency model.
 
-TurboSpec (seeds 001, Section 4.1.3, eq. 3) models one forward as
+TurboSpec (arXiv 2406.14066, Section 4.1.3, eq. 3) models one forward as
 ``T_fwd = alpha * N_context + gamma * N_batched + delta`` and fits it offline, once per model and
 machine. The samples here go through the same path serving uses (a slot KV cache, an additive
 4-D mask, the grouped-query SDPA function): ``b`` rows, each with ``c`` tokens of context, each

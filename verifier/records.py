@@ -35,8 +35,8 @@ from dataclasses import dataclass
 SCHEMA = 5
 ROUND_MODES = ("sync", "async")  # the round loop's modes (goodspeed.verifier.round_loop)
 # Async rounds: how a step's drafters share C. "plan": the policy splits C among every active
-# drafter and they take their planned shares; "free": they split what the others' allotments leave
-# (before 2026-11-26). goodspeed.scheduler.DraftAllotments.schedule.
+# drafter and they take their planned shares; "free": they split what the others' allotments leave.
+# goodspeed.scheduler.DraftAllotments.schedule.
 SHARE_MODES = ("plan", "free")
 CLOSE_REASONS = ("all", "window", "none-due", "local", "transit")  # why a step closed (goodspeed.verifier.round_loop)
 

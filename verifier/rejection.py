@@ -1,6 +1,6 @@
 """Lossless speculative verification: chains (batched) and token trees.
 
-Vocabulary (DESIGN.md section 3): ``p_j`` is the target's processed distribution at drafted
+Vocabulary (docs/DESIGN.md, *Lossless verification*): ``p_j`` is the target's processed distribution at drafted
 position ``j`` and ``q_j`` the draft's, both after the SAME logits processing. For a chain of ``S``
 drafted tokens, accept ``s_j`` while ``u_j < p_j(s_j) / q_j(s_j)``; at the first rejection ``m + 1``
 the correction is drawn from ``norm(max(0, p_{m+1} - q_{m+1}))``; if all ``S`` are accepted the bonus

@@ -39,9 +39,8 @@ for; a fast drafter is waited for longer than a slow one, whose round a step bar
 ``f`` is the smoothed time of the last steps, and no step waits longer than ``f`` (the window; the
 ski-rental bound: waiting longer than a step costs more than running one) nor than
 ``round_deadline_ms``. The step closes at once when no drafter is due before its own limit
-(``none-due``). Before 2026-11-25 every due draft was waited for up to ``f`` whatever waited for
-it, which idled the engine for the slowest link's drafter at every step (docs/EXPERIMENTS.md,
-*How long a step waits*).
+(``none-due``). Waiting up to ``f`` for every due draft, whatever waits for it, would idle the
+engine for the slowest link's drafter at every step (docs/EXPERIMENTS.md, *How long a step waits*).
 
 With transit decoding (``EngineConfig.transit_tokens``, async only) the steps the loop runs also
 decode the next tokens of drafters whose draft is still on the way (:mod:`goodspeed.verifier.engine`);
@@ -76,13 +75,12 @@ The engine's cap (``transit_tokens`` a verdict) bounds these steps as it bounds 
 a drafter that goes silent costs at most that many steps. Their time is not in the smoothed step
 time ``f``, which stays that of the steps that verify drafts.
 
-Until 2026-11-26 the weights were one over the *cycle* (link and drafting only) and a transit
-token was worth ``1 / X`` (eq. 4's goodput of the drafts alone). On the real pair behind links that
-made every weight 2-5 times too large (periods of 112-245 ms against cycles of 22-117 ms, the
-fastest drafter's the most) against the transit tokens' worth (``X`` 1.0-1.4 against 1.6-2.5
-tokens a verdict carried), so steps waited for drafts that were worth less than the wait. Measured
-there with transit decoding: 2.8% more throughput than that rule and the same as never waiting,
-and 2.8% more without transit decoding (docs/EXPERIMENTS.md, *How long a step waits: one over the
+Why the period and not the *cycle* (link and drafting only), with a transit token worth ``1 / X``
+(eq. 4's goodput of the drafts alone): on the real pair behind links, cycle weights are 2-5 times
+too large (periods of 112-245 ms against cycles of 22-117 ms, the fastest drafter's the most)
+against the transit tokens' worth (``X`` 1.0-1.4 against 1.6-2.5 tokens a verdict carried), so
+steps wait for drafts worth less than the wait. The period rule gave 2.8% more throughput there,
+with transit decoding and without (docs/EXPERIMENTS.md, *How long a step waits: one over the
 period*).
 
 In both modes the budget ``C`` bounds every step: a drafter's allotment stays outstanding until
@@ -92,8 +90,8 @@ draft tokens plus one pending token per row. In async mode a step often verifies
 the others' drafts are on their way, so by default (``ServerConfig.async_shares = "plan"``) the
 policy splits ``C`` among every drafter with a request in progress at each step, and the step's
 drafters take their planned shares as far as the others' outstanding allotments leave room.
-Before 2026-11-26 (``"free"``) they split what the others left, so a lone drafter was given all
-that was free whatever the policy, and the shares followed the order of the verdicts.
+With ``"free"`` they split what the others left, so a lone drafter is given all that is free
+whatever the policy, and the shares follow the order of the verdicts.
 
 Chunked prefill (``EngineConfig.prefill_chunk``): a StartRequest whose prompt the engine queued
 waits here (:meth:`RoundLoop.started`) until a step completes its prefill. Every verification
