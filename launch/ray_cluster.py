@@ -447,7 +447,7 @@ def connect(address: str | None) -> None:
             socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
         except (OSError, ValueError) as exc:
             raise LaunchError(f"no Ray cluster at {address} ({exc}); start its head with `ray start --head` "
-                              "(README: Multi-node with Ray)") from None
+                              "(docs/GUIDE.md: Multi-node with Ray)") from None
     try:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, namespace="goodspeed")
     except (ConnectionError, RuntimeError) as exc:

@@ -1,4 +1,4 @@
-"""The package layers (README, *Layout*): the verifier and the drafter never import each other;
+"""The package layers (docs/ARCHITECTURE.md, *Layout*): the verifier and the drafter never import each other;
 the core (verifier, drafter, scheduler, lm) never imports the HTTP API, which only the daemons'
 entry points (launch) put in front of it; the shared layers (lm, serving, api, scheduler, proto)
 import neither the verifier nor the drafter, nor the launcher."""

@@ -110,7 +110,7 @@ def test_every_setting_lands_in_a_config_field_that_exists_and_defaults_alike():
 
 
 def test_a_setting_declared_once_is_a_flag_a_spec_file_key_and_a_config_field(tmp_path):
-    """What the README's architecture section promises: one ``setting(...)`` line is the whole
+    """What docs/ARCHITECTURE.md promises: one ``setting(...)`` line is the whole
     change. A spec class with one more (routed to a ServerConfig field no spec sets) gets the flag,
     carries it through the spec file the launcher writes, and the daemon's config receives it."""
     import argparse
