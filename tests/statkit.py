@@ -130,3 +130,25 @@ def count_first_two(outputs, vocab: int) -> np.ndarray:
     for out in outputs:
         counts[out[0], out[1] if len(out) > 1 else vocab] += 1
     return counts
+
+
+def exact_marginal(model, prompt: list[int], sampling: SamplingParams, index: int) -> np.ndarray:
+    """``[V]``: P(the generated token at ``index`` (0-based) is v) under ``model``'s own sampling
+    (no logit adjustment, no EOS), summed over every text before it: ``V ** index`` prefixes, so
+    for small vocabularies and indices only."""
+    with torch.inference_mode():
+        def dist(seq):
+            return process_logits(model(input_ids=torch.tensor([seq])).logits[0, -1].double(), sampling).numpy()
+
+        paths = {(): 1.0}
+        for _ in range(index):
+            grown: dict[tuple[int, ...], float] = {}
+            for path, weight in paths.items():
+                for token, p in enumerate(dist(list(prompt) + list(path))):
+                    if p > 0:
+                        grown[path + (token,)] = weight * p
+            paths = grown
+        out = 0.0
+        for path, weight in paths.items():
+            out = out + weight * dist(list(prompt) + list(path))
+        return out

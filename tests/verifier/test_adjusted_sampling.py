@@ -20,7 +20,7 @@ from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError
 from goodspeed.verifier.types import Draft
 from modelkit import adjusted_greedy_reference, perturbed, tiny_llama
 from pathkit import PATHS, on_path, run_edge, run_local
-from statkit import count_first_two, exact_first_two, fits, reference_adjust
+from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, fits, reference_adjust
 
 V = 6
 PROMPT = [1, 2, 3]
@@ -216,12 +216,12 @@ def test_sampled_edge_chains_follow_the_adjusted_target(small, sampling):
 
 def test_a_verifier_that_forgets_the_drafted_text_is_caught(small, monkeypatch):
     """Power check: every position adjusted by the committed text alone (the drafted tokens before
-    it left out) must fail the same test."""
+    it left out) must fail the same test at p < 1e-6 (chi2 283 and 367 in two runs, against 81)."""
     monkeypatch.setattr(verify_rows, "draft_paths", lambda tokens, parents: [[] for _ in range(len(tokens) + 1)])
     target, draft = small
     outputs, _ = run_edge(target, draft, PENALTIES, [PROMPT] * 800, 3, drafters=8)
-    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
-    assert not ok, msg
+    stat, dof = chi2_stat(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
+    assert stat > chi2_critical(dof, z=4.7534), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 def likeliest_pair(target) -> tuple[int, int]:

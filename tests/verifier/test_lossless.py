@@ -1,12 +1,16 @@
 """Losslessness under sampling, through the engine: the joint distribution of the first two
 generated tokens is compared (chi-square, p = 0.001) with the target's own, computed exactly from
 the model, for every sampling setting, chains and trees, a draft with q = 0 where p > 0, EOS
-inside a draft, a bf16 target and mixed settings in one batch. Default seeds (fresh OS entropy)
-throughout, as users run it. A deliberately lossy verifier must fail the same test (power check),
-and the seed-alignment defect has its regression test.
+inside a draft, a bf16 target and mixed settings in one batch; and the fifth token, which comes
+after a first round's verdict (a rejection and a KV rollback in most requests), against its exact
+marginal. Default seeds (fresh OS entropy) throughout, as users run it.
 
-Large-sample variants are marked slow; the always-on ones keep enough samples to catch the
-known defects (each negative control here fails them)."""
+Negative controls, each a known bug the same test must reject at p < 1e-6 (the statistic above the
+chi-square's 1 - 1e-6 quantile): by default, a capped proposal sent whole, a rollback one entry
+late (the fifth token's test, 1,600 samples: chi2 85-158 in three runs, against 37.5), and tree
+verification without the residual after a rejected sibling (800 samples: chi2 241 against 89); in the
+slow tier, chains resampling from p instead of the residual. The seed-alignment defect has its
+regression test. Large-sample variants are marked slow."""
 
 import numpy as np
 import pytest
@@ -19,10 +23,12 @@ from goodspeed.verifier import rejection
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 from modelkit import perturbed, tiny_llama
-from statkit import count_first_two, exact_first_two, fits
+from goodspeed.lm import kv_slots
+from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, exact_marginal, fits
 
 V = 6
 PROMPT = [1, 2, 3]
+Z_P1E6 = 4.7534  # standard normal 1 - 1e-6 quantile: a negative control must exceed chi2's critical value there
 SETTINGS = {
     "T1": SamplingParams(temperature=1.0),
     "T0.7": SamplingParams(temperature=0.7),
@@ -114,9 +120,9 @@ def test_a_proposal_sampled_capped_but_sent_whole_is_caught(target, bad_draft, m
 
     monkeypatch.setattr(runner, "sample_from", lambda q, u: sample_from(cap_support(q, 2), u))
     sampling = SETTINGS["T1"]
-    outputs, _ = run_chains(target, bad_draft, {"T1": sampling}, per_setting=400, proposal_top_k=0)  # chi2 ~600 vs 67
-    ok, msg = fits(count_first_two(outputs["T1"], V), exact_first_two(target, PROMPT, sampling))
-    assert not ok, msg
+    outputs, _ = run_chains(target, bad_draft, {"T1": sampling}, per_setting=400, proposal_top_k=0)  # chi2 ~600
+    stat, dof = chi2_stat(count_first_two(outputs["T1"], V), exact_first_two(target, PROMPT, sampling))
+    assert stat > chi2_critical(dof, z=Z_P1E6), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 class MaskedDraft(torch.nn.Module):
@@ -130,6 +136,37 @@ class MaskedDraft(torch.nn.Module):
         out = self.model(**kw)
         out.logits[..., self.banned] = -torch.inf
         return out
+
+
+def fifth_token(target, draft, n: int = 1600):
+    """Each request's fifth generated token (index 4) with max_draft_len 3: it always comes after
+    the first round's verdict. Returns the chi-square statistic against its exact marginal, the
+    critical values at p = 0.001 and p = 1e-6, and the rounds' verdicts."""
+    sampling = SETTINGS["T1"]
+    outputs, results = run_chains(target, draft, {"T1": sampling}, per_setting=n, max_new_tokens=5)
+    counts = np.bincount([o[4] for o in outputs["T1"]], minlength=V)
+    stat, dof = chi2_stat(counts, exact_marginal(target, PROMPT, sampling, 4))
+    return stat, chi2_critical(dof), chi2_critical(dof, z=Z_P1E6), [v for r in results for v in r.verdicts.values()]
+
+
+def test_tokens_after_a_rejection_and_a_rollback_follow_the_target(target, bad_draft):
+    stat, critical, _, verdicts = fifth_token(target, bad_draft)
+    assert stat < critical, f"chi2 {stat:.1f} against {critical:.1f}"
+    assert sum(v.num_accepted < v.num_drafted for v in verdicts) > 600  # rejections, each rolled back: about 900
+
+
+def test_a_verifier_that_rolls_back_one_entry_late_is_caught(target, bad_draft, monkeypatch):
+    """The bug: after a verdict the target's KV keeps, for its last committed position, the entry
+    one position later (a rejected draft token's), so every later round reads a wrong context."""
+    commit_many = kv_slots.SlotKVCache.commit_many
+
+    def late(self, commits, mover=None):
+        return commit_many(self, [(slot, base, kept[:-1] + [kept[-1] + 1] if len(kept) > 1 else kept)
+                                  for slot, base, kept in commits], mover)
+
+    monkeypatch.setattr(kv_slots.SlotKVCache, "commit_many", late)
+    stat, _, critical, _ = fifth_token(target, bad_draft)
+    assert stat > critical, f"a late rollback gave chi2 {stat:.1f}: the test lacks power at p = 1e-6 ({critical:.1f})"
 
 
 def test_draft_with_zero_mass_where_the_target_has_some(target, bad_draft):
@@ -204,17 +241,16 @@ def sample_tree(draft, sampling, rng: torch.Generator, mode: str):
     return tokens, parents, dense
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "with-replacement", "without-replacement"])
-def test_trees_follow_the_target(target, bad_draft, mode):
-    sampling = SETTINGS["T1"]
+def sampled_trees(target, draft, mode: str, sampling, n: int = 800) -> list[list[int]]:
+    """``n`` requests' first two tokens, each request's first draft a depth-2, width-2 tree."""
     engine = VerificationEngine(target, EngineConfig(budget=64, max_draft_len=6))
     rng = torch.Generator().manual_seed(torch.seed())
     outputs = []
-    while len(outputs) < 800:
+    while len(outputs) < n:
         sessions = [engine.join(f"t{i}") for i in range(8)]
         outs = {}
         for sid in sessions:
-            tokens, parents, dense = sample_tree(bad_draft, sampling, rng, mode)
+            tokens, parents, dense = sample_tree(draft, sampling, rng, mode)
             engine.start_request(sid, PROMPT, sampling, max_new_tokens=3)
             engine.set_allotment(sid, len(tokens))
             engine.submit(sid, Draft(engine.next_round(sid), tokens, parents=parents, dense_probs=dense))
@@ -227,7 +263,24 @@ def test_trees_follow_the_target(target, bad_draft, mode):
         for sid in sessions:
             engine.leave(sid)
         outputs += [o[:2] for o in outs.values()]
-    assert_follows(target, outputs, sampling)
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "with-replacement", "without-replacement"])
+def test_trees_follow_the_target(target, bad_draft, mode):
+    sampling = SETTINGS["T1"]
+    assert_follows(target, sampled_trees(target, bad_draft, mode, sampling), sampling)
+
+
+def test_a_tree_verifier_that_skips_the_residual_is_caught(target, bad_draft, monkeypatch):
+    """The bug: after a rejected sibling the next one is tested against the target's p itself, not
+    its residual without the rejected token (and the final draw too), which favours tokens already
+    rejected."""
+    monkeypatch.setattr(rejection, "_residual_or_target", lambda p_at, q_at, rejected: p_at)
+    sampling = SETTINGS["T1"]
+    stat, dof = chi2_stat(count_first_two(sampled_trees(target, bad_draft, "deterministic", sampling), V),
+                          exact_first_two(target, PROMPT, sampling))
+    assert stat > chi2_critical(dof, z=Z_P1E6), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 # ---------------------------------------------------------------------------- random streams

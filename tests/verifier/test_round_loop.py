@@ -66,15 +66,36 @@ def race(models, rounds, transit_tokens=0):
         records = [RoundRecord.from_event(e) for e in server.events("round")]
     assert outputs["slow"] == [greedy_reference(target, SLOW_PROMPT, 90)]
     assert outputs["fast"] == [greedy_reference(target, p, 30) for p in FAST_PROMPTS]
+    return records
+
+
+def steps_while_both_run(records) -> list[tuple[str, str]]:
+    """The steps from the fast drafter's first to its last, each as who it verified ("both",
+    "fast" or "slow") and why it closed; steps verifying neither (transit-only ones) left out."""
     fast = [r.round for r in records if any(d.name == "fast" for d in r.drafters)]
-    during = [r for r in records if fast[0] <= r.round <= fast[-1]]
-    slow_steps = sum(any(d.name == "slow" for d in r.drafters) for r in during)
-    return len(fast), slow_steps, records
+    out = []
+    for r in records:
+        names = {d.name for d in r.drafters}
+        if fast[0] <= r.round <= fast[-1] and names:
+            out.append(("both" if names == {"fast", "slow"} else names.pop(), r.closed))
+    return out
+
+
+def longest_run(steps: list[tuple[str, str]], who: str) -> int:
+    best = run = 0
+    for name, _ in steps:
+        run = run + 1 if name == who else 0
+        best = max(best, run)
+    return best
 
 
 def test_async_rounds_let_the_fast_drafter_run_ahead_of_a_slow_link(models):
-    fast, slow, records = race(models, "async")
-    assert slow >= 1 and fast >= 3 * slow, (fast, slow)
+    """Events, not timings: while the slow drafter's draft crosses its 150 ms link, the fast one is
+    verified in steps of its own, several in a row."""
+    records = race(models, "async")
+    steps = steps_while_both_run(records)
+    assert any(name != "fast" for name, _ in steps), steps
+    assert longest_run(steps, "fast") >= 2, steps
     assert {r.mode for r in records} == {"async"}
     # The budget bounds every step: outstanding allotments never pass C.
     assert all(sum(d.drafted for d in r.drafters) <= r.budget for r in records)
@@ -91,7 +112,7 @@ def test_async_rounds_let_the_fast_drafter_run_ahead_of_a_slow_link(models):
 def test_transit_decoding_grows_the_slow_links_text_in_the_fast_drafters_steps(models):
     """With transit decoding, the steps the fast drafter's drafts open also decode the slow one's
     next tokens while its draft is on the wire (outputs stay the target's: ``race`` checks)."""
-    fast, slow, records = race(models, "async", transit_tokens=4)
+    records = race(models, "async", transit_tokens=4)
     slow_rows = [d for r in records for d in r.drafters if d.name == "slow"]
     assert all(d.transit <= 4 for r in records for d in r.drafters)
     assert sum(d.transit for d in slow_rows) > 0
@@ -99,7 +120,7 @@ def test_transit_decoding_grows_the_slow_links_text_in_the_fast_drafters_steps(m
     # its verdicts add up to its whole output.
     assert sum(d.gained for d in slow_rows) == 90
     assert sum(r.transit_tokens for r in records) >= sum(d.transit for d in slow_rows)
-    assert fast >= 3 * slow, (fast, slow)
+    assert longest_run(steps_while_both_run(records), "fast") >= 2
 
 
 def lone_slow_drafter(models, transit_alone):
@@ -144,16 +165,20 @@ def test_without_transit_alone_no_step_runs_for_transit_rows(models):
 
 
 def test_sync_rounds_pace_everyone_by_the_slowest_link(models):
-    """The control: the paper's lockstep round makes the fast drafter wait for the slow one."""
-    fast, slow, records = race(models, "sync")
-    assert fast <= 1.5 * slow, (fast, slow)
+    """The control: the paper's lockstep round makes the fast drafter wait for the slow one, which
+    is mid-request all along: a round with the fast drafter alone closes only when its deadline
+    passes, never because everyone submitted."""
+    records = race(models, "sync")
+    steps = steps_while_both_run(records)
+    assert any(name == "both" for name, _ in steps), steps
+    assert all(closed != "all" for name, closed in steps if name == "fast"), steps
     assert {r.mode for r in records} == {"sync"}
     assert {r.closed for r in records} <= {"all", "window"}  # sync waits for everyone, or its deadline
 
 
 def test_async_never_waits_for_a_frozen_drafter(models):
     """A drafter that stops sending mid-request is never waited for (no missed-round deadline to
-    sit out); the idle timeout evicts it."""
+    sit out); the idle timeout evicts it, whether or not the live drafter has finished by then."""
     target, draft = models
     engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4))
     with ServerThread(engine, rounds="async", round_deadline_ms=5000, idle_timeout_s=3.0) as server:
@@ -176,9 +201,10 @@ def test_async_never_waits_for_a_frozen_drafter(models):
         channel.close()
     assert outputs["live"] == [greedy_reference(target, p, 30) for p in FAST_PROMPTS]
     drops = [i for i, e in enumerate(events) if e["event"] == "drop" and e["session"] == frozen]
-    assert drops and drops[0] >= live_done, "the live drafter finished before the frozen one was evicted"
-    assert events[drops[0]]["reason"].startswith("idle"), events[drops[0]]
-    # Not one of the live drafter's steps waited out the 5 s deadline: each closed within its window.
+    assert drops and events[drops[0]]["reason"].startswith("idle"), events
+    # Not one of the live drafter's steps sat out the 5 s round deadline for the frozen drafter (a
+    # step waits at most its window, a step's time: RoundLoop._wait_until, unit-tested below). The
+    # deadline is a setting a hundred times any step here, not a margin a loaded machine nears.
     rounds = [RoundRecord.from_event(e) for e in events[:live_done] if e["event"] == "round"]
     assert rounds and max(r.receive_s for r in rounds) < 5.0
 

@@ -415,13 +415,40 @@ def test_sampled_outputs_follow_the_target_through_grpc(rounds):
     check_sampled_through_grpc(rounds, "cpu")
 
 
+def test_a_drafter_that_sends_a_q_it_did_not_sample_from_is_caught_through_grpc(monkeypatch):
+    """Negative control: drafters that sample from their q but send the uniform distribution in its
+    place (as a wire format that lost the probabilities would) fail the same test at p < 1e-6
+    (chi2 168 and 236 in two runs, against a critical 85.8)."""
+    from goodspeed.drafter import runner as runner_module
+    from statkit import chi2_critical
+
+    real = runner_module.DraftOutput.q_to_send
+
+    def uniform(self, sampling):
+        if self.token_ids and not sampling.greedy:
+            return "sparse", [(list(range(6)), [1.0 / 6] * 6) for _ in self.token_ids]
+        return real(self, sampling)
+
+    monkeypatch.setattr(runner_module.DraftOutput, "q_to_send", uniform)
+    stat, dof = sampled_through_grpc("async", "cpu")
+    assert stat > chi2_critical(dof, z=4.7534), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+
+
 def check_sampled_through_grpc(rounds: str, device: str) -> None:
-    """Six sampling drafters, 100 requests each, with the models on ``device``; the exact
-    distribution is computed on the host."""
+    from statkit import chi2_critical
+
+    stat, dof = sampled_through_grpc(rounds, device)
+    assert stat < chi2_critical(dof), f"chi2 {stat:.1f} (critical {chi2_critical(dof):.1f}, dof {dof})"
+
+
+def sampled_through_grpc(rounds: str, device: str) -> tuple[float, int]:
+    """Six sampling drafters, 100 requests each, with the models on ``device``: the chi-square
+    statistic of their first two tokens against the target's exact distribution (computed on the
+    host), and its degrees of freedom."""
     import copy
 
     from goodspeed.lm.sampling import SamplingParams
-    from statkit import count_first_two, exact_first_two, fits
+    from statkit import chi2_stat, count_first_two, exact_first_two
 
     vocab, prompt, sampling = 6, [1, 2, 3], SamplingParams(temperature=1.0, top_p=0.95)
     target = tiny_llama(4, vocab=vocab, init=0.08)
@@ -431,8 +458,7 @@ def check_sampled_through_grpc(rounds: str, device: str) -> None:
         outputs = run_clients(server.address, [draft] * 6, [[prompt] * 100] * 6, 3, sampling=sampling)
     samples = [o for outs in outputs.values() for o in outs]
     assert len(samples) == 600
-    ok, msg = fits(count_first_two(samples, vocab), exact_first_two(target, prompt, sampling))
-    assert ok, msg
+    return chi2_stat(count_first_two(samples, vocab), exact_first_two(target, prompt, sampling))
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")

@@ -5,9 +5,11 @@ AdaServe's trees), greedy and sampled.
 Greedy output must equal the target's own constrained greedy decoding (each step's logits with
 every token the grammar refuses after the text at -inf, from a fresh matcher: ``statkit``), and
 match the grammar; sampled output must follow the target's constrained distribution (the joint
-distribution of the first two tokens, chi-square at p = 0.001). A verifier that masks every
-position by the committed text alone (forgetting the drafted tokens before it) must fail the
-sampled test (power check)."""
+distribution of the first two tokens, chi-square at p = 0.001). Negative controls, in the default
+tier: a verifier that masks every position by the committed text alone (forgetting the drafted
+tokens before it), and one that gates a grammar-after-a-token by the committed text alone, must
+fail the sampled test or commit a text the grammar refuses, which the request's own matcher
+catches."""
 
 import inspect
 import json
@@ -153,7 +155,6 @@ def test_a_grammar_past_its_limits_ends_its_own_request_alone(tokenizer, pair, p
 CHOICES = Structure("choice", json.dumps(["ab", "ba", "b", "aab", "bb"]))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where", ["edge", "local-chain", "local-adaserve"])
 def test_sampled_output_follows_the_targets_constrained_distribution(tokenizer, pair, where):
     target, draft = pair
@@ -168,7 +169,6 @@ def test_sampled_output_follows_the_targets_constrained_distribution(tokenizer, 
     assert ok, msg
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where", ["edge", "local-adaserve", "power"])
 def test_sampled_output_with_a_grammar_after_a_token_follows_the_targets_gated_distribution(tokenizer, pair, where,
                                                                                            monkeypatch):
@@ -211,7 +211,6 @@ def matches_choice(tokenizer, out) -> bool:
     return (text in ("ab", "ba", "b", "aab", "bb") if out[-1] == EOS else any(c.startswith(text) for c in ("ab", "ba", "b", "aab", "bb")))
 
 
-@pytest.mark.slow
 def test_power_masks_by_the_committed_text_alone_fail(tokenizer, pair, monkeypatch):
     """Power check: each position masked by the committed text alone (the drafted tokens before
     it left out) must fail the same test, or commit a text the grammar refuses (which the
