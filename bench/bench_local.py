@@ -116,7 +116,7 @@ class RawDraftServing(LocalServing):
     bias (the ``raw-draft`` variant): the target still applies them, so the output is the same;
     what the draft's own adjustment buys is the acceptance this loses."""
 
-    def _draft_settings(self, reqs):
+    def draft_settings(self, reqs):
         return {r.request_id: dataclasses.replace(r.sampling, presence_penalty=0.0, frequency_penalty=0.0,
                                                   repetition_penalty=1.0, logit_bias=()) for r in reqs}, {}
 

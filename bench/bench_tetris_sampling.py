@@ -33,39 +33,42 @@ import torch
 from bench.bench_local import code_prompts, load_pair
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.local import LocalConfig, LocalServing, _Plan
+from goodspeed.verifier.local import LocalConfig, LocalServing
+from goodspeed.verifier.local_policies import Plan
+from goodspeed.verifier.local_policies.tetris import TetrisSelection
 
 
-class ValueRanked(LocalServing):
+class ValueRanked(TetrisSelection):
     """The previous (biased) ranking: each position's own drawn probability."""
 
     @staticmethod
-    def _tetris_scores(drafts):
+    def scores(drafts):
         return [np.cumsum(np.log(np.array(d.token_probs))) for d in drafts]
 
 
 class PointMass(ValueRanked):
     """Value-ranked selection, verified as point masses: q is the one-hot of each drafted token."""
 
-    def _tetris(self, reqs):
-        plans = super()._tetris(reqs)
+    def plan(self, reqs):
+        plans, k = super().plan(reqs)
         out = {}
         for rid, plan in plans.items():
             q = None
             if plan.token_ids:
-                q = torch.zeros(len(plan.token_ids), self.engine.vocab_size)
+                q = torch.zeros(len(plan.token_ids), self.serving.engine.vocab_size)
                 q[torch.arange(len(plan.token_ids)), torch.tensor(plan.token_ids)] = 1.0
-            out[rid] = _Plan(plan.token_ids, None, q)
-        return out
+            out[rid] = Plan(plan.token_ids, None, q)
+        return out, k
 
 
-VARIANTS = {"value-ranked (previous, biased)": ValueRanked, "point-mass (exact)": PointMass, "pre-draw (exact, shipped)": LocalServing}
+VARIANTS = {"value-ranked (previous, biased)": ValueRanked, "point-mass (exact)": PointMass, "pre-draw (exact, shipped)": TetrisSelection}
 
 
 def run_variant(cls, target, draft, prompts, args) -> dict:
     engine = VerificationEngine(target.model, EngineConfig(seed=args.seed))
     config = LocalConfig(policy="tetris", k=args.k, extra=args.extra, max_requests=args.max_requests, seed=args.seed)
-    serving = cls(engine, draft.model, config)
+    serving = LocalServing(engine, draft.model, config)
+    serving.policy = cls(serving)
     sampling = SamplingParams(temperature=args.temperature)
     started = time.perf_counter()
     for p in prompts:

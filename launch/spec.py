@@ -202,7 +202,7 @@ class VerifierSpec:
     local_draft: str | None = setting(None, "serve Generate requests, drafting with this source: a model (hub id, directory or "
                                             "demo:<name>), a lookup (ngram, suffix) or LOOKUP+MODEL")
     local_policy: str = setting("chain", "how local requests speculate: none, chain, tetris, adaserve, turbospec, nightjar or goodput "
-                                         "(goodspeed.verifier.local.LOCAL_POLICY_CLASSES; checked before any model loads)",
+                                         "(goodspeed.verifier.local_policies.LOCAL_POLICY_CLASSES; checked before any model loads)",
                                 to="local.policy")
     local_k: int = setting(4, "chain: tokens drafted per request; tetris: base length", to="local.k")
     local_extra: int = setting(2, "tetris: extra tokens drafted per request", to="local.extra")

@@ -14,7 +14,7 @@ A policy also names the acceptance smoothing it was chosen with (``eta``, eq. 3)
 uses it unless the operator sets ``--eta`` (:func:`default_eta`).
 
 The policies of the verifier's local serving, which decide per iteration what the verifier's own
-draft model drafts and verifies, are classes in :mod:`goodspeed.verifier.local`
+draft model drafts and verifies, are a module each in :mod:`goodspeed.verifier.local_policies`
 (``LOCAL_POLICY_CLASSES``).
 """
 

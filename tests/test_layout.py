@@ -30,5 +30,5 @@ def imported_packages(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_layers_import_only_downwards(package):
-    bad = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & FORBIDDEN[package]) for p in (ROOT / package).glob("*.py")}
+    bad = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & FORBIDDEN[package]) for p in (ROOT / package).rglob("*.py")}
     assert {k: v for k, v in bad.items() if v} == {}

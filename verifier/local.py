@@ -13,31 +13,13 @@ Each iteration (one call of :meth:`LocalServing.step`):
 4. accepted tokens are streamed to each request's callback with their times; finished requests
    leave the batch.
 
-Policies (``--local-policy``), one :class:`LocalPolicy` subclass each, found by name in
-``LOCAL_POLICY_CLASSES`` (adding one touches that registry and nothing else):
-
-* ``none`` — plain decoding (no draft), ``chain`` — every request drafts ``k`` tokens;
-* ``tetris`` — TETRIS (arXiv 2502.15197, Alg. 1): each request drafts ``k + extra`` tokens and the batch
-  verifies the ``capacity`` tokens with the highest cumulative draft probability; VSR reported.
-  Sampled tokens are ranked by the confidence known before each was drawn
-  (:func:`goodspeed.scheduler.tetris.presample_scores`): ranking by their own sampled values
-  would condition them and bias the output;
-* ``adaserve`` — AdaServe (arXiv 2501.12162, Alg. 2): beam-search candidate trees with depth and width
-  from eqs. (8)-(9), SLO-customized then throughput-optimized node selection under the budget
-  ``B``, where ``A(r) = (l + t_spec) / t_TPOT - o`` with ``l`` the time since the request's
-  decoding began, ``o`` its tokens so far and ``t_spec`` the smoothed iteration time. When the
-  ``n`` requests' roots take the whole budget (``n >= B``) Alg. 2 can select no node, so the
-  iteration drafts nothing and decodes plainly;
-* ``turbospec`` — TurboSpec (arXiv 2406.14066, Listing 2): ``k`` (0 included) maximising predicted
-  goodput under the profiled latency models, from the requests' smoothed acceptance;
-* ``nightjar`` — Nightjar (arXiv 2512.22420, Alg. 1): a bandit over ``k`` per batch size, rewarded with
-  the measured goodput of the step, with the draft catch-up as the switching cost;
-* ``goodput`` — each request's own length (0 included), the batch's most expected tokens per
-  second from the requests' measured acceptances and the step's measured costs
-  (:mod:`goodspeed.scheduler.paying`): speculation stops where it does not pay.
+The policy (``--local-policy``) decides what each iteration drafts and verifies: one module each
+in :mod:`goodspeed.verifier.local_policies` (plain decoding, chains, TETRIS, AdaServe, TurboSpec,
+Nightjar and the goodput rule), which drafts through this class's :meth:`LocalServing.chains` or
+its draft source's trees.
 
 Losslessness under sampling (docs/DESIGN.md, *Lossless verification*): no decision looks at a sampled token's value
-before it is verified. TETRIS ranks by what was known before each draw (above); AdaServe's beam
+before it is verified. TETRIS ranks by what was known before each draw; AdaServe's beam
 candidates are deterministic and verified as point masses; TurboSpec and Nightjar choose ``k``
 before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
 policy's sampled output against the target's exact distribution.
@@ -66,23 +48,12 @@ import torch
 
 from goodspeed.lm.sampling import SamplingParams, TokenHistory
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
-from goodspeed.scheduler import (
-    LatencyModel,
-    NightjarBandit,
-    OwnerSizedAllotments,
-    PayingLength,
-    choose_proposal_length,
-    paying_batch_lengths,
-    presample_scores,
-    select_by_scores,
-    select_tree_nodes,
-    slo_need,
-    speculation_shape,
-)
+from goodspeed.scheduler import LatencyModel, OwnerSizedAllotments
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
-from goodspeed.lm.batch_draft import BatchDraftModel, subtree
-from goodspeed.lm.draft_source import draft_trees_with_forced, draft_with_forced
+from goodspeed.lm.batch_draft import BatchDraftModel
+from goodspeed.lm.draft_source import draft_with_forced
+from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASSES, Plan
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
 
@@ -261,13 +232,6 @@ class LocalRequest:
             "finish_reason": self.finish_reason, "tpot_s": self.tpot_s, "tpot_slo_s": self.tpot_slo_s,
             "slo_met": self.slo_met, "drafted": self.drafted, "accepted": self.accepted,
         }
-
-
-@dataclass
-class _Plan:
-    token_ids: list[int]
-    parents: list[int] | None = None  # None: a chain
-    q: torch.Tensor | None = None  # [k, V] for sampled chains
 
 
 @dataclass(frozen=True)
@@ -508,7 +472,7 @@ class LocalServing:
         return StepReport(result, len(reqs), drafted, accepted, emitted, duration, k)
 
     @staticmethod
-    def _host_q(reqs: list[LocalRequest], plans: dict[str, _Plan]) -> dict[str, np.ndarray]:
+    def _host_q(reqs: list[LocalRequest], plans: dict[str, Plan]) -> dict[str, np.ndarray]:
         """The sampled chains' ``q`` as the Drafts' host arrays, by request id: every request's rows
         copied back from the draft's device in one copy (one sync), not one a request."""
         sampled = [r.request_id for r in reqs
@@ -519,83 +483,39 @@ class LocalServing:
         ends = np.cumsum([len(plans[rid].q) for rid in sampled])
         return dict(zip(sampled, np.split(host, ends[:-1])))
 
-    # ---------------------------------------------------------------- policies
+    # ---------------------------------------------------------------- drafting (for the policies)
 
-    def _draft_settings(self, reqs: list[LocalRequest]) -> tuple[dict[str, SamplingParams], dict[str, TokenHistory | None]]:
+    def draft_settings(self, reqs: list[LocalRequest]) -> tuple[dict[str, SamplingParams], dict[str, TokenHistory | None]]:
         """What the draft drafts each request with: its sampling settings and the text its
         penalties read."""
         return {r.request_id: r.sampling for r in reqs}, {r.request_id: r.history for r in reqs}
 
-    def _draft_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]):
+    def draft_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]):
         """Chains from the draft source, tokens a grammar forces first (fast-forward)."""
-        sampling, histories = self._draft_settings(reqs)
+        sampling, histories = self.draft_settings(reqs)
         drafts, forced = draft_with_forced(self.draft, {r.request_id: r.committed for r in reqs}, lengths, sampling,
                                            {r.request_id: r.generator or self.generator for r in reqs}, histories)
         self.totals["forced"] += forced
         return drafts
 
-    def _chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, _Plan]:
-        return {rid: _Plan(d.token_ids, None, d.q_rows()) for rid, d in self._draft_chains(reqs, lengths).items()}
+    def chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, Plan]:
+        return {rid: Plan(d.token_ids, None, d.q_rows()) for rid, d in self.draft_chains(reqs, lengths).items()}
 
-    def _timed_chains(self, reqs, lengths):
+    def timed_chains(self, reqs: list[LocalRequest], lengths: dict[str, int]) -> dict[str, Plan]:
         """Chains, measuring one draft forward: Nightjar's switching cost ``c_prefill`` is the
         draft catch-up forward that turning speculation back on costs."""
         t0 = self.clock.now()
         before = self.draft.forwards
-        plans = self._chains(reqs, lengths)
+        plans = self.chains(reqs, lengths)
         n = self.draft.forwards - before
         if n:
             per = (self.clock.now() - t0) / n
             self.draft_forward_s = per if self.draft_forward_s == 0 else 0.5 * per + 0.5 * self.draft_forward_s
         return plans
 
-    def _acceptance(self, req: LocalRequest) -> float:
+    def acceptance(self, req: LocalRequest) -> float:
         """The request's smoothed acceptance (eq. 3) once it has drafted, else the pooled one."""
         return req.acceptance if req.drafted else self.pooled_acceptance
-
-    def _tetris(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
-        cfg = self.config
-        drafts = self._draft_chains(reqs, {r.request_id: min(cfg.k + cfg.extra, r.cap) for r in reqs})
-        capacity = cfg.capacity if cfg.capacity is not None else cfg.k * len(reqs)
-        keep = select_by_scores(self._tetris_scores([drafts[r.request_id] for r in reqs]), capacity)
-        plans = {}
-        for r, n in zip(reqs, keep.tolist()):
-            d = drafts[r.request_id]
-            plans[r.request_id] = _Plan(d.token_ids[:n], None, d.q_rows()[:n] if d.q_rows() is not None else None)
-        return plans
-
-    @staticmethod
-    def _tetris_scores(drafts: list) -> list[np.ndarray]:
-        """Log scores ranked by TETRIS: each position's confidence known before its token was drawn
-        (:func:`presample_scores`), so the selection keeps sampled tokens exact; for greedy drafts
-        these are TETRIS's cumulative draft probabilities."""
-        return presample_scores([np.array(d.token_probs) for d in drafts], [np.array(d.expected_probs) for d in drafts])
-
-    def _adaserve(self, reqs: list[LocalRequest]) -> dict[str, _Plan]:
-        cfg = self.config
-        budget = cfg.budget
-        if len(reqs) >= budget:  # every root costs one unit (Alg. 2 line 7): none is left for a node, so none is drafted
-            return {r.request_id: _Plan([]) for r in reqs}
-        depth, width = speculation_shape(budget, len(reqs), cfg.max_depth, cfg.max_width)
-        sampling, histories = self._draft_settings(reqs)
-        trees, forced = draft_trees_with_forced(self.draft, {r.request_id: r.committed for r in reqs}, depth, width,
-                                                sampling, {r.request_id: r.cap for r in reqs}, histories)
-        self.totals["forced"] += forced
-        now = self.clock.now()
-        need = np.zeros(len(reqs))  # no SLO: only the throughput phase grows its tree
-        timed = [i for i, r in enumerate(reqs) if r.tpot_slo_s is not None]
-        if timed:  # one array op for every request with an SLO, not one a request
-            need[timed] = slo_need([now - reqs[i].decode_start for i in timed], self.t_spec_s,
-                                   [reqs[i].tpot_slo_s for i in timed], [len(reqs[i].generated) for i in timed])
-        depths = [min(depth, r.cap) for r in reqs]
-        # The beam trees as they are: valid by construction (parents first, path probabilities in
-        # (0, 1]), so not re-checked as CandidateTrees.
-        chosen = select_tree_nodes([trees[r.request_id] for r in reqs], need, budget, cfg.max_slo_tree_size, depths=depths)
-        plans = {}
-        for r, nodes in zip(reqs, chosen.selected):
-            tokens, parents = subtree(trees[r.request_id], nodes)
-            plans[r.request_id] = _Plan(tokens, parents if tokens else None)
-        return plans
 
     # ------------------------------------------------------------------ reports
 
@@ -605,210 +525,10 @@ class LocalServing:
                 "active": len(self._active), "waiting": len(self._waiting)}
 
 
-def _point_masses(req: LocalRequest, plan: _Plan) -> list[SparseProbs] | None:
+def _point_masses(req: LocalRequest, plan: Plan) -> list[SparseProbs] | None:
     """A sampled chain drafted without ``q`` (a lookup's deterministic draft) goes to the engine
     as what it is: the point mass on each drafted token."""
     if req.sampling.greedy or plan.parents is not None or plan.q is not None or not plan.token_ids:
         return None
     return [SparseProbs([int(t)], [1.0]) for t in plan.token_ids]
 
-
-# ----------------------------------------------------------------------------------- policies
-
-
-class LocalPolicy:
-    """One paper's rule for what local serving drafts and verifies each iteration.
-
-    A policy is built per :class:`LocalServing` (it may keep state, as Nightjar's bandit does),
-    checks the settings it needs before anything loads (:meth:`check`), plans an iteration
-    (:meth:`plan`: per request the tokens to verify, and the chain length ``k`` when it chose one)
-    and hears how the iteration went (:meth:`observe`). Adding a policy is one subclass here with
-    its ``name``, listed in ``LOCAL_POLICY_CLASSES``; ``--local-policy`` and the spec key accept it.
-    """
-
-    name = ""
-
-    def __init__(self, serving: LocalServing) -> None:
-        self.serving = serving
-
-    @staticmethod
-    def check(config: LocalConfig) -> None:
-        """Raise ``ValueError`` for settings this policy cannot run with."""
-
-    @staticmethod
-    def drafting(config: LocalConfig) -> tuple[int, tuple[int, int] | None]:
-        """What the draft model's warm-up drafts for this policy (:meth:`LocalServing.warm_up`):
-        the longest chain it may draft (0: none) and the deepest, widest tree ``(depth, width)``
-        (None: none)."""
-        return 0, None
-
-    def plan(self, reqs: list[LocalRequest]) -> tuple[dict[str, _Plan], int | None]:
-        raise NotImplementedError
-
-    def observe(self, batch_size: int, k: int | None, emitted: int, duration_s: float) -> None:
-        """The iteration planned with ``k`` emitted ``emitted`` tokens in ``duration_s`` seconds."""
-
-
-class PlainDecoding(LocalPolicy):
-    """``none``: no draft; the target decodes one token per request per iteration."""
-
-    name = "none"
-
-    def plan(self, reqs):
-        return {r.request_id: _Plan([]) for r in reqs}, 0
-
-
-class FixedChains(LocalPolicy):
-    """``chain``: every request drafts ``k`` tokens."""
-
-    name = "chain"
-
-    @staticmethod
-    def drafting(config):
-        return config.k, None
-
-    def plan(self, reqs):
-        k = self.serving.config.k
-        return self.serving._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
-
-
-class TurboSpecChains(LocalPolicy):
-    """``turbospec`` (TurboSpec, arXiv 2406.14066, Listing 2): the ``k`` (0 included) that maximises
-    predicted goodput under the profiled latency models, from the smoothed acceptances."""
-
-    name = "turbospec"
-
-    @staticmethod
-    def check(config):
-        if config.latency is None:
-            raise ValueError("the turbospec policy needs a latency profile: run `goodspeed profile` and pass --latency-profile")
-
-    @staticmethod
-    def drafting(config):
-        return config.max_k, None
-
-    def plan(self, reqs):
-        s, cfg = self.serving, self.serving.config
-        acceptance = [s._acceptance(r) for r in reqs]
-        context = sum(len(r.committed) for r in reqs)
-        k = choose_proposal_length(acceptance, context, cfg.latency.target, cfg.latency.draft, cfg.max_k).k
-        return s._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
-
-
-class NightjarChains(LocalPolicy):
-    """``nightjar`` (Nightjar, arXiv 2512.22420, Alg. 1): a bandit over ``k`` per batch size, rewarded
-    with each step's measured goodput, the draft catch-up forward as its switching cost."""
-
-    name = "nightjar"
-
-    def __init__(self, serving):
-        super().__init__(serving)
-        self.bandit = NightjarBandit(serving.config.max_k)
-
-    @staticmethod
-    def check(config):
-        if config.max_k < 1:
-            raise ValueError("nightjar needs max_k >= 1")
-
-    @staticmethod
-    def drafting(config):
-        return config.max_k, None
-
-    def plan(self, reqs):
-        s = self.serving
-        k = self.bandit.choose_arm(len(reqs), s.rng, prefill_cost_s=s.draft_forward_s)
-        return s._timed_chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
-
-    def observe(self, batch_size, k, emitted, duration_s):
-        if k is not None and duration_s > 0:
-            self.bandit.observe(batch_size, k, emitted / duration_s)
-
-
-class GoodputChains(LocalPolicy):
-    """``goodput``: each request drafts the length (at most ``max_k``) that, with the others',
-    gives the batch the most expected tokens per second (:func:`goodspeed.scheduler.paying_batch_lengths`),
-    from each request's acceptance (its verdicts' accepted tokens and rejections, a new request
-    starting from the recent requests': :class:`~goodspeed.scheduler.PayingLength`) and the step's
-    measured costs: a round's time fitted against the tokens it verified, the draft's forward
-    time per drafting step. A request whose
-    drafts do not pay drafts nothing, and one token every ``probe_every`` steps to hear its
-    acceptance again. The first step, with nothing measured, drafts ``k``."""
-
-    name = "goodput"
-
-    def __init__(self, serving):
-        super().__init__(serving)
-        self.costs = PayingLength()
-        self._seen: dict[str, tuple[int, int]] = {}  # a request's drafted and accepted totals at its last plan
-        self._drafted = 0
-        self._drafting_s = 0.0
-
-    @staticmethod
-    def check(config):
-        if config.max_k < 1:
-            raise ValueError("goodput needs max_k >= 1")
-
-    @staticmethod
-    def drafting(config):
-        return max(config.k, config.max_k), None
-
-    def plan(self, reqs):
-        s, cfg = self.serving, self.serving.config
-        current = {r.request_id for r in reqs}
-        for gone in [key for key in self._seen if key not in current]:  # finished (or prefilling again): forgotten
-            del self._seen[gone]
-            self.costs.forget(gone)
-        for r in reqs:  # each request's last verdict, from its running totals: accepted tokens and a rejection
-            before = self._seen.get(r.request_id, (0, 0))
-            self.costs.observe_round(r.request_id, r.drafted - before[0], r.accepted - before[1], math.nan)
-            self._seen[r.request_id] = (r.drafted, r.accepted)
-        costs = self.costs.round_costs()
-        if costs is None:
-            lengths = {r.request_id: min(cfg.k, r.cap) for r in reqs}
-        else:
-            acceptance = [self.costs.acceptance(r.request_id) for r in reqs]
-            chosen = paying_batch_lengths(acceptance, cfg.max_k, costs[0], costs[1], s.draft_forward_s)
-            lengths = {r.request_id: min(self.costs.probed(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
-        self._drafted = sum(lengths.values())
-        started = s.clock.now()
-        plans = s._timed_chains(reqs, lengths)
-        self._drafting_s = s.clock.now() - started
-        return plans, None
-
-    def observe(self, batch_size, k, emitted, duration_s):
-        self.costs.observe_round("batch", self._drafted, 0, duration_s - self._drafting_s)
-
-
-class TetrisSelection(LocalPolicy):
-    """``tetris`` (TETRIS, arXiv 2502.15197, Alg. 1): draft ``k + extra``, verify the batch's ``capacity``
-    most probable tokens (:meth:`LocalServing._tetris`)."""
-
-    name = "tetris"
-
-    @staticmethod
-    def drafting(config):
-        return config.k + config.extra, None
-
-    def plan(self, reqs):
-        return self.serving._tetris(reqs), None
-
-
-class AdaServeTrees(LocalPolicy):
-    """``adaserve`` (AdaServe, arXiv 2501.12162, Alg. 2): SLO-customized then throughput-optimized token
-    trees under the budget ``B`` (:meth:`LocalServing._adaserve`)."""
-
-    name = "adaserve"
-
-    @staticmethod
-    def drafting(config):
-        return 0, (config.max_depth, config.max_width)
-
-    def plan(self, reqs):
-        return self.serving._adaserve(reqs), None
-
-
-LOCAL_POLICY_CLASSES: dict[str, type[LocalPolicy]] = {
-    cls.name: cls for cls in (PlainDecoding, FixedChains, TetrisSelection, AdaServeTrees, TurboSpecChains, NightjarChains,
-                              GoodputChains)
-}
-LOCAL_POLICIES = tuple(LOCAL_POLICY_CLASSES)

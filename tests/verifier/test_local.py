@@ -12,7 +12,8 @@ from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier import local as local_module
 from goodspeed.verifier.types import Draft
-from goodspeed.verifier.local import LOCAL_POLICIES, LatencyProfile, LocalConfig, LocalPolicy, LocalServing, SimulatedClock
+from goodspeed.verifier.local import LOCAL_POLICIES, LatencyProfile, LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.local_policies import LocalPolicy
 from graphkit import fresh_dynamo, needs_cpp  # noqa: F401 (a fixture)
 from modelkit import greedy_reference, perturbed, tiny_llama
 
@@ -267,7 +268,7 @@ def test_a_local_policy_is_one_registered_class(models, monkeypatch):
 
         def plan(self, reqs):
             k = self.serving.config.k if self.serving.totals["steps"] % 2 else 0
-            return self.serving._chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
+            return self.serving.chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
 
         def observe(self, batch_size, k, emitted, duration_s):
             self.seen.append(k)

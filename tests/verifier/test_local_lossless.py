@@ -12,6 +12,7 @@ from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.local_policies.tetris import TetrisSelection
 from goodspeed.scheduler import LatencyModel
 from graphkit import needs_cpp
 from modelkit import perturbed, tiny_llama
@@ -30,15 +31,15 @@ def models():
     return target, perturbed(target, 2.0, 5)  # a poor draft: selection and rejection both matter
 
 
-class ValueRankedTetris(LocalServing):
+class ValueRankedTetris(TetrisSelection):
     """The old, biased TETRIS: ranks sampled tokens by their own drafted probability."""
 
     @staticmethod
-    def _tetris_scores(drafts):
+    def scores(drafts):
         return [np.cumsum(np.log(np.array(d.token_probs))) for d in drafts]
 
 
-def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_request_seeds=False, pad_rows=False,
+def generate(models, policy: str, n: int, policy_cls=None, seed=None, per_request_seeds=False, pad_rows=False,
              graphs=False, torch_compile=False) -> list[list[int]]:
     target, draft = models
     engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows, torch_compile=torch_compile))
@@ -46,7 +47,9 @@ def generate(models, policy: str, n: int, cls=LocalServing, seed=None, per_reque
         engine.graphs = StepGraphs(engine.model, engine.cache, capture=engine.device.type == "cuda")
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
-    serving = cls(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
+    serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
+    if policy_cls is not None:  # a variant of the policy (a negative control's)
+        serving.policy = policy_cls(serving)
     if graphs:  # and the draft's forwards
         serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=engine.device.type == "cuda")
     for i in range(n):
@@ -112,7 +115,7 @@ def test_tetris_selection_keeps_sampling_exact(models):
 def test_value_ranked_tetris_is_caught(models):
     """Negative control: the old ranking fails the same test at p < 1e-6 (5,000 requests, default
     seeds; chi2 231-232 in two runs, against a critical 90.5)."""
-    stat, dof = chi2_stat(count_first_two(generate(models, "tetris", 5000, cls=ValueRankedTetris), V),
+    stat, dof = chi2_stat(count_first_two(generate(models, "tetris", 5000, policy_cls=ValueRankedTetris), V),
                           exact_first_two(models[0], PROMPT, SAMPLED))
     assert stat > chi2_critical(dof, z=Z_P1E6), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
