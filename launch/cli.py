@@ -317,7 +317,7 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                     "(required off loopback)")
     dr.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS, help="--serve: " + TOOL_PARSER_HELP)
     dr.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help="--serve: " + REASONING_PARSER_HELP)
-    _add_sampling_args(dr, max_new_tokens=64)
+    _add_sampling_args(dr, max_new_tokens=DrafterSpec.max_new_tokens)
     dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
     dr.add_argument("--name", default=None, help="this node's name, its identity without a token or certificate (default: "
                                                  "drafter); with --spec, the entry to read (default: the file's only one)")

@@ -369,7 +369,7 @@ class DrafterSpec:
     name: str
     draft: str  # a draft source: MODEL, a lookup (ngram, suffix) or LOOKUP+MODEL (goodspeed.lm.draft_source)
     prompts: str
-    max_new_tokens: int = 48
+    max_new_tokens: int = 64  # as `goodspeed drafter`'s flag and the client's DrafterConfig
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -174,7 +174,7 @@ def test_bad_settings_fail_as_spec_errors_before_any_model_loads(monkeypatch):
 # The draft node's flags that default otherwise than a spec's [[drafters]] keys, and why: a spec
 # entry must name itself, its model and its prompts; a node started by hand drafts proactively
 # (launched drafters share the launching machine's cores, so a spec turns it on per drafter).
-DRAFTER_CLI_DEFAULTS = {"name": None, "draft": None, "prompts": None, "max_new_tokens": 64, "proactive": True}
+DRAFTER_CLI_DEFAULTS = {"name": None, "draft": None, "prompts": None, "proactive": True}
 DRAFTER_RUNTIME = {"spec", "verifier", "serve", "max_concurrency", "max_waiting", "api_key_file", "tool_call_parser", "reasoning_parser", "out",
                    "connect_timeout_s", "quiet"}
 DRAFTER_CHANGED = dict(name="edge", draft="demo:other", prompts="/p.jsonl", max_new_tokens=7, temperature=0.7, top_k=5,
@@ -272,3 +272,18 @@ def test_drafter_cuda_graphs_are_refused_off_cuda_before_a_model_loads(monkeypat
         load_spec("s.toml", tables)
     tables["drafters"][0]["device"] = "cuda"
     assert load_spec("s.toml", tables).drafters[0].cuda_graphs
+
+
+def test_the_drafter_library_configs_default_as_the_node_settings_do():
+    """A setting the client's DrafterConfig or the node's NodeConfig shares with DrafterSpec has
+    the spec's default, except proactive drafting, which the library (like the flag) turns on and a
+    spec turns on per drafter (DRAFTER_CLI_DEFAULTS says why)."""
+    from goodspeed.drafter.client import DrafterConfig
+    from goodspeed.drafter.node import NodeConfig
+
+    spec = {f.name: f.default for f in dataclasses.fields(DrafterSpec)}
+    for config in (DrafterConfig, NodeConfig):
+        shared = {f.name: f.default for f in dataclasses.fields(config)
+                  if f.name in spec and f.default is not dataclasses.MISSING and f.name != "proactive"}
+        assert shared and shared == {name: spec[name] for name in shared}, config
+    assert {f.name: f.default for f in dataclasses.fields(DrafterConfig)}["proactive"] == DRAFTER_CLI_DEFAULTS["proactive"]
