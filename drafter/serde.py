@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from goodspeed.drafter.runner import DraftOutput
-from goodspeed.lm.sampling import SamplingParams, TokenLogprob
+from goodspeed.lm.sampling import FEATURES, SamplingParams, TokenLogprob
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 
 
@@ -23,18 +23,20 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
+def applied_features(reply: pb.StartRequestReply) -> set[str]:
+    """The sampling features a StartRequestReply says its verifier applies: its ``features``, or
+    from a verifier older than that field, the flags it set (each named as its feature)."""
+    if reply.features:
+        return set(reply.features)
+    return {name for name in FEATURES if pb.StartRequestReply.DESCRIPTOR.fields_by_name.get(name) and getattr(reply, name)}
+
+
 def unapplied_setting(params: SamplingParams, reply: pb.StartRequestReply) -> str | None:
-    """Why a verifier's StartRequestReply cannot be trusted for a request with ``params``: a setting
-    the request uses whose reply flag is false (a verifier older than it ignores it), or None."""
-    for used, applied, what in ((params.extended, reply.extended_sampling, "min_p, penalties or logit_bias"),
-                                (bool(params.min_tokens), reply.min_tokens, "min_tokens"),
-                                (bool(params.allowed_token_ids), reply.allowed_token_ids, "allowed_token_ids"),
-                                (params.structured is not None, reply.structured_output, "structured output"),
-                                (params.structured is not None and params.structured.after is not None,
-                                 reply.structured_after, "structured output after the reasoning"),
-                                (bool(params.bad_words), reply.bad_words, "bad_words")):
-        if used and not applied:
-            return f"the verifier does not apply {what} (a version older than it)"
+    """Why a verifier's StartRequestReply cannot be trusted for a request with ``params``: a
+    feature the request uses that the verifier does not list (a verifier older than it ignores
+    it), or None."""
+    for name in sorted(params.features() - applied_features(reply), key=list(FEATURES).index):
+        return f"the verifier does not apply {FEATURES[name]} (a version older than it)"
     return None
 
 

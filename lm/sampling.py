@@ -51,6 +51,17 @@ MAX_PENALTY = 2.0
 # The most tokens one request may bias (OpenAI's API takes 300; vLLM sets no limit).
 MAX_LOGIT_BIAS_TOKENS = 1024
 # vLLM's bad_words (as token sequences): at most this many, each at most this many tokens.
+# The sampling features a verifier says it applies (StartRequestReply.features), by name, with
+# what each covers. A new sampling option that an older verifier would ignore adds its name here
+# and to SamplingParams.features.
+FEATURES = {
+    "extended_sampling": "min_p, penalties or logit_bias",
+    "min_tokens": "min_tokens",
+    "allowed_token_ids": "allowed_token_ids",
+    "structured_output": "structured output",
+    "structured_after": "structured output after the reasoning",
+    "bad_words": "bad_words",
+}
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 32
 
@@ -169,10 +180,17 @@ class SamplingParams:
 
     @property
     def extended(self) -> bool:
-        """Uses min-p, a penalty or a logit bias: a verifier older than those would ignore them
-        (``StartRequestReply.extended_sampling``; ``min_tokens`` and ``allowed_token_ids``, added
-        later, have flags of their own: ``StartRequestReply.min_tokens``, ``.allowed_token_ids``)."""
+        """Uses min-p, a penalty or a logit bias (the ``extended_sampling`` feature)."""
         return self.min_p > 0.0 or self.penalized or bool(self.logit_bias)
+
+    def features(self) -> set[str]:
+        """The :data:`FEATURES` this request uses: a verifier that does not list one of them in
+        its ``StartRequestReply.features`` (an older one) would ignore it."""
+        used = {"extended_sampling": self.extended, "min_tokens": bool(self.min_tokens),
+                "allowed_token_ids": bool(self.allowed_token_ids), "structured_output": self.structured is not None,
+                "structured_after": self.structured is not None and self.structured.after is not None,
+                "bad_words": bool(self.bad_words)}
+        return {name for name, on in used.items() if on}
 
     @property
     def adjusts_logits(self) -> bool:

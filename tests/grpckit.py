@@ -7,7 +7,7 @@ import threading
 
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.runner import DraftRunner
-
+from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.verifier.observability import JsonLog
 from goodspeed.verifier.server import ServerConfig, VerifierService, make_server
 
@@ -47,12 +47,17 @@ class ServerThread:
 
 def older_verifier(monkeypatch, reply_field: str) -> None:
     """Make every verifier in the test answer StartRequest as one older than ``reply_field``
-    (a ``StartRequestReply`` flag it then leaves unset) would."""
+    (a feature it then leaves out of ``StartRequestReply.features``, and the flag of that name,
+    where there is one, unset) would."""
     start = VerifierService.StartRequest
 
     async def old_start(self, request, context):
         reply = await start(self, request, context)
-        reply.ClearField(reply_field)
+        if reply_field in pb.StartRequestReply.DESCRIPTOR.fields_by_name:
+            reply.ClearField(reply_field)
+        kept = [f for f in reply.features if f != reply_field]
+        del reply.features[:]
+        reply.features.extend(kept)
         return reply
 
     monkeypatch.setattr(VerifierService, "StartRequest", old_start)

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from goodspeed.serving.aio import keep_until_done, run_to_the_end
 from goodspeed.serving.metrics import RequestTimer, finished_reason
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.sampling import FEATURES, SamplingParams
 from goodspeed.lm.structured import StructureError
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
@@ -54,6 +54,8 @@ from goodspeed.verifier.serde import SAMPLING_FIELDS, draft_from_pb, logprobs_to
 from goodspeed.verifier.tls import is_loopback, server_credentials
 
 SERVICE_NAME = "goodspeed.v1.Verifier"
+# StartRequestReply's flag per feature, from before its features list: still set, for older drafters
+LEGACY_FEATURE_FLAGS = {name: True for name in FEATURES if name in pb.StartRequestReply.DESCRIPTOR.fields_by_name}
 STATUS = {
     errors.UnknownSessionError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NoActiveRequestError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -261,9 +263,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id),
-                                    extended_sampling=True, prompt_logprobs=request.HasField("prompt_logprobs"), min_tokens=True,
-                                    allowed_token_ids=True, structured_output=True, bad_words=True,
-                                    structured_after=True)
+                                    prompt_logprobs=request.HasField("prompt_logprobs"), features=list(FEATURES),
+                                    **LEGACY_FEATURE_FLAGS)
 
     async def _bound(self, sampling: SamplingParams, context) -> SamplingParams:
         """``sampling`` with its structured output constraint compiled against the target's

@@ -59,3 +59,20 @@ def test_a_grammar_after_the_reasoning_needs_a_verifier_that_says_it_applies_it(
     assert "after the reasoning" in unapplied_setting(gated, older)
     assert unapplied_setting(SamplingParams(structured=Structure("regex", "a+")), older) is None
     assert unapplied_setting(gated, pb.StartRequestReply(structured_output=True, structured_after=True)) is None
+
+
+def test_a_reply_lists_its_features_and_an_older_replys_flags_still_count():
+    """A verifier names the sampling features it applies (StartRequestReply.features); one older
+    than that list is read by its per-feature flags; one older than a feature lists or flags
+    nothing for it, and a request that uses it is not trusted."""
+    from goodspeed.drafter.serde import applied_features, unapplied_setting
+    from goodspeed.lm.sampling import FEATURES
+
+    penalised = SamplingParams(presence_penalty=1.0, min_tokens=2)
+    assert applied_features(pb.StartRequestReply(features=list(FEATURES))) == set(FEATURES)
+    assert unapplied_setting(penalised, pb.StartRequestReply(features=list(FEATURES))) is None
+    assert "min_tokens" in unapplied_setting(penalised, pb.StartRequestReply(features=["extended_sampling"]))
+    legacy = pb.StartRequestReply(extended_sampling=True, min_tokens=True)  # before the features list
+    assert applied_features(legacy) == {"extended_sampling", "min_tokens"} and unapplied_setting(penalised, legacy) is None
+    assert "min_p, penalties or logit_bias" in unapplied_setting(penalised, pb.StartRequestReply())
+    assert SamplingParams().features() == set()
