@@ -219,7 +219,7 @@ class VerificationEngine:
         logprobs: int | None = None,
         generated: int = 0,
         prompt_logprobs: int | None = None,
-    ) -> int:
+    ) -> int | None:
         """Prefill the prompt into a fresh KV slot; returns the draft length for the first round.
         With chunked prefill (``EngineConfig.prefill_chunk``) a prompt of more than one token is
         queued instead and ``None`` returned: the steps prefill it, and the step that completes it

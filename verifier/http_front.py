@@ -62,9 +62,7 @@ class LocalServingBackend:
 
     async def open(self, request: GenerationRequest, identity: Identity):
         try:
-            stream = await self.service.open_local(identity, request.prompt_ids, request.sampling, request.max_tokens,
-                                                   request.eos_token_ids, request.tpot_slo_ms, request.request_id, request.seed,
-                                                   request.logprobs, request.prompt_logprobs)
+            stream = await self.service.open_local(identity, request)
         except errors.EngineError as exc:
             raise request_error(exc) from None
         return _deltas(stream)

@@ -49,6 +49,7 @@ import torch
 from goodspeed.lm.sampling import SamplingParams, TokenHistory
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import LatencyModel, OwnerSizedAllotments
+from goodspeed.serving.generation import GenerationRequest
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel
@@ -298,29 +299,33 @@ class LocalServing:
                eos_token_ids: Sequence[int] = (), tpot_slo_ms: float | None = None,
                on_event: Callable[[TokenEvent], None] | None = None, request_id: str | None = None,
                seed: int | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None) -> str:
-        """Queue a request (validated now, so a bad one fails here); returns its id. ``seed``: the
-        request's draft sampling and its accept/correction uniforms come from streams of its own,
-        so the same request with the same seed and draft lengths gives the same output.
-        ``logprobs``: its events carry each token's log-probability under the target and that many
-        top ones, and with ``prompt_logprobs`` its first event the prompt tokens' too
-        (:meth:`VerificationEngine.start_request`)."""
-        prompt = [int(t) for t in prompt_ids]
-        sampling = sampling.ending_with(eos_token_ids)  # min_tokens holds these back, in the draft's logits too
-        self.engine.check_request(prompt, max_new_tokens, logprobs, sampling, prompt_logprobs=prompt_logprobs,
-                                  eos_token_ids=eos_token_ids)
+        """:meth:`submit_request` from the request's fields, for a caller with no door of its own."""
         if tpot_slo_ms is not None and not (math.isfinite(tpot_slo_ms) and tpot_slo_ms > 0):
             raise errors.MalformedDraftError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
+        return self.submit_request(GenerationRequest(request_id or "", [int(t) for t in prompt_ids], int(max_new_tokens), sampling,
+                                                     tuple(int(t) for t in eos_token_ids), seed, tpot_slo_ms, logprobs,
+                                                     prompt_logprobs), on_event)
+
+    def submit_request(self, request: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None) -> str:
+        """Queue a request (validated now, so a bad one fails here); returns its id (one is made up
+        for an empty ``request_id``). ``seed``: the request's draft sampling and its
+        accept/correction uniforms come from streams of its own, so the same request with the same
+        seed and draft lengths gives the same output. ``logprobs``: its events carry each token's
+        log-probability under the target and that many top ones, and with ``prompt_logprobs`` its
+        first event the prompt tokens' too (:meth:`VerificationEngine.start_request`)."""
+        prompt, eos = [int(t) for t in request.prompt_ids], tuple(int(t) for t in request.eos_token_ids)
+        sampling = request.sampling.ending_with(eos)  # min_tokens holds these back, in the draft's logits too
+        self.engine.check_request(prompt, request.max_tokens, request.logprobs, sampling,
+                                  prompt_logprobs=request.prompt_logprobs, eos_token_ids=eos)
         if len(self._waiting) >= self.config.max_waiting:
             raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry later")
-        rid = request_id or f"local-{next(self._ids)}"
+        rid = request.request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
             raise errors.RequestInProgressError(f"request id {rid!r} is already in use")
-        if seed is not None:
-            seed = resolve_root_seed(seed)
-        self._waiting.append(LocalRequest(
-            rid, prompt, sampling, int(max_new_tokens), tuple(int(t) for t in eos_token_ids),
-            None if tpot_slo_ms is None else tpot_slo_ms / 1000, on_event, self.clock.now(), seed=seed, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs))
+        seed = None if request.seed is None else resolve_root_seed(request.seed)
+        slo = None if request.tpot_slo_ms is None else request.tpot_slo_ms / 1000
+        self._waiting.append(LocalRequest(rid, prompt, sampling, int(request.max_tokens), eos, slo, on_event, self.clock.now(),
+                                          seed=seed, logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs))
         return rid
 
     def cancel(self, request_id: str) -> bool:

@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from goodspeed.serving.aio import keep_until_done, run_to_the_end
+from goodspeed.serving.generation import GenerationRequest
 from goodspeed.serving.metrics import RequestTimer, finished_reason
 from goodspeed.lm.sampling import FEATURES, SamplingParams
 from goodspeed.lm.structured import StructureError
@@ -342,12 +343,15 @@ class VerifierService(pb_grpc.VerifierServicer):
             sampling = await self._bound(sampling_from_pb(request.sampling), context)
             if request.request_id:
                 check_identifier("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
-            stream = await self.open_local(who, prompt_ids, sampling, request.max_new_tokens, eos, request.tpot_slo_ms or None,
-                                           request.request_id or None, request.seed if request.HasField("seed") else None,
+            generation = GenerationRequest(request.request_id, prompt_ids, request.max_new_tokens, sampling, eos,
+                                           request.seed if request.HasField("seed") else None, request.tpot_slo_ms or None,
                                            request.logprobs if request.HasField("logprobs") else None,
                                            request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
+            stream = await self.open_local(who, generation)
         except errors.EngineError as exc:
             await context.abort(status_for(exc), str(exc))
+        except ValueError as exc:  # the request's own fields (a tpot_slo_ms <= 0)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = stream.request_id
         generated, text = [], ""
         async with contextlib.aclosing(stream):
@@ -366,16 +370,13 @@ class VerifierService(pb_grpc.VerifierServicer):
                     chunk.tpot_s, chunk.num_drafted, chunk.num_accepted = stats["tpot_s"] or 0.0, stats["drafted"], stats["accepted"]
                 yield chunk
 
-    async def open_local(self, who: Identity, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int,
-                         eos: tuple[int, ...], tpot_slo_ms: float | None, request_id: str | None = None,
-                         seed: int | None = None, logprobs: int | None = None,
-                         prompt_logprobs: int | None = None) -> "LocalStream":
-        """Admit a local-serving request for ``who`` (gRPC Generate and the HTTP front); raises
-        :class:`errors.EngineError` if refused. The stream yields its :class:`TokenEvent` s;
-        closing it before the last one cancels the request at once."""
+    async def open_local(self, who: Identity, request: GenerationRequest) -> "LocalStream":
+        """Admit a local-serving request for ``who`` (gRPC Generate and the HTTP front, each having
+        built ``request`` at its door); raises :class:`errors.EngineError` if refused. The stream
+        yields its :class:`TokenEvent` s; closing it before the last one cancels the request at once."""
         if self.draining:
             raise errors.DrainingError("the verifier is draining")
-        kv_tokens = len(prompt_ids) + max_new_tokens
+        kv_tokens = len(request.prompt_ids) + request.max_tokens
         self.usage.open_stream(who, kv_tokens)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -383,17 +384,16 @@ class VerifierService(pb_grpc.VerifierServicer):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
-            rid = await self.call(functools.partial(
-                self.local.submit, prompt_ids, sampling, max_new_tokens, eos, tpot_slo_ms, on_event, request_id, seed, logprobs,
-                prompt_logprobs))
+            rid = await self.call(self.local.submit_request, request, on_event)
         except errors.EngineError:
             self.usage.close_stream(who.name, kv_tokens)
             raise
-        self.log.event("generate", request=rid, prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens,
-                       tpot_slo_ms=tpot_slo_ms)
+        self.log.event("generate", request=rid, prompt_tokens=len(request.prompt_ids), max_new_tokens=request.max_tokens,
+                       tpot_slo_ms=request.tpot_slo_ms)
         self.rounds.wake()
         self._update_gauges()
-        return LocalStream(self, rid, events, who.name, kv_tokens, self.metrics.requests.track(len(prompt_ids), count_running=False))
+        return LocalStream(self, rid, events, who.name, kv_tokens, self.metrics.requests.track(len(request.prompt_ids),
+                                                                                                count_running=False))
 
     async def _generate_prompt(self, request, context) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_ids):

@@ -11,6 +11,7 @@ import torch
 
 from goodspeed.launch import cli
 from goodspeed.lm.sampling import SamplingParams
+from goodspeed.serving.generation import GenerationRequest
 from goodspeed.launch.generate import MissingLogprobsError, OlderVerifierError, collect, generate_request
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -139,7 +140,7 @@ def test_a_local_stream_closed_and_cancelled_again_meanwhile_still_frees_the_req
         service = server.server.service
 
         async def close_twice():
-            stream = await service.open_local(Identity(ANONYMOUS), PROMPTS[0], SamplingParams(), 400, (), None)
+            stream = await service.open_local(Identity(ANONYMOUS), GenerationRequest("", PROMPTS[0], 400, SamplingParams(), ()))
             await anext(stream)
             closing = asyncio.ensure_future(stream.aclose())
             await asyncio.sleep(0)  # cancel() is on its way to the engine thread, behind a round
