@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+INLINE_CHARS = 8192  # texts up to this long are tokenized or decoded on the event loop (about 1 ms at most)
+
 def held_back(text: str, marker: str, above: int = 0) -> int:
     """How many characters at the end of ``text`` may still begin ``marker`` (the most, if more
     than ``above``; else 0): text a stream holds back until the next piece tells whether the

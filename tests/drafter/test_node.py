@@ -652,7 +652,7 @@ def test_a_grammar_waiting_for_the_reasoning_through_a_node_is_the_verifiers(mod
     with ``after_token`` (here a token the tiny target writes, standing for ``</think>``): the
     output is the target's greedy decoding gated the same way; a verifier older than the field
     would hold the reasoning to the grammar (502)."""
-    from goodspeed.api import server as api_server
+    from goodspeed.api import completions as api_completions
     from goodspeed.lm.structured import Structure
 
     target, _, tokenizer = models
@@ -661,7 +661,7 @@ def test_a_grammar_waiting_for_the_reasoning_through_a_node_is_the_verifiers(mod
                            add_special_tokens=False)["input_ids"]
     free = adjusted_greedy_reference(target, prompt_ids, SamplingParams(), 12)
     gate = free[2]  # the third token the target writes unconstrained
-    monkeypatch.setattr(api_server, "reasoning_end", lambda tokenizer: gate)
+    monkeypatch.setattr(api_completions, "reasoning_end", lambda tokenizer: gate)
     regex = r"[a-z]{1,6}\((self|s)\)"
     sampling = SamplingParams(structured=Structure("regex", regex, after=gate).bound(tokenizer))
     want = adjusted_greedy_reference(target, prompt_ids, sampling, 40, eos=tokenizer.eos_token_id)
@@ -686,7 +686,7 @@ def test_bad_words_through_a_node_are_the_verifiers(models, monkeypatch):
     """bad_words reach the verifier (and the node's batched drafts) through a node, tokenized by
     the node: the output is the target's greedy decoding with them banned; a verifier older than
     the field would ignore them (502)."""
-    from goodspeed.api.server import bad_word_ids
+    from goodspeed.api.completions import bad_word_ids
 
     target, _, tokenizer = models
     prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]

@@ -635,7 +635,7 @@ def test_bad_words_are_never_generated(models):
     """vLLM's bad_words: each word tokenized as it stands and after a space (where that gives
     another first token and as many tokens), and those sequences never generated: the output is
     the target's greedy decoding with them banned. A word with no token is a 400."""
-    from goodspeed.api.server import bad_word_ids
+    from goodspeed.api.completions import bad_word_ids
 
     target, _, tokenizer = models
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
