@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from goodspeed.lm.corpus import encode, load_corpus
-from goodspeed.lm.loading import ModelLoadError
+from goodspeed.lm.model_dirs import ModelLoadError, cache_root, read_manifest
 from goodspeed.lm.train import ModelRecipe, acceptance_against, heldout_cross_entropy, train_model
 
 VOCAB_SIZE = 2048
@@ -40,26 +39,12 @@ class DemoNotBuiltError(ModelLoadError):
     """A ``demo:`` model was asked for before ``goodspeed models build-demo``."""
 
 
-def cache_root() -> Path:
-    if os.environ.get("GOODSPEED_CACHE"):
-        return Path(os.environ["GOODSPEED_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "goodspeed"
-
-
 def demo_dir() -> Path:
     return cache_root() / "demo"
 
 
-def read_manifest(directory: Path | None = None) -> dict | None:
-    """The ``manifest.json`` of a built model directory (the demo models' by default); None before
-    it is built."""
-    path = (demo_dir() if directory is None else directory) / "manifest.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def demo_model_path(name: str) -> Path:
-    manifest = read_manifest()
+    manifest = read_manifest(demo_dir())
     names = [m["name"] for m in manifest["models"]] if manifest else []
     if name not in names:
         hint = f"known: {', '.join(names)}" if names else "run `goodspeed models build-demo` first"
@@ -108,7 +93,7 @@ def build_demo(
     """Build (or reuse) the demo models; returns the manifest. ``recipes`` and
     ``max_corpus_bytes`` exist for tests, which build toy-sized demos."""
     corpus = load_corpus(max_corpus_bytes)
-    manifest = read_manifest()
+    manifest = read_manifest(demo_dir())
     if not force and _is_current(manifest, corpus.digest, recipes):
         log(f"demo models are up to date in {demo_dir()}")
         return manifest
@@ -160,7 +145,7 @@ def _save(recipe: ModelRecipe, model, tokenizer, root: Path, heldout_ids: np.nda
 
 def list_models() -> list[dict]:
     """One dict per built model with at least ``name``, ``path``, ``params``, ``role``."""
-    manifest = read_manifest()
+    manifest = read_manifest(demo_dir())
     if manifest is None:
         return []
     return [{**m, "path": str(demo_dir() / m["name"])} for m in manifest["models"]]

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from goodspeed.lm.corpus import encode, load_corpus, prompt_snippets, stdlib_files
-from goodspeed.lm.loading import save_model_dir
+from goodspeed.lm.model_dirs import save_model_dir
 from goodspeed.lm.precision import cpu_has_native_bf16
 from goodspeed.lm.train import intermediate_size, optimize
 

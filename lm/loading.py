@@ -12,22 +12,17 @@ AWQ-quantized checkpoints load through transformers' quantization config and nee
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from goodspeed.lm.fingerprint import tokenizer_fingerprint
+from goodspeed.lm.model_dirs import ModelLoadError
 from goodspeed.lm.precision import DTYPES, resolve_dtype
 
 AWQ_BACKENDS = ("gptqmodel", "awq")  # transformers 5 routes AWQ through gptqmodel; 4.x through autoawq
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message says why and what to do."""
 
 
 @dataclass
@@ -116,20 +111,6 @@ def _check_quantization(config) -> None:
             "this checkpoint is AWQ-quantized and needs an AWQ backend (gptqmodel, which needs CUDA torch): "
             "pip install 'goodspeed[awq]'"
         )
-
-
-def save_model_dir(model, tokenizer, out: Path) -> None:
-    """``save_pretrained`` model and tokenizer into ``out`` atomically: written to ``out.partial``
-    and renamed, so an interrupted save never leaves a half-written model where one is looked for."""
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:

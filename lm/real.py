@@ -29,8 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from goodspeed.lm.demo import cache_root, read_manifest
-from goodspeed.lm.loading import ModelLoadError, save_model_dir
+from goodspeed.lm.model_dirs import ModelLoadError, cache_root, read_manifest, save_model_dir
 
 DRAFT_SUFFIX = "-draft"
 
