@@ -86,7 +86,7 @@ def round_figures(target, rounds: int) -> dict:
     """The prefix figures come from two engines whose rounds alternate in blocks of ``BLOCK``
     (which prefix goes first alternates too), so a drift of this machine's speed during the run
     lands on both alike; measured one after the other, the ratio moved from 1.12 to 1.61 between
-    runs an hour apart (docs/BENCHMARKS.md). The masked attention calls (``ATTENTION``) alternate
+    runs an hour apart (docs/MEASUREMENTS.md). The masked attention calls (``ATTENTION``) alternate
     the same way, so their figures compare within the run."""
     rng = np.random.default_rng(0)
     engines = {prefix: engine_with_prefix(target, prefix, rng, 3 * rounds) for prefix in (64, 1024)}

@@ -22,13 +22,13 @@ rollback crops it. With ``cuda_graphs`` (CUDA only; :mod:`goodspeed.lm.graphs`) 
 :class:`~goodspeed.lm.batch_draft.BatchDraftModel` (:class:`SlotDraftKV`), the structure batched
 drafting and the target use, whose forwards take fixed shapes: a one-token draft step, which an
 edge device repeats ``S`` times a round, is replayed as one graph. Eagerly on a launch-bound GPU,
-a 4-layer draft's forward took 3.7-4.2 ms (docs/BENCHMARKS.md). Eagerly on a CPU the slot's mask
+a 4-layer draft's forward took 3.7-4.2 ms (docs/MEASUREMENTS.md). Eagerly on a CPU the slot's mask
 and index bookkeeping cost more than the growing cache's, up to 2-4K positions of the SmolLM2
 draft; beyond, the growing cache's copy of the whole KV every forward costs more
-(docs/BENCHMARKS.md, *One request's drafting at fixed shapes*). The slot is used for graphs, and
+(docs/MEASUREMENTS.md, *One request's drafting at fixed shapes*). The slot is used for graphs, and
 with ``torch_compile``: its fixed shapes let ``torch.compile`` specialise a handful of graphs, and
 compiled, a round on this project's CPU cost 0.88-0.93x the growing cache's with the SmolLM2
-draft and 0.98-1.01x with the demo's tiny one (docs/BENCHMARKS.md, *torch.compile of the
+draft and 0.98-1.01x with the demo's tiny one (docs/MEASUREMENTS.md, *torch.compile of the
 fixed-shape steps*). Either way :meth:`DraftRunner.warm_up` compiles or captures the first graphs
 before a request waits on them.
 """

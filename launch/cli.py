@@ -335,13 +335,13 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                          "(the verifier tests against exactly that q); 0: the whole vocabulary (default: %(default)s)")
     dr.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
                     help="replay the node's draft forwards (one request's at a time, or its batched drafting with "
-                         "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.graphs); CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x (docs/BENCHMARKS.md)")
+                         "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.graphs); CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x (docs/MEASUREMENTS.md)")
     dr.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                     help="run the node's draft forwards at fixed shapes through a decoder compiled by torch.compile "
                          "(goodspeed.lm.graphs; a handful of graphs, seconds to tens of seconds each on a CPU, "
                          "compiled in a warm-up before the node joins); any device; on this project's CPU a round of "
                          "one request's drafting cost 0.88-0.93x the eager one's with the SmolLM2 draft "
-                         "(docs/BENCHMARKS.md)")
+                         "(docs/MEASUREMENTS.md)")
     _add_model_args(dr)
 
 

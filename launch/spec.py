@@ -168,7 +168,7 @@ class VerifierSpec:
     cuda_graphs: bool = setting(False, "replay the target's steps (and the local draft's forwards) as CUDA graphs, one per "
                                        "shape of rows, queries and keys rounded up to powers of two, rows padded "
                                        "(goodspeed.lm.graphs); steps with prompt chunks or over 1,024 tokens run eagerly; "
-                                       "CUDA only (on an H200 a step cost 2.4-5.5x less: docs/BENCHMARKS.md)",
+                                       "CUDA only (on an H200 a step cost 2.4-5.5x less: docs/MEASUREMENTS.md)",
                                 to="engine.cuda_graphs")
     torch_compile: bool = setting(False, "run the target's steps (and the local draft's forwards) at the same fixed shapes "
                                          "through a decoder compiled by torch.compile (inductor; a handful of graphs, tens "

@@ -12,7 +12,7 @@ memory-efficient kernel no grouped-query heads, so a masked ``enable_gqa`` call 
 math kernel, which copies every key head once per query head and runs attention as separate ops
 (torch's ``sdp_utils.cpp``; transformers' ``use_gqa_in_sdpa`` says the same). Folded, the call
 is one the memory-efficient kernel takes, and its masks are laid out so that kernel does not pad
-them again per layer (:data:`MASK_ALIGN`). Not yet timed on a GPU (docs/BENCHMARKS.md).
+them again per layer (:data:`MASK_ALIGN`). Not yet timed on a GPU (docs/MEASUREMENTS.md).
 
 On this project's CPU the folded call costs the engine's rounds 0.95-1.02x what a matmul form of
 verification rows' attention does (two matmuls, heads folded the same way; rows of 2-32 queries),
@@ -50,7 +50,7 @@ lacks). Where there is no such kernel, or on CPU, every group takes the masked p
 :func:`varlen_kernel_for` says which, and the engine logs it. :data:`REFERENCE_VARLEN` computes
 the same call in plain torch, one sequence at a time: the tests run the whole packed path
 through it on CPU, and compare the CUDA kernel with it. Measured on an H200
-(``bench/bench_varlen.py``, docs/BENCHMARKS.md *On a GPU*): a step then costs the same however
+(``bench/bench_varlen.py``, docs/MEASUREMENTS.md *On a GPU*): a step then costs the same however
 the allocation spreads its tokens (GoodSpeed / Fixed-S 0.958-1.024 in 9 of 10 cells, masked
 SDPA's 1.018-1.120), though the call, with its query and output regrouping, costs 1.1-1.4x
 masked SDPA's.
@@ -287,7 +287,7 @@ def flash_varlen_kernel() -> VarlenKernel | None:
     """torch's flash-attention varlen op with per-sequence key lengths (``seqused_k``), where this
     torch build has it: ``aten::_flash_attention_forward``, the op under the public
     ``torch.nn.attention.varlen.varlen_attn`` (which takes ``seqused_k`` itself only from torch
-    2.13; the op takes it in 2.11 already). Run on an H200 with torch 2.11 (docs/BENCHMARKS.md)."""
+    2.13; the op takes it in 2.11 already). Run on an H200 with torch 2.11 (docs/MEASUREMENTS.md)."""
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     if op is None or "seqused_k" not in {a.name for a in op.default._schema.arguments}:
         return None

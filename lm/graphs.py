@@ -6,7 +6,7 @@ serving's draft under the same flag, and an edge node's drafting, one request at
 
 Why. On a GPU a small target's forward is bound by launching kernels from eager PyTorch, not by
 the GPU's arithmetic or memory: SmolLM2-135M's step dispatches about 1,100 aten ops and took
-20-33 ms on an H100 and an H200 in fp32 (docs/BENCHMARKS.md, *Local serving on a GPU* and *Tree
+20-33 ms on an H100 and an H200 in fp32 (docs/MEASUREMENTS.md, *Local serving on a GPU* and *Tree
 rows' KV moves*), for about a millisecond of GPU work. A CUDA graph records a step's kernels once
 and replays them all in one launch, as vLLM and SGLang do for their decoding steps. It also takes
 away what a tree step costs over a chain there (its mask, its gather and scatter): a replay costs
@@ -283,7 +283,7 @@ class StepGraphs:
         :meth:`SlotKVCache.move_pooled <goodspeed.lm.kv_slots.SlotKVCache.move_pooled>`. Eagerly
         that is one gather and one scatter for each layer's keys and values, 121 ops a step on
         SmolLM2-135M's 30 layers, which cost a tree step on the H200 as much as its replayed
-        forward's other ops together (docs/BENCHMARKS.md, *CUDA graphs on the H200*). The list is
+        forward's other ops together (docs/MEASUREMENTS.md, *CUDA graphs on the H200*). The list is
         padded to a power of two (at least :data:`MIN_GRAPH_MOVES`) by repeating its last move,
         which writes the same entry again with the same value, so a few graphs serve every step."""
         self._current()

@@ -509,7 +509,7 @@ class SlotKVCache:
         row whose accepted path is not its first nodes) go in one gather and one scatter per layer's
         keys and values, with one host -> device copy of their indices, whatever the number of rows.
         Row by row, a step of trees cost a few ops per layer per row that moved, which is what a
-        launch-bound GPU pays for (docs/BENCHMARKS.md, *Tree rows' KV moves*). A slot with buffers
+        launch-bound GPU pays for (docs/MEASUREMENTS.md, *Tree rows' KV moves*). A slot with buffers
         of its own moves in them, on its own. ``mover``: what makes the pool's moves, given as
         ``(slot, dst, src)`` positions (:meth:`goodspeed.lm.graphs.StepGraphs.move` replays them as
         a CUDA graph); default :meth:`move_pooled` on their indices."""

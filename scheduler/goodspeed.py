@@ -215,7 +215,7 @@ def allocate_draft_lengths(
 def _unit_log_gain_lists(a: np.ndarray, x: np.ndarray, f: float) -> tuple[list[float], list[float]]:
     """:func:`_unit_log_gains` on Python floats, for a round's handful of clients: after a target
     forward every NumPy call runs cold, and the array form cost several times its warm figure
-    there (bench_packing's scheduling phase, docs/BENCHMARKS.md). ``math.log`` and ``np.log`` may
+    there (bench_packing's scheduling phase, docs/MEASUREMENTS.md). ``math.log`` and ``np.log`` may
     differ in the last bit, so an exact tie can break differently here than on the array paths;
     each path is exact up to float rounding, and one input always takes the same path."""
     log_a = [math.log(ai) if ai > 0.0 else -math.inf for ai in a.tolist()]

@@ -46,20 +46,20 @@ class EngineConfig:
     # the step allows it (no prompt chunk, no slot with KV buffers of its own): attention then
     # gathers and scatters nothing, two ops a layer that a launch-bound GPU pays for, while the
     # linear layers see the pads (goodspeed.lm.kv_slots.SlotKVCache.pack). Off by default: not yet
-    # timed on a GPU (docs/BENCHMARKS.md).
+    # timed on a GPU (docs/MEASUREMENTS.md).
     pad_rows: bool = False
     # Steps replayed as CUDA graphs (goodspeed.lm.graphs), one per shape: rows, queries and keys
     # rounded up to powers of two, each row padded; steps that do not fit (prompt chunks, a slot
     # with KV buffers of its own, more than MAX_GRAPH_TOKENS tokens or MAX_GRAPH_QUERIES a row) run eagerly. Local serving's
     # draft model replays its forwards the same way. CUDA only. Off by default until a GPU runs every
-    # CUDA test with it on; on an H200 a step cost 2.4-5.5x less (docs/BENCHMARKS.md).
+    # CUDA test with it on; on an H200 a step cost 2.4-5.5x less (docs/MEASUREMENTS.md).
     cuda_graphs: bool = False
     # The same fixed-shape steps through a decoder compiled by torch.compile (inductor, a handful of
     # graphs for every shape; goodspeed.lm.graphs.compiled), on any device; with cuda_graphs the
     # compiled kernels are what the graphs record. Local serving's draft too. The verifier's warm-up
     # compiles the engine's graphs (VerificationEngine.warm_up_steps) and the local draft's
     # (LocalServing.warm_up) before it serves. Off by default: a CPU needs a C++ compiler for it, and
-    # it is not yet run with CUDA graphs on a GPU (docs/BENCHMARKS.md).
+    # it is not yet run with CUDA graphs on a GPU (docs/MEASUREMENTS.md).
     torch_compile: bool = False
 
     def __post_init__(self) -> None:

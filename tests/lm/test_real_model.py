@@ -250,7 +250,7 @@ def test_structured_output_on_the_real_pair_is_the_targets_constrained_greedy_de
         value = json.loads(target.tokenizer.decode(want[:-1]))
         assert set(value) == {"city", "population"} and isinstance(value["population"], int)
     # The distilled draft predicts these short chat replies poorly, constrained or not (2026-11-28:
-    # chain 19 of 108 drafted accepted with the schema, 14 of 143 without; docs/BENCHMARKS.md)
+    # chain 19 of 108 drafted accepted with the schema, 14 of 143 without; docs/MEASUREMENTS.md)
     assert serving.stats()["accepted"] > 0
 
 
