@@ -42,6 +42,8 @@ class ValueRankedTetris(TetrisSelection):
 def generate(models, policy: str, n: int, policy_cls=None, seed=None, per_request_seeds=False, pad_rows=False,
              graphs=False, torch_compile=False) -> list[list[int]]:
     target, draft = models
+    if policy == "goodput":  # it drafts only where drafting pays: a draft that pays here, so that it drafts
+        draft = perturbed(target, 1.0, 5)
     engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows, torch_compile=torch_compile))
     if graphs:  # the target's steps at fixed shapes (goodspeed.lm.graphs): captured on CUDA, eager on CPU
         engine.graphs = StepGraphs(engine.model, engine.cache, capture=engine.device.type == "cuda")
@@ -58,9 +60,9 @@ def generate(models, policy: str, n: int, policy_cls=None, seed=None, per_reques
     while serving.step() is not None:
         pass
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
-    if policy != "none":  # speculation really happened (goodput drafts only where it pays: with this draft,
-        # 140-214 tokens over 600 requests in three runs)
-        assert serving.stats()["drafted"] > (n // 10 if policy == "goodput" else n)
+    if policy != "none":  # speculation really happened (goodput, with its better draft: 644-1,080 tokens over
+        # 600 requests in five seeded runs; with the poor one it drafted 18-332, too few to test)
+        assert serving.stats()["drafted"] > (n // 2 if policy == "goodput" else n)
     if graphs or torch_compile:  # every step took the fixed shapes, and the draft's forwards but its first (which makes its KV pool)
         assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)
         assert serving.draft.graphs.steps == serving.draft.forwards - 1
