@@ -101,7 +101,7 @@ def run(requests: int, max_tokens: int, target: str = "demo:target", draft: str 
     from goodspeed.lm.loading import ensure_models
 
     build_demo(progress=False, log=lambda *a: None)
-    ensure_models([target, draft])
+    ensure_models([target, draft], log=lambda *a: print(*a, file=sys.stderr))  # stdout stays pure JSON with --json
     torch.set_num_threads(1)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     grpc_port, http_port = free_port(), free_port()
