@@ -60,9 +60,11 @@ def generate(models, policy: str, n: int, policy_cls=None, seed=None, per_reques
     while serving.step() is not None:
         pass
     assert len(serving.finished) == n and all(r.finish_reason == "length" for r in serving.finished)
-    if policy != "none":  # speculation really happened (goodput, with its better draft: 644-1,080 tokens over
-        # 600 requests in five seeded runs; with the poor one it drafted 18-332, too few to test)
-        assert serving.stats()["drafted"] > (n // 2 if policy == "goodput" else n)
+    if policy == "goodput":  # its first step drafts k for each request (nothing measured yet); after that
+        # only where drafting pays: 116-1,156 tokens over 600 requests in 25 seeded runs with its draft
+        assert serving.stats()["drafted"] >= config.k * min(n, config.max_requests)
+    elif policy != "none":  # speculation really happened
+        assert serving.stats()["drafted"] > n
     if graphs or torch_compile:  # every step took the fixed shapes, and the draft's forwards but its first (which makes its KV pool)
         assert engine.graphs.steps == serving.totals["steps"], (engine.graphs.steps, serving.totals)
         assert serving.draft.graphs.steps == serving.draft.forwards - 1
