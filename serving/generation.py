@@ -51,6 +51,9 @@ class GenerationRequest:
     tpot_slo_ms: float | None = None
     logprobs: int | None = None  # each token's log-probability and this many top ones; None: none
     prompt_logprobs: int | None = None  # the prompt tokens' too (``echo``, ``prompt_logprobs``), with the first delta; None: none
+    # The prompt's last ``generated`` tokens are output already (a request resumed from its verified
+    # text): its penalties and grammar count them as output (the verifier checks the range).
+    generated: int = 0
 
     def __post_init__(self) -> None:
         if self.tpot_slo_ms is not None and not (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0):

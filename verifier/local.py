@@ -36,6 +36,7 @@ forward its cost under given latency models, which makes SLO experiments exact a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -169,17 +170,12 @@ class TokenEvent:
 
 @dataclass
 class LocalRequest:
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    eos_token_ids: tuple[int, ...]
-    tpot_slo_s: float | None
+    """A local request's state beside its spec (what was asked, as admitted: its id assigned, its
+    seed resolved, its sampling holding its ending tokens)."""
+
+    spec: GenerationRequest
     on_event: Callable[[TokenEvent], None] | None
     arrival: float
-    seed: int | None = None
-    logprobs: int | None = None  # each token's log-probability and this many top ones (Verdict.logprobs)
-    prompt_logprobs: int | None = None  # the prompt's too, in the first event (Verdict.prompt_logprobs)
     session_id: str | None = None
     decode_start: float | None = None  # clock time the prefill finished
     generated: list[int] = field(default_factory=list)
@@ -194,6 +190,16 @@ class LocalRequest:
     committed: list[int] = field(init=False)  # prompt + generated, kept in step (not rebuilt per use)
     generator: torch.Generator | None = field(init=False)  # a seeded request's draft stream
     history: TokenHistory | None = field(init=False)  # what its draft's penalties read, if it has any
+
+    request_id = property(lambda self: self.spec.request_id)
+    prompt_ids = property(lambda self: self.spec.prompt_ids)
+    sampling = property(lambda self: self.spec.sampling)
+    max_new_tokens = property(lambda self: self.spec.max_tokens)
+    eos_token_ids = property(lambda self: self.spec.eos_token_ids)
+    seed = property(lambda self: self.spec.seed)
+    logprobs = property(lambda self: self.spec.logprobs)  # each token's log-probability and this many top ones
+    prompt_logprobs = property(lambda self: self.spec.prompt_logprobs)  # the prompt's too, in the first event
+    tpot_slo_s = property(lambda self: None if self.spec.tpot_slo_ms is None else self.spec.tpot_slo_ms / 1000)
 
     def __post_init__(self) -> None:
         self.committed = list(self.prompt_ids) + self.generated
@@ -313,19 +319,17 @@ class LocalServing:
         seed and draft lengths gives the same output. ``logprobs``: its events carry each token's
         log-probability under the target and that many top ones, and with ``prompt_logprobs`` its
         first event the prompt tokens' too (:meth:`VerificationEngine.start_request`)."""
-        prompt, eos = [int(t) for t in request.prompt_ids], tuple(int(t) for t in request.eos_token_ids)
-        sampling = request.sampling.ending_with(eos)  # min_tokens holds these back, in the draft's logits too
-        self.engine.check_request(prompt, request.max_tokens, request.logprobs, sampling,
-                                  prompt_logprobs=request.prompt_logprobs, eos_token_ids=eos)
+        self.engine.check(request)
         if len(self._waiting) >= self.config.max_waiting:
             raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry later")
         rid = request.request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
             raise errors.RequestInProgressError(f"request id {rid!r} is already in use")
-        seed = None if request.seed is None else resolve_root_seed(request.seed)
-        slo = None if request.tpot_slo_ms is None else request.tpot_slo_ms / 1000
-        self._waiting.append(LocalRequest(rid, prompt, sampling, int(request.max_tokens), eos, slo, on_event, self.clock.now(),
-                                          seed=seed, logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs))
+        eos = tuple(int(t) for t in request.eos_token_ids)
+        spec = dataclasses.replace(request, request_id=rid, prompt_ids=[int(t) for t in request.prompt_ids], eos_token_ids=eos,
+                                   sampling=request.sampling.ending_with(eos),  # min_tokens holds these back, in the draft's logits too
+                                   seed=None if request.seed is None else resolve_root_seed(request.seed))
+        self._waiting.append(LocalRequest(spec, on_event, self.clock.now()))
         return rid
 
     def cancel(self, request_id: str) -> bool:
@@ -385,9 +389,7 @@ class LocalServing:
             req = self._waiting.popleft()
             req.session_id = self.engine.join(f"local:{req.request_id}", source=self.allotments)
             try:
-                length = self.engine.start_request(req.session_id, req.prompt_ids, req.sampling, req.max_new_tokens,
-                                                   req.eos_token_ids, seed=req.seed, logprobs=req.logprobs,
-                                                   prompt_logprobs=req.prompt_logprobs)
+                length = self.engine.start(req.session_id, req.spec)
             except errors.EngineError as exc:
                 self.engine.leave(req.session_id)
                 self._finish(req, f"error: {exc}")

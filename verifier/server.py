@@ -241,14 +241,16 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self._refuse_if_draining(context)
         drafter = await self._owned(request.session_id, context)
         sampling = await self._bound(sampling_from_pb(request.sampling), context)
-        args = (request.session_id, list(request.prompt_ids), sampling, request.max_new_tokens, list(request.eos_token_ids),
-                request.seed if request.HasField("seed") else None, request.logprobs if request.HasField("logprobs") else None,
-                request.generated, request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
+        spec = GenerationRequest(request.session_id, list(request.prompt_ids), request.max_new_tokens, sampling,
+                                 tuple(request.eos_token_ids), seed=request.seed if request.HasField("seed") else None,
+                                 logprobs=request.logprobs if request.HasField("logprobs") else None,
+                                 prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+                                 generated=request.generated)
         started = time.perf_counter()
         kv_tokens = len(request.prompt_ids) + request.max_new_tokens
         self.usage.admit_request(drafter.identity, kv_tokens)
         try:
-            length = await self.call(self.engine.start_request, *args)
+            length = await self.call(self.engine.start, request.session_id, spec)
             if length is None:  # chunked prefill: the steps prefill the prompt, this call waits
                 length = await self.rounds.started(request.session_id)
         except errors.EngineError:

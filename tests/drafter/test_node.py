@@ -235,7 +235,7 @@ def test_a_batch_the_node_cannot_queue_is_refused_whole_and_leaves_nothing_behin
             api.completions.create(model="tiny", prompt="import os", n=3, max_tokens=200, **GREEDY)
         after = api.completions.create(model="tiny", prompt="import os", max_tokens=12, **GREEDY)
         metrics = metric_samples(edge.port)
-        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+        busy = [s for s in server.server.engine.sessions.by_id.values() if s.request is not None]
     assert after.choices[0].text == reference(models, "import os", 12)
     assert metrics["goodspeed:num_requests_running[]"] == 0 and metrics["goodspeed:num_requests_waiting[]"] == 0
     assert metrics["goodspeed:request_success_total[('finished_reason', 'length')]"] == 1  # only the one after
@@ -337,7 +337,7 @@ def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models, n):
             time.sleep(0.01)
         finish = server.events("finish")
         metrics = metric_samples(edge.port)
-        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+        busy = [s for s in server.server.engine.sessions.by_id.values() if s.request is not None]
     assert first.choices[0].text is not None
     assert len(finish) == n and all(f["committed_tokens"] < 3 + 400 for f in finish)  # ended early, by FinishRequest
     assert busy == []  # their KV slots are free
@@ -374,7 +374,7 @@ def test_a_request_cancelled_again_while_it_is_cancelled_still_frees_the_verifie
                 break
             time.sleep(0.01)
         finish = server.events("finish")
-        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+        busy = [s for s in server.server.engine.sessions.by_id.values() if s.request is not None]
         free = len(edge.node._free)
     assert len(finish) == 1 and finish[0]["committed_tokens"] < len(prompt_ids) + 400
     assert busy == [] and free == 1  # the verifier's KV slot, and the node's session back in its pool
@@ -448,7 +448,7 @@ def test_a_stop_string_ends_the_request_on_the_verifier_as_finished_not_abandone
                 break
             time.sleep(0.01)
         metrics = metric_samples(edge.port)
-        busy = [s for s in server.server.engine._sessions.values() if s.request is not None]
+        busy = [s for s in server.server.engine.sessions.by_id.values() if s.request is not None]
     assert out.choices[0].text == text[: text.index(stop)] and out.choices[0].finish_reason == "stop"
     assert busy == [] and metrics["goodspeed:request_success_total[('finished_reason', 'stop')]"] == 1
     assert metrics.get("goodspeed:request_success_total[('finished_reason', 'abort')]", 0) == 0

@@ -9,10 +9,11 @@ import torch
 from goodspeed.lm.attention import PACKED, with_cache
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.graphs import StepGraphs, bucket, cpp_compiler_missing, decoder_and_head
-from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
+from goodspeed.lm.kv_slots import SlotKVCache
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
+from goodspeed.verifier.warm_up import WARM_UP_PLAN
 from graphkit import ReadsOnly, checking, fresh_dynamo, needs_cpp, static_inputs  # noqa: F401 (a fixture)
 from modelkit import tiny_llama
 
@@ -28,15 +29,15 @@ def engine_pair(target, captures=(None, False), **config):
     for i, capture in enumerate(captures):
         engine = VerificationEngine(target, EngineConfig(budget=64, max_draft_len=8, seed=0, **config))
         if capture is not None:
-            engine.graphs = StepGraphs(engine.model, engine.cache, capture=capture)
-        forward = engine._forward
+            engine.runner.graphs = StepGraphs(engine.model, engine.cache, capture=capture)
+        forward = engine.runner.forward
 
         def recorded(*a, _f=forward, _out=logits[i], **k):
             rows, chunks = _f(*a, **k)
             _out.append(rows)  # the verification rows' logits (None for a prefill)
             return rows, chunks
 
-        engine._forward = recorded
+        engine.runner.forward = recorded
         engines.append(engine)
     return engines, logits
 
@@ -95,8 +96,7 @@ def test_a_pool_that_moves_drops_every_shape():
     target = tiny_llama(4)
     (eager, graphed), (expected, got) = engine_pair(target)
     for engine in (eager, graphed):
-        engine.cache = SlotKVCache(engine.cache.num_layers, initial_capacity=16)
-        engine.slots = SlotTable(engine.cache)
+        engine.use_cache(SlotKVCache(engine.cache.num_layers, initial_capacity=16))
     graphs = graphed.graphs
     graphs.cache = graphed.cache
     made, static = [], graphs._static
@@ -161,7 +161,7 @@ def compiled_pair(seed: int):
     """An eager engine and one whose fixed-shape steps run through a compiled decoder, each
     recording its logits."""
     (eager, compiled), logits = engine_pair(tiny_llama(seed), captures=(None, None))
-    compiled.graphs = StepGraphs(compiled.model, compiled.cache, capture=False, torch_compile=True)
+    compiled.runner.graphs = StepGraphs(compiled.model, compiled.cache, capture=False, torch_compile=True)
     return (eager, compiled), logits
 
 
@@ -196,14 +196,14 @@ def test_warm_up_steps_leave_nothing_but_their_shapes():
     room under max_seq_len, it does nothing."""
     target = tiny_llama(13)
     assert VerificationEngine(target, EngineConfig()).warm_up_steps() == 0
-    for config, steps in ((EngineConfig(budget=1, max_drafters=1, max_draft_len=2), len(VerificationEngine.WARM_UP_PLAN)),
+    for config, steps in ((EngineConfig(budget=1, max_drafters=1, max_draft_len=2), len(WARM_UP_PLAN)),
                           (EngineConfig(max_seq_len=16), 0)):
         small = VerificationEngine(target, config)
-        small.graphs = StepGraphs(small.model, small.cache, capture=False)
+        small.runner.graphs = StepGraphs(small.model, small.cache, capture=False)
         assert small.warm_up_steps() == steps and small.session_ids == []
     (eager, graphed), (expected, got) = engine_pair(target)
-    assert graphed.warm_up_steps() == len(VerificationEngine.WARM_UP_PLAN)
-    assert graphed.graphs.steps == len(VerificationEngine.WARM_UP_PLAN)  # (the pool grew: earlier shapes dropped)
+    assert graphed.warm_up_steps() == len(WARM_UP_PLAN)
+    assert graphed.graphs.steps == len(WARM_UP_PLAN)  # (the pool grew: earlier shapes dropped)
     assert graphed.session_ids == [] and graphed.cache.lengths == [] and not graphed.has_prefill
     del got[:]
     drive([eager, graphed], np.random.default_rng(7), rounds=6, sessions=3)
@@ -434,7 +434,7 @@ def test_cuda_compiled_steps_captured_equal_eager_ones():
     graphs, give the eager static steps' logits to fp32's rounding and the same verdicts."""
     target = tiny_llama(7, hidden=256, heads=4, kv_heads=2, dtype=torch.float32).cuda()
     (eager, compiled), (expected, got) = engine_pair(target, captures=(False, True))
-    compiled.graphs = StepGraphs(compiled.model, compiled.cache, torch_compile=True)
+    compiled.runner.graphs = StepGraphs(compiled.model, compiled.cache, torch_compile=True)
     drive([eager, compiled], np.random.default_rng(4), rounds=12, leave_at=6)
     assert compiled.graphs.captures >= len(compiled.graphs.shapes) >= 1 and compiled.graphs.replays >= 5
     for a, b in zip(expected, got):

@@ -89,7 +89,7 @@ def serve_local(pair, prompts, policy, graphs=False):
     serving = LocalServing(engine, draft.model, LocalConfig(policy=policy, max_requests=4, budget=12, k=4,
                                                            latency=profile if policy == "turbospec" else None), RealClock())
     if graphs:
-        engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
+        engine.runner.graphs = StepGraphs(engine.model, engine.cache, capture=False)
         serving.draft.graphs = StepGraphs(serving.draft.model, serving.draft.cache, capture=False)
     ids = [serving.submit(p, max_new_tokens=NEW) for p in prompts]
     for _ in range(10_000):

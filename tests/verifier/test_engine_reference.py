@@ -9,7 +9,7 @@ from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import to_engine_draft
 from goodspeed.lm.attention import REFERENCE_VARLEN
 from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
+from goodspeed.lm.kv_slots import SlotKVCache
 from goodspeed.lm.prefix import prefix_hash
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -51,11 +51,10 @@ def test_batched_rounds_equal_reference(seed, packed):
     engine = VerificationEngine(target, EngineConfig(budget=40, policy="random", max_draft_len=7, seed=seed, packed=bool(packed),
                                                      pad_rows=packed == "pad"))
     if packed == "varlen":
-        engine.cache = SlotKVCache(engine.cache.num_layers, initial_capacity=16)
-        engine.slots = SlotTable(engine.cache)
+        engine.use_cache(SlotKVCache(engine.cache.num_layers, initial_capacity=16))
         engine.cache.varlen = REFERENCE_VARLEN
     if packed == "graphs":
-        engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
+        engine.runner.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     sessions = []
     for i in range(5):
         sid = engine.join(f"d{i}")
@@ -100,7 +99,7 @@ def test_tree_round_equals_reference_tree_walk(pad_rows):
     target = tiny_llama(20)
     engine = VerificationEngine(target, EngineConfig(budget=40, max_draft_len=8, pad_rows=pad_rows is True))
     if pad_rows == "graphs":
-        engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
+        engine.runner.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     a, b = engine.join("tree"), engine.join("chain")
     engine.start_request(a, [3, 4, 5], SamplingParams(), 50)
     engine.start_request(b, [9] * 11, SamplingParams(), 50)

@@ -10,7 +10,9 @@ import pytest
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.verifier.engine import EngineConfig, VerificationEngine, after_decoded
+from goodspeed.verifier import apply
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.planner import after_decoded
 from goodspeed.verifier.types import Draft, SparseProbs
 from modelkit import greedy_reference, perturbed, tiny_llama
 from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, fits
@@ -164,13 +166,13 @@ def test_a_transit_step_that_looks_at_its_token_is_caught(sampled_models, monkey
     text; the same test must fail at p < 1e-6 (at twice the honest test's samples: chi2 204 and
     249 in two runs, against 90.5; at its samples 110-117, too close to 88.9)."""
     target, draft = sampled_models
-    apply = VerificationEngine._apply_transit
+    apply_transit = apply.apply_transit
 
-    def picky(self, row, outcome, logprobs):
+    def picky(row, outcome, logprobs):
         if outcome.emitted[0] != 0:  # token 0: as if the row never ran (its KV entry is not kept either)
-            apply(self, row, outcome, logprobs)
+            apply_transit(row, outcome, logprobs)
 
-    monkeypatch.setattr(VerificationEngine, "_apply_transit", picky)
+    monkeypatch.setattr(apply, "apply_transit", picky)
     sampling = SamplingParams(temperature=1.0)
     outputs, _ = run_sampled(target, draft, sampling, per_drafter=200)
     stat, dof = chi2_stat(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))

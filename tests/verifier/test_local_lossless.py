@@ -46,7 +46,7 @@ def generate(models, policy: str, n: int, policy_cls=None, seed=None, per_reques
         draft = perturbed(target, 1.0, 5)
     engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows, torch_compile=torch_compile))
     if graphs:  # the target's steps at fixed shapes (goodspeed.lm.graphs): captured on CUDA, eager on CPU
-        engine.graphs = StepGraphs(engine.model, engine.cache, capture=engine.device.type == "cuda")
+        engine.runner.graphs = StepGraphs(engine.model, engine.cache, capture=engine.device.type == "cuda")
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
     serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))

@@ -9,7 +9,9 @@ import torch
 
 from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.verifier import errors
+from goodspeed.verifier import planner
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.model_runner import ModelRunner
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.types import Draft
 from modelkit import perturbed, reference_ranks, tiny_llama
@@ -95,15 +97,15 @@ def test_a_scored_prompt_is_prefilled_in_pieces_of_at_most_a_scoring_block(model
     """A scored prefill computes logits for every prompt token, so it runs in pieces of at most
     SCORE_BLOCK tokens, whole-prompt prefill too (a long prompt's [tokens, V] would not fit); the
     pieces' scores join up, and plain prompts keep their whole chunks."""
-    monkeypatch.setattr(VerificationEngine, "SCORE_BLOCK", 4)
+    monkeypatch.setattr(planner, "SCORE_BLOCK", 4)
     config = EngineConfig(budget=16, max_draft_len=4, seed=2, prefill_chunk=chunk)
-    pieces, forward_rows = [], VerificationEngine._forward_rows
+    pieces, run = [], ModelRunner.run
 
-    def watched(self, rows, chunks=()):
-        pieces.extend((self._request_at(slot).prompt_logprobs is not None, len(c)) for slot, c in chunks)
-        return forward_rows(self, rows, chunks)
+    def watched(self, rows, chunks, request_at):
+        pieces.extend((request_at(slot).prompt_logprobs is not None, len(c)) for slot, c in chunks)
+        return run(self, rows, chunks, request_at)
 
-    monkeypatch.setattr(VerificationEngine, "_forward_rows", watched)
+    monkeypatch.setattr(ModelRunner, "run", watched)
     finished, _ = serve(models, config, 0)
     for i, prompt in enumerate(SCORED):
         check(models[0], prompt, finished[f"scored{i}"].prompt_token_logprobs, 0)

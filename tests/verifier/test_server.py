@@ -13,6 +13,7 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.records import RoundRecord
+from goodspeed.verifier.warm_up import WARM_UP_PLAN
 from grpckit import ServerThread, run_clients
 from modelkit import greedy_reference, perturbed, tiny_llama
 
@@ -259,7 +260,7 @@ def test_a_start_request_abandoned_mid_prefill_frees_its_request_and_stop_waits_
         gate.set()  # the cleanup waits for the engine thread: the server stops meanwhile
         channel.close()
     assert started.cancelled()
-    assert engine._sessions[sid].request is None  # ended on the engine
+    assert engine.sessions.by_id[sid].request is None  # ended on the engine
     assert set(service.usage.kv_tokens.values()) == {0}  # its KV tokens released
 
 
@@ -392,7 +393,7 @@ def test_the_warm_up_says_what_it_compiles_the_engines_steps_and_the_local_draft
 
     target = tiny_llama(3)
     engine = VerificationEngine(target, EngineConfig(seed=0))
-    engine.graphs = StepGraphs(engine.model, engine.cache, capture=False)
+    engine.runner.graphs = StepGraphs(engine.model, engine.cache, capture=False)
     local = LocalServing(engine, perturbed(target, 0.3, 1), LocalConfig(policy="adaserve"))
     local.draft.graphs = StepGraphs(local.draft.model, local.draft.cache, capture=False)
     stream = io.StringIO()
@@ -400,7 +401,7 @@ def test_the_warm_up_says_what_it_compiles_the_engines_steps_and_the_local_draft
     service.warm_up()
     events = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [e["event"] for e in events] == ["warm_up_begin", "warm_up"]
-    assert events[1]["steps"] == len(VerificationEngine.WARM_UP_PLAN)
+    assert events[1]["steps"] == len(WARM_UP_PLAN)
     assert events[1]["draft_steps"] == sum(what == "tree" for _, what in BatchDraftModel.WARM_UP_PLAN)
     assert engine.session_ids == [] and local.draft.slots.keys == []
 
