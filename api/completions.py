@@ -16,7 +16,8 @@ import jinja2.meta
 import jinja2.sandbox
 from aiohttp import web
 
-from goodspeed.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from goodspeed.api.errors import ApiError, parse_body
+from goodspeed.api.protocol import ChatCompletionRequest, CompletionRequest
 from goodspeed.api.reasoning import Reasoning, closes_reasoning
 from goodspeed.api.reasoning import end_token as reasoning_end
 from goodspeed.api.text import INLINE_CHARS, TextStream

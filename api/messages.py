@@ -33,7 +33,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from goodspeed.api.protocol import MAX_STOP_STRINGS, ApiError, ChatCompletionRequest, parse_body, renamed
+from goodspeed.api.errors import ApiError, parse_body, renamed
+from goodspeed.api.protocol import MAX_STOP_STRINGS, ChatCompletionRequest
 from goodspeed.api.responses import new_id
 from goodspeed.api.text import TextStream
 from goodspeed.api.tools import MAX_TOOLS, NAME_PATTERN

@@ -1,4 +1,4 @@
-"""The OpenAI API's request bodies, validated, and its error objects.
+"""The OpenAI API's request bodies, validated (their refusals: :mod:`goodspeed.api.errors`).
 
 Bodies are parsed by pydantic models that follow the OpenAI reference (and vLLM's extensions
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
@@ -23,47 +23,21 @@ error object ``{"error": {"message", "type", "param", "code"}}``:
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from goodspeed.api.errors import ApiError
 from goodspeed.api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCallMessage, forced_schema
-
 from goodspeed.lm.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS,
                                    MIN_TEMPERATURE, SamplingParams)
 from goodspeed.lm.structured import Structure, StructureError
-from goodspeed.serving.generation import RequestError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_CHOICES = 128  # prompts x n in one request (OpenAI caps n at 128); each choice is a request of its own
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORD_CHARS = 256
-
-
-class ApiError(Exception):
-    """A refusal with its HTTP status and OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    @classmethod
-    def of(cls, exc: RequestError) -> "ApiError":
-        """A backend's refusal or failure as the HTTP status of its kind (:data:`HTTP_STATUS`)."""
-        return cls(HTTP_STATUS[exc.kind], exc.message, param=exc.param, code=exc.code)
-
-
-# A backend's error kinds (goodspeed.serving.generation.ERROR_KINDS) as HTTP statuses
-HTTP_STATUS = {"invalid": 400, "unauthorized": 401, "overloaded": 429, "unavailable": 503, "upstream": 502, "timeout": 504,
-               "internal": 500}
 
 
 class StreamOptions(BaseModel):
@@ -481,74 +455,8 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeCompletionRequest(BaseModel):
-    """vLLM's ``POST /tokenize`` with a prompt: its token ids as a completion would take them."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChatRequest(BaseModel):
-    """vLLM's ``POST /tokenize`` with messages: the chat template's rendering, tokenized."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # rendered as chat completions render them
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
-
-    def refuse_unsupported(self) -> None:
-        refuse_render_conflict(self)
-
-
 def refuse_render_conflict(body) -> None:
     """A chat rendered open for the model's reply and continuing its last message at once: 400."""
     if body.add_generation_prompt and body.continue_final_message:
         raise ApiError(400, "add_generation_prompt and continue_final_message cannot both be true (set "
                             "add_generation_prompt to false to continue the final message)", param="continue_final_message")
-
-
-class DetokenizeRequest(BaseModel):
-    """vLLM's ``POST /detokenize``: token ids back to text."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
-
-
-def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
-    """Validate a JSON body into ``model``; 400 with the deepest problem's field path otherwise."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        request = model.model_validate(body)
-    except ValidationError as exc:
-        # the deepest problem: where a union's members all fail, the member that got furthest names it
-        # (a list of content parts whose part has a wrong type, not "content should be a string")
-        first = max(exc.errors(), key=lambda e: len(e["loc"]))
-        param = ".".join(str(p) for p in first["loc"]) or None
-        message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-        raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
-    if hasattr(request, "refuse_unsupported"):
-        request.refuse_unsupported()
-    return request
-
-
-def renamed(exc: ApiError, names: dict[str, str]) -> ApiError:
-    """A chat completion's refusal as another API that is served by it names its fields (the
-    Responses API's, Anthropic's Messages API's): ``names`` maps chat's field names to its."""
-    param, message = exc.param, exc.message
-    if param is not None and param.split(".")[0] in names:
-        head = param.split(".")[0]
-        param = names[head] + param[len(head):]
-    for old, new in names.items():
-        if "_" in old:  # a field's name in the text (not a word of prose such as "messages" or "stop")
-            message = re.sub(rf"\b{re.escape(old)}\b", new, message)
-    return ApiError(exc.status, message, param=param, code=exc.code, type_=exc.type)

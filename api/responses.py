@@ -19,34 +19,28 @@ at ``max_output_tokens``; ``response.failed`` for a failure after the headers), 
 its ``sequence_number``.
 
 Stored responses (``store``, true by default as OpenAI's) are kept in memory by
-:class:`ResponseStore`, the most recent first, at most :data:`STORE_RESPONSES` of them and
-:data:`STORE_CHARS` characters; an older one is forgotten, and asking for it is a 404. A
-response belongs to the identity (API key) that created it: another gets a 404 for it.
-``GET /v1/responses/{id}/input_items`` lists a stored response's own input as items
-(:func:`page_of_items`: OpenAI's ``limit``, ``order``, ``after``, ``before``); a response
-continued from another lists its own input, not the earlier turns'.
+:class:`~goodspeed.api.response_store.ResponseStore`, the most recent first, within its limits;
+an older one is forgotten, and asking for it is a 404. A response belongs to the identity (API
+key) that created it: another gets a 404 for it. ``GET /v1/responses/{id}/input_items`` lists a
+stored response's own input as items (:func:`~goodspeed.api.response_store.page_of_items`:
+OpenAI's ``limit``, ``order``, ``after``, ``before``); a response continued from another lists its
+own input, not the earlier turns'.
 """
-
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from goodspeed.api.protocol import ApiError, ChatCompletionRequest, parse_body, renamed
+from goodspeed.api.errors import ApiError, parse_body, renamed
+from goodspeed.api.protocol import ChatCompletionRequest
 from goodspeed.api.text import TextStream
 from goodspeed.api.tools import MAX_TOOLS, NAME_PATTERN
 
-if TYPE_CHECKING:
-    from multidict import MultiMapping  # aiohttp's request.query
-
-STORE_RESPONSES = 1024  # stored responses kept in memory, the oldest forgotten first
-STORE_CHARS = 64 << 20  # and characters of conversation and output kept across them
 MAX_METADATA = 16  # OpenAI's: keys of metadata, each up to 64 characters, values up to 512
 
 # chat completion fields that a Responses request names otherwise (for its 400s)
@@ -306,46 +300,6 @@ def _message_item(role: str, parts: list[dict], given_id: str | None) -> dict:
     return {"id": given_id or new_id("msg"), "type": "message", "role": role, "content": parts, "status": "completed"}
 
 
-ITEMS_PAGE = 20  # OpenAI's default page of input items, of at most MAX_ITEMS_PAGE
-MAX_ITEMS_PAGE = 100
-
-
-def page_of_items(items: list[dict], query: MultiMapping[str]) -> dict:
-    """One page of a response's input items as OpenAI lists them: ``order`` (``desc``, the
-    default, newest first, or ``asc``), then the items ``after`` and/or ``before`` the ones of those
-    ids, at most ``limit`` of them (1-100, default 20); ``has_more`` says whether more follow.
-    A bad or unknown query parameter is a 400 that names it."""
-    known = {"limit", "order", "after", "before", "include", "include[]"}
-    for name in query:
-        if name not in known:
-            raise ApiError(400, f"unknown query parameter {name!r} (known: limit, order, after, before, include)", param=name)
-    included = [value for name in ("include", "include[]") for value in query.getall(name, ()) if value]
-    if included:
-        raise ApiError(400, f"include: none of {', '.join(map(repr, included))} is served by this server (an item "
-                            "is listed as it was given)", param="include")
-    raw = query.get("limit", str(ITEMS_PAGE))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_ITEMS_PAGE:
-        raise ApiError(400, f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}, not {raw!r}", param="limit")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order")
-    ordered = items if order == "asc" else items[::-1]
-    ids = [item["id"] for item in ordered]
-    start, end = 0, len(ordered)
-    for name in ("after", "before"):
-        if name in query:
-            if query[name] not in ids:
-                raise ApiError(400, f"{name}: this response has no input item with id {query[name]!r}", param=name)
-            if name == "after":
-                start = ids.index(query[name]) + 1
-            else:
-                end = ids.index(query[name])
-    window = ordered[start:max(start, end)]
-    page = window[:int(raw)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(window) > len(page)}
-
-
 class Items:
     """One reply's output items, built as its reader's pieces come: ``push(reasoning, content,
     tool call deltas)`` returns the Responses stream events they make (without ``sequence_number``,
@@ -450,53 +404,6 @@ def as_messages(output: list[dict]) -> list[dict]:
     if calls:
         message["tool_calls"] = calls
     return [message]
-
-
-def _size(value) -> int:
-    return len(json.dumps(value))
-
-
-class ResponseStore:
-    """Stored responses in memory: each its response object, its owner, the conversation that
-    led to it (chat messages) and its own input items, the most recently stored kept first within
-    :data:`STORE_RESPONSES` responses and :data:`STORE_CHARS` characters."""
-
-    def __init__(self, responses: int = STORE_RESPONSES, chars: int = STORE_CHARS) -> None:
-        self.limit, self.chars = responses, chars
-        self._kept: collections.OrderedDict[str, tuple[str, dict, list[dict], list[dict], int]] = collections.OrderedDict()
-        self._used = 0
-
-    def put(self, owner: str, response: dict, conversation: list[dict], inputs: list[dict] = ()) -> None:
-        size = _size(response) + _size(conversation) + _size(list(inputs))
-        if size > self.chars:
-            return  # larger than the whole store: a later turn naming it gets the 404 an evicted one gets
-        self._kept[response["id"]] = (owner, response, conversation, list(inputs), size)
-        self._used += size
-        while len(self._kept) > self.limit or self._used > self.chars:
-            *_, dropped = self._kept.popitem(last=False)[1]
-            self._used -= dropped
-
-    def get(self, owner: str, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
-        """The response and its conversation; 404 if it is not kept or belongs to someone else."""
-        kept = self._kept.get(response_id)
-        if kept is None or kept[0] != owner:
-            raise ApiError(404, f"no stored response with id {response_id!r} (responses are kept in memory, the "
-                                f"{self.limit} latest; one made with store: false is not)", param=param,
-                           code="response_not_found")
-        return kept[1], kept[2]
-
-    def input_items(self, owner: str, response_id: str) -> list[dict]:
-        """The response's own input items, in order; 404 as :meth:`get`."""
-        self.get(owner, response_id)
-        return self._kept[response_id][3]
-
-    def delete(self, owner: str, response_id: str) -> None:
-        self.get(owner, response_id)
-        *_, size = self._kept.pop(response_id)
-        self._used -= size
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
 
 class ResponseWriter:

@@ -46,9 +46,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from goodspeed.api.completions import Completions
-from goodspeed.api.protocol import ApiError
+from goodspeed.api.errors import ApiError
 from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
-from goodspeed.api.responses import ResponseStore
+from goodspeed.api.response_store import ResponseStore
 from goodspeed.api.streaming import Streaming
 from goodspeed.api.text import INLINE_CHARS
 from goodspeed.api.tokenizer_routes import TokenizerRoutes

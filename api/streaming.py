@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 
 from goodspeed.api.completions import Reply
-from goodspeed.api.protocol import ApiError
+from goodspeed.api.errors import ApiError
 from goodspeed.api.text import TextStream
 from goodspeed.api.tools import merge
 from goodspeed.serving.aio import keep_until_done

@@ -4,12 +4,50 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import Annotated, Any
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 
-from goodspeed.api.protocol import ApiError, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse_body
+from goodspeed.api.errors import ApiError, parse_body
+from goodspeed.api.protocol import ChatMessage, refuse_render_conflict
 from goodspeed.api.text import INLINE_CHARS
+from goodspeed.api.tools import MAX_TOOLS, Tool
 
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with a prompt: its token ids as a completion would take them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with messages: the chat template's rendering, tokenized."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # rendered as chat completions render them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def refuse_unsupported(self) -> None:
+        refuse_render_conflict(self)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class TokenizerRoutes:

@@ -12,7 +12,7 @@ from goodspeed.api import responses as openai_responses
 from goodspeed.api.completions import Reply
 from goodspeed.api.messages import MessagesRequest, MessageWriter, message_id
 from goodspeed.api.messages import error_body as anthropic_error
-from goodspeed.api.protocol import ApiError, parse_body, renamed
+from goodspeed.api.errors import ApiError, parse_body, renamed
 from goodspeed.api.responses import ResponsesRequest, ResponseWriter, as_messages
 from goodspeed.api.text import TextStream
 from goodspeed.serving.generation import GenerationRequest

@@ -70,7 +70,8 @@ from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.loading import ModelLoadError, load_causal_lm
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
+from goodspeed.verifier.clocks import LatencyProfile
+from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
 
 POLICIES = [

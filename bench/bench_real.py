@@ -127,7 +127,8 @@ def single(target_spec: str, draft_model, prompts, max_new: int, lengths=(2, 3, 
 
 
 def local(target_model, draft_model, prompts, max_new: int) -> dict:
-    from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, RealClock
+    from goodspeed.verifier.clocks import LatencyProfile, RealClock
+    from goodspeed.verifier.local import LocalConfig, LocalServing
     from goodspeed.verifier.profiling import profile_model
 
     profile = LatencyProfile(profile_model(target_model, repeats=2)[1], profile_model(draft_model, repeats=2)[1])

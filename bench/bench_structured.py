@@ -33,7 +33,8 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, TokenHistory
+from goodspeed.lm.adjust import TokenHistory
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.structured import Structure
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.verify_rows import RowInput, RowVerifier

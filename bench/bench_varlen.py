@@ -33,7 +33,8 @@ import torch
 from bench.bench_attention import time_alternating
 from goodspeed.lm.attention import (PACKED, REFERENCE_VARLEN, flash_varlen_kernel, gqa_sdpa_attention, use_gqa_attention,
                                     with_cache)
-from goodspeed.lm.kv_slots import SlotKVCache, build_attention
+from goodspeed.lm.kv_slots import SlotKVCache
+from goodspeed.lm.packing import build_attention
 
 HEADS, KV_HEADS, DIM = 40, 8, 128  # Qwen3-14B
 MODEL = {"vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408}

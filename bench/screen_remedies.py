@@ -18,7 +18,8 @@ import statistics
 import sys
 
 from goodspeed.launch.experiment import load_experiment
-from goodspeed.launch.simulate import PROFILES_DIR, SimSettings, load_profile, scaled_drafters, simulate, spec_drafters
+from goodspeed.launch.sim_profiles import PROFILES_DIR, load_profile
+from goodspeed.launch.simulate import SimSettings, scaled_drafters, simulate, spec_drafters
 from goodspeed.launch.spec import spec_path
 from goodspeed.scheduler import SmoothingConfig, make_policy
 

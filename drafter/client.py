@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.drafter.serde import draft_to_pb, sampling_to_pb, unapplied_setting
+from goodspeed.drafter.serde import draft_to_pb, unapplied_setting
+from goodspeed.serving.sampling_wire import sampling_to_pb
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
 from goodspeed.proto import PROTOCOL_VERSION

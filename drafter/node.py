@@ -11,10 +11,9 @@ How a node holds several requests at once, and why fairness stays per DEVICE:
   beyond that wait in a bounded queue; beyond it they get 429.
 * Every session of the node joins with the node's name as its ``device``. The verifier's
   GoodSpeed then has ONE utility term per device, ``log X_d`` with ``X_d`` the sum of the
-  device's sessions' goodputs (:meth:`goodspeed.verifier.engine.VerificationEngine._device_goodput`):
-  a node serving four requests gets a device's share of the budget ``C``, split among its
-  requests by their marginal gains, exactly as eq. (5) splits it among devices. Opening more
-  requests does not buy a device more of the verifier.
+  device's sessions' goodputs (:mod:`goodspeed.scheduler.allotments`): a node serving four
+  requests gets a device's share of the budget ``C``, split among its requests by their marginal
+  gains, exactly as eq. (5) splits it among devices. More requests buy no more of the verifier.
 * Drafting is batched across the node's requests: requests waiting for a draft are drafted
   together, one forward per draft step, by :class:`goodspeed.lm.batch_draft.BatchDraftModel`
   (one KV slot per request). In the paper's synchronous rounds the node's verdicts arrive
@@ -43,16 +42,17 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from goodspeed.serving.aio import run_to_the_end, within
+from goodspeed.serving.aio import run_to_the_end
 from goodspeed.serving.generation import Delta, GenerationRequest, RequestError, StopStringMatched
-from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, RequestTimer, SpecDecodeMetrics, finished_reason
+from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, SpecDecodeMetrics, finished_reason
 from goodspeed.drafter.client import DrafterError, SessionLost, backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
+from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession, RequestStats
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
-from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, sampling_to_pb, unapplied_setting
-from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, unapplied_setting
+from goodspeed.serving.sampling_wire import sampling_to_pb
 from goodspeed.lm.seeding import resolve_root_seed, torch_generator
-from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenHistory, TokenLogprob, check_proposal_top_k
+from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenLogprob, check_proposal_top_k
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -96,97 +96,6 @@ class NodeConfig:
             raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTH_RULES)}, got {self.draft_length!r}")
 
 
-class _Session:
-    """One pooled verifier session and its verdict stream."""
-
-    def __init__(self, session_id: str, stream) -> None:
-        self.session_id, self.stream = session_id, stream
-        self.verdicts: asyncio.Queue = asyncio.Queue()
-        self.reader = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        try:
-            async for verdict in self.stream:
-                self.verdicts.put_nowait(verdict)
-        except grpc.aio.AioRpcError:
-            pass
-        self.verdicts.put_nowait(None)
-
-    async def verdict(self, round_index: int, timeout_s: float) -> pb.Verdict:
-        """The verdict for ``round_index`` (earlier ones — a retried submit's — are skipped)."""
-        while True:
-            try:
-                item = await within(self.verdicts.get(), timeout_s)
-            except asyncio.TimeoutError:
-                raise DrafterError(f"no verdict for round {round_index} within {timeout_s:g} s") from None
-            if item is None:
-                raise SessionLost()
-            if item.round_index == round_index:
-                return item
-            if item.round_index > round_index:
-                raise DrafterError(f"the verifier answered round {item.round_index} while this node waited for {round_index}")
-
-    async def close(self) -> None:
-        self.stream.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
-
-
-@dataclass
-class RequestStats:
-    """What one request's rounds did, for callers that report per request (``open(stats=...)``):
-    the file-mode drafter's JSONL records."""
-
-    rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    transit_tokens: int = 0  # of the request's tokens, those the verifier decoded while a draft was in transit
-    repairs: int = 0
-
-
-@dataclass
-class _Request:
-    gen: GenerationRequest
-    committed: list[int]
-    generator: torch.Generator
-    timer: RequestTimer
-    out: asyncio.Queue = field(default_factory=asyncio.Queue)
-    hasher: object = field(default_factory=new_prefix_hasher)
-    generated: int = 0
-    session: _Session | None = None
-    in_progress: bool = False  # the verifier holds the request (StartRequest done, not finished)
-    length: int = 0  # S for the next round
-    round_index: int = 0
-    stats: RequestStats = field(default_factory=RequestStats)  # rounds, tokens and repairs so far
-    history: TokenHistory | None = None  # the text its penalties read, when its sampling adjusts logits
-    prompt_scored: bool = False  # its prompt's log-probabilities (if asked for) reached its client
-    stop_string: bool = False  # its client's text ended at a stop string: cancelled as finished ("stop")
-
-    def __post_init__(self) -> None:
-        update_prefix_hasher(self.hasher, self.committed)
-        if self.gen.sampling.adjusts_logits:  # as the verifier splits it: prompt, then everything generated
-            split = len(self.committed) - self.generated
-            self.history = TokenHistory(self.committed[:split], self.committed[split:], self.gen.sampling.structured)
-
-    @property
-    def key(self) -> str:
-        return self.gen.request_id
-
-    def commit(self, tokens: list[int]) -> None:
-        self.committed.extend(tokens)
-        self.generated += len(tokens)
-        update_prefix_hasher(self.hasher, tokens)
-        if self.history is not None:  # drafting and committing alternate, so no draft reads it meanwhile
-            self.history.extend(tokens, strict=False)
-
-
-@dataclass
-class _DraftJob:
-    request: _Request
-    length: int
-    committed: list[int]
-    future: asyncio.Future
-
-
 class EdgeNode:
     """:class:`goodspeed.api.server.Backend` of an edge device: ``await start()``, then serve."""
 
@@ -208,11 +117,11 @@ class EdgeNode:
         self.model_ids: tuple[str, ...] = ()
         self.max_model_len = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-draft")  # owns the draft model
-        self._free: list[_Session] = []
+        self._free: list[PooledSession] = []
         self._sessions = 0  # joined, free or busy
         self._session_freed = asyncio.Condition()
         self._waiting = 0
-        self._jobs: list[_DraftJob] = []
+        self._jobs: list[DraftJob] = []
         self._jobs_ready = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._cleanups: set[asyncio.Task] = set()  # requests' _end, which stop() waits for and never cancels
@@ -302,7 +211,7 @@ class EdgeNode:
 
     # ------------------------------------------------------------------ sessions
 
-    async def _join(self) -> tuple[_Session, pb.JoinReply]:
+    async def _join(self) -> tuple[PooledSession, pb.JoinReply]:
         """Join one session (the caller counts it in ``_sessions``)."""
         try:
             reply = await self.stub.Join(pb.JoinRequest(
@@ -312,9 +221,9 @@ class EdgeNode:
         except grpc.aio.AioRpcError as exc:
             raise _refusal("join", exc) from None
         stream = self.stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=reply.session_id), metadata=self.metadata)
-        return _Session(reply.session_id, stream), reply
+        return PooledSession(reply.session_id, stream), reply
 
-    async def _acquire(self) -> _Session:
+    async def _acquire(self) -> PooledSession:
         """A free session: a pooled one, a newly joined one while the pool is below
         ``max_concurrency``, or the next one freed (at most ``max_waiting`` requests wait)."""
         while True:
@@ -340,12 +249,12 @@ class EdgeNode:
                 self._waiting -= 1
                 self.requests.waiting.set(self._waiting)
 
-    async def _release(self, session: _Session) -> None:
+    async def _release(self, session: PooledSession) -> None:
         self._free.append(session)
         async with self._session_freed:
             self._session_freed.notify()
 
-    async def _discard(self, session: _Session) -> None:
+    async def _discard(self, session: PooledSession) -> None:
         """A session the verifier dropped: forget it (its place in the pool opens again)."""
         await session.close()
         self._sessions -= 1
@@ -365,7 +274,7 @@ class EdgeNode:
             raise RequestError("invalid", "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
         generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                      else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
-        req = _Request(request, list(request.prompt_ids), generator, self.requests.track(len(request.prompt_ids)),
+        req = NodeRequest(request, list(request.prompt_ids), generator, self.requests.track(len(request.prompt_ids)),
                        stats=stats if stats is not None else RequestStats())
         try:
             await self._call(self.drafter.add, req.key)
@@ -379,7 +288,7 @@ class EdgeNode:
         return self._deltas(req, task)
 
     @staticmethod
-    async def _deltas(req: _Request, task: asyncio.Task):
+    async def _deltas(req: NodeRequest, task: asyncio.Task):
         finished = False
         try:
             while not finished:
@@ -393,7 +302,7 @@ class EdgeNode:
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)  # its cleanup runs to the end
 
-    async def _start(self, req: _Request) -> None:
+    async def _start(self, req: NodeRequest) -> None:
         """A session and ``StartRequest`` for the request's committed text (prompt + verified
         tokens so far); a pooled session the verifier has forgotten is replaced."""
         for _ in range(MAX_REPAIRS + 1):
@@ -426,7 +335,7 @@ class EdgeNode:
             return
         raise RequestError("upstream", f"the verifier dropped this node's sessions {MAX_REPAIRS + 1} times in a row")
 
-    async def _serve(self, req: _Request) -> None:
+    async def _serve(self, req: NodeRequest) -> None:
         reason = "error"
         try:
             while True:
@@ -481,13 +390,13 @@ class EdgeNode:
         finally:
             await self._end(req, reason)
 
-    async def _end(self, req: _Request, reason: str) -> None:
+    async def _end(self, req: NodeRequest, reason: str) -> None:
         """Free everything the request holds: its request on the verifier (if still running),
         its session, its draft KV slot; to the end, even when the caller is cancelled again
         meanwhile (:func:`run_to_the_end`; :meth:`stop` waits for it)."""
         await run_to_the_end(self._free_request(req, reason), self._cleanups)
 
-    async def _free_request(self, req: _Request, reason: str) -> None:
+    async def _free_request(self, req: NodeRequest, reason: str) -> None:
         req.timer.finish(reason)
         self.paying.forget(req.key)
         if req.session is not None:
@@ -503,7 +412,7 @@ class EdgeNode:
         if req.key in self.drafter.slots:  # a source that learns across requests keeps its text
             await self._call(self.drafter.remove, req.key, list(req.committed))
 
-    async def _round(self, req: _Request) -> pb.Verdict:
+    async def _round(self, req: NodeRequest) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index
         if self.config.draft_length == "goodput":
             length = self.paying.length(req.key, req.length)
@@ -526,7 +435,7 @@ class EdgeNode:
 
     # ------------------------------------------------------------------ drafting
 
-    async def _draft(self, req: _Request, length: int) -> ChainDraft:
+    async def _draft(self, req: NodeRequest, length: int) -> ChainDraft:
         """Queue the request for the next batched drafting call and wait for its draft; a lookup
         drafts here at once (no model to run, nothing to batch: the hops to the drafting thread
         were most of a round's turnaround on the node)."""
@@ -537,7 +446,7 @@ class EdgeNode:
             self._drafted(time.perf_counter() - started, drafts, forced)
             return drafts[key]
         future = asyncio.get_running_loop().create_future()
-        self._jobs.append(_DraftJob(req, length, list(req.committed), future))
+        self._jobs.append(DraftJob(req, length, list(req.committed), future))
         self._jobs_ready.set()
         return await future
 

@@ -44,8 +44,9 @@ from transformers import DynamicCache
 from goodspeed.lm.attention import keep_logits, with_cache
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, TokenHistory, adjust_logits, check_proposal_top_k,
-                                   draft_proposal, process_logits, sample_from)
+from goodspeed.lm.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
+                                   sample_from)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ class DraftRunner:
         """The draft's logits for the next continuation token, with the request's logit bias and
         penalties applied as the verifier applies them to the target's (by the committed text and
         the continuation before this position), which keeps acceptance up; exactness never
-        depends on it (:func:`goodspeed.lm.sampling.adjust_logits`)."""
+        depends on it (:func:`goodspeed.lm.adjust.adjust_logits`)."""
         logits = self.kv.logits_after(self._feed())
         if not sampling.adjusts_logits:
             return logits

@@ -7,22 +7,6 @@ from goodspeed.lm.sampling import FEATURES, SamplingParams, TokenLogprob
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 
 
-def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                            logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-                            allowed_token_ids=params.allowed_token_ids,
-                            bad_words=[pb.TokenSequence(token_ids=w) for w in params.bad_words])
-    if params.repetition_penalty != 1.0:
-        msg.repetition_penalty = params.repetition_penalty
-    if params.structured is not None:
-        s = params.structured
-        msg.structured.CopyFrom(pb.StructuredOutput(kind=s.kind, spec=s.spec, compact=not s.any_whitespace))
-        if s.after is not None:
-            msg.structured.after_token = s.after
-    return msg
-
-
 def applied_features(reply: pb.StartRequestReply) -> set[str]:
     """The sampling features a StartRequestReply says its verifier applies: its ``features``, or
     from a verifier older than that field, the flags it set (each named as its feature)."""

@@ -13,7 +13,7 @@ rounds until U stays within 1% of its final value, measured twice:
   policy that never changes its allocation (Fixed-S) takes hundreds of rounds to settle;
 * on the expected goodput of the allocation, ``E[x_i | S_i(t)] = 1 + sum_{k <= S} p_1 ... p_k`` with
   each drafter's per-position acceptance ``p_k`` fitted on all the runs together
-  (:func:`goodspeed.launch.simulate.fit_profile`): the same curve without the draws' noise, so it
+  (:func:`goodspeed.launch.sim_profiles.fit_profile`): the same curve without the draws' noise, so it
   settles when the allocation does.
 
 ``COMPARISON.md``, ``comparison.json`` and ``fig_utility_by_run.png`` (U per run and policy; U(x̄(T))
@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from goodspeed.launch.report import goodput_matrix, markdown_table, read_rows, utility_curve
-from goodspeed.launch.simulate import SimulationError, expected_settle, fit_profile
+from goodspeed.launch.sim_profiles import SimulationError, fit_profile
+from goodspeed.launch.simulate import expected_settle
 
 
 def load_run(run_dir: Path) -> tuple[dict, dict[str, list[dict]]]:

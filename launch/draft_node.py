@@ -188,7 +188,7 @@ async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, t
 def _api_key_check(path: str | None, host: str):
     """``authorize`` for the node's HTTP API: the key in ``path`` as a bearer token, or nobody
     checked — allowed on loopback only (other machines could then spend this node's verifier)."""
-    from goodspeed.api.protocol import ApiError
+    from goodspeed.api.errors import ApiError
     from goodspeed.verifier.tls import is_loopback
 
     key = read_token(path)

@@ -44,7 +44,8 @@ from tqdm import tqdm
 
 from goodspeed.launch.local import launch_local
 from goodspeed.launch.report import read_rows, write_report
-from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError, build_table, load_spec, tomllib
+from goodspeed.launch.spec import SPECS_DIR, LaunchSpec, SpecError
+from goodspeed.launch.spec_files import build_table, load_spec, tomllib
 from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.records import ROUND_MODES, RoundRecord
 from goodspeed.verifier.server import check_transit

@@ -25,9 +25,11 @@ from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.http_front import LocalServingBackend
-from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing
+from goodspeed.verifier.clocks import LatencyProfile
+from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
-from goodspeed.verifier.server import ServerConfig, check_port, check_transit, make_server
+from goodspeed.verifier.daemon import make_server
+from goodspeed.verifier.server import ServerConfig, check_port, check_transit
 from goodspeed.verifier.tls import server_credentials
 
 

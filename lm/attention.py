@@ -24,7 +24,7 @@ model runs on ``[1, T]`` real tokens — every linear layer, norm and the LM hea
 step's tokens, with no padding to the longest row — and the call carries the layout as the keyword
 ``PACKED`` (transformers passes a forward's extra keywords down to the attention function).
 Attention alone works in the padded ``[rows, q_len]`` layout the slot cache's KV views have, one
-SDPA call per :class:`~goodspeed.lm.kv_slots.AttentionGroup`: the queries are gathered into it,
+SDPA call per :class:`~goodspeed.lm.packing.AttentionGroup`: the queries are gathered into it,
 SDPA runs with the rows' masks, and the outputs are scattered back to the packed tokens. A prompt
 chunk (chunked prefill) is a group of its own, so its hundreds of queries do not pad the
 verification rows' few; so is a row whose slot keeps its KV in buffers of its own (a slot far

@@ -42,10 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits, check_proposal_top_k, draft_step, process_logits
+from goodspeed.lm.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.sampling import SamplingParams, check_proposal_top_k, draft_step, process_logits
 from goodspeed.lm.attention import keep_logits, use_gqa_attention, with_cache
 from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
+from goodspeed.lm.packing import additive_mask, build_attention
 
 
 @dataclass(frozen=True)
@@ -451,7 +453,7 @@ class BatchDraftModel:
 def _adjusted(logits: torch.Tensor, keys: Sequence[str | None], paths: Sequence[Sequence[int]],
               sampling: Mapping[str, SamplingParams], histories: Mapping[str, TokenHistory | None] | None) -> torch.Tensor:
     """``logits [n, V]`` (a fresh tensor, changed in place where it is float32 or wider) with row
-    ``i`` adjusted by its request's bias and penalties (:func:`~goodspeed.lm.sampling.adjust_logits`)
+    ``i`` adjusted by its request's bias and penalties (:func:`~goodspeed.lm.adjust.adjust_logits`)
     for the text ``histories[keys[i]]`` plus ``paths[i]`` (the tokens drafted since); rows of keys
     that adjust nothing, and ``None`` keys, as they are."""
     chosen = [i for i, key in enumerate(keys) if key is not None and sampling[key].adjusts_logits]

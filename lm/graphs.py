@@ -82,7 +82,8 @@ from dataclasses import dataclass
 import torch
 
 from goodspeed.lm.attention import MASK_ALIGN, PACKED, aligned_mask, with_cache
-from goodspeed.lm.kv_slots import AttentionGroup, PackedRows, SlotKVCache
+from goodspeed.lm.kv_slots import SlotKVCache
+from goodspeed.lm.packing import AttentionGroup, PackedRows
 
 # torch.compile: dynamo keeps this many compiled graphs of one forward before it runs new shapes
 # uncompiled. Its default of 8 is shared by every model whose decoder has the same forward (a

@@ -9,7 +9,7 @@ compiled to a token-level matcher by llguidance (Microsoft's, the engine behind 
 backend), which computes each position's allowed tokens as a bitmask over the vocabulary.
 
 Speculation: a drafted row's position ``j`` reads the text up to it, the committed output plus the
-drafted tokens before it (:func:`~goodspeed.lm.sampling.adjust_logits`' ``paths``), so the mask at
+drafted tokens before it (:func:`~goodspeed.lm.adjust.adjust_logits`' ``paths``), so the mask at
 ``j`` is the matcher's after consuming those tokens. :meth:`Constraint.masks` walks the row's
 paths (a chain's prefixes, a tree's root-to-node paths) consuming and rolling back, and leaves the
 matcher where the committed text left it. A position whose path the grammar refuses cannot be
@@ -26,7 +26,7 @@ is still a function of the position's text alone, so speculation stays exact the
 
 A :class:`Structure` is what a request asks for (a kind and its text); :meth:`Structure.bound`
 compiles it against a tokenizer (a bad grammar is refused there, before the request is queued), and
-each request's :class:`~goodspeed.lm.sampling.TokenHistory` holds a :class:`Constraint`, its own
+each request's :class:`~goodspeed.lm.adjust.TokenHistory` holds a :class:`Constraint`, its own
 matcher, extended with each committed token.
 """
 

@@ -5,7 +5,7 @@ serving) and the front that admits its requests (the HTTP API, a launcher):
 - :class:`Delta`: a piece of its output, the last one with its finish reason;
 - :class:`StopStringMatched`: thrown into a backend's stream when a stop string ended the text;
 - :class:`RequestError`: a refusal or failure by kind, which each front maps to its protocol's
-  status (:data:`goodspeed.api.protocol.HTTP_STATUS`).
+  status (:data:`goodspeed.api.errors.HTTP_STATUS`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.verifier.observability import JsonLog
-from goodspeed.verifier.server import ServerConfig, VerifierService, make_server
+from goodspeed.verifier.daemon import make_server
+from goodspeed.verifier.server import ServerConfig, VerifierService
 
 
 class ServerThread:
@@ -98,7 +99,7 @@ class NodeThread:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def __enter__(self) -> "NodeThread":
-        from goodspeed.api.protocol import ApiError
+        from goodspeed.api.errors import ApiError
         from goodspeed.api.server import OpenAIServer
 
         def authorize(header):

@@ -5,7 +5,8 @@ from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.local import LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.clocks import SimulatedClock
+from goodspeed.verifier.local import LocalConfig, LocalServing
 
 TARGET_COST, DRAFT_COST = LatencyModel(1e-6, 2e-4, 0.010), LatencyModel(1e-7, 2e-5, 0.001)
 PATHS = ["edge", "edge-transit", "local-none", "local-chain", "local-tetris", "local-adaserve"]

@@ -48,7 +48,7 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
     definitions in vLLM's order (bias; repetition over prompt and output; frequency and presence
     over the output; min_tokens' ending tokens at -inf while the output is shorter; bad_words' last
     tokens where the output ends with the rest; every token
-    but allowed_token_ids at -inf; every token a structured output's grammar refuses at -inf): the reference the sparse :func:`goodspeed.lm.sampling.adjust_logits` is
+    but allowed_token_ids at -inf; every token a structured output's grammar refuses at -inf): the reference the sparse :func:`goodspeed.lm.adjust.adjust_logits` is
     tested against."""
     x = logits.clone()
     vocab = x.shape[-1]

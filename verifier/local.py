@@ -24,13 +24,13 @@ candidates are deterministic and verified as point masses; TurboSpec and Nightja
 before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
 policy's sampled output against the target's exact distribution.
 
-Penalties, logit bias, min_tokens and allowed_token_ids (:func:`goodspeed.lm.sampling.adjust_logits`): the engine verifies every
+Penalties, logit bias, min_tokens and allowed_token_ids (:func:`goodspeed.lm.adjust.adjust_logits`): the engine verifies every
 position against the target's logits adjusted by the text before it; the chains and AdaServe's
 beam trees drafted here adjust the draft's logits the same way (each request's
-:class:`~goodspeed.lm.sampling.TokenHistory`, plus the chain or the beam's path), which keeps
+:class:`~goodspeed.lm.adjust.TokenHistory`, plus the chain or the beam's path), which keeps
 acceptance up; exactness never depends on it.
 
-Time comes from a :class:`RealClock` in serving, or a :class:`SimulatedClock` that charges every
+Time comes from a :class:`~goodspeed.verifier.clocks.RealClock` in serving, or a :class:`~goodspeed.verifier.clocks.SimulatedClock` that charges every
 forward its cost under given latency models, which makes SLO experiments exact and repeatable.
 """
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,11 +46,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, TokenHistory
+from goodspeed.lm.adjust import TokenHistory
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
-from goodspeed.scheduler import LatencyModel, OwnerSizedAllotments
+from goodspeed.scheduler import OwnerSizedAllotments
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.verifier import errors
+from goodspeed.verifier.clocks import LatencyProfile, RealClock, SimulatedClock
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.batch_draft import BatchDraftModel
 from goodspeed.lm.draft_source import draft_with_forced
@@ -59,63 +60,7 @@ from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASS
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
 
-# ------------------------------------------------------------------------------------- clocks
-
-
-class RealClock:
-    """Wall-clock time; forwards cost what they cost."""
-
-    def now(self) -> float:
-        return time.perf_counter()
-
-    def charge(self, which: str, context_tokens: int, batched_tokens: int) -> None:
-        pass
-
-    def wait_until(self, t: float) -> None:
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-
-class SimulatedClock:
-    """Time that advances only by the modeled cost of each forward: ``model.predict_s(context
-    tokens, batched tokens)`` per forward (a :class:`LatencyModel`, TurboSpec eq. 3, or any object
-    with that method, e.g. a roofline). A target forward is charged for the tokens it verifies and
-    prefills, as the engine's packed (variable-length) forward runs them."""
-
-    def __init__(self, target: LatencyModel, draft: LatencyModel, start: float = 0.0) -> None:
-        self.models = {"target": target, "draft": draft}
-        self.t = float(start)
-
-    def now(self) -> float:
-        return self.t
-
-    def charge(self, which: str, context_tokens: int, batched_tokens: int) -> None:
-        self.t += float(self.models[which].predict_s(context_tokens, batched_tokens))
-
-    def wait_until(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-
 # ------------------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class LatencyProfile:
-    """The fitted latency models ``goodspeed profile`` writes (TurboSpec eq. 3)."""
-
-    target: LatencyModel
-    draft: LatencyModel
-
-    def to_dict(self) -> dict:
-        return {"target": self.target.to_dict(), "draft": self.draft.to_dict()}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "LatencyProfile":
-        try:
-            return cls(LatencyModel.from_dict(data["target"]), LatencyModel.from_dict(data["draft"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a latency profile (need target and draft models): {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -538,4 +483,3 @@ def _point_masses(req: LocalRequest, plan: Plan) -> list[SparseProbs] | None:
     if req.sampling.greedy or plan.parents is not None or plan.q is not None or not plan.token_ids:
         return None
     return [SparseProbs([int(t)], [1.0]) for t in plan.token_ids]
-

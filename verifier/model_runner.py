@@ -21,7 +21,8 @@ import torch
 
 from goodspeed.lm.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
 from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.kv_slots import SlotKVCache, build_attention
+from goodspeed.lm.kv_slots import SlotKVCache
+from goodspeed.lm.packing import build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row
 from goodspeed.verifier.verify_rows import committed_logprobs
 

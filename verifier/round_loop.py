@@ -115,78 +115,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 from goodspeed.serving.aio import within
-from goodspeed.serving.metrics import RequestTimer, finished_reason
+from goodspeed.serving.metrics import finished_reason
 from goodspeed.verifier import errors
-from goodspeed.verifier.auth import Identity
+from goodspeed.verifier.edge_drafters import Drafter
 from goodspeed.verifier.records import DrafterRound, LocalRound, RoundRecord
 from goodspeed.verifier.serde import verdict_to_pb
 
 MAX_FAILED_ROUNDS = 3  # consecutive failed rounds after which the round loop gives up (NOT_SERVING)
 STEP_SMOOTHING = 0.2  # weight of the newest step in the async coalescing window's moving average
-CYCLE_SMOOTHING = 0.2  # weight of a drafter's newest cycle in its moving averages (when its next draft is due)
-DUE_DEVIATIONS = 2.0  # a drafter's next draft is due this many smoothed absolute deviations before its mean cycle
-
-
-def _smoothed(mean: float | None, value: float) -> float:
-    """``mean`` moved ``CYCLE_SMOOTHING`` of the way to ``value`` (``value`` itself when there is no mean yet)."""
-    return value if mean is None else mean + CYCLE_SMOOTHING * (value - mean)
-
-
-@dataclass
-class Drafter:
-    """One edge drafter's session, as the server and the round loop see it."""
-
-    session_id: str
-    name: str
-    verdicts: asyncio.Queue
-    identity: Identity  # who joined: only they may name this session
-    kv_tokens: int = 0  # prompt + max_new_tokens of its request in progress, held against the identity's limit
-    missed: int = 0
-    in_request: bool = False
-    receive_s: float | None = None  # this round: round open -> its draft arrived
-    cycle_s: float | None = None  # its previous verdict sent -> this draft arrived (link + drafting)
-    verdict_at: float | None = None  # perf_counter when its last verdict was sent (None: first of its request)
-    cycle_mean_s: float | None = None  # smoothed cycle_s
-    cycle_dev_s: float = 0.0  # smoothed |cycle_s - cycle_mean_s|: its next draft is due at verdict_at + due_after_s
-    last_seen: float = field(default_factory=time.monotonic)
-    joined_at: float = field(default_factory=time.monotonic)
-    streaming: bool = False  # its verdict stream is open
-    timer: RequestTimer | None = None  # its request in progress, for the request metrics
-    transit: bool = False  # steps decode for it while its draft is away (it opted in, transit_tokens > 0)
-    period_mean_s: float | None = None  # smoothed seconds between two of its verdicts (its whole round)
-    tokens_mean: float | None = None  # smoothed tokens a verdict of its carries (transit-decoded ones included)
-
-    def observe_cycle(self, cycle_s: float) -> None:
-        """Smooth one measured cycle into the mean and the mean absolute deviation."""
-        self.cycle_s = cycle_s
-        if self.cycle_mean_s is not None:
-            self.cycle_dev_s = _smoothed(self.cycle_dev_s, abs(cycle_s - self.cycle_mean_s))
-        self.cycle_mean_s = _smoothed(self.cycle_mean_s, cycle_s)
-
-    def observe_verdict(self, sent: float, tokens: int) -> None:
-        """Smooth the round that a verdict sent at ``sent`` (``perf_counter``) carrying ``tokens``
-        tokens ends: its period (since the previous verdict of the same request) and its tokens."""
-        if self.verdict_at is not None:
-            self.period_mean_s = _smoothed(self.period_mean_s, sent - self.verdict_at)
-        self.tokens_mean = _smoothed(self.tokens_mean, tokens)
-
-    @property
-    def due_after_s(self) -> float | None:
-        """Seconds after its last verdict by which its next draft may arrive (None: no estimate
-        yet): the smoothed cycle less ``DUE_DEVIATIONS`` smoothed deviations, so a drafter whose
-        cycles vary is due early and waited for, one behind a steady slow link is not."""
-        if self.cycle_mean_s is None:
-            return None
-        return max(0.0, self.cycle_mean_s - DUE_DEVIATIONS * self.cycle_dev_s)
-
-    def due_at(self, now: float) -> float:
-        """When (``perf_counter``) its next draft is due: its last verdict plus :attr:`due_after_s`,
-        or ``now`` with no verdict or no estimate yet (it may come any moment)."""
-        due_after = self.due_after_s
-        return now if self.verdict_at is None or due_after is None else self.verdict_at + due_after
 
 
 class RoundLoop:

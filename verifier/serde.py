@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.serving import sampling_wire as wire
 from goodspeed.verifier.errors import MalformedDraftError
 from goodspeed.verifier.types import Draft, SparseProbs, Verdict
 
@@ -20,22 +20,11 @@ SAMPLING_FIELDS = max(field.number for field in pb.SamplingParams.DESCRIPTOR.fie
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """The request's sampling settings; settings the verifier refuses are a malformed request."""
     try:
-        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, min_p=msg.min_p,
-                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                              repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-                              logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens,
-                              allowed_token_ids=tuple(msg.allowed_token_ids),
-                              structured=structure_from_pb(msg.structured) if msg.HasField("structured") else None,
-                              bad_words=tuple(tuple(w.token_ids) for w in msg.bad_words))
+        return wire.sampling_from_pb(msg)
     except ValueError as exc:  # StructureError is one
         raise MalformedDraftError(str(exc)) from None
-
-
-def structure_from_pb(msg: pb.StructuredOutput) -> Structure:
-    """The constraint as sent, unbound: the servicer compiles it against the verifier's tokenizer."""
-    return Structure(msg.kind, msg.spec, any_whitespace=not msg.compact,
-                     after=msg.after_token if msg.HasField("after_token") else None)
 
 
 def draft_from_pb(msg: pb.DraftRequest, vocab_size: int) -> Draft:

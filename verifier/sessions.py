@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.sampling import SamplingParams, TokenHistory
+from goodspeed.lm.adjust import TokenHistory
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.seeding import resolve_root_seed
 from goodspeed.scheduler import DraftAllotments, SmoothingConfig, make_policy, smoothing_of
 from goodspeed.verifier.types import Draft, Verdict

@@ -8,7 +8,7 @@ import anthropic
 import pytest
 
 from goodspeed.api.messages import MessagesRequest, MessageWriter
-from goodspeed.api.protocol import ApiError, parse_body
+from goodspeed.api.errors import ApiError, parse_body
 from apikit import Scripted, serve, thinking
 
 WEATHER = {"name": "weather", "description": "the weather", "input_schema": {

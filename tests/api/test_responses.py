@@ -8,8 +8,9 @@ import openai
 import pytest
 from multidict import MultiDict
 
-from goodspeed.api.protocol import ApiError, parse_body
-from goodspeed.api.responses import Items, ResponsesRequest, ResponseStore, as_messages, page_of_items
+from goodspeed.api.errors import ApiError, parse_body
+from goodspeed.api.response_store import ResponseStore, page_of_items
+from goodspeed.api.responses import Items, ResponsesRequest, as_messages
 from goodspeed.api.tools import ToolCalls
 from apikit import Scripted, serve, thinking
 

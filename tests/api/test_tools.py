@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from goodspeed.api.protocol import ApiError, ChatCompletionRequest, parse_body
+from goodspeed.api.errors import ApiError, parse_body
+from goodspeed.api.protocol import ChatCompletionRequest
 from goodspeed.api.tools import NamedToolChoice, Tool, ToolCalls, forced_schema, merge
 from apikit import CLOCK, WEATHER, Scripted, serve
 

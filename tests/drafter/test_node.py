@@ -756,7 +756,7 @@ def test_each_verifier_status_is_the_http_status_an_application_retries_on(code,
     (a race inside gRPC): both must say 503, so an application retries either the same way."""
     import grpc
 
-    from goodspeed.api.protocol import ApiError
+    from goodspeed.api.errors import ApiError
     from goodspeed.drafter.node import _refusal
 
     error = _refusal("a round", grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"))

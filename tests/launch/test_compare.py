@@ -6,7 +6,7 @@ import pytest
 
 from goodspeed.launch.cli import main
 from goodspeed.launch.compare import compare_runs
-from goodspeed.launch.simulate import SimulationError
+from goodspeed.launch.sim_profiles import SimulationError
 
 
 def test_runs_side_by_side_with_mean_spread_and_both_convergence_measures(tmp_path, fake_experiment, capsys):

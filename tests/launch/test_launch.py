@@ -74,7 +74,7 @@ def test_a_launch_makes_its_own_credentials(tmp_path, launched, launched_drafter
     from pathlib import Path
 
     from goodspeed.launch.local import with_run_credentials
-    from goodspeed.launch.spec import load_spec
+    from goodspeed.launch.spec_files import load_spec
     from goodspeed.verifier.auth import TokenAuth
 
     secured = with_run_credentials(load_spec(), tmp_path)

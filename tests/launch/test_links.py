@@ -161,7 +161,7 @@ def test_launch_with_an_edge_link_is_lossless_and_reports_receive_time(tmp_path)
     import torch
 
     from goodspeed.launch.local import launch_local
-    from goodspeed.launch.spec import load_spec
+    from goodspeed.launch.spec_files import load_spec
     from modelkit import greedy_reference, perturbed, save_models, tiny_llama
 
     target = tiny_llama(0, vocab=300)

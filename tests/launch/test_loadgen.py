@@ -9,7 +9,8 @@ import pytest
 from goodspeed.launch.loadgen import SLO_CLASSES, make_trace, run_trace_grpc, run_trace_local, summarize
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier.engine import VerificationEngine
-from goodspeed.verifier.local import LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.clocks import SimulatedClock
+from goodspeed.verifier.local import LocalConfig, LocalServing
 from grpckit import ServerThread
 from modelkit import greedy_reference, perturbed, tiny_llama
 

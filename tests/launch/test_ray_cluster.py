@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from goodspeed.launch.ray_cluster import NodeInfo, PlacementError, check_ray_spec, plan_placement
-from goodspeed.launch.spec import SpecError, load_spec
+from goodspeed.launch.spec import SpecError
+from goodspeed.launch.spec_files import load_spec
 from modelkit import greedy_reference, perturbed, save_models, tiny_llama
 
 VOCAB = 300
@@ -266,7 +267,8 @@ def test_ctrl_c_tears_the_cluster_down(ray_cluster, models, tmp_path):
 def test_default_demo_on_ray_gives_the_local_backends_greedy_outputs(ray_cluster, tmp_path):
     """The embedded default spec, with placement keys added (verifier on h100, drafters on l4):
     builds the demo models if missing (~3 min), then runs both backends (~1 min each)."""
-    from goodspeed.launch.spec import DEFAULT_SPEC, tomllib
+    from goodspeed.launch.spec import DEFAULT_SPEC
+    from goodspeed.launch.spec_files import tomllib
 
     data = tomllib.loads(DEFAULT_SPEC.read_text())
     data["verifier"]["resources"] = {"h100": 1}
@@ -292,7 +294,8 @@ def test_default_demo_on_ray_gives_the_local_backends_greedy_outputs(ray_cluster
 def test_real_pair_on_ray_gives_the_local_backends_greedy_outputs(ray_cluster, tmp_path):
     """The shipped real-model spec on both backends: the nodes check the real models (`models get`),
     and the greedy drafter's outputs agree token for token."""
-    from goodspeed.launch.spec import SPECS_DIR, tomllib
+    from goodspeed.launch.spec import SPECS_DIR
+    from goodspeed.launch.spec_files import tomllib
 
     data = tomllib.loads((SPECS_DIR / "real-smollm2.toml").read_text())
     data["verifier"].update(resources={"h100": 1})

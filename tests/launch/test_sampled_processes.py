@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from goodspeed.launch.local import launch_local
-from goodspeed.launch.spec import load_spec
+from goodspeed.launch.spec_files import load_spec
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.lm.sampling import SamplingParams, process_logits
 from statkit import fits

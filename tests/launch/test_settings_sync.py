@@ -70,7 +70,8 @@ def test_flags_override_the_spec_file_and_a_target_is_required(tmp_path):
                                         ('[drafters]\n', "no \\[verifier\\]"), ('[verifier]\ncpus = [0]\n', "place the process"),
                                         ('[verifier]\nbudget = "x"\n', "budget")])
 def test_a_bad_spec_file_is_refused_by_key(tmp_path, text, match):
-    from goodspeed.launch.spec import SpecError, load_verifier_settings
+    from goodspeed.launch.spec import SpecError
+    from goodspeed.launch.spec_files import load_verifier_settings
 
     path = tmp_path / "v.toml"
     path.write_text(text)
@@ -116,7 +117,8 @@ def test_a_setting_declared_once_is_a_flag_a_spec_file_key_and_a_config_field(tm
     import argparse
 
     from goodspeed.launch import serve
-    from goodspeed.launch.spec import add_setting_flags, load_verifier_settings, setting
+    from goodspeed.launch.spec import setting
+    from goodspeed.launch.spec_files import add_setting_flags, load_verifier_settings
 
     @dataclasses.dataclass(frozen=True)
     class Extended(VerifierSpec):
@@ -239,7 +241,7 @@ def test_drafter_flags_override_the_spec_file_and_a_launch_spec_entry_is_picked_
                                         ('[[drafters]]\nname = "a"\ncount = 2\n', "goodspeed launch"),
                                         ('[[drafters]]\nname = "a"\ntop_k = 0.5\n', "top_k")])
 def test_a_bad_drafter_file_is_refused_by_key(tmp_path, text, match):
-    from goodspeed.launch.spec import load_drafter_settings
+    from goodspeed.launch.spec_files import load_drafter_settings
 
     path = tmp_path / "d.toml"
     path.write_text(text)
@@ -264,7 +266,7 @@ def test_drafter_cuda_graphs_are_refused_off_cuda_before_a_model_loads(monkeypat
         draft_node.serve_node(base, "127.0.0.1:1", "127.0.0.1:0")
     for concurrency in (1, 2):
         assert dataclasses.replace(base, device="cuda", concurrency=concurrency).cuda_graphs_missing() is None
-    from goodspeed.launch.spec import load_spec
+    from goodspeed.launch.spec_files import load_spec
 
     tables = {"verifier": {"target": "demo:target"},
               "drafters": [{"name": "edge", "draft": "d", "prompts": "code", "device": "cpu", "cuda_graphs": True}]}

@@ -7,19 +7,16 @@ import numpy as np
 import pytest
 
 from goodspeed.launch.cli import main
-from goodspeed.launch.simulate import (
+from goodspeed.launch.sim_profiles import (
     DrafterProfile,
     RunProfile,
-    SimDrafter,
-    SimSettings,
     SimulationError,
     fit_profile,
     load_profile,
     parse_range,
-    scaled_drafters,
-    simulate,
     survival_from_rows,
 )
+from goodspeed.launch.simulate import SimDrafter, SimSettings, scaled_drafters, simulate
 from goodspeed.scheduler import LatencyModel, SmoothingConfig
 
 

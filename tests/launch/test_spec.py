@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from goodspeed.launch.spec import DEFAULT_SPEC, SpecError, load_spec
+from goodspeed.launch.spec import DEFAULT_SPEC, SpecError
+from goodspeed.launch.spec_files import load_spec
 
 
 def test_default_spec_is_valid_and_heterogeneous():

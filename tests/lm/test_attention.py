@@ -73,7 +73,7 @@ def test_folded_masks_repeat_each_query_s_row_per_head_in_aligned_storage():
     """fold_mask: folded query ``g * q_len + i`` is query ``i``'s row, in storage whose every row
     starts at a multiple of MASK_ALIGN elements (what CUDA's memory-efficient kernel takes without
     padding the mask again per layer); the engine's additive masks are laid out the same way."""
-    from goodspeed.lm.kv_slots import additive_mask
+    from goodspeed.lm.packing import additive_mask
 
     allowed = torch.rand(2, 3, 37, generator=torch.Generator().manual_seed(1)) < 0.5
     mask = additive_mask(allowed, torch.float32, "cpu")

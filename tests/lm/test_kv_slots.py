@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from goodspeed.lm.attention import REFERENCE_VARLEN
-from goodspeed.lm.kv_slots import SlotKVCache, SlotTable, additive_mask, build_attention
+from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
+from goodspeed.lm.packing import additive_mask, build_attention
 
 # Packed forwards through each attention path: masked SDPA for every group (None), and chains
 # through the varlen call (REFERENCE_VARLEN: its plain-torch meaning, on CPU).
@@ -68,7 +69,7 @@ def _step(model, cache, tokens, parents, packed, solo=(), layouts=None, dtype=to
     to the padded layout; pad positions are not compared). ``layouts`` collects packed layouts;
     ``pad``: ``pack(pad=True)``."""
     from goodspeed.lm.attention import PACKED, with_cache
-    from goodspeed.lm.kv_slots import build_attention
+    from goodspeed.lm.packing import build_attention
 
     window = slice(0, len(tokens))
     with torch.inference_mode():

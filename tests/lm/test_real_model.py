@@ -17,7 +17,8 @@ from goodspeed.lm import real
 from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.loading import load_causal_lm
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, RealClock
+from goodspeed.verifier.clocks import LatencyProfile, RealClock
+from goodspeed.verifier.local import LocalConfig, LocalServing
 
 pytestmark = [
     pytest.mark.real,

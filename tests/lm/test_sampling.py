@@ -239,7 +239,7 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
     that position follows: the history, then a chain's first ``j`` drafted tokens or a tree node's
     path (min_tokens: the output's length counts its path). Rows that adjust nothing and positions
     past the paths are left alone."""
-    from goodspeed.lm.sampling import TokenHistory, adjust_logits
+    from goodspeed.lm.adjust import TokenHistory, adjust_logits
     from goodspeed.verifier.verify_rows import draft_paths
     from statkit import reference_adjust
 
@@ -280,7 +280,7 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
 def test_allowed_token_ids_past_a_drafts_vocabulary_are_left_out():
     """A draft whose vocabulary is smaller than the target's cannot draft the allowed ids past it:
     they are left out of its mask, and a row none of whose ids fits is left as it is."""
-    from goodspeed.lm.sampling import adjust_logits
+    from goodspeed.lm.adjust import adjust_logits
 
     logits = torch.randn(2, 1, 6, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(allowed_token_ids=(2, 7)), SamplingParams(allowed_token_ids=(6, 9))]
@@ -290,7 +290,7 @@ def test_allowed_token_ids_past_a_drafts_vocabulary_are_left_out():
 
 
 def test_adjusted_greedy_is_the_adjusted_argmax():
-    from goodspeed.lm.sampling import TokenHistory, adjust_logits
+    from goodspeed.lm.adjust import TokenHistory, adjust_logits
 
     logits = torch.tensor([[[2.0, 1.9, 0.5, -1.0]]])
     sampling = SamplingParams(repetition_penalty=1.2)
@@ -303,7 +303,7 @@ def test_adjusted_greedy_is_the_adjusted_argmax():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_adjust_logits_on_cuda_is_the_cpus():
-    from goodspeed.lm.sampling import TokenHistory, adjust_logits
+    from goodspeed.lm.adjust import TokenHistory, adjust_logits
     from goodspeed.verifier.verify_rows import draft_paths
 
     logits = torch.randn(len(ADJUSTING), 4, 300, generator=torch.Generator().manual_seed(5)) * 3

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from goodspeed.lm.demo import train_tokenizer
-from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits
+from goodspeed.lm.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.structured import MAX_SPEC_CHARS, Structure, StructureError
 from statkit import allowed, grammar_allows
 

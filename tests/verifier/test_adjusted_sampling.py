@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.sampling import SamplingParams, TokenHistory, adjust_logits
+from goodspeed.lm.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError

@@ -909,7 +909,8 @@ def test_an_http_port_in_use_stops_what_had_started(models):
 
     from goodspeed.launch.serve import make_http_front
     from goodspeed.verifier.errors import ListenError
-    from goodspeed.verifier.server import ServerConfig, make_server
+    from goodspeed.verifier.daemon import make_server
+    from goodspeed.verifier.server import ServerConfig
 
     target, draft, tokenizer = models
     engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=3))

@@ -12,7 +12,8 @@ from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier import local as local_module
 from goodspeed.verifier.types import Draft
-from goodspeed.verifier.local import LOCAL_POLICIES, LatencyProfile, LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.clocks import LatencyProfile, SimulatedClock
+from goodspeed.verifier.local import LOCAL_POLICIES, LocalConfig, LocalServing
 from goodspeed.verifier.local_policies import LocalPolicy
 from graphkit import fresh_dynamo, needs_cpp  # noqa: F401 (a fixture)
 from modelkit import greedy_reference, perturbed, tiny_llama

@@ -11,7 +11,8 @@ import pytest
 from goodspeed.lm.graphs import StepGraphs
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
-from goodspeed.verifier.local import LatencyProfile, LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.clocks import LatencyProfile, SimulatedClock
+from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.local_policies.tetris import TetrisSelection
 from goodspeed.scheduler import LatencyModel
 from graphkit import needs_cpp

@@ -14,7 +14,8 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.records import CLOSE_REASONS, RoundRecord
-from goodspeed.verifier.round_loop import Drafter, RoundLoop
+from goodspeed.verifier.edge_drafters import Drafter
+from goodspeed.verifier.round_loop import RoundLoop
 from goodspeed.verifier.server import ServerConfig
 from grpckit import ServerThread
 from modelkit import greedy_reference, perturbed, tiny_llama
@@ -370,7 +371,7 @@ def test_a_drafters_period_and_tokens_are_smoothed_from_its_verdicts():
 def test_transit_decoding_is_refused_in_sync_rounds_and_transit_steps_without_it(models):
     from goodspeed.launch.serve import server_config
     from goodspeed.launch.spec import SpecError, VerifierSpec
-    from goodspeed.verifier.server import make_server
+    from goodspeed.verifier.daemon import make_server
 
     engine = VerificationEngine(models[0], EngineConfig(transit_tokens=2))
     with pytest.raises(ValueError, match="needs asynchronous rounds"):

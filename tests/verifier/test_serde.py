@@ -2,7 +2,7 @@
 chunk tells its client it applies each one up to the highest, ``GenerateChunk.sampling_fields``),
 and a drafter's settings arrive as they were sent."""
 
-from goodspeed.drafter.serde import sampling_to_pb
+from goodspeed.serving.sampling_wire import sampling_to_pb
 from goodspeed.lm.sampling import SamplingParams
 from goodspeed.lm.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb

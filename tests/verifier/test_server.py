@@ -513,7 +513,8 @@ def test_a_port_that_cannot_be_had_stops_the_daemon_with_its_reason(models):
     import socket
 
     from goodspeed.verifier.errors import ListenError
-    from goodspeed.verifier.server import ServerConfig, make_server
+    from goodspeed.verifier.daemon import make_server
+    from goodspeed.verifier.server import ServerConfig
 
     with pytest.raises(ValueError, match="port must lie in 0..65535"):
         ServerConfig(port=99999)

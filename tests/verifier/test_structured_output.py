@@ -23,7 +23,8 @@ from goodspeed.lm.structured import Structure, StructureError
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.errors import MalformedDraftError
-from goodspeed.verifier.local import LocalConfig, LocalServing, SimulatedClock
+from goodspeed.verifier.clocks import SimulatedClock
+from goodspeed.verifier.local import LocalConfig, LocalServing
 from modelkit import adjusted_greedy_reference, perturbed, tiny_llama
 from pathkit import DRAFT_COST, PATHS, TARGET_COST, on_path, run_edge, run_local
 from statkit import count_first_two, exact_first_two, fits
