@@ -13,6 +13,7 @@ from goodspeed.api.completions import Reply
 from goodspeed.api.messages import MessagesRequest, MessageWriter, message_id
 from goodspeed.api.messages import error_body as anthropic_error
 from goodspeed.api.errors import ApiError, parse_body, renamed
+from goodspeed.api.response_store import page_of_items
 from goodspeed.api.responses import ResponsesRequest, ResponseWriter, as_messages
 from goodspeed.api.text import TextStream
 from goodspeed.serving.generation import GenerationRequest
@@ -131,10 +132,10 @@ class ResponsesAndMessages:
 
     async def response_input_items(self, request: web.Request) -> web.Response:
         """OpenAI's ``GET /v1/responses/{id}/input_items``: a page of a stored response's own input
-        items (:func:`goodspeed.api.responses.page_of_items`), to its owner (else 404)."""
+        items (:func:`goodspeed.api.response_store.page_of_items`), to its owner (else 404)."""
         identity = self._identify(request)
         items = self.stored.input_items(identity, request.match_info["response_id"])
-        return web.json_response(openai_responses.page_of_items(items, request.query))
+        return web.json_response(page_of_items(items, request.query))
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """OpenAI's ``DELETE /v1/responses/{id}``: forget a stored response (its owner's; else 404)."""
