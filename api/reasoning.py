@@ -27,7 +27,7 @@ held back until it is told apart, and the reasoning otherwise goes out as it is 
 
 A grammar (structured output, a forced tool call) on a prompt that does not close the reasoning
 holds the reply from its first ``</think>`` token on, as vLLM's: the reasoning is free and the
-content matches the grammar (:class:`~goodspeed.lm.structured.Structure`'s ``after``; exact under
+content matches the grammar (:class:`~goodspeed.lm.decoding.structured.Structure`'s ``after``; exact under
 speculation as any grammar). A tokenizer without ``</think>`` as one token cannot mark that point:
 such a request is refused (400) rather than answered with its reasoning held to the grammar.
 """

@@ -5,7 +5,7 @@ What each ``tool_choice`` does:
 
 * **a named function** (``{"type": "function", "function": {"name": ...}}``): the reply is that
   function's arguments, held to its ``parameters`` schema by the structured-output grammar
-  (:mod:`goodspeed.lm.structured`: exact under speculation on every path), returned as one tool
+  (:mod:`goodspeed.lm.decoding.structured`: exact under speculation on every path), returned as one tool
   call; ``finish_reason`` "stop" (OpenAI's for a forced call);
 * ``"required"``: the reply is a JSON array of at least one ``{"name", "parameters"}`` object,
   each matching one of the tools (vLLM's schema: ``anyOf`` over the tools, their ``$defs``

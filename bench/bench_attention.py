@@ -1,5 +1,5 @@
 """The attention of verification rows on CPU, per layer call: the engine's call (``folded``:
-``lm.attention.masked_attention``, SDPA with the grouped-query heads folded into the query
+``lm.runtime.attention.masked_attention``, SDPA with the grouped-query heads folded into the query
 dimension, its folded mask made beforehand, as a forward makes it once for all its layers) against
 SDPA with ``enable_gqa`` over the rows' own mask (``sdpa``, what the engine called before
 2026-11-26) and the matmul form (``matmul``: :func:`matmul_attention`, what the engine ran for rows
@@ -28,8 +28,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from goodspeed.lm import attention
-from goodspeed.lm.attention import masked_attention
+from goodspeed.lm.runtime import attention
+from goodspeed.lm.runtime.attention import masked_attention
 
 HEADS = {"demo": (4, 2, 32), "smollm2": (9, 3, 64)}  # query heads, key heads, head dim
 WARM = [(8, 1, 69), (8, 2, 300), (8, 5, 69), (8, 5, 1029), (8, 8, 1029), (8, 16, 300), (8, 32, 300),
@@ -52,7 +52,7 @@ def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def grouped_masked_attention(query, key, value, mask, dropout=0.0, scale=None, folds=None):
-    """``lm.attention.masked_attention`` as it ran before 2026-11-26, before it folded grouped-query
+    """``lm.runtime.attention.masked_attention`` as it ran before 2026-11-26, before it folded grouped-query
     heads: SDPA with ``enable_gqa`` over the rows' own mask (on CUDA, the math kernel). The benches
     swap it in (:func:`masked_attention_as`) to replay that path."""
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale,
@@ -63,7 +63,7 @@ def grouped_masked_attention(query, key, value, mask, dropout=0.0, scale=None, f
 @contextmanager
 def masked_attention_as(fn):
     """Every masked attention call (the engine's and the draft models') made by ``fn`` inside the
-    block: the attention function reads ``goodspeed.lm.attention.masked_attention`` per call."""
+    block: the attention function reads ``goodspeed.lm.runtime.attention.masked_attention`` per call."""
     before = attention.masked_attention
     attention.masked_attention = fn
     try:

@@ -3,16 +3,16 @@
     python -m bench.bench_build_precision [--repeats 4] [--json]
 
 Needs ``goodspeed models get smollm2-135m`` (its target). Times the two costs of
-:func:`goodspeed.lm.distill.build_draft`, in each precision:
+:func:`goodspeed.lm.models.distill.build_draft`, in each precision:
 
-- ``train_step``: one optimisation step of the draft (:data:`~goodspeed.lm.distill.DRAFT_RECIPE`'s
+- ``train_step``: one optimisation step of the draft (:data:`~goodspeed.lm.models.distill.DRAFT_RECIPE`'s
   shape: batch 16 x 128 tokens, candidate softmax over the labels and 4,096 negatives), the
   forward run as the build runs it (bfloat16 under autocast, or float32);
 - ``teacher_generate``: the target, loaded in that precision, greedily generating 16 tokens for 32
   prompts of 60 random tokens (``generate``, as the build's transcripts are written).
 
 Median of ``--repeats`` (train steps: after one discarded). Prints whether this CPU has native
-bfloat16 (:func:`goodspeed.lm.precision.cpu_has_native_bf16`), which decides the build's precision.
+bfloat16 (:func:`goodspeed.lm.models.precision.cpu_has_native_bf16`), which decides the build's precision.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from goodspeed.lm import distill, real
+from goodspeed.lm.models import distill, real
 
 
 def train_step_seconds(target_config, dtype: torch.dtype, repeats: int) -> float:

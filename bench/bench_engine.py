@@ -8,7 +8,7 @@ only that model. Figures:
 
 * round time with 8 drafters x 4 drafted tokens at prefix 1024 vs prefix 64 (median over rounds,
   the two prefixes' rounds alternating in blocks of 5), with the verification rows' CPU attention
-  the engine uses (``lm.attention.masked_attention``: SDPA with grouped-query heads folded) and, in
+  the engine uses (``lm.runtime.attention.masked_attention``: SDPA with grouped-query heads folded) and, in
   alternate blocks of the same run, with the matmul form the engine ran for rows of 2-32 queries
   on CPU before 2026-11-26 (``*_matmul``, ``bench.bench_attention.matmul_attention``) and with
   SDPA over the rows' own mask with ``enable_gqa`` (``*_gqa``, every masked call before that date
@@ -36,12 +36,12 @@ import torch
 
 from bench.bench_attention import grouped_masked_attention, masked_attention_as, matmul_attention
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.attention import masked_attention
-from goodspeed.lm.corpus import load_corpus, prompt_snippets
-from goodspeed.lm.demo import list_models
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.runtime.attention import masked_attention
+from goodspeed.lm.models.corpus import load_corpus, prompt_snippets
+from goodspeed.lm.models.demo import list_models
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 

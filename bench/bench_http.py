@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from goodspeed.lm.demo import build_demo
+from goodspeed.lm.models.demo import build_demo
 
 PROMPTS = Path(__file__).resolve().parent.parent / "launch" / "prompts" / "code.jsonl"
 
@@ -98,7 +98,7 @@ def raw_client(port: int, model: str, prompts: list[str], requests: int, max_tok
 def run(requests: int, max_tokens: int, target: str = "demo:target", draft: str = "demo:draft-distilled") -> dict:
     import openai
 
-    from goodspeed.lm.loading import ensure_models
+    from goodspeed.lm.models.loading import ensure_models
 
     build_demo(progress=False, log=lambda *a: None)
     ensure_models([target, draft], log=lambda *a: print(*a, file=sys.stderr))  # stdout stays pure JSON with --json

@@ -31,7 +31,7 @@ each shaped as a single cell's output. ``--variants`` also replays each policy i
 mask, on CUDA the math kernel), named ``POLICY [GQA SDPA]``; ``pad``: the engine's rows padded
 where a step allows it (``EngineConfig.pad_rows``), named ``POLICY [pad rows]``; ``graphs``: the
 target's steps and the draft's forwards replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
-:mod:`goodspeed.lm.graphs`; on a CPU the same fixed-shape forwards run eagerly), named ``POLICY
+:mod:`goodspeed.lm.runtime.graphs`; on a CPU the same fixed-shape forwards run eagerly), named ``POLICY
 [graphs]``; ``compile``: those steps and forwards through decoders compiled by
 ``torch.compile`` (``EngineConfig.torch_compile``; on CUDA captured as graphs too), named ``POLICY
 [compiled]``, planning with the graphs' profile; ``logprobs``: every request asks for its tokens'
@@ -63,12 +63,12 @@ import sys
 import torch
 
 from bench.bench_attention import grouped_masked_attention, masked_attention_as
-from goodspeed.launch.loadgen import make_trace, run_trace_local, summarize
-from goodspeed.lm.attention import masked_attention
-from goodspeed.lm.corpus import load_corpus, prompt_snippets
-from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.loading import ModelLoadError, load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.launch.experiments.loadgen import make_trace, run_trace_local, summarize
+from goodspeed.lm.runtime.attention import masked_attention
+from goodspeed.lm.models.corpus import load_corpus, prompt_snippets
+from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.models.loading import ModelLoadError, load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.clocks import LatencyProfile
 from goodspeed.verifier.local import LocalConfig, LocalServing

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--logs", default="goodspeed-runs/bench-node-memory")
     args = parser.parse_args(argv)
     target, _ = PAIRS[args.pair]
-    from goodspeed.lm.loading import ensure_models
+    from goodspeed.lm.models.loading import ensure_models
 
     ensure_models([target])
     out = Path(args.logs)

@@ -4,7 +4,7 @@
                                   [--repeats 3] [--threads 1] [--attention-only] [--json]
 
 Each shipped experiment spec's drafters (their demo drafts, prompt sets and sampling) run in one
-process against one engine (:mod:`goodspeed.launch.inprocess`) for ``--rounds`` rounds under the
+process against one engine (:mod:`goodspeed.launch.cluster.inprocess`) for ``--rounds`` rounds under the
 ``goodspeed`` and ``fixed`` policies at the spec's budget ``C``, with the engine's target forward
 packed (``EngineConfig.packed``: the model sees only the real tokens) and padded (every row padded
 to the round's longest: the reference). Figure: the verifier's seconds per round (assembly,
@@ -29,11 +29,11 @@ import torch
 
 from goodspeed.drafter.prompts import load_prompts
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.experiment import load_experiment
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.launch.experiments.experiment import load_experiment
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.launch.spec import spec_path
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 
 POLICIES = ("goodspeed", "fixed")
@@ -98,12 +98,12 @@ def bench_spec(name: str, rounds: int, repeats: int) -> dict:
 def attention_cost(repeats: int = 3000) -> dict:
     """What attention costs in the padded layout packed forwards keep (the demo target's shapes: 4
     query heads over 2 KV heads of 32, 120 keys): the engine's masked call per layer
-    (``lm.attention.masked_attention``, its folded mask made once, as a forward makes it) for 4
+    (``lm.runtime.attention.masked_attention``, its folded mask made once, as a forward makes it) for 4
     rows padded to 8 and to 12 queries, and the 5-D broadcast layout that would skip the padding
     (12 queries as 3 chunks of 4 sharing their row's keys). Median microseconds per call."""
     import torch.nn.functional as F
 
-    from goodspeed.lm.attention import masked_attention
+    from goodspeed.lm.runtime.attention import masked_attention
 
     def timed(fn) -> float:
         fn()

@@ -9,7 +9,7 @@ Times :meth:`goodspeed.verifier.verify_rows.RowVerifier.verify` on random logits
 no adjustment (``plain``), every row penalised (repetition 1.2, presence 0.5, frequency 0.5) with a
 text of ``prompt`` prompt tokens and ``output`` generated ones (random ids), and every row with a
 logit bias on 10 tokens. The adjusted rows' verification pays for a copy of the step's logits and
-for :func:`goodspeed.lm.adjust.adjust_logits`, whose work grows with the tokens the settings
+for :func:`goodspeed.lm.decoding.adjust.adjust_logits`, whose work grows with the tokens the settings
 name, not with the vocabulary. Median of ``--repeats`` calls after two discarded, per vocabulary
 size (the demo's, SmolLM2's and Qwen3's).
 
@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.adjust import TokenHistory, _sorted_unique
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.decoding.adjust import TokenHistory, _sorted_unique
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.verify_rows import RowInput, RowVerifier
 

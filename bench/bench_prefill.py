@@ -13,7 +13,7 @@ and after it (until its prefill completed), the increase, and the cost of one ch
 goal is increase <= one chunk's cost. A step where the slot cache's pool doubles its capacity
 copies every pooled slot's KV: the increase is also reported without those steps (``steady``),
 with their count (0 since per-slot KV sizing: the prompt's slot moves to buffers of its own
-instead, :mod:`goodspeed.lm.kv_slots`). Also: the steps the prompt took to prefill, its time to
+instead, :mod:`goodspeed.lm.runtime.kv_slots`). Also: the steps the prompt took to prefill, its time to
 its first round, and the KV positions the cache reserves once it is in (``KV held``) against
 what a cache holding every slot at the longest slot's capacity would (``pool only``). torch runs
 on ``--threads`` threads (default 2) so runs compare.
@@ -29,8 +29,8 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 

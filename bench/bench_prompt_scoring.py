@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 
 

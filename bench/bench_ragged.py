@@ -6,10 +6,10 @@ against Fixed-S rows with the same number of tokens.
 
 Two tables, fp32, medians over ``--repeats`` timed calls alternating between the shapes:
 
-* ``forward``: a whole packed target forward (:meth:`goodspeed.lm.kv_slots.SlotKVCache.pack`, the
+* ``forward``: a whole packed target forward (:meth:`goodspeed.lm.runtime.kv_slots.SlotKVCache.pack`, the
   engine's path, logits of every verified position gathered as the engine does) over three slots
   with ``--prefix`` committed tokens each, new rows of 5, 5, 5 tokens against 8, 5, 2;
-* ``attention``: one layer's call of :func:`goodspeed.lm.attention.masked_attention` (the
+* ``attention``: one layer's call of :func:`goodspeed.lm.runtime.attention.masked_attention` (the
   engine's masked call, its folded mask made once, as a forward makes it) on the target's heads,
   for the same rows at 105 and 400 keys: the equal rows in one call, the ragged rows padded to the longest in one call (what the packed
   forward does), and the ragged rows one call per row (no pads, a call each).
@@ -26,9 +26,9 @@ import json
 import torch
 
 from bench.bench_attention import time_alternating
-from goodspeed.lm.attention import PACKED, masked_attention, use_gqa_attention, with_cache
-from goodspeed.lm.kv_slots import SlotKVCache
-from goodspeed.lm.loading import load_causal_lm
+from goodspeed.lm.runtime.attention import PACKED, masked_attention, use_gqa_attention, with_cache
+from goodspeed.lm.runtime.kv_slots import SlotKVCache
+from goodspeed.lm.models.loading import load_causal_lm
 
 SHAPES = {"equal": [5, 5, 5], "ragged": [8, 5, 2]}  # new tokens per row: 15 either way
 KEYS = (105, 400)

@@ -36,11 +36,11 @@ import torch
 
 from goodspeed.drafter.prompts import load_prompts
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.launch.spec import PROMPT_SETS
-from goodspeed.lm.attention import with_cache
-from goodspeed.lm.loading import ensure_models, load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.runtime.attention import with_cache
+from goodspeed.lm.models.loading import ensure_models, load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LOCAL_POLICIES
 
@@ -177,7 +177,7 @@ def service(max_new: int, prompts: int) -> dict:
 # this (large) benchmark process would report the parent's peak.
 RSS_SNIPPET = """
 import sys, torch
-from goodspeed.lm.loading import load_causal_lm
+from goodspeed.lm.models.loading import load_causal_lm
 m = load_causal_lm(sys.argv[1]).model
 with torch.inference_mode():
     for n in (1, 8, 64):

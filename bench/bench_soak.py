@@ -36,8 +36,8 @@ from bench.bench_local import code_prompts, load_pair
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.credentials import ClientTLS
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.certs import init_certs
-from goodspeed.launch.local import _pinned
+from goodspeed.launch.cluster.certs import init_certs
+from goodspeed.launch.cluster.local import _pinned
 from goodspeed.verifier.auth import add_token
 
 CLI = [sys.executable, "-m", "goodspeed.launch.cli"]

@@ -33,9 +33,9 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.adjust import TokenHistory
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.structured import Structure
+from goodspeed.lm.decoding.adjust import TokenHistory
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.structured import Structure
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.verify_rows import RowInput, RowVerifier
 
@@ -58,12 +58,12 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name == "demo":
-        from goodspeed.lm.demo import demo_dir
+        from goodspeed.lm.models.demo import demo_dir
         path = demo_dir() / "target"
         if not (path / "tokenizer.json").exists():
             raise SystemExit(f"no demo tokenizer at {path}: build the demo models first (goodspeed demo)")
     else:
-        from goodspeed.lm.real import RealNotBuiltError, real_model_path
+        from goodspeed.lm.models.real import RealNotBuiltError, real_model_path
         try:
             path = real_model_path("smollm2-135m")
         except RealNotBuiltError as exc:
@@ -93,7 +93,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 def acceptance() -> list[dict]:
     """Local serving of :data:`ASKS` on the real pair, with the :data:`CITY` schema and without."""
     from goodspeed.drafter.prompts import chat_prompt_ids
-    from goodspeed.lm.loading import load_causal_lm
+    from goodspeed.lm.models.loading import load_causal_lm
     from goodspeed.verifier.engine import EngineConfig, VerificationEngine
     from goodspeed.verifier.local import LocalConfig, LocalServing
 
@@ -125,7 +125,7 @@ def matcher_costs(tokenizer, repeats: int) -> dict:
     """ms for a request's matcher with its first mask: copied from the bound template, and built afresh."""
     import llguidance
 
-    from goodspeed.lm import structured
+    from goodspeed.lm.decoding import structured
 
     bound = Structure("json", json.dumps(WIDE)).bound(tokenizer)
     copies, fresh = [], []

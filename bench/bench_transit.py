@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import torch
 
-from goodspeed.lm.demo import list_models
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.models.demo import list_models
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 

@@ -14,7 +14,7 @@ accepts a known path. Four shapes of draft, greedy, ``--rows`` requests each:
   ``D_max = 1`` are ragged), the right token first: the accepted node is the first child, so its
   KV is already where it belongs;
 * ``tree-moved``: the same children with the right token last: the accepted node's KV moves onto
-  the position after the root (:meth:`goodspeed.lm.kv_slots.SlotKVCache.commit_many`) in every
+  the position after the root (:meth:`goodspeed.lm.runtime.kv_slots.SlotKVCache.commit_many`) in every
   row with more than one child.
 
 Each shape runs once per path (``--paths``, all six by default), on engines of its own whose steps
@@ -23,13 +23,13 @@ alternate:
 * ``engine``: the engine as it is;
 * ``row by row``: the KV commit as it ran before ``commit_many`` (one gather and scatter per layer
   for each row that moves, its indices copied to the device per layer);
-* ``GQA SDPA``: masked attention as it ran before :func:`goodspeed.lm.attention.masked_attention`
+* ``GQA SDPA``: masked attention as it ran before :func:`goodspeed.lm.runtime.attention.masked_attention`
   folded grouped-query heads into the query dimension: SDPA with ``enable_gqa`` over the rows'
   mask, which on CUDA only the math kernel takes (on a CPU, whose fused kernel takes both, the
   two paths dispatch the same ops);
 * ``pad rows``: the engine with ``EngineConfig.pad_rows``: the rows laid out padded to the longest,
   pads in the model's input, so attention gathers and scatters nothing.
-* ``graphs``: the engine with ``EngineConfig.cuda_graphs`` (:mod:`goodspeed.lm.graphs`): each step
+* ``graphs``: the engine with ``EngineConfig.cuda_graphs`` (:mod:`goodspeed.lm.runtime.graphs`): each step
   laid out at fixed shapes (rows, queries and keys rounded up to powers of two) and, on CUDA,
   replayed as the graph captured for its shape; its ops are then those the host dispatches around
   the replay. On a CPU the same static steps run eagerly (no capture).
@@ -67,11 +67,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.bench_attention import grouped_masked_attention, masked_attention_as
-from goodspeed.lm.attention import masked_attention
-from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.kv_slots import SlotKVCache
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.lm.runtime.attention import masked_attention
+from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.runtime.kv_slots import SlotKVCache
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft, SparseProbs

@@ -4,12 +4,12 @@ GoodSpeed-shaped rows (ragged draft lengths) and Fixed-S rows at the same budget
     python -m bench.bench_varlen [--layers 8] [--repeats 30] [--replicas 1] [--json]
     python -m bench.bench_varlen --smoke     # CPU, tiny shapes, the plain-torch kernel: checks the harness
 
-Needs CUDA and a torch whose flash varlen op takes per-sequence key lengths (:func:`goodspeed.lm.attention.flash_varlen_kernel`).
+Needs CUDA and a torch whose flash varlen op takes per-sequence key lengths (:func:`goodspeed.lm.runtime.attention.flash_varlen_kernel`).
 Two tables, bf16, medians over ``--repeats`` timed calls (CUDA-synchronised, after warm-up), the
 paths' calls alternating:
 
-* ``attention``: one layer's attention call (:func:`goodspeed.lm.attention.gqa_sdpa_attention` on a
-  packed layout from :meth:`goodspeed.lm.kv_slots.SlotKVCache.pack`), Qwen3-14B's heads
+* ``attention``: one layer's attention call (:func:`goodspeed.lm.runtime.attention.gqa_sdpa_attention` on a
+  packed layout from :meth:`goodspeed.lm.runtime.kv_slots.SlotKVCache.pack`), Qwen3-14B's heads
   (40 / 8 x 128), 8 rows at prefixes just under ``--prefixes`` (default 1,024 and 4,096), and
   flash's kernel alone on queries already regrouped (``kernel_only``: what the wrapper costs);
 * ``forward``: the whole packed target forward of a randomly initialised model with Qwen3-14B's
@@ -31,10 +31,10 @@ import json
 import torch
 
 from bench.bench_attention import time_alternating
-from goodspeed.lm.attention import (PACKED, REFERENCE_VARLEN, flash_varlen_kernel, gqa_sdpa_attention, use_gqa_attention,
+from goodspeed.lm.runtime.attention import (PACKED, REFERENCE_VARLEN, flash_varlen_kernel, gqa_sdpa_attention, use_gqa_attention,
                                     with_cache)
-from goodspeed.lm.kv_slots import SlotKVCache
-from goodspeed.lm.packing import build_attention
+from goodspeed.lm.runtime.kv_slots import SlotKVCache
+from goodspeed.lm.runtime.packing import build_attention
 
 HEADS, KV_HEADS, DIM = 40, 8, 128  # Qwen3-14B
 MODEL = {"vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408}

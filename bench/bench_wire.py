@@ -4,7 +4,7 @@
 
 A sampled draft carries its ``q`` (the residual needs all of it): dense, ``S x V`` floats, or
 sparse, (id, prob) pairs of its support. With ``proposal_top_k = k`` the drafter samples from, and
-sends, only q's ``k`` likeliest tokens a position (:func:`goodspeed.lm.sampling.cap_support`;
+sends, only q's ``k`` likeliest tokens a position (:func:`goodspeed.lm.decoding.sampling.cap_support`;
 lossless, tests/verifier/test_lossless.py). For each ``k`` this drafts ``--draft-len`` tokens after
 each of the shipped prompt sets' first prompts (the drafter's own runner and serialiser) and
 reports the ``DraftRequest``'s bytes, the time they take on a 10 and a 100 Mbit/s link, and the
@@ -29,8 +29,8 @@ from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb
 from goodspeed.drafter.prompts import load_prompts
 from goodspeed.launch.spec import prompt_set_path
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams, cap_support, process_logits
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams, cap_support, process_logits
 
 PAIRS = {"real": ("real:smollm2-135m", "real:smollm2-135m-draft"), "demo": ("demo:target", "demo:draft-distilled")}
 CAPS = (0, 1024, 256, 64)

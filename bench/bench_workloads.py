@@ -48,7 +48,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.bench_http import free_port, wait_http
-from goodspeed.lm.precision import resolve_dtype
+from goodspeed.lm.models.precision import resolve_dtype
 
 TASKS = Path(__file__).resolve().parent / "workloads" / "tasks.jsonl"
 PAIRS = {"real": ("real:smollm2-135m", "real:smollm2-135m-draft"), "demo": ("demo:target", "demo:draft-distilled")}
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     if unknown := [m for m in modes if m not in MODES]:
         parser.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     target, draft = PAIRS[args.pair]
-    from goodspeed.lm.loading import ensure_models
+    from goodspeed.lm.models.loading import ensure_models
 
     ensure_models([target, draft])
     out = Path(args.logs)

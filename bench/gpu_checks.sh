@@ -26,7 +26,7 @@ fi
 cd "$root"
 python3 - <<'PY' 2>&1 | tee "$out/probe.txt"
 import inspect, torch, transformers
-from goodspeed.lm.attention import flash_varlen_kernel
+from goodspeed.lm.runtime.attention import flash_varlen_kernel
 print("torch", torch.__version__, "transformers", transformers.__version__, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -37,9 +37,9 @@ print(torch.ops.aten._flash_attention_forward.default._schema)
 kernel = flash_varlen_kernel()
 print("kernel:", kernel and kernel.name)
 PY
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/test_attention.py tests/lm/test_kv_slots.py \
-    tests/lm/test_graphs.py tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/lm/test_sampling.py tests/lm/test_batch_draft.py tests/drafter/test_runner.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/lm/runtime/test_attention.py tests/lm/runtime/test_kv_slots.py \
+    tests/lm/runtime/test_graphs.py tests/verifier/test_engine_reference.py 2>&1 | tee "$out/tests.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/lm/decoding/test_sampling.py tests/lm/runtime/test_batch_draft.py tests/drafter/test_runner.py \
     tests/verifier/test_local.py tests/verifier/test_local_lossless.py tests/verifier/test_server.py tests/drafter/test_node.py \
     tests/verifier/test_logprobs.py \
     2>&1 | tee "$out/tests_drafting.txt"

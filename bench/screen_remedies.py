@@ -3,8 +3,8 @@
     python -m bench.screen_remedies [--seeds 20] [--rounds 600] [--drafters N] [--json OUT]
 
 Every candidate runs the verifier's scheduling code (:class:`goodspeed.scheduler.DraftAllotments`)
-in :func:`goodspeed.launch.simulate.simulate` on both shipped specs' drafters (their measured
-per-position acceptance, ``launch/profiles/``), ``--seeds`` times each. Per candidate it prints the
+in :func:`goodspeed.launch.experiments.simulate.simulate` on both shipped specs' drafters (their measured
+per-position acceptance, ``launch/experiments/profiles/``), ``--seeds`` times each. Per candidate it prints the
 mean ± sd over seeds of the final utility on the realised goodput ``U(x̄)`` and on the expected
 goodput ``E[x | S]`` (no draw noise), the rounds until each settles within 1%, and the longest
 run of rounds any drafter was allotted ``S = 0``. docs/EXPERIMENTS.md tabulates its output.
@@ -17,9 +17,9 @@ import json
 import statistics
 import sys
 
-from goodspeed.launch.experiment import load_experiment
-from goodspeed.launch.sim_profiles import PROFILES_DIR, load_profile
-from goodspeed.launch.simulate import SimSettings, scaled_drafters, simulate, spec_drafters
+from goodspeed.launch.experiments.experiment import load_experiment
+from goodspeed.launch.experiments.sim_profiles import PROFILES_DIR, load_profile
+from goodspeed.launch.experiments.simulate import SimSettings, scaled_drafters, simulate, spec_drafters
 from goodspeed.launch.spec import spec_path
 from goodspeed.scheduler import SmoothingConfig, make_policy
 

@@ -5,7 +5,7 @@ duplicate of an earlier round's verdict, which a retried ``SubmitDraft`` can pro
 After every verdict the client checks its own committed length and prefix hash against the
 verdict's; on a mismatch it fetches the verifier's tokens (``Resync``) and rebuilds both its draft
 cache and the request's output from them. Its sampling stream is derived from its root seed and
-name (:mod:`goodspeed.lm.seeding`), never shared with the verifier's. If the verifier dropped the
+name (:mod:`goodspeed.lm.decoding.seeding`), never shared with the verifier's. If the verifier dropped the
 session (e.g. the node was frozen past the round deadline), the client joins again and resumes
 the request from its committed text: the continuation of a prefix under the target is still the target's own
 distribution, so the output stays lossless. While the verifier is unavailable, calls are retried
@@ -28,8 +28,8 @@ from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_chann
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, unapplied_setting
 from goodspeed.serving.sampling_wire import sampling_to_pb
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.seeding import resolve_root_seed, torch_generator
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc

@@ -15,7 +15,7 @@ How a node holds several requests at once, and why fairness stays per DEVICE:
   requests gets a device's share of the budget ``C``, split among its requests by their marginal
   gains, exactly as eq. (5) splits it among devices. More requests buy no more of the verifier.
 * Drafting is batched across the node's requests: requests waiting for a draft are drafted
-  together, one forward per draft step, by :class:`goodspeed.lm.batch_draft.BatchDraftModel`
+  together, one forward per draft step, by :class:`goodspeed.lm.runtime.batch_draft.BatchDraftModel`
   (one KV slot per request). In the paper's synchronous rounds the node's verdicts arrive
   together, so its requests are drafted together.
 
@@ -51,14 +51,14 @@ from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, unapplied_setting
 from goodspeed.serving.sampling_wire import sampling_to_pb
-from goodspeed.lm.seeding import resolve_root_seed, torch_generator
-from goodspeed.lm.sampling import PROPOSAL_TOP_K, TokenLogprob, check_proposal_top_k
+from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
+from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, TokenLogprob, check_proposal_top_k
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
-from goodspeed.lm.batch_draft import ChainDraft, BatchDraftModel
-from goodspeed.lm.draft_source import draft_with_forced
-from goodspeed.lm.lookup import LookupDraft
+from goodspeed.lm.runtime.batch_draft import ChainDraft, BatchDraftModel
+from goodspeed.lm.decoding.draft_source import draft_with_forced
+from goodspeed.lm.decoding.lookup import LookupDraft
 from goodspeed.scheduler.paying import PayingLength
 
 MAX_REPAIRS = 3  # session losses one request survives
@@ -79,9 +79,9 @@ class NodeConfig:
     verdict_timeout_s: float = 120.0
     token: str | None = None
     tls: ClientTLS | None = None
-    proposal_top_k: int = PROPOSAL_TOP_K  # sampled drafts' q capped to this many tokens a position (lm.sampling.cap_support)
-    cuda_graphs: bool = False  # the batched draft forwards replayed as CUDA graphs (goodspeed.lm.graphs; CUDA only)
-    torch_compile: bool = False  # the batched draft forwards through a compiled decoder (goodspeed.lm.graphs.compiled)
+    proposal_top_k: int = PROPOSAL_TOP_K  # sampled drafts' q capped to this many tokens a position (lm.decoding.sampling.cap_support)
+    cuda_graphs: bool = False  # the batched draft forwards replayed as CUDA graphs (goodspeed.lm.runtime.graphs; CUDA only)
+    torch_compile: bool = False  # the batched draft forwards through a compiled decoder (goodspeed.lm.runtime.graphs.compiled)
     # goodput: each request drafts the length (at most the verifier's S_i) with the most expected
     # tokens per second from its measured acceptance and this node's drafting and round times, 0
     # where speculation does not pay (goodspeed.scheduler.paying); allotted: always S_i
@@ -101,7 +101,7 @@ class EdgeNode:
 
     def __init__(self, config: NodeConfig, draft: torch.nn.Module | object, tokenizer,
                  registry: CollectorRegistry | None = None) -> None:
-        """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.draft_source`: a
+        """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.decoding.draft_source`: a
         lookup, or a lookup in front of a model)."""
         self.config, self.tokenizer = config, tokenizer
         self.registry = registry or CollectorRegistry()
@@ -135,7 +135,7 @@ class EdgeNode:
 
     async def start(self) -> None:
         """Warm up the draft's fixed-shape forwards (with ``cuda_graphs`` / ``torch_compile``:
-        :meth:`BatchDraftModel.warm_up <goodspeed.lm.batch_draft.BatchDraftModel.warm_up>`), reach
+        :meth:`BatchDraftModel.warm_up <goodspeed.lm.runtime.batch_draft.BatchDraftModel.warm_up>`), reach
         the verifier (retrying until ``connect_timeout_s``) and join the first session."""
         if self.drafter.graphs is not None:
             if self.config.on_wait is not None:  # compiling can take a minute before the node joins

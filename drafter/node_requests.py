@@ -11,8 +11,8 @@ import grpc
 import torch
 
 from goodspeed.drafter.client import DrafterError, SessionLost
-from goodspeed.lm.adjust import TokenHistory
-from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.lm.decoding.adjust import TokenHistory
+from goodspeed.lm.runtime.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.serving.aio import within
 from goodspeed.serving.generation import GenerationRequest

@@ -5,7 +5,7 @@ Its KV cache holds a prefix of the committed tokens plus the drafts it has fed; 
 the cache is cropped to the committed tokens plus the accepted drafts (rollback), and whatever
 committed tokens are not yet cached (at least the correction/bonus token) are fed at the start of
 the next draft. The draft distribution ``q_j`` of every drafted token is returned after the same
-:func:`goodspeed.lm.sampling.process_logits` the verifier applies to the target.
+:func:`goodspeed.lm.decoding.sampling.process_logits` the verifier applies to the target.
 
 **Proactive drafting** (SpecEdge's idea): while a draft is in flight, :meth:`DraftRunner.predraft`
 keeps going on the assumption that the whole draft is accepted — it guesses the verifier's bonus
@@ -18,8 +18,8 @@ other draft. The continuation (:attr:`DraftRunner.ahead`) holds at most ``S + 1 
 KV at most as many positions.
 
 The KV is a transformers ``DynamicCache`` (:class:`GrowingDraftKV`), the fewest ops a forward:
-rollback crops it. With ``cuda_graphs`` (CUDA only; :mod:`goodspeed.lm.graphs`) it is one slot of a
-:class:`~goodspeed.lm.batch_draft.BatchDraftModel` (:class:`SlotDraftKV`), the structure batched
+rollback crops it. With ``cuda_graphs`` (CUDA only; :mod:`goodspeed.lm.runtime.graphs`) it is one slot of a
+:class:`~goodspeed.lm.runtime.batch_draft.BatchDraftModel` (:class:`SlotDraftKV`), the structure batched
 drafting and the target use, whose forwards take fixed shapes: a one-token draft step, which an
 edge device repeats ``S`` times a round, is replayed as one graph. Eagerly on a launch-bound GPU,
 a 4-layer draft's forward took 3.7-4.2 ms (docs/MEASUREMENTS.md). Eagerly on a CPU the slot's mask
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from goodspeed.lm.attention import keep_logits, with_cache
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
+from goodspeed.lm.runtime.attention import keep_logits, with_cache
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.runtime.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.decoding.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
                                    sample_from)
 
 
@@ -53,7 +53,7 @@ from goodspeed.lm.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposa
 class DraftOutput:
     token_ids: list[int]  # [S]
     # [S, V] float32 q_j after logits processing: what was sampled from and travels; None: the
-    # point mass on each drafted token (a deterministic proposal: goodspeed.lm.lookup)
+    # point mass on each drafted token (a deterministic proposal: goodspeed.lm.decoding.lookup)
     probs: torch.Tensor | None
 
     def q_to_send(self, sampling: SamplingParams) -> tuple[str, object]:
@@ -107,7 +107,7 @@ class GrowingDraftKV:
 
 
 class SlotDraftKV:
-    """One request's draft KV as one slot of a :class:`~goodspeed.lm.batch_draft.BatchDraftModel`:
+    """One request's draft KV as one slot of a :class:`~goodspeed.lm.runtime.batch_draft.BatchDraftModel`:
     forwards at fixed shapes where they fit one (replayed as CUDA graphs when its ``graphs`` are
     on), rollback sets the slot's length."""
 
@@ -142,7 +142,7 @@ class DraftRunner:
     def __init__(self, model: torch.nn.Module, proposal_top_k: int = PROPOSAL_TOP_K, cuda_graphs: bool = False,
                  torch_compile: bool = False) -> None:
         """``proposal_top_k``: sampled drafts come from, and send, only the draft distribution's
-        ``k`` most likely tokens a position (:func:`goodspeed.lm.sampling.cap_support`; 0: all).
+        ``k`` most likely tokens a position (:func:`goodspeed.lm.decoding.sampling.cap_support`; 0: all).
         ``cuda_graphs``: draft forwards replayed as CUDA graphs where they fit one (CUDA only;
         the KV is then a :class:`SlotDraftKV`). ``torch_compile``: the slot's forwards through a
         decoder compiled by ``torch.compile`` (any device; the KV is a :class:`SlotDraftKV` too)."""
@@ -155,7 +155,7 @@ class DraftRunner:
     def warm_up(self) -> int:
         """With fixed-shape forwards (``cuda_graphs`` / ``torch_compile``), compile and capture the
         draft's first graphs before the first request waits on them
-        (:meth:`BatchDraftModel.warm_up <goodspeed.lm.batch_draft.BatchDraftModel.warm_up>`: chains
+        (:meth:`BatchDraftModel.warm_up <goodspeed.lm.runtime.batch_draft.BatchDraftModel.warm_up>`: chains
         only, as an edge drafter drafts); the request in progress, if any, is unchanged. Returns
         the drafting steps run (0 with a growing cache)."""
         if not isinstance(self.kv, SlotDraftKV):
@@ -180,7 +180,7 @@ class DraftRunner:
 
     @property
     def prefix_hash(self) -> str:
-        """:func:`goodspeed.lm.prefix.prefix_hash` of ``committed``, kept incrementally (O(new tokens) a round)."""
+        """:func:`goodspeed.lm.runtime.prefix.prefix_hash` of ``committed``, kept incrementally (O(new tokens) a round)."""
         return self._hasher.hexdigest()
 
     @property
@@ -229,7 +229,7 @@ class DraftRunner:
         """The draft's logits for the next continuation token, with the request's logit bias and
         penalties applied as the verifier applies them to the target's (by the committed text and
         the continuation before this position), which keeps acceptance up; exactness never
-        depends on it (:func:`goodspeed.lm.adjust.adjust_logits`)."""
+        depends on it (:func:`goodspeed.lm.decoding.adjust.adjust_logits`)."""
         logits = self.kv.logits_after(self._feed())
         if not sampling.adjusts_logits:
             return logits

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from goodspeed.drafter.runner import DraftOutput
-from goodspeed.lm.sampling import FEATURES, SamplingParams, TokenLogprob
+from goodspeed.lm.decoding.sampling import FEATURES, SamplingParams, TokenLogprob
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 
 

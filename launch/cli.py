@@ -13,7 +13,7 @@ from goodspeed.api.tools import PARSERS as TOOL_PARSERS
 from goodspeed.launch import commands
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec
 from goodspeed.launch.spec_files import add_setting_flags
-from goodspeed.lm.sampling import PROPOSAL_TOP_K, check_proposal_top_k
+from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.scheduler.policy import POLICIES
 
 
@@ -43,7 +43,7 @@ def verifier_settings(argv: list[str]) -> VerifierSpec:
 def _verifier(args: argparse.Namespace) -> int:
     import asyncio
 
-    from goodspeed.launch.serve import serve
+    from goodspeed.launch.daemons.serve import serve
 
     return asyncio.run(serve(verifier_settings(args.argv)))
 
@@ -89,10 +89,10 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                          "(the verifier tests against exactly that q); 0: the whole vocabulary (default: %(default)s)")
     dr.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
                     help="replay the node's draft forwards (one request's at a time, or its batched drafting with "
-                         "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.graphs); CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x (docs/MEASUREMENTS.md)")
+                         "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.runtime.graphs); CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x (docs/MEASUREMENTS.md)")
     dr.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                     help="run the node's draft forwards at fixed shapes through a decoder compiled by torch.compile "
-                         "(goodspeed.lm.graphs; a handful of graphs, seconds to tens of seconds each on a CPU, "
+                         "(goodspeed.lm.runtime.graphs; a handful of graphs, seconds to tens of seconds each on a CPU, "
                          "compiled in a warm-up before the node joins); any device; on this project's CPU a round of "
                          "one request's drafting cost 0.88-0.93x the eager one's with the SmolLM2 draft "
                          "(docs/MEASUREMENTS.md)")
@@ -117,7 +117,7 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
     args.name = args.name or "drafter"
     if args.draft is None:
         parser.error("the draft model is required: --draft MODEL, or a --spec whose [[drafters]] entry names it")
-    from goodspeed.lm.draft_source import DraftSpec
+    from goodspeed.lm.decoding.draft_source import DraftSpec
 
     try:
         source = DraftSpec.parse(args.draft)
@@ -144,11 +144,11 @@ def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:
 
 
 def _drafter(args: argparse.Namespace) -> int:
-    from goodspeed.launch.draft_node import run_drafter
+    from goodspeed.launch.daemons.draft_node import run_drafter
 
     spec, args = drafter_settings(args.argv)
     if args.serve is not None:
-        from goodspeed.launch.draft_node import serve_node
+        from goodspeed.launch.daemons.draft_node import serve_node
 
         return serve_node(spec, args.verifier, args.serve, args.max_concurrency, args.max_waiting, args.api_key_file,
                           args.connect_timeout_s, args.tool_call_parser, args.reasoning_parser)
@@ -356,12 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from goodspeed.drafter.client import DrafterError
     from goodspeed.drafter.credentials import CredentialsError
-    from goodspeed.launch.certs import CertError
-    from goodspeed.launch.links import LinkError
-    from goodspeed.launch.local import LaunchError
-    from goodspeed.launch.sim_profiles import SimulationError
+    from goodspeed.launch.cluster.certs import CertError
+    from goodspeed.launch.cluster.links import LinkError
+    from goodspeed.launch.cluster.local import LaunchError
+    from goodspeed.launch.experiments.sim_profiles import SimulationError
     from goodspeed.launch.spec import SpecError
-    from goodspeed.lm.loading import ModelLoadError
+    from goodspeed.lm.models.loading import ModelLoadError
     from goodspeed.verifier.auth import TokenFileError
     from goodspeed.verifier.errors import ListenError
 

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.records import ROUND_MODES
 
 
@@ -41,15 +41,15 @@ def bad_input(command: str, args: argparse.Namespace) -> int:
 
 
 def models_build(args: argparse.Namespace) -> int:
-    from goodspeed.lm.demo import build_demo
+    from goodspeed.lm.models.demo import build_demo
 
     build_demo(force=args.force, progress=not args.quiet)
     return 0
 
 
 def models_get(args: argparse.Namespace) -> int:
-    from goodspeed.lm.demo import build_demo
-    from goodspeed.lm.real import get_real
+    from goodspeed.lm.models.demo import build_demo
+    from goodspeed.lm.models.real import get_real
 
     log = (lambda *a, **k: None) if args.quiet else print
     for name in args.names:  # errors (unknown name, pip, digest) are ModelLoadErrors: main() reports them
@@ -65,8 +65,8 @@ def _fmt(m: dict, key: str) -> str:
 
 
 def models_list(args: argparse.Namespace) -> int:
-    from goodspeed.lm.demo import demo_dir, list_models
-    from goodspeed.lm.real import list_real, real_root
+    from goodspeed.lm.models.demo import demo_dir, list_models
+    from goodspeed.lm.models.real import list_real, real_root
 
     models = [{**m, "spec": "demo:" + m["name"]} for m in list_models()] + list_real()
     if args.json:
@@ -97,7 +97,7 @@ def tokens_add(args: argparse.Namespace) -> int:
 
 
 def certs_init(args: argparse.Namespace) -> int:
-    from goodspeed.launch.certs import init_certs
+    from goodspeed.launch.cluster.certs import init_certs
 
     issued = init_certs(args.dir, names=tuple(n for n in args.names.split(",") if n),
                         hosts=tuple(h for h in args.hosts.split(",") if h), days=args.days)
@@ -120,7 +120,7 @@ def _structure_arg(args: argparse.Namespace):
     import json
     from pathlib import Path
 
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     def text(value: str) -> str:
         return Path(value[1:]).read_text() if value.startswith("@") else value
@@ -158,7 +158,7 @@ def generate(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         from goodspeed.drafter.prompts import PromptFileError, chat_prompt_ids
-        from goodspeed.lm.loading import resolve_model_path
+        from goodspeed.lm.models.loading import resolve_model_path
 
         try:
             ids = chat_prompt_ids(AutoTokenizer.from_pretrained(resolve_model_path(args.chat)), [{"role": "user", "content": prompt}])
@@ -192,7 +192,7 @@ def generate(args: argparse.Namespace) -> int:
 def profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from goodspeed.lm.loading import load_causal_lm
+    from goodspeed.lm.models.loading import load_causal_lm
     from goodspeed.verifier.clocks import LatencyProfile
     from goodspeed.verifier.profiling import baseline_tpot_s, fit_error, profile_model
 
@@ -225,7 +225,7 @@ def loadgen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from goodspeed.drafter.credentials import read_token
-    from goodspeed.launch.loadgen import make_trace, run_trace_grpc, summarize
+    from goodspeed.launch.experiments.loadgen import make_trace, run_trace_grpc, summarize
     from goodspeed.launch.spec import prompt_set_path
 
     if bad := bad_input("loadgen", args):
@@ -264,7 +264,7 @@ def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from goodspeed.drafter.prompts import load_prompts
-    from goodspeed.lm.loading import resolve_model_path
+    from goodspeed.lm.models.loading import resolve_model_path
 
     ensure_models([tokenizer_spec])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_spec))
@@ -274,7 +274,7 @@ def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
 def spec_models(spec) -> list[str]:
     """Every model a launch spec's processes load: the target, the local draft's, the drafts'
     and the tokenizers of drafters without one."""
-    from goodspeed.lm.draft_source import DraftSpec
+    from goodspeed.lm.decoding.draft_source import DraftSpec
 
     sources = [spec.verifier.local_draft] * bool(spec.verifier.local_draft) + [d.draft for d in spec.drafters]
     models = [DraftSpec.parse(name).model for name in sources]
@@ -282,7 +282,7 @@ def spec_models(spec) -> list[str]:
 
 
 def ensure_models(models: list[str]) -> None:
-    from goodspeed.lm.loading import ensure_models
+    from goodspeed.lm.models.loading import ensure_models
 
     ensure_models(models)
 
@@ -291,14 +291,14 @@ def launch(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from goodspeed.launch.local import launch_local, local_plan
+    from goodspeed.launch.cluster.local import launch_local, local_plan
     from goodspeed.launch.spec import spec_path
     from goodspeed.launch.spec_files import load_spec
 
     spec = load_spec(spec_path(args.spec))
     out = Path(args.out or Path("goodspeed-runs") / time.strftime("%Y%m%d-%H%M%S"))
     if args.backend == "ray":
-        from goodspeed.launch.ray_cluster import launch_ray
+        from goodspeed.launch.cluster.ray_cluster import launch_ray
 
         # Models load on the nodes (each builds the demo models it needs there), not here.
         summary = launch_ray(spec, out, address=args.address, live=not args.no_live, dry_run=args.dry_run)
@@ -323,7 +323,7 @@ def experiment(args: argparse.Namespace) -> int:
 
     from dataclasses import replace
 
-    from goodspeed.launch.experiment import check_policies, load_experiment, run_experiment
+    from goodspeed.launch.experiments.experiment import check_policies, load_experiment, run_experiment
     from goodspeed.launch.spec import SpecError, spec_path
 
     settings, spec = load_experiment(spec_path(args.spec))  # a file or a shipped name, e.g. table1-4drafters
@@ -374,9 +374,9 @@ def simulate(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from goodspeed.launch.experiment import load_experiment
-    from goodspeed.launch.sim_profiles import load_profile, parse_range, profile_path
-    from goodspeed.launch.simulate import run_simulation
+    from goodspeed.launch.experiments.experiment import load_experiment
+    from goodspeed.launch.experiments.sim_profiles import load_profile, parse_range, profile_path
+    from goodspeed.launch.experiments.simulate import run_simulation
     from goodspeed.launch.spec import spec_path
 
     spec_file = spec_path(args.spec)
@@ -395,7 +395,7 @@ def simulate(args: argparse.Namespace) -> int:
 def compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from goodspeed.launch.compare import compare_runs
+    from goodspeed.launch.experiments.compare import compare_runs
 
     out = Path(args.out)
     summary = compare_runs([Path(d) for d in args.runs], out)

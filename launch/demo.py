@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.corpus import load_corpus, prompt_snippets
-from goodspeed.lm.demo import build_demo
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.models.corpus import load_corpus, prompt_snippets
+from goodspeed.lm.models.demo import build_demo
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 
 DRAFTS = ("draft-distilled", "draft-small", "draft-tiny", "draft-distilled")

@@ -10,7 +10,7 @@
                                       # proposal_top_k
 
 ``link = { rtt_ms = 40, jitter_ms = 5, mbit = 20, loss = 0.01 }`` runs that drafter in its own
-network namespace behind an emulated edge link (:mod:`goodspeed.launch.links`; needs root).
+network namespace behind an emulated edge link (:mod:`goodspeed.launch.cluster.links`; needs root).
 The verifier's ``local_*`` keys and ``latency_profile`` turn on local serving.
 
 ``cpus`` pins a process to those CPUs (and sizes its thread pools to match), so experiments on
@@ -35,10 +35,10 @@ from goodspeed.api.reasoning import PARSER_HELP as REASONING_PARSER_HELP
 from goodspeed.api.reasoning import PARSERS as REASONING_PARSERS
 from goodspeed.api.tools import PARSER_HELP as TOOL_PARSER_HELP
 from goodspeed.api.tools import PARSERS as TOOL_PARSERS
-from goodspeed.launch.links import LinkSpec
-from goodspeed.lm.precision import DTYPES as TORCH_DTYPES
-from goodspeed.lm.sampling import PROPOSAL_TOP_K
-from goodspeed.lm.seeding import resolve_root_seed
+from goodspeed.launch.cluster.links import LinkSpec
+from goodspeed.lm.models.precision import DTYPES as TORCH_DTYPES
+from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K
+from goodspeed.lm.decoding.seeding import resolve_root_seed
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
 from goodspeed.verifier.sessions import ATTENTION_PATHS
@@ -67,7 +67,7 @@ class SpecError(ValueError):
 
 
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-# What --dtype accepts; auto: bf16 where the device computes it natively, else fp32 (lm.precision)
+# What --dtype accepts; auto: bf16 where the device computes it natively, else fp32 (lm.models.precision)
 DTYPES = ("auto", *TORCH_DTYPES)
 
 
@@ -99,7 +99,7 @@ def setting(default, help: str = "", to: str | tuple[str, ...] | None = None, cl
     its default, its flag's ``help``, and where it lands: ``to`` names the library config fields
     the daemon sets from it (``"engine.budget"``: ``EngineConfig.budget``; ``"server.*"``:
     ``ServerConfig``; ``"local.*"``: ``LocalConfig``), or None for the few that
-    :mod:`goodspeed.launch.serve` turns into something else (the model to load, the smoothing
+    :mod:`goodspeed.launch.daemons.serve` turns into something else (the model to load, the smoothing
     config, the metrics endpoint). ``cli_default``: the flag's default where it differs from the
     spec's; ``flag``: extra ``argparse`` keywords (``choices``, ``required``). The flag, its help,
     the launcher's argv and the configs the daemon runs on all follow from this one line
@@ -161,7 +161,7 @@ class VerifierSpec:
                                     "not yet timed on a GPU)", to="engine.pad_rows")
     cuda_graphs: bool = setting(False, "replay the target's steps (and the local draft's forwards) as CUDA graphs, one per "
                                        "shape of rows, queries and keys rounded up to powers of two, rows padded "
-                                       "(goodspeed.lm.graphs); steps with prompt chunks or over 1,024 tokens run eagerly; "
+                                       "(goodspeed.lm.runtime.graphs); steps with prompt chunks or over 1,024 tokens run eagerly; "
                                        "CUDA only (on an H200 a step cost 2.4-5.5x less: docs/MEASUREMENTS.md)",
                                 to="engine.cuda_graphs")
     torch_compile: bool = setting(False, "run the target's steps (and the local draft's forwards) at the same fixed shapes "
@@ -222,7 +222,7 @@ class VerifierSpec:
     def daemon_settings(cls) -> list[str]:
         """The fields that are ``goodspeed verifier`` flags, one for one (same names and defaults,
         but for the CLI-only ones :func:`setting` names). The launcher's argv, the CLI's flags and
-        the configs :mod:`goodspeed.launch.serve` builds follow from this list."""
+        the configs :mod:`goodspeed.launch.daemons.serve` builds follow from this list."""
         return [f.name for f in fields(cls) if f.name not in cls.PLACEMENT]
 
     @classmethod
@@ -276,7 +276,7 @@ class DrafterSpec:
     """One draft node's settings (``goodspeed drafter`` flags, a spec's ``[[drafters]]``)."""
 
     name: str
-    draft: str  # a draft source: MODEL, a lookup (ngram, suffix) or LOOKUP+MODEL (goodspeed.lm.draft_source)
+    draft: str  # a draft source: MODEL, a lookup (ngram, suffix) or LOOKUP+MODEL (goodspeed.lm.decoding.draft_source)
     prompts: str
     max_new_tokens: int = 64  # as `goodspeed drafter`'s flag and the client's DrafterConfig
     temperature: float = 0.0
@@ -308,14 +308,14 @@ class DrafterSpec:
     # request's draft is on the link, the device drafts another's.
     concurrency: int = 1
     # Sampled drafts are drawn from, and send, only their q's most likely tokens a position
-    # (goodspeed.lm.sampling.cap_support): k (id, prob) pairs on the wire instead of V floats,
+    # (goodspeed.lm.decoding.sampling.cap_support): k (id, prob) pairs on the wire instead of V floats,
     # still lossless. 0: the whole vocabulary.
     proposal_top_k: int = PROPOSAL_TOP_K
-    # The node's draft forwards replayed as CUDA graphs (goodspeed.lm.graphs; CUDA only): one
+    # The node's draft forwards replayed as CUDA graphs (goodspeed.lm.runtime.graphs; CUDA only): one
     # request's at a time, or its batched drafting (concurrency > 1, or --serve).
     cuda_graphs: bool = False
     # The node's draft forwards at fixed shapes through a decoder compiled by torch.compile
-    # (goodspeed.lm.graphs.compiled), any device; with cuda_graphs the graphs record its kernels.
+    # (goodspeed.lm.runtime.graphs.compiled), any device; with cuda_graphs the graphs record its kernels.
     torch_compile: bool = False
     # How many tokens a round drafts: goodput, the length (at most the verifier's S_i) with the most
     # expected tokens per second from the request's measured acceptance and the node's drafting and
@@ -371,7 +371,7 @@ class LaunchSpec:
 
     def expanded_drafters(self) -> list[DrafterSpec]:
         """One entry per process: ``count = n`` becomes ``name-0 .. name-(n-1)``. Their random
-        streams differ by name (goodspeed.lm.seeding), so the copies may share a root seed."""
+        streams differ by name (goodspeed.lm.decoding.seeding), so the copies may share a root seed."""
         out = []
         for d in self.drafters:
             if d.count == 1:

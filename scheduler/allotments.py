@@ -7,7 +7,7 @@ next round's ``S_i`` under the budget ``C`` (eq. 5 or a baseline, :mod:`.policy`
 
 :class:`DraftAllotments` is that step plus what a live system adds around it, in one place that
 has no model, no tensors and no clock, so that the verification engine
-(:mod:`goodspeed.verifier.engine`) and the simulator (:mod:`goodspeed.launch.simulate`) run the
+(:mod:`goodspeed.verifier.engine`) and the simulator (:mod:`goodspeed.launch.experiments.simulate`) run the
 same code:
 
 * requests come and go: a drafter between requests holds no allotment; a newcomer gets an equal

@@ -1,4 +1,4 @@
-"""A request's :class:`~goodspeed.lm.sampling.SamplingParams` on the wire (the proto's
+"""A request's :class:`~goodspeed.lm.decoding.sampling.SamplingParams` on the wire (the proto's
 ``SamplingParams``), both directions, for the drafter that sends it and the verifier that reads it.
 
 A setting travels by name: every field of :class:`SamplingParams` that the message has under the
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.structured import Structure
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 
 SHAPED = ("top_p", "repetition_penalty", "logit_bias", "structured", "bad_words")  # not copied as they are
@@ -36,7 +36,7 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    """The settings a message carries; ``ValueError`` (a :class:`~goodspeed.lm.structured.StructureError`
+    """The settings a message carries; ``ValueError`` (a :class:`~goodspeed.lm.decoding.structured.StructureError`
     among them) for settings :class:`SamplingParams` refuses."""
     plain = {name: _value(getattr(msg, name)) for name in PLAIN}
     return SamplingParams(**plain, top_p=msg.top_p or 1.0,

@@ -7,8 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import StepGraphs, cpp_compiler_missing
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.runtime.graphs import StepGraphs, cpp_compiler_missing
 
 
 class ReadsOnly(TorchDispatchMode):

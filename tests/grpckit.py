@@ -16,7 +16,7 @@ from goodspeed.verifier.server import ServerConfig, VerifierService
 class ServerThread:
     def __init__(self, engine, local=None, tokenizer=None, **config) -> None:
         self.log_stream = io.StringIO()
-        from goodspeed.launch.serve import make_http_front
+        from goodspeed.launch.daemons.serve import make_http_front
 
         self.server = make_server(engine, ServerConfig(**config), log=JsonLog(self.log_stream), local=local, tokenizer=tokenizer,
                                   http_front=make_http_front)

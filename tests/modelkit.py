@@ -66,7 +66,7 @@ def adjusted_greedy_reference(model, prompt, sampling, max_new_tokens, generated
 
 def save_models(root, models: dict, vocab_size: int):
     """Save each model with one shared byte-level BPE tokenizer (so fingerprints match); returns paths."""
-    from goodspeed.lm.demo import train_tokenizer
+    from goodspeed.lm.models.demo import train_tokenizer
 
     tokenizer = train_tokenizer("def f(x):\n    return x + 1\n" * 50, vocab_size=vocab_size)
     paths = {}
@@ -83,7 +83,7 @@ def chat_pair(vocab_size: int = 300):
     import inspect
     import json
 
-    from goodspeed.lm.demo import train_tokenizer
+    from goodspeed.lm.models.demo import train_tokenizer
 
     tokenizer = train_tokenizer(inspect.getsource(json.decoder) * 3, vocab_size=vocab_size)
     target = tiny_llama(0, vocab=vocab_size)

@@ -2,7 +2,7 @@
 (chains, optionally delayed so the engine decodes in transit) and local serving under a policy."""
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.clocks import SimulatedClock

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
 
 Z_P001 = 3.0902  # standard normal 0.999 quantile
 
@@ -48,7 +48,7 @@ def reference_adjust(logits: torch.Tensor, sampling: SamplingParams, prompt: lis
     definitions in vLLM's order (bias; repetition over prompt and output; frequency and presence
     over the output; min_tokens' ending tokens at -inf while the output is shorter; bad_words' last
     tokens where the output ends with the rest; every token
-    but allowed_token_ids at -inf; every token a structured output's grammar refuses at -inf): the reference the sparse :func:`goodspeed.lm.adjust.adjust_logits` is
+    but allowed_token_ids at -inf; every token a structured output's grammar refuses at -inf): the reference the sparse :func:`goodspeed.lm.decoding.adjust.adjust_logits` is
     tested against."""
     x = logits.clone()
     vocab = x.shape[-1]
@@ -92,7 +92,7 @@ def grammar_allows(structure, output: list[int], vocab: int) -> torch.Tensor:
 
 
 def allowed(bits: np.ndarray, vocab: int) -> torch.Tensor:
-    """Unpack :meth:`goodspeed.lm.structured.Constraint.masks`' int32 words into a bool tensor
+    """Unpack :meth:`goodspeed.lm.decoding.structured.Constraint.masks`' int32 words into a bool tensor
     ``[P, vocab]`` (True: allowed; bit ``t % 32`` of word ``t // 32``); tokens past the words never."""
     flat = np.unpackbits(bits.view(np.uint8), axis=-1, count=min(vocab, 32 * bits.shape[-1]), bitorder="little")
     out = torch.zeros(len(bits), vocab, dtype=torch.bool)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from goodspeed.lm.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from goodspeed.lm.structured import Structure, StructureError
+from goodspeed.lm.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from goodspeed.lm.decoding.structured import Structure, StructureError
 from goodspeed.verifier import errors
 from goodspeed.verifier.drafts import draft_depth, validate_draft
 from goodspeed.verifier.sessions import Session

@@ -39,7 +39,7 @@ class VerifierServer:
                  log: JsonLog | None = None, local: LocalServing | None = None, tokenizer=None,
                  http_front: Callable[[VerifierService, ServerConfig, object], HttpFront] | None = None) -> None:
         """``http_front(service, config, tokenizer)``: the front served on ``config.http_port``
-        (the daemon's is the OpenAI API over local serving: :func:`goodspeed.launch.serve.make_http_front`)."""
+        (the daemon's is the OpenAI API over local serving: :func:`goodspeed.launch.daemons.serve.make_http_front`)."""
         check_transit(config.rounds, engine.config.transit_tokens, config.transit_alone)
         if config.http_port is not None and http_front is None:
             raise ValueError("http_port is set but no HTTP front was given to serve on it")

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from goodspeed.lm.kv_slots import SlotKVCache
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
+from goodspeed.lm.runtime.kv_slots import SlotKVCache
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.verifier import apply, errors
@@ -55,7 +55,7 @@ class VerificationEngine:
         self.vocab_size = int(model.config.vocab_size)
         self.max_seq_len = self.config.max_seq_len or int(getattr(model.config, "max_position_embeddings", 4096))
         self.sessions = SessionTable(self.runner.cache, tokenizer_fingerprint)
-        # Independent streams from one root (goodspeed.lm.seeding): the accept/correction uniforms
+        # Independent streams from one root (goodspeed.lm.decoding.seeding): the accept/correction uniforms
         # and the policy's randomness (Random-S), never shared with a drafter's sampling stream.
         self.root_seed = resolve_root_seed(self.config.seed)
         work_dtype = torch.float64 if self.runner.dtype == torch.float64 else torch.float32  # probabilities in >= float32

@@ -9,7 +9,7 @@ file (``--auth-tokens``) the API wants ``Authorization: Bearer <token>`` — the
 
 :class:`LocalServingBackend` speaks the generation contract (:mod:`goodspeed.serving.generation`):
 engine refusals become error kinds, which the API maps to HTTP statuses. The daemon's entry point
-puts it behind the API (:func:`goodspeed.launch.serve.make_http_front`).
+puts it behind the API (:func:`goodspeed.launch.daemons.serve.make_http_front`).
 """
 
 from __future__ import annotations

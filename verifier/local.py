@@ -24,10 +24,10 @@ candidates are deterministic and verified as point masses; TurboSpec and Nightja
 before drafting, from past rounds only. ``tests/verifier/test_local_lossless.py`` checks every
 policy's sampled output against the target's exact distribution.
 
-Penalties, logit bias, min_tokens and allowed_token_ids (:func:`goodspeed.lm.adjust.adjust_logits`): the engine verifies every
+Penalties, logit bias, min_tokens and allowed_token_ids (:func:`goodspeed.lm.decoding.adjust.adjust_logits`): the engine verifies every
 position against the target's logits adjusted by the text before it; the chains and AdaServe's
 beam trees drafted here adjust the draft's logits the same way (each request's
-:class:`~goodspeed.lm.adjust.TokenHistory`, plus the chain or the beam's path), which keeps
+:class:`~goodspeed.lm.decoding.adjust.TokenHistory`, plus the chain or the beam's path), which keeps
 acceptance up; exactness never depends on it.
 
 Time comes from a :class:`~goodspeed.verifier.clocks.RealClock` in serving, or a :class:`~goodspeed.verifier.clocks.SimulatedClock` that charges every
@@ -46,16 +46,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from goodspeed.lm.adjust import TokenHistory
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.seeding import numpy_rng, resolve_root_seed, torch_generator
+from goodspeed.lm.decoding.adjust import TokenHistory
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import OwnerSizedAllotments
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.verifier import errors
 from goodspeed.verifier.clocks import LatencyProfile, RealClock, SimulatedClock
 from goodspeed.verifier.engine import VerificationEngine
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.draft_source import draft_with_forced
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.decoding.draft_source import draft_with_forced
 from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASSES, Plan
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
@@ -207,7 +207,7 @@ class LocalServing:
 
     def __init__(self, engine: VerificationEngine, draft: torch.nn.Module | object, config: LocalConfig,
                  clock: RealClock | SimulatedClock | None = None) -> None:
-        """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.draft_source`; a
+        """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.decoding.draft_source`; a
         lookup alone drafts chains, so it serves every policy but ``adaserve``'s beam trees, which
         a model or a lookup with a model drafts)."""
         if isinstance(draft, torch.nn.Module):
@@ -225,7 +225,7 @@ class LocalServing:
         self.draft.on_forward = lambda ctx, batched: self.clock.charge("draft", ctx, batched)
         root = engine.root_seed if config.seed is None else config.seed
         # The local draft's sampling stream and the policy's (Nightjar's exploration): both
-        # independent of the engine's accept uniforms even under the same root (lm.seeding).
+        # independent of the engine's accept uniforms even under the same root (lm.decoding.seeding).
         self.generator = torch_generator(root, "verifier", "local-draft")
         self.rng = numpy_rng(root, "verifier", "local-policy")
         self.policy = LOCAL_POLICY_CLASSES[config.policy](self)
@@ -315,7 +315,7 @@ class LocalServing:
         """With fixed-shape draft forwards (``EngineConfig.cuda_graphs`` / ``torch_compile``), the
         draft model drafts what this policy drafts (:meth:`LocalPolicy.drafting`) for synthetic
         requests before any real one (:meth:`BatchDraftModel.warm_up
-        <goodspeed.lm.batch_draft.BatchDraftModel.warm_up>`), so that compiling and capturing its
+        <goodspeed.lm.runtime.batch_draft.BatchDraftModel.warm_up>`), so that compiling and capturing its
         first graphs stalls no request; the engine's own are :meth:`VerificationEngine.warm_up_steps`.
         Nothing else changes (no request, statistic or policy state). Returns the drafting steps
         run (0 without fixed shapes or for a policy that drafts nothing)."""

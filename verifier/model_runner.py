@@ -1,13 +1,13 @@
 """The engine's third stage: run the target over a step's rows and prompt chunks, in ONE forward.
 
 Packed (``EngineConfig.packed``, the default): the model's layers see only the real tokens and
-attention alone works per row over its KV slot (:mod:`goodspeed.lm.attention`); chains attend
+attention alone works per row over its KV slot (:mod:`goodspeed.lm.runtime.attention`); chains attend
 through flash's varlen kernel where there is one, trees (and chains without it) through masked SDPA
 with ancestor masks. Otherwise every row is padded to the longest (the reference path).
 
 CUDA graphs and compiled steps (``EngineConfig.cuda_graphs`` / ``torch_compile``): a step with
 logits and no prompt chunk is laid out at fixed shapes and replayed as the graph captured for its
-shape (:mod:`goodspeed.lm.graphs`); the LM head runs after the replay. Other steps run eagerly.
+shape (:mod:`goodspeed.lm.runtime.graphs`); the LM head runs after the replay. Other steps run eagerly.
 
 Prompt log-probabilities (``prompt_logprobs``) are read off a chunk's logits here, before the
 chunk's KV is committed; no other logits of a prompt chunk are computed.
@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from goodspeed.lm.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
-from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.kv_slots import SlotKVCache
-from goodspeed.lm.packing import build_attention
+from goodspeed.lm.runtime.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
+from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.runtime.kv_slots import SlotKVCache
+from goodspeed.lm.runtime.packing import build_attention
 from goodspeed.verifier.sessions import EngineConfig, Request, Row
 from goodspeed.verifier.verify_rows import committed_logprobs
 

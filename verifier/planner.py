@@ -8,7 +8,7 @@ A step has three kinds of rows:
 * **Prompt chunks** (``EngineConfig.prefill_chunk``, vLLM's and Sarathi's chunked prefill): a new
   request's prompt is packed into the steps' forwards, at most ``prefill_chunk`` tokens a step,
   first come first served, as a row that attends on its own
-  (:class:`goodspeed.lm.packing.AttentionGroup`) and whose logits are computed only where its
+  (:class:`goodspeed.lm.runtime.packing.AttentionGroup`) and whose logits are computed only where its
   request scores its prompt. One long prompt costs every other drafter's round at most one chunk.
   The request joins drafting (its first allotment) once its last chunk is in.
 * **Transit rows** (``EngineConfig.transit_tokens``, asynchronous rounds only): a session that

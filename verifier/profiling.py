@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from goodspeed.scheduler import LatencyModel, fit_latency_model
-from goodspeed.lm.batch_draft import BatchDraftModel
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 
 BASELINE_BATCH, BASELINE_PROMPT = 8, 32
 
@@ -35,7 +35,7 @@ def profile_model(model: torch.nn.Module, batch_sizes=(1, 2, 4, 8), contexts=(32
                   repeats: int = 5, progress: Callable[[str], None] | None = None,
                   cuda_graphs: bool = False, torch_compile: bool = False) -> tuple[list[dict], LatencyModel]:
     """Timed forwards over a grid; returns the samples and the fitted eq. (3). ``cuda_graphs``:
-    the forwards replayed as CUDA graphs (:mod:`goodspeed.lm.graphs`; the warm-up captures each
+    the forwards replayed as CUDA graphs (:mod:`goodspeed.lm.runtime.graphs`; the warm-up captures each
     shape), so the model fits what serving with graphs costs; ``torch_compile``: through a
     compiled decoder at fixed shapes (the warm-up compiles each shape), likewise."""
     if repeats < 1 or not batch_sizes or not contexts or not query_lens:

@@ -1,8 +1,8 @@
 """The verifier's round record: one typed contract between the writer and every reader.
 
 The verifier writes one :class:`RoundRecord` per verified round to its JSON log (an event
-``{"event": "round", ...}``); the launcher's live table and summary (:mod:`goodspeed.launch.local`)
-and the experiment runner (:mod:`goodspeed.launch.experiment`) read it back with
+``{"event": "round", ...}``); the launcher's live table and summary (:mod:`goodspeed.launch.cluster.local`)
+and the experiment runner (:mod:`goodspeed.launch.experiments.experiment`) read it back with
 :meth:`RoundRecord.from_event`. A missing or unknown field, or another schema version, raises
 :class:`RecordError` — a reader never shows a blank for a field the writer renamed.
 

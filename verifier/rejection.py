@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from goodspeed.lm.sampling import argmax_last, sample_from
+from goodspeed.lm.decoding.sampling import argmax_last, sample_from
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ import grpc
 from goodspeed.serving.aio import keep_until_done, run_to_the_end
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.serving.metrics import RequestTimer, finished_reason
-from goodspeed.lm.sampling import FEATURES, SamplingParams
-from goodspeed.lm.structured import StructureError
+from goodspeed.lm.decoding.sampling import FEATURES, SamplingParams
+from goodspeed.lm.decoding.structured import StructureError
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc

@@ -12,14 +12,14 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 
-from goodspeed.lm.kv_slots import SlotKVCache, SlotTable
+from goodspeed.lm.runtime.kv_slots import SlotKVCache, SlotTable
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.verifier import errors
 from goodspeed.verifier.sessions import Request, Session
 
 
 class SessionTable:
-    """Sessions by id, their KV slots (:class:`~goodspeed.lm.kv_slots.SlotTable`) and the
+    """Sessions by id, their KV slots (:class:`~goodspeed.lm.runtime.kv_slots.SlotTable`) and the
     prefill queue."""
 
     def __init__(self, cache: SlotKVCache, fingerprint: str | None) -> None:
@@ -48,7 +48,7 @@ class SessionTable:
         if tokenizer_fingerprint is not None and self.fingerprint and not tokenizer_fingerprint:
             raise errors.TokenizerMismatchError(
                 f"drafter {name!r} sent no tokenizer fingerprint; the target's is {self.fingerprint[:12]}: "
-                "send goodspeed.lm.fingerprint of the draft's tokenizer"
+                "send goodspeed.lm.models.fingerprint of the draft's tokenizer"
             )
         if tokenizer_fingerprint and self.fingerprint and tokenizer_fingerprint != self.fingerprint:
             raise errors.TokenizerMismatchError(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from goodspeed.lm.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.adjust import TokenHistory
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.seeding import resolve_root_seed
+from goodspeed.lm.runtime.prefix import new_prefix_hasher, update_prefix_hasher
+from goodspeed.lm.decoding.adjust import TokenHistory
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.seeding import resolve_root_seed
 from goodspeed.scheduler import DraftAllotments, SmoothingConfig, make_policy, smoothing_of
 from goodspeed.verifier.types import Draft, Verdict
 from goodspeed.verifier.verify_rows import RowInput
@@ -26,8 +26,8 @@ class EngineConfig:
     max_drafters: int = 64
     max_draft_len: int = 16
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int | None = None  # the root seed (goodspeed.lm.seeding); None: fresh OS entropy
-    packed: bool = True  # the target sees only real tokens (goodspeed.lm.attention); False: padded rows (reference)
+    seed: int | None = None  # the root seed (goodspeed.lm.decoding.seeding); None: fresh OS entropy
+    packed: bool = True  # the target sees only real tokens (goodspeed.lm.runtime.attention); False: padded rows (reference)
     # Chunked prefill: at most this many prompt tokens per step, packed into the steps' forwards
     # (a prompt joins drafting when its last chunk is in); None: a prompt is prefilled whole, in
     # its own forward, when its request starts (in-process callers that drive steps themselves).
@@ -37,7 +37,7 @@ class EngineConfig:
     # own (plain decoding: its pending token, no drafts) in what their drafts leave of ``budget``,
     # at most this many tokens between two of its verdicts. 0: off. See the engine's docstring.
     transit_tokens: int = 0
-    # How packed forwards attend (goodspeed.lm.attention): "auto" takes flash's varlen kernel for
+    # How packed forwards attend (goodspeed.lm.runtime.attention): "auto" takes flash's varlen kernel for
     # chains where there is one (CUDA, fp16 / bf16, a torch whose flash op takes per-sequence key
     # lengths) and masked SDPA elsewhere; "varlen" requires the kernel (the engine refuses to start
     # without it); "masked" keeps masked SDPA everywhere.
@@ -46,17 +46,17 @@ class EngineConfig:
     # kernel) lay those rows out padded to the longest, pads included in the model's input, where
     # the step allows it (no prompt chunk, no slot with KV buffers of its own): attention then
     # gathers and scatters nothing, two ops a layer that a launch-bound GPU pays for, while the
-    # linear layers see the pads (goodspeed.lm.kv_slots.SlotKVCache.pack). Off by default: not yet
+    # linear layers see the pads (goodspeed.lm.runtime.kv_slots.SlotKVCache.pack). Off by default: not yet
     # timed on a GPU (docs/MEASUREMENTS.md).
     pad_rows: bool = False
-    # Steps replayed as CUDA graphs (goodspeed.lm.graphs), one per shape: rows, queries and keys
+    # Steps replayed as CUDA graphs (goodspeed.lm.runtime.graphs), one per shape: rows, queries and keys
     # rounded up to powers of two, each row padded; steps that do not fit (prompt chunks, a slot
     # with KV buffers of its own, more than MAX_GRAPH_TOKENS tokens or MAX_GRAPH_QUERIES a row) run eagerly. Local serving's
     # draft model replays its forwards the same way. CUDA only. Off by default until a GPU runs every
     # CUDA test with it on; on an H200 a step cost 2.4-5.5x less (docs/MEASUREMENTS.md).
     cuda_graphs: bool = False
     # The same fixed-shape steps through a decoder compiled by torch.compile (inductor, a handful of
-    # graphs for every shape; goodspeed.lm.graphs.compiled), on any device; with cuda_graphs the
+    # graphs for every shape; goodspeed.lm.runtime.graphs.compiled), on any device; with cuda_graphs the
     # compiled kernels are what the graphs record. Local serving's draft too. The verifier's warm-up
     # compiles the engine's graphs (VerificationEngine.warm_up_steps) and the local draft's
     # (LocalServing.warm_up) before it serves. Off by default: a CPU needs a C++ compiler for it, and

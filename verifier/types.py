@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from goodspeed.lm.sampling import TokenLogprob
+from goodspeed.lm.decoding.sampling import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Verdict:
     num_accepted: int  # leading token_ids equal to the draft's (its accepted drafts)
     token_ids: list[int]  # tokens appended this round: the accepted drafts, then correction/bonus (transit: see num_transit)
     committed_length: int  # prompt + generated tokens after this round
-    prefix_hash: str  # goodspeed.lm.prefix.prefix_hash of those committed token ids
+    prefix_hash: str  # goodspeed.lm.runtime.prefix.prefix_hash of those committed token ids
     next_draft_length: int  # S for the session's next round
     finished: bool
     finish_reason: str | None  # "length", "eos" or None

@@ -11,7 +11,7 @@ Rows are grouped so the common cases cost a few batched tensor operations per ro
   recursive multi-candidate walk (:func:`verify_tree`) one row at a time.
 
 Rows whose requests bias or penalise logits have them adjusted first, on a copy
-(:func:`~goodspeed.lm.adjust.adjust_logits`): each position by the text before it, the row's
+(:func:`~goodspeed.lm.decoding.adjust.adjust_logits`): each position by the text before it, the row's
 drafted tokens included, so every group above verifies against the distribution plain decoding
 with those settings samples from (the greedy groups take the adjusted argmax).
 """
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.sampling import SamplingParams, TokenLogprob, process_logits
+from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.decoding.sampling import SamplingParams, TokenLogprob, process_logits
 from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
 from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
 from goodspeed.verifier.types import Draft

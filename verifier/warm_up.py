@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.scheduler import OwnerSizedAllotments
 from goodspeed.verifier.types import Draft
 
@@ -24,7 +24,7 @@ def warm_up_steps(engine: VerificationEngine) -> int:
     """Synthetic requests stepped as :data:`WARM_UP_PLAN` says (one row and several, one query a
     row and several, keys growing, the pool growing), which makes each size dynamo saw change
     symbolic (compiled steps are at least 2 rows: :meth:`StepGraphs.shape_for
-    <goodspeed.lm.graphs.StepGraphs.shape_for>`). The sessions are sized by a book of their own
+    <goodspeed.lm.runtime.graphs.StepGraphs.shape_for>`). The sessions are sized by a book of their own
     (not the drafters' budget or ``max_drafters``), drafts at most ``max_draft_len``. Returns the
     steps run; the sessions leave, and nothing of them stays but the graphs. Without fixed-shape
     steps, or where ``max_seq_len`` leaves no room for the plan, it does nothing (0)."""

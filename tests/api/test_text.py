@@ -6,7 +6,7 @@ import json
 import pytest
 
 from goodspeed.api.text import TextStream
-from goodspeed.lm.demo import train_tokenizer
+from goodspeed.lm.models.demo import train_tokenizer
 
 TEXT = 'def héllo(wörld):\n    return "✓ 日本語 naïve"  # ok\n'
 

@@ -12,9 +12,9 @@ import torch
 
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.drafter import node as node_module
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import NodeThread, ServerThread, older_verifier
@@ -276,7 +276,7 @@ def test_a_node_drafting_by_suffix_with_no_model_serves_the_targets_greedy_decod
     """``--draft suffix``: no draft model at all. Greedy output is the target's; the lookup's
     drafts are accepted; a finished request's output is kept for the next, which then drafts
     from it (the same prompt again: its whole output comes from the node's cache)."""
-    from goodspeed.lm.lookup import SuffixDraft
+    from goodspeed.lm.decoding.lookup import SuffixDraft
 
     source = SuffixDraft(models[0].config.vocab_size)
     prompt = "def f(x): return x\ndef f(x):"
@@ -297,7 +297,7 @@ def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_t
     drafting by the rule sends a fraction of the tokens one drafting every allotment sends (its
     probes), for the same greedy output. The round costs are fixed (a 30 ms round, 3 ms a drafted
     token), so the rule's choices follow the verdicts alone, not this machine's timings."""
-    from goodspeed.lm.lookup import PromptLookup
+    from goodspeed.lm.decoding.lookup import PromptLookup
     from goodspeed.scheduler.paying import PayingLength
 
     monkeypatch.setattr(PayingLength, "round_costs", lambda self: (0.030, 0.003))
@@ -572,7 +572,7 @@ def test_structured_output_through_a_node_is_the_verifiers(models, monkeypatch):
     (the node's drafts against the node's): the output is the target's constrained greedy
     decoding, ending at EOS. A verifier without a tokenizer refuses it (400); one older than the
     field would ignore it (502)."""
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     prompt_ids = tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
@@ -603,7 +603,7 @@ def test_a_json_schema_through_a_node_fast_forwards_its_forced_tokens(models):
     still the target's constrained greedy decoding."""
     import json
 
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"],
@@ -625,7 +625,7 @@ def test_a_forced_tool_call_through_a_node_is_the_verifiers(models):
     decoding held to the function's schema (the verifier compiles it), read into tool_calls."""
     import json
 
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     parameters = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
@@ -653,7 +653,7 @@ def test_a_grammar_waiting_for_the_reasoning_through_a_node_is_the_verifiers(mod
     output is the target's greedy decoding gated the same way; a verifier older than the field
     would hold the reasoning to the grammar (502)."""
     from goodspeed.api import completions as api_completions
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     messages = [{"role": "user", "content": "scan"}]

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import MAX_GRAPH_QUERIES
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.runtime.graphs import MAX_GRAPH_QUERIES
+from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
 from graphkit import checking, fresh_dynamo, needs_cpp, static_drafter  # noqa: F401 (a fixture)
 from modelkit import tiny_llama
 

@@ -10,7 +10,7 @@ import pytest
 def fake_experiment():
     """Write an experiment directory like `goodspeed experiment` does, from known drafters:
     drafter ``i`` accepts each position with probability ``0.3 + 0.15 i``, ``S = 6`` every round."""
-    from goodspeed.launch.report import policy_metrics
+    from goodspeed.launch.experiments.report import policy_metrics
 
     def write(path, names, policies=("fixed",), rounds=300, seed=5):
         rng, report = np.random.default_rng(seed), {}
@@ -38,7 +38,7 @@ def launched(tmp_path):
     """The settings a verifier started by the launcher serves on: ``verifier_command`` writes its
     spec file, and the daemon's own argument handling (``cli.verifier_settings``) reads it back."""
     from goodspeed.launch.cli import verifier_settings
-    from goodspeed.launch.local import CLI, verifier_command
+    from goodspeed.launch.cluster.local import CLI, verifier_command
 
     def read(spec, workdir=None):
         workdir = workdir or tmp_path / "verifier-spec"
@@ -56,7 +56,7 @@ def launched_drafter(tmp_path):
     ``drafter_command`` writes its spec file, and the node's own argument handling
     (``cli.drafter_settings``) reads it back."""
     from goodspeed.launch.cli import drafter_settings
-    from goodspeed.launch.local import CLI, drafter_command
+    from goodspeed.launch.cluster.local import CLI, drafter_command
 
     def read(spec, prompts=None, address="127.0.0.1:1"):
         workdir = tmp_path / "drafter-spec"

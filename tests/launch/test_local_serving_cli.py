@@ -11,10 +11,10 @@ import torch
 from transformers import AutoTokenizer
 
 from goodspeed.launch import cli
-from goodspeed.launch.local import verifier_command
+from goodspeed.launch.cluster.local import verifier_command
 from goodspeed.launch.spec import VerifierSpec
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.structured import Structure
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.structured import Structure
 from modelkit import adjusted_greedy_reference, greedy_reference, perturbed, save_models, tiny_llama
 
 VOCAB = 300
@@ -112,7 +112,7 @@ def test_a_node_whose_api_port_is_taken_leaves_and_says_so(model_dirs, capsys):
     the node has left the verifier, not a traceback."""
     import socket
 
-    from goodspeed.lm.loading import load_causal_lm
+    from goodspeed.lm.models.loading import load_causal_lm
     from goodspeed.verifier.engine import EngineConfig, VerificationEngine
     from grpckit import ServerThread
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from goodspeed.launch.certs import init_certs
+from goodspeed.launch.cluster.certs import init_certs
 from goodspeed.verifier.auth import add_token
 from modelkit import greedy_reference, perturbed, save_models, tiny_llama
 

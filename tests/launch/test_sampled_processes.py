@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from goodspeed.launch.local import launch_local
+from goodspeed.launch.cluster.local import launch_local
 from goodspeed.launch.spec_files import load_spec
-from goodspeed.lm.loading import load_causal_lm
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
 from statkit import fits
 
 PROMPT = "def parse_args(argv):\n    parser = argparse."

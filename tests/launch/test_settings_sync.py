@@ -80,7 +80,7 @@ def test_a_bad_spec_file_is_refused_by_key(tmp_path, text, match):
 
 
 CONFIGS = {"engine": EngineConfig, "server": ServerConfig, "local": LocalConfig}
-# The settings launch/serve.py turns into something other than one config field, and why.
+# The settings launch/daemons/serve.py turns into something other than one config field, and why.
 SERVE_HANDLES = {
     "target": "the model to load", "device": "where the models load", "dtype": "how the models load",
     "local_draft": "the local draft model to load", "latency_profile": "a file read into LocalConfig.latency",
@@ -116,7 +116,7 @@ def test_a_setting_declared_once_is_a_flag_a_spec_file_key_and_a_config_field(tm
     carries it through the spec file the launcher writes, and the daemon's config receives it."""
     import argparse
 
-    from goodspeed.launch import serve
+    from goodspeed.launch.daemons import serve
     from goodspeed.launch.spec import setting
     from goodspeed.launch.spec_files import add_setting_flags, load_verifier_settings
 
@@ -139,8 +139,8 @@ def test_a_setting_declared_once_is_a_flag_a_spec_file_key_and_a_config_field(tm
 def test_the_daemon_runs_on_the_settings_it_was_given(monkeypatch):
     """The settings a spec could not reach before (drain timeout, message size, context length)
     land in the server and engine configs ``goodspeed verifier`` builds."""
-    from goodspeed.launch import serve
-    from goodspeed.lm.loading import LoadedModel
+    from goodspeed.launch.daemons import serve
+    from goodspeed.lm.models.loading import LoadedModel
     from modelkit import tiny_llama
 
     monkeypatch.setattr(serve, "load_causal_lm", lambda name, **kw: LoadedModel(name, name, tiny_llama(0), None, ""))
@@ -157,7 +157,7 @@ def test_bad_settings_fail_as_spec_errors_before_any_model_loads(monkeypatch):
 
     import pytest
 
-    from goodspeed.launch import serve
+    from goodspeed.launch.daemons import serve
     from goodspeed.launch.spec import SpecError
 
     def no_load(*args, **kwargs):
@@ -198,7 +198,7 @@ def test_the_launchers_drafter_file_carries_every_node_setting(launched_drafter,
     not travel, and the prompt file is the one the launcher prepared."""
     from dataclasses import replace
 
-    from goodspeed.launch.links import LinkSpec
+    from goodspeed.launch.cluster.links import LinkSpec
 
     defaults = DrafterSpec(name="x", draft="y", prompts="z")
     assert set(DRAFTER_CHANGED) == set(DrafterSpec.node_settings())
@@ -252,7 +252,7 @@ def test_a_bad_drafter_file_is_refused_by_key(tmp_path, text, match):
 def test_drafter_cuda_graphs_are_refused_off_cuda_before_a_model_loads(monkeypatch):
     """--cuda-graphs replays the node's draft forwards on CUDA (one request at a time, batched or
     --serve): off CUDA the node says so before loading anything; a launch spec the same."""
-    from goodspeed.launch import draft_node
+    from goodspeed.launch.daemons import draft_node
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")

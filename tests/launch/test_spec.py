@@ -51,7 +51,7 @@ def test_count_expands_to_distinct_processes(tmp_path, launched, launched_drafte
     ],
 )
 def test_bad_specs_name_the_problem(tmp_path, text, match):
-    from goodspeed.launch.experiment import load_experiment
+    from goodspeed.launch.experiments.experiment import load_experiment
 
     with pytest.raises(SpecError, match=match):
         (load_experiment if text.startswith("[experiment]") else load_spec)(write(tmp_path, text))
@@ -62,7 +62,7 @@ def test_default_spec_file_ships_with_the_package():
 
 
 def test_every_shipped_spec_loads():
-    from goodspeed.launch.experiment import SPECS_DIR, load_experiment
+    from goodspeed.launch.experiments.experiment import SPECS_DIR, load_experiment
 
     shipped = sorted(SPECS_DIR.glob("*.toml"))
     assert len(shipped) >= 5

@@ -12,9 +12,9 @@ sampled test (power check)."""
 import pytest
 import torch
 
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError

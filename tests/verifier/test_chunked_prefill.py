@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft

@@ -3,7 +3,7 @@
 import pytest
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from modelkit import greedy_reference, perturbed, tiny_llama
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import to_engine_draft
-from goodspeed.lm.attention import REFERENCE_VARLEN
-from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.kv_slots import SlotKVCache
-from goodspeed.lm.prefix import prefix_hash
-from goodspeed.lm.sampling import SamplingParams, process_logits
+from goodspeed.launch.cluster.inprocess import to_engine_draft
+from goodspeed.lm.runtime.attention import REFERENCE_VARLEN
+from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.runtime.kv_slots import SlotKVCache
+from goodspeed.lm.runtime.prefix import prefix_hash
+from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 from modelkit import perturbed, tiny_llama
@@ -41,7 +41,7 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(t
 # False: the padded reference path; "varlen": packed, chains through the varlen call (its
 # plain-torch reference on CPU; flash's on CUDA), with a pool small enough that slots outgrow it;
 # "pad": packed with the rows padded where a step allows it (EngineConfig.pad_rows); "graphs": steps
-# of fixed shapes as CUDA graphs replay them (goodspeed.lm.graphs), run eagerly on CPU.
+# of fixed shapes as CUDA graphs replay them (goodspeed.lm.runtime.graphs), run eagerly on CPU.
 @pytest.mark.parametrize("seed, packed", [(0, True), (1, True), (2, True), (0, False), (1, "varlen"), (2, "pad"),
                                           (0, "graphs")])
 def test_batched_rounds_equal_reference(seed, packed):
@@ -140,11 +140,11 @@ def test_cuda_engine_rounds_through_flash_varlen_equal_masked_ones():
     """GPU: a bf16 target on CUDA, whose engine picks flash's varlen kernel, against the same
     engine with masked SDPA, fed the same drafts (a CPU draft model, greedy and sampled, prompts
     that grow the pool past its first 256 positions) and the same uniforms for 8 rounds: the same
-    verdicts. The two kernels round bf16 differently (tests/lm/test_kv_slots.py bounds the logits'
+    verdicts. The two kernels round bf16 differently (tests/lm/runtime/test_kv_slots.py bounds the logits'
     difference), which can flip a token where two are within rounding of each other, so the target
     here is peaked (init 1.0: its top token leads by far more than bf16's rounding); a kernel
     reading wrong keys or lengths changes verdicts all the same."""
-    from goodspeed.lm.attention import varlen_kernel_for
+    from goodspeed.lm.runtime.attention import varlen_kernel_for
 
     target = tiny_llama(21, hidden=256, heads=4, kv_heads=2, init=1.0, dtype=torch.bfloat16).cuda()
     if varlen_kernel_for(target) is None:

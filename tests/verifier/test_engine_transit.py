@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier import apply
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.planner import after_decoded

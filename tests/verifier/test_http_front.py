@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.auth import add_token
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
@@ -663,7 +663,7 @@ def test_structured_output_constrains_the_text_to_the_grammar(models):
     import json
     import re
 
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     eos = tokenizer.eos_token_id
@@ -721,7 +721,7 @@ def test_forced_tool_calls_are_the_targets_greedy_decoding_under_their_schema(mo
     import json
 
     from goodspeed.api.tools import forced_schema, NamedToolChoice, Tool
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     eos = tokenizer.eos_token_id
@@ -787,7 +787,7 @@ def test_the_responses_api_is_the_targets_greedy_decoding_and_its_formats_hold(m
     compile and a context overflow are 400s naming the Responses fields."""
     import json
 
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     eos = tokenizer.eos_token_id
@@ -823,7 +823,7 @@ def test_the_messages_api_is_the_targets_greedy_decoding(models):
 
     import anthropic
 
-    from goodspeed.lm.structured import Structure
+    from goodspeed.lm.decoding.structured import Structure
 
     target, _, tokenizer = models
     eos = tokenizer.eos_token_id
@@ -907,7 +907,7 @@ def test_an_http_port_in_use_stops_what_had_started(models):
     the gRPC server and the round loop it had already started (nothing half-serving)."""
     import socket
 
-    from goodspeed.launch.serve import make_http_front
+    from goodspeed.launch.daemons.serve import make_http_front
     from goodspeed.verifier.errors import ListenError
     from goodspeed.verifier.daemon import make_server
     from goodspeed.verifier.server import ServerConfig

@@ -4,9 +4,9 @@ chains miss, and TurboSpec / Nightjar switch speculation off where it cannot pay
 
 import pytest
 
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine

@@ -8,8 +8,8 @@ the negative control replays that ranking and must fail the same test at p < 1e-
 import numpy as np
 import pytest
 
-from goodspeed.lm.graphs import StepGraphs
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.clocks import LatencyProfile, SimulatedClock
 from goodspeed.verifier.local import LocalConfig, LocalServing
@@ -46,7 +46,7 @@ def generate(models, policy: str, n: int, policy_cls=None, seed=None, per_reques
     if policy == "goodput":  # it drafts only where drafting pays: a draft that pays here, so that it drafts
         draft = perturbed(target, 1.0, 5)
     engine = VerificationEngine(target, EngineConfig(seed=seed, pad_rows=pad_rows, torch_compile=torch_compile))
-    if graphs:  # the target's steps at fixed shapes (goodspeed.lm.graphs): captured on CUDA, eager on CPU
+    if graphs:  # the target's steps at fixed shapes (goodspeed.lm.runtime.graphs): captured on CUDA, eager on CPU
         engine.runner.graphs = StepGraphs(engine.model, engine.cache, capture=engine.device.type == "cuda")
     config = LocalConfig(policy=policy, k=1, extra=2, max_k=3, budget=24, max_requests=8, max_waiting=n, seed=seed,
                          latency=LatencyProfile(TARGET_COST, DRAFT_COST) if policy == "turbospec" else None)
@@ -96,7 +96,7 @@ def test_graph_steps_keep_sampling_exact(models):
 
 
 @needs_cpp
-@pytest.mark.slow  # compiling both models' graphs; the compiled engine has a default test (tests/lm/test_graphs.py)
+@pytest.mark.slow  # compiling both models' graphs; the compiled engine has a default test (tests/lm/runtime/test_graphs.py)
 def test_compiled_steps_keep_sampling_exact(models):
     """The same with the target's steps and the draft's forwards through decoders compiled by
     torch.compile (EngineConfig.torch_compile; the local draft follows the engine's setting)."""

@@ -1,4 +1,4 @@
-"""Lookup drafts (goodspeed.lm.lookup) and the hybrid (goodspeed.lm.draft_source) through the
+"""Lookup drafts (goodspeed.lm.decoding.lookup) and the hybrid (goodspeed.lm.decoding.draft_source) through the
 engine: greedy output equals the target's greedy decoding on edge drafters and in local serving
 under every chain policy, and for the hybrid's trees under AdaServe; sampled output follows the target's exact distribution of the first two
 tokens (chi-square, p = 0.001), on an edge drafter, in local serving (chains and the hybrid's
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from goodspeed.drafter import runner as runner_module
-from goodspeed.lm.batch_draft import BatchDraftModel
-from goodspeed.lm.draft_source import HybridDraft
-from goodspeed.lm.lookup import PromptLookup, SuffixDraft
-from goodspeed.lm.sampling import SamplingParams
+from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.decoding.draft_source import HybridDraft
+from goodspeed.lm.decoding.lookup import PromptLookup, SuffixDraft
+from goodspeed.lm.decoding.sampling import SamplingParams
 from modelkit import greedy_reference, perturbed, tiny_llama
 from pathkit import run_edge_source, run_local
 from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, fits

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.sampling import SamplingParams, cap_support, process_logits, sample_from
+from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
+from goodspeed.lm.decoding.sampling import SamplingParams, cap_support, process_logits, sample_from
 from goodspeed.verifier import rejection
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 from modelkit import perturbed, tiny_llama
-from goodspeed.lm import kv_slots
+from goodspeed.lm.runtime import kv_slots
 from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, exact_marginal, fits
 
 V = 6

@@ -9,7 +9,7 @@ import pytest
 
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.links import DelayProxy, LinkSpec
+from goodspeed.launch.cluster.links import DelayProxy, LinkSpec
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -369,7 +369,7 @@ def test_a_drafters_period_and_tokens_are_smoothed_from_its_verdicts():
 
 
 def test_transit_decoding_is_refused_in_sync_rounds_and_transit_steps_without_it(models):
-    from goodspeed.launch.serve import server_config
+    from goodspeed.launch.daemons.serve import server_config
     from goodspeed.launch.spec import SpecError, VerifierSpec
     from goodspeed.verifier.daemon import make_server
 

@@ -385,8 +385,8 @@ def test_the_warm_up_says_what_it_compiles_the_engines_steps_and_the_local_draft
     import io
     import json
 
-    from goodspeed.lm.batch_draft import BatchDraftModel
-    from goodspeed.lm.graphs import StepGraphs
+    from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+    from goodspeed.lm.runtime.graphs import StepGraphs
     from goodspeed.verifier.local import LocalConfig, LocalServing
     from goodspeed.verifier.observability import JsonLog, Metrics
     from goodspeed.verifier.server import ServerConfig, VerifierService
@@ -448,7 +448,7 @@ def sampled_through_grpc(rounds: str, device: str) -> tuple[float, int]:
     host), and its degrees of freedom."""
     import copy
 
-    from goodspeed.lm.sampling import SamplingParams
+    from goodspeed.lm.decoding.sampling import SamplingParams
     from statkit import chi2_stat, count_first_two, exact_first_two
 
     vocab, prompt, sampling = 6, [1, 2, 3], SamplingParams(temperature=1.0, top_p=0.95)

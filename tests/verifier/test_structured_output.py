@@ -17,9 +17,9 @@ import re
 
 import pytest
 
-from goodspeed.lm.demo import train_tokenizer
-from goodspeed.lm.sampling import SamplingParams
-from goodspeed.lm.structured import Structure, StructureError
+from goodspeed.lm.models.demo import train_tokenizer
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.structured import Structure, StructureError
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.errors import MalformedDraftError
@@ -133,7 +133,7 @@ def test_a_grammar_past_its_limits_ends_its_own_request_alone(tokenizer, pair, p
     """A grammar that passes its check but exceeds llguidance's per-step limits later (forced here
     with a tiny lexer budget) ends its request with an error at that step; the requests batched
     with it (edge and local) are untouched."""
-    from goodspeed.lm import structured
+    from goodspeed.lm.decoding import structured
 
     target, draft = pair
     monkeypatch.setattr(structured, "LIMITS", structured.llguidance.LLParserLimits(step_lexer_fuel=100, verbose_errors=False))
@@ -180,7 +180,7 @@ def test_sampled_output_with_a_grammar_after_a_token_follows_the_targets_gated_d
     refuses (which the request's own matcher catches)."""
     import torch
 
-    from goodspeed.lm.structured import Constraint
+    from goodspeed.lm.decoding.structured import Constraint
 
     if where == "power":
         monkeypatch.setattr(Constraint, "_held", lambda self, path: list(path) if self.open else None)  # masks only

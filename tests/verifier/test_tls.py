@@ -7,7 +7,7 @@ import pytest
 from goodspeed.drafter.client import DrafterClient, DrafterConfig, DrafterError
 from goodspeed.drafter.credentials import ClientTLS, open_channel
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.launch.certs import init_certs
+from goodspeed.launch.cluster.certs import init_certs
 from goodspeed.launch.cli import main
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc

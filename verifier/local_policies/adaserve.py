@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from goodspeed.lm.batch_draft import subtree
-from goodspeed.lm.draft_source import draft_trees_with_forced
+from goodspeed.lm.runtime.batch_draft import subtree
+from goodspeed.lm.decoding.draft_source import draft_trees_with_forced
 from goodspeed.scheduler import select_tree_nodes, slo_need, speculation_shape
 from goodspeed.verifier.local_policies.base import LocalPolicy, Plan
 

@@ -1,0 +1,306 @@
+"""Distil a small draft for a real pretrained target on this machine, in minutes on 2 cores.
+
+The draft is a small Llama on the target's own tokenizer. What makes it trainable on a CPU with a
+49,152-token vocabulary:
+
+- **Embeddings from the target.** The draft's (tied) embedding starts as the top principal
+  components of the target's embedding matrix, so similar tokens start similar.
+- **Candidate softmax.** The output layer dominates the cost (hidden x 49,152 per token, forward
+  and backward). Each step normalises over the tokens that matter for that batch, the labels (or
+  the teacher's top-k) plus a few thousand random negatives, instead of the whole vocabulary:
+  about 6x cheaper per step. At inference the draft is an ordinary ``LlamaForCausalLM`` over the
+  full vocabulary.
+- **Text the target writes itself.** The target continues code snippets from the standard
+  library and answers chat-style requests (greedy, in its chat template); a draft that has seen
+  the target's own continuations predicts them far better than one trained on the corpus alone
+  (sequence-level distillation).
+- **Two phases.** (1) Next-token cross-entropy on the standard library's source mixed with those
+  transcripts; (2) distillation on the target's top-k next-token distributions (forward KL
+  restricted to the teacher's top-k, renormalised), which is what raises acceptance under
+  sampling (AdaServe section 4.2 cites distilled drafts).
+
+Seeds and step counts are fixed (never wall time), so a build is reproducible on the same corpus
+and the same kind of CPU. The teacher's transcripts and labels, and the draft's training forwards,
+run in bfloat16 where the CPU computes it natively (x86 ``avx512_bf16`` or ``amx_bf16``, Arm
+``bf16``; 2-3x faster than float32 there), else in float32 (:func:`build_precision`). On a CPU
+without it torch emulates bfloat16: on an AVX2-only EPYC a training step took 5.72 s in bfloat16
+against 0.54 s in float32, and the teacher's generation 3.6x as long (``python -m
+bench.bench_build_precision``). The manifest records the precision a build used.
+Acceptance is measured against the float32 target on what speculation meets in serving: the
+target's own continuations of held-out code prompts and its answers to held-out chat requests
+(every 8th of each, never trained on). Reported per position: the greedy rate
+``P[argmax p = argmax q]`` and ``E[sum_x min(p, q)]`` at T = 0.8 and T = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from goodspeed.lm.models.corpus import encode, load_corpus, prompt_snippets, stdlib_files
+from goodspeed.lm.models.model_dirs import save_model_dir
+from goodspeed.lm.models.precision import cpu_has_native_bf16
+from goodspeed.lm.models.train import intermediate_size, optimize
+
+
+@dataclass(frozen=True)
+class DraftRecipe:
+    hidden: int = 128
+    layers: int = 4
+    head_dim: int = 64
+    kv_heads: int = 1
+    pretrain_steps: int = 1200
+    distill_steps: int = 400
+    teacher_windows: int = 768  # sequences of seq_len tokens labelled with the teacher's top-k
+    batch: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    negatives: int = 4096  # random tokens added to each step's candidate set
+    top_k: int = 32
+    generated_share: float = 0.4  # of the rows of each batch drawn from the target's own transcripts
+    code_prompts: int = 256  # stdlib snippets the target continues
+    code_prompt_chars: int = 160
+    new_tokens: int = 128  # per transcript
+    corpus_bytes: int = 8_000_000
+    seed: int = 0
+
+
+DRAFT_RECIPE = DraftRecipe()
+
+
+def recipe_digest(recipe: DraftRecipe) -> str:
+    return hashlib.sha256(repr(dataclasses.astuple(recipe)).encode()).hexdigest()
+
+
+# Chat-style requests the target answers to make its own training transcripts. Disjoint from the
+# shipped prompt set launch/prompts/chat.jsonl, which the benchmarks use.
+_TASKS = (
+    "reverses a string", "checks whether a number is prime", "merges two sorted lists", "counts the words in a text",
+    "flattens a nested list", "computes the factorial of n", "removes duplicates from a list while keeping order",
+    "finds the largest element of a list", "converts Celsius to Fahrenheit", "checks whether a string is a palindrome",
+    "reads a CSV file and returns its rows", "computes the mean and median of a list", "returns the n-th Fibonacci number",
+    "sorts a dictionary by its values", "parses a date string", "computes the greatest common divisor of two numbers",
+    "transposes a matrix", "counts vowels in a string", "finds all files with a given extension in a folder",
+    "implements binary search", "groups words by their first letter", "validates an email address with a regular expression",
+    "computes the running sum of a list", "chunks a list into pieces of size n", "capitalizes every word in a sentence",
+    "returns the intersection of two lists", "computes the power set of a set", "checks whether brackets are balanced",
+)
+_QUESTIONS = (
+    "What is the difference between a list and a tuple in Python?", "Explain what a hash table is.", "What is recursion?",
+    "How does a for loop work in Python?", "What is an API?", "Explain the difference between TCP and UDP.",
+    "What causes the seasons on Earth?", "Give me three tips for writing clean code.", "What is machine learning?",
+    "How do I open a file in Python?", "What is the capital of Japan?", "Explain what a virtual environment is.",
+    "Why is the sky blue?", "What is a decorator in Python?", "Summarize the water cycle.", "What is Big O notation?",
+    "How does garbage collection work?", "What are the benefits of unit testing?", "Explain what JSON is.",
+    "What is the difference between a process and a thread?", "How do vaccines work?", "What is an exception?",
+    "Write a haiku about the ocean.", "What does the `with` statement do in Python?",
+)
+
+
+def chat_requests(seed: int, modules: int = 40) -> list[str]:
+    """The chat-style requests (deterministic): tasks, questions and questions about stdlib modules."""
+    names = sorted({p.stem for p in stdlib_files() if not p.stem.startswith("_")})
+    rng = random.Random(seed)
+    picked = rng.sample(names, min(modules, len(names)))
+    out = [f"Write a Python function that {t}." for t in _TASKS] + list(_QUESTIONS)
+    out += [f"What is the Python module `{m}` used for? Show a short example." for m in picked]
+    rng.shuffle(out)
+    return out
+
+
+@torch.inference_mode()
+def target_transcripts(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int = 32, progress: bool = True) -> list[np.ndarray]:
+    """Each prompt followed by the target's greedy continuation (up to its end of turn), as ids."""
+    eos = tokenizer.eos_token_id
+    out = []
+    bar = tqdm(total=len(prompts), desc="target writes transcripts", disable=not progress, unit="prompt",
+               mininterval=0.1 if sys.stderr.isatty() else 10.0)
+    for i in range(0, len(prompts), batch):
+        encoded = prompts[i : i + batch]
+        width = max(map(len, encoded))
+        ids = torch.tensor([[eos] * (width - len(e)) + e for e in encoded])
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+        for e, row in zip(encoded, gen[:, width:].tolist()):
+            answer = row[: row.index(eos) + 1] if eos in row else row
+            out.append(np.asarray(e + answer, dtype=np.int64))
+        bar.update(len(encoded))
+    bar.close()
+    return out
+
+
+def _pca_embedding(target_embedding: torch.Tensor, hidden: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    emb = target_embedding.float()
+    centred = emb - emb.mean(0)
+    _, _, v = torch.pca_lowrank(centred, q=hidden, center=False)
+    proj = centred @ v[:, :hidden]
+    return proj / proj.std() * 0.02
+
+
+def draft_config(recipe: DraftRecipe, target_config):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=recipe.hidden,
+        intermediate_size=intermediate_size(recipe.hidden),
+        num_hidden_layers=recipe.layers,
+        num_attention_heads=recipe.hidden // recipe.head_dim,
+        num_key_value_heads=recipe.kv_heads,
+        head_dim=recipe.head_dim,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_theta=getattr(target_config, "rope_theta", None) or target_config.rope_parameters["rope_theta"],
+        tie_word_embeddings=True,
+        bos_token_id=target_config.bos_token_id,
+        eos_token_id=target_config.eos_token_id,
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+    )
+
+
+class _Windows:
+    """Fixed-length training windows from the corpus and from the target's transcripts."""
+
+    def __init__(self, corpus: np.ndarray, generated: np.ndarray, recipe: DraftRecipe, rng: np.random.Generator):
+        self.corpus, self.generated, self.recipe, self.rng = corpus, generated, recipe, rng
+
+    def sample(self, rows: int) -> torch.Tensor:
+        n_gen = int(round(rows * self.recipe.generated_share))
+        out = [self._window(self.generated) for _ in range(n_gen)] + [self._window(self.corpus) for _ in range(rows - n_gen)]
+        return torch.from_numpy(np.stack(out))
+
+    def _window(self, ids: np.ndarray) -> np.ndarray:
+        s = int(self.rng.integers(0, ids.size - self.recipe.seq_len))
+        return ids[s : s + self.recipe.seq_len]
+
+
+def build_precision() -> torch.dtype:
+    """The dtype the build computes in on this CPU (module docstring)."""
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: int, rng: np.random.Generator,
+                         dtype: torch.dtype = torch.float32):
+    """Log-probabilities of the draft at every position but the last, normalised over the
+    candidate set (``must`` plus random negatives); returns (log_probs, sorted candidates).
+    ``dtype``: bfloat16 runs the forward under autocast."""
+    vocab = draft.config.vocab_size
+    cand = torch.unique(torch.cat([must.flatten(), torch.from_numpy(rng.integers(0, vocab, negatives))]))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        h = draft.model(input_ids=x).last_hidden_state[:, :-1]
+        logits = h @ draft.model.embed_tokens.weight[cand].T
+    return torch.log_softmax(logits.float(), -1), cand
+
+
+@torch.inference_mode()
+def _teacher_topk(target, x: torch.Tensor, k: int, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.empty(x.shape[0], x.shape[1] - 1, k)
+    index = torch.empty(x.shape[0], x.shape[1] - 1, k, dtype=torch.int64)
+    for i in range(0, x.shape[0], batch):
+        logp = torch.log_softmax(target(input_ids=x[i : i + batch]).logits[:, :-1].float(), -1)
+        top = logp.topk(k, -1)
+        p = top.values.exp()
+        probs[i : i + batch], index[i : i + batch] = p / p.sum(-1, keepdim=True), top.indices
+    return probs, index
+
+
+@torch.inference_mode()
+def held_out_acceptance(target, draft, transcripts: list[tuple[int, np.ndarray]]) -> dict[str, float]:
+    """Greedy agreement and ``E[sum min(p, q)]`` at T = 0.8 and 1 at every generated position of
+    ``transcripts`` (``(prompt length, ids)`` pairs)."""
+    greedy, t08, t1, n = 0.0, 0.0, 0.0, 0
+    for start, ids in transcripts:
+        x = torch.from_numpy(ids)
+        lp, lq = (m(input_ids=x[None]).logits[0, start - 1 : -1].double() for m in (target, draft))
+        greedy += float((lp.argmax(-1) == lq.argmax(-1)).sum())
+        t08 += float(torch.minimum(torch.softmax(lp / 0.8, -1), torch.softmax(lq / 0.8, -1)).sum())
+        t1 += float(torch.minimum(torch.softmax(lp, -1), torch.softmax(lq, -1)).sum())
+        n += lp.shape[0]
+    return {"greedy": round(greedy / n, 4), "t0.8": round(t08 / n, 4), "t1": round(t1 / n, 4)}
+
+
+def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE, progress: bool = True, log=print) -> dict:
+    """Distil a draft for the target in ``target_dir`` into ``out`` (atomically); returns the
+    measured figures (parameters and held-out acceptance on code and on chat)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    started = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    rng = np.random.default_rng(recipe.seed)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    # The teacher's answers and labels in the build's precision; acceptance is measured in fp32.
+    precision = build_precision()
+    log(f"computing in {str(precision).removeprefix('torch.')} (this CPU {'has' if precision == torch.bfloat16 else 'lacks'} "
+        "native bfloat16)")
+    teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=precision).eval()
+    corpus = load_corpus(recipe.corpus_bytes)
+    corpus_ids = encode(tokenizer, corpus.train_text)
+
+    def snippets(text: str, count: int) -> list[list[int]]:
+        return [tokenizer(s, add_special_tokens=False)["input_ids"]
+                for s in prompt_snippets(text, count, recipe.code_prompt_chars, seed=recipe.seed)]
+
+    # Code prompts to continue: from the training text, and (held out) from the held-out files.
+    code, code_held = snippets(corpus.train_text, recipe.code_prompts), snippets(corpus.heldout_text, recipe.code_prompts // 8)
+    chat = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)["input_ids"] for r in chat_requests(recipe.seed)]
+    chat, chat_held = [c for i, c in enumerate(chat) if i % 8 != 7], [c for i, c in enumerate(chat) if i % 8 == 7]
+    prompts = chat + code + chat_held + code_held
+    transcripts = target_transcripts(teacher, tokenizer, prompts, recipe.new_tokens, progress=progress)
+    train = transcripts[: len(chat) + len(code)]
+    pairs = [(len(p), t) for p, t in zip(prompts, transcripts)][len(train):]
+    held = {"chat": pairs[: len(chat_held)], "code": pairs[len(chat_held):]}
+    generated = np.concatenate(train)
+    log(f"corpus: {corpus_ids.size:,} stdlib tokens and {generated.size:,} tokens of {len(train)} target transcripts")
+
+    draft = LlamaForCausalLM(draft_config(recipe, teacher.config))
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(_pca_embedding(teacher.model.embed_tokens.weight, recipe.hidden, recipe.seed))
+    windows = _Windows(corpus_ids, generated, recipe, rng)
+
+    def next_token_loss():
+        x = windows.sample(recipe.batch)
+        logp, cand = _candidate_log_probs(draft, x, x, recipe.negatives, rng, precision)
+        return F.nll_loss(logp.reshape(-1, cand.numel()), torch.searchsorted(cand, x[:, 1:].contiguous()).reshape(-1))
+
+    optimize(draft, recipe.pretrain_steps, recipe.lr, next_token_loss, "draft: next-token", progress)
+
+    x_teacher = windows.sample(recipe.teacher_windows)
+    log(f"labelling {x_teacher.numel():,} tokens with the target's top-{recipe.top_k}")
+    t_probs, t_index = _teacher_topk(teacher, x_teacher, recipe.top_k)
+
+    def distill_loss():
+        rows = torch.from_numpy(rng.integers(0, x_teacher.shape[0], recipe.batch))
+        logp, cand = _candidate_log_probs(draft, x_teacher[rows], t_index[rows], recipe.negatives, rng, precision)
+        return -(t_probs[rows] * logp.gather(-1, torch.searchsorted(cand, t_index[rows].contiguous()))).sum(-1).mean()
+
+    optimize(draft, recipe.distill_steps, recipe.lr / 2, distill_loss, "draft: distil", progress)
+
+    del teacher
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    code_acc, chat_acc = held_out_acceptance(target, draft, held["code"]), held_out_acceptance(target, draft, held["chat"])
+    log(f"held-out acceptance on the target's code continuations: {code_acc}; on its chat answers: {chat_acc}")
+
+    save_model_dir(draft, tokenizer, out)
+    return {
+        "target_params": int(sum(p.numel() for p in target.parameters())),
+        "target_layers": target.config.num_hidden_layers,
+        "target_hidden": target.config.hidden_size,
+        "draft_params": int(sum(p.numel() for p in draft.parameters())),
+        "acceptance": {
+            "greedy_acceptance": code_acc["greedy"], "acceptance_t08": code_acc["t0.8"], "acceptance": code_acc["t1"],
+            "chat_greedy_acceptance": chat_acc["greedy"], "chat_acceptance_t08": chat_acc["t0.8"], "chat_acceptance": chat_acc["t1"],
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+        "precision": str(precision).removeprefix("torch."),
+    }

@@ -1,0 +1,196 @@
+"""Structured output's constraint: compiled against a tokenizer (bad grammars refused), and the
+masks along a row's paths equal a fresh matcher's at each path (chains and trees, with paths the
+grammar refuses), leaving the request's matcher where its committed text left it."""
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from goodspeed.lm.models.demo import train_tokenizer
+from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
+from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.structured import MAX_SPEC_CHARS, Structure, StructureError
+from statkit import allowed, grammar_allows
+
+V = 300
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(inspect.getsource(json.decoder) * 3, vocab_size=V)
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("regex", "[[[", "does not compile"),
+    ("json", "{not json", "does not parse"),
+    ("json", "[1, 2]", "JSON schema"),
+    ("choice", "[]", "non-empty list"),
+    ("choice", '["a", 3]', "non-empty list"),
+    ("grammar", "start: undefined_rule", "does not compile"),
+])
+def test_a_bad_constraint_is_refused_when_bound(tokenizer, kind, spec, message):
+    with pytest.raises(StructureError, match=message):
+        Structure(kind, spec).bound(tokenizer)
+
+
+def test_malformed_structures_are_refused_at_once():
+    for kind, spec in (("yaml", "a: 1"), ("regex", ""), ("json_object", "{}"), ("regex", "a" * (MAX_SPEC_CHARS + 1))):
+        with pytest.raises(StructureError):
+            Structure(kind, spec)
+    with pytest.raises(StructureError, match="not bound"):
+        Structure("regex", "a+").constraint()
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured=Structure("regex", "a+"))
+
+
+def test_equality_is_the_kind_and_text(tokenizer):
+    bound = Structure("regex", "[a-z]+").bound(tokenizer)
+    assert bound == Structure("regex", "[a-z]+") and bound.is_bound and not Structure("regex", "[a-z]+").is_bound
+    assert Structure("json_object") != Structure("json_object", any_whitespace=True)
+
+
+def walk(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("kind, spec, text", [
+    ("regex", r"[a-z_]{1,8}\((self|s), [0-9]{1,3}\)", "scan(self, 12)"),
+    ("json", json.dumps({"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}), '{"k":"end"}'),
+    ("grammar", 'start: "def " NAME "(" NAME ")"\nNAME: /[a-z]+/', "def decode(s)"),
+    ("choice", json.dumps(["decoder", "scanner", "end"]), "scanner"),
+])
+def test_masks_along_chain_and_tree_paths_equal_a_fresh_matchers(tokenizer, kind, spec, text):
+    structure = Structure(kind, spec).bound(tokenizer)
+    ids = walk(tokenizer, text)
+    committed, drafted = ids[:1], ids[1:]
+    constraint = structure.constraint(committed)
+    before = constraint.masks([[]])[0]
+    refused = int(torch.nonzero(~grammar_allows(structure, committed + drafted[:1], V))[0])
+    # a chain's prefixes, then tree paths: a branch off the chain, a path the grammar refuses
+    # (and one below it), and the chain again after them
+    paths = [drafted[:k] for k in range(len(drafted) + 1)]
+    paths += [drafted[:1] + [refused], drafted[:1] + [refused, drafted[1]], drafted[:2], []]
+    bits, reachable = constraint.masks(paths)
+    assert reachable.tolist() == [True] * (len(drafted) + 1) + [False, False, True, True]
+    got = allowed(bits, V)
+    for j, path in enumerate(paths):
+        if reachable[j]:
+            assert torch.equal(got[j], grammar_allows(structure, committed + path, V)), (j, path)
+        else:
+            assert got[j].all()
+    assert np.array_equal(constraint.masks([[]])[0], before)  # the matcher is where the committed text left it
+
+
+def test_a_grammar_after_a_token_frees_the_text_before_it(tokenizer):
+    """``after`` (a reasoning model's ``</think>``): positions whose text holds no ``after`` token
+    are free, the grammar holds what follows the first one, on a chain, on a tree branch, across
+    the committed text, and for a resumed output."""
+    gate = walk(tokenizer, "#")[0]
+    structure = Structure("regex", r"[a-z]{1,4}", after=gate).bound(tokenizer)
+    assert structure != Structure("regex", r"[a-z]{1,4}")  # after is part of what a request asked for
+    think, answer = walk(tokenizer, "anything (at all)"), walk(tokenizer, "ab")
+    constraint = structure.constraint(think)  # no gate yet: nothing consumed, nothing refused
+    drafted = think[:2] + [gate] + answer
+    paths = [drafted[:k] for k in range(len(drafted) + 1)] + [[gate], [gate, gate]]
+    bits, reachable = constraint.masks(paths)
+    got = allowed(bits, V)
+    for j, path in enumerate(paths):
+        if reachable[j]:
+            assert torch.equal(got[j], grammar_allows(structure, think + path, V)), (j, path)
+    assert got[0].all() and got[2].all() and not got[3].all()  # free until the gate, held after it
+    assert reachable.tolist() == [True] * len(paths[:-1]) + [False]  # a second gate is not [a-z]
+    constraint.extend(think[:1] + [gate] + answer[:1])  # the gate committed: the grammar holds what follows
+    committed = think + think[:1] + [gate] + answer[:1]
+    assert torch.equal(allowed(constraint.masks([[]])[0], V)[0], grammar_allows(structure, committed, V))
+    with pytest.raises(StructureError, match="does not match"):
+        structure.constraint([gate] + walk(tokenizer, "(")).masks([[]])
+    with pytest.raises(StructureError):
+        Structure("regex", "a", after=-1)
+
+
+def test_eos_ends_a_complete_text_and_nothing_follows(tokenizer):
+    structure = Structure("choice", json.dumps(["end"])).bound(tokenizer)
+    ids, eos = walk(tokenizer, "end"), tokenizer.eos_token_id
+    constraint = structure.constraint()
+    bits, reachable = constraint.masks([ids, ids + [eos], ids + [eos, ids[0]]])
+    assert torch.nonzero(allowed(bits, V)[0]).flatten().tolist() == [eos]  # complete: EOS alone
+    assert reachable.tolist() == [True, False, False]
+    with pytest.raises(StructureError, match="does not match"):
+        structure.constraint(walk(tokenizer, "en") + [eos])  # not complete: EOS refused
+    constraint.extend(ids + [eos])
+    assert constraint.matcher.is_stopped()  # the grammar takes no more tokens
+    with pytest.raises(StructureError):
+        constraint.extend(walk(tokenizer, "e"))
+
+
+def test_adjust_logits_masks_each_position_and_a_smaller_vocabulary(tokenizer):
+    """Target rows get -inf outside each position's mask; a draft's smaller vocabulary keeps the
+    ids it has, and a position none of whose allowed ids it has is left unmasked."""
+    structure = Structure("regex", r"ab[x-z]c").bound(tokenizer)
+    history = TokenHistory([5, 6], [], structure)
+    paths = [[], walk(tokenizer, "a"), walk(tokenizer, "ab")]
+    logits = torch.zeros(1, 3, V)
+    adjust_logits(logits, [0], [SamplingParams(structured=structure)], [history], [paths])
+    for j, path in enumerate(paths):
+        assert torch.equal(torch.isfinite(logits[0, j]), grammar_allows(structure, path, V))
+    small = torch.zeros(1, 3, walk(tokenizer, "a")[0] + 1)  # "a", but none of x, y, z, which byte-level BPE numbers above it
+    adjust_logits(small, [0], [SamplingParams(structured=structure)], [history], [paths])
+    assert torch.isfinite(small[0, 2]).all() and not torch.isfinite(small[0, 0]).all()
+
+
+def test_a_constraint_past_its_limits_fails_to_eos_alone(tokenizer, monkeypatch):
+    """Past llguidance's per-step limits (a tiny lexer budget here) the constraint records why,
+    its masks allow EOS alone at every position, and committed tokens no longer raise."""
+    from goodspeed.lm.decoding import structured
+
+    monkeypatch.setattr(structured, "LIMITS", structured.llguidance.LLParserLimits(step_lexer_fuel=100, verbose_errors=False))
+    bound = Structure("json_object").bound(tokenizer)  # its first mask fits the budget
+    constraint = bound.constraint()
+    ids = walk(tokenizer, '{"a": 1}')
+    bits, reachable = constraint.masks([ids[:k] for k in range(len(ids))])
+    assert constraint.failure is not None and "exceeded its limits" in constraint.failure
+    assert reachable.all() and all(torch.nonzero(row).flatten().tolist() == [tokenizer.eos_token_id] for row in allowed(bits, V))
+    constraint.extend([tokenizer.eos_token_id])
+
+
+def test_a_drafters_copy_of_the_text_drops_a_grammar_the_verifiers_text_left_instead_of_failing(tokenizer):
+    """The verifier decides the text: where its matcher ran past its limits and ended the text
+    with EOS, a drafter's copy refusing it must not fail the request (drafts go unmasked)."""
+    structure = Structure("regex", "[a-z]+").bound(tokenizer)
+    refused = walk(tokenizer, "12")
+    with pytest.raises(StructureError):
+        TokenHistory([1], structure=structure).extend(refused)
+    history = TokenHistory([1], structure=structure)
+    history.extend(refused, strict=False)
+    assert history.constraint is None and history.output == refused
+
+
+@pytest.mark.parametrize("kind, spec, text", [
+    ("json", json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                         "required": ["name", "n"], "additionalProperties": False}), '{"name":"ab","n":12}'),
+    ("choice", json.dumps(["scanner", "scanned"]), "scanned"),
+])
+def test_forced_tokens_are_those_a_fresh_matcher_allows_alone(tokenizer, kind, spec, text):
+    """At every prefix of a valid text: the forced run is, token by token, the one token a fresh
+    matcher allows (EOS aside), and the constraint is left where it was."""
+    structure = Structure(kind, spec).bound(tokenizer)
+    eos = set(structure.tokenizer.eos_tokens)
+    tokens = walk(tokenizer, text)
+    seen = 0
+    for cut in range(len(tokens) + 1):
+        constraint = structure.constraint(tokens[:cut])
+        got = constraint.forced(6)
+        want, output = [], list(tokens[:cut])
+        while len(want) < 6:
+            only = torch.nonzero(grammar_allows(structure, output, len(tokenizer))).flatten().tolist()
+            if len(only) != 1 or only[0] in eos:
+                break
+            want.append(only[0])
+            output.append(only[0])
+        assert got == want, (cut, got, want)
+        seen += len(got)
+        assert constraint.forced(6) == got  # the matcher was left as it was
+    assert seen > 0
