@@ -7,7 +7,7 @@ in :func:`goodspeed.launch.experiments.simulate.simulate` on both shipped specs'
 per-position acceptance, ``launch/experiments/profiles/``), ``--seeds`` times each. Per candidate it prints the
 mean ± sd over seeds of the final utility on the realised goodput ``U(x̄)`` and on the expected
 goodput ``E[x | S]`` (no draw noise), the rounds until each settles within 1%, and the longest
-run of rounds any drafter was allotted ``S = 0``. docs/EXPERIMENTS.md tabulates its output.
+run of rounds any drafter was allotted ``S = 0``. docs/EXPERIMENT-LOG.md tabulates its output.
 """
 
 from __future__ import annotations

@@ -299,7 +299,7 @@ class DrafterSpec:
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
     # Draft the next round while a draft is in flight (goodspeed.drafter.runner). Off for launched
     # drafters, which share this machine's cores: one drafter's pre-drafting takes CPU from
-    # another's drafting (docs/EXPERIMENTS.md measured it); `goodspeed drafter` on its own device
+    # another's drafting (docs/EXPERIMENT-LOG.md measured it); `goodspeed drafter` on its own device
     # has it on unless --no-proactive.
     proactive: bool = False
     # Prompts generated at once, as an edge device serving several users: more than 1 runs them

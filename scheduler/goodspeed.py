@@ -272,7 +272,7 @@ class SmoothingConfig:
     drafter's weight ``1/X`` starts high and it is measured quickly. ``warm_start`` replaces the
     prior with the first measurement (eq. 3 with ``eta = 1`` once); evaluated as a remedy for
     starved estimates and rejected — a weak drafter's first, pessimistic measurement locks it out
-    sooner (docs/EXPERIMENTS.md) — so it is off by default.
+    sooner (docs/EXPERIMENT-LOG.md) — so it is off by default.
     """
 
     eta: float = 0.2

@@ -5,7 +5,7 @@ A policy sees the round's numbers only — drafter ids, their smoothed acceptanc
 returns one draft length per drafter. It is told each verified round through ``observe`` (the
 distributed policies here are stateless between rounds, so theirs does nothing; policies with
 memory keep it there). Registered names: ``goodspeed`` (eq. 5 with an exploration floor, the
-default: docs/EXPERIMENTS.md has the evidence), ``goodspeed-paper`` (the paper's eq. 5 exactly, for
+default: docs/EXPERIMENT-LOG.md has the evidence), ``goodspeed-paper`` (the paper's eq. 5 exactly, for
 reproductions), ``goodspeed-ucb`` (eq. 5 on an optimistic acceptance, an evaluated alternative),
 ``goodspeed-time`` (the log utility of tokens per second, :mod:`.timing`: for ``--rounds async``),
 ``fixed``, ``random``.
@@ -86,7 +86,7 @@ class GoodSpeedPolicy(GoodSpeedPaperPolicy):
     """Eq. (5) with an exploration floor, so no estimate can starve: the default ``goodspeed``.
 
     Eq. (3) updates ``alpha_hat`` only in rounds with ``S > 0``; a drafter the allocation starves
-    keeps a pessimistic estimate for ever (docs/EXPERIMENTS.md, 8 drafters). Here a drafter whose
+    keeps a pessimistic estimate for ever (docs/EXPERIMENT-LOG.md, 8 drafters). Here a drafter whose
     acceptance has not been measured for more than ``patience`` rounds gets ``S >= 1`` (the
     stalest first if the budget cannot floor them all), and the rest of the budget is eq. (5)'s
     exact optimum under that floor: past its floor a drafter's units gain ``w a^k`` for
@@ -95,7 +95,7 @@ class GoodSpeedPolicy(GoodSpeedPaperPolicy):
 
     It was chosen with ``eta = 0.1``: greedy ratios are 0 or 1, and eq. (5)'s integer optimum
     follows the noise of a faster average; the floor keeps the slower average from starving
-    anyone (docs/EXPERIMENTS.md, "Estimates that cannot deadlock").
+    anyone (docs/EXPERIMENT-LOG.md, "Estimates that cannot deadlock").
     """
 
     name = "goodspeed"

@@ -40,7 +40,7 @@ for; a fast drafter is waited for longer than a slow one, whose round a step bar
 ski-rental bound: waiting longer than a step costs more than running one) nor than
 ``round_deadline_ms``. The step closes at once when no drafter is due before its own limit
 (``none-due``). Waiting up to ``f`` for every due draft, whatever waits for it, would idle the
-engine for the slowest link's drafter at every step (docs/EXPERIMENTS.md, *How long a step waits*).
+engine for the slowest link's drafter at every step (docs/EXPERIMENT-LOG.md, *How long a step waits*).
 
 With transit decoding (``EngineConfig.transit_tokens``, async only) the steps the loop runs also
 decode the next tokens of drafters whose draft is still on the way (:mod:`goodspeed.verifier.engine`);
@@ -80,7 +80,7 @@ Why the period and not the *cycle* (link and drafting only), with a transit toke
 too large (periods of 112-245 ms against cycles of 22-117 ms, the fastest drafter's the most)
 against the transit tokens' worth (``X`` 1.0-1.4 against 1.6-2.5 tokens a verdict carried), so
 steps wait for drafts worth less than the wait. The period rule gave 2.8% more throughput there,
-with transit decoding and without (docs/EXPERIMENTS.md, *How long a step waits: one over the
+with transit decoding and without (docs/EXPERIMENT-LOG.md, *How long a step waits: one over the
 period*).
 
 In both modes the budget ``C`` bounds every step: a drafter's allotment stays outstanding until

@@ -30,7 +30,7 @@ chosen with (:func:`goodspeed.scheduler.policy.smoothing_of`) unless the spec se
 
 Acceptance draws are independent between rounds: the real drafters' acceptance also drifts with
 the text (prompt to prompt), which the simulator does not model; the validation table in
-docs/EXPERIMENTS.md says how much that matters. Drafters take part in every round (the real
+docs/EXPERIMENT-LOG.md says how much that matters. Drafters take part in every round (the real
 synchronous runs have no missed rounds) and ignore end-of-sequence tokens (requests run to
 ``max_new_tokens``). The asynchronous round mode (issue 16) does not exist yet and is not
 simulated.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from goodspeed.serving.generation import GenerationRequest
-from goodspeed.drafter import node as node_module
+from goodspeed.drafter import node_requests
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.runtime.graphs import StepGraphs
 from goodspeed.lm.decoding.sampling import SamplingParams
@@ -397,13 +397,13 @@ def test_a_request_cancelled_as_its_verdict_arrives_still_ends_on_the_verifier(m
                 for task in fired:
                     task.cancel()
 
-    session_init = node_module._Session.__init__
+    session_init = node_requests.PooledSession.__init__
 
     def init(self, session_id, stream):
         session_init(self, session_id, stream)
         self.verdicts = CancelOnVerdict()
 
-    monkeypatch.setattr(node_module._Session, "__init__", init)
+    monkeypatch.setattr(node_requests.PooledSession, "__init__", init)
     with verifier(models) as server, node(server, models, max_concurrency=2) as edge:
         holder["node"] = edge.node
 
