@@ -13,7 +13,7 @@ from goodspeed.api.tools import PARSERS as TOOL_PARSERS
 from goodspeed.launch import commands
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec
 from goodspeed.launch.spec_files import add_setting_flags
-from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, check_proposal_top_k
+from goodspeed.lm.decoding.sampling import check_proposal_top_k
 from goodspeed.scheduler.policy import POLICIES
 
 
@@ -52,17 +52,9 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
     dr.add_argument("--spec", metavar="FILE", default=None,
                     help="take the settings from FILE's [[drafters]] entry (the one named --name; a launch spec, or the "
                          "file `goodspeed launch` writes for each drafter); flags given as well override it")
+    add_setting_flags(dr, DrafterSpec)  # one flag per DrafterSpec node setting: declared there, once
+    # What the node learns at run time, not a setting of a spec entry:
     dr.add_argument("--verifier", required=True, help="HOST:PORT")
-    dr.add_argument("--draft", default=None, help="the draft source (required, here or in --spec's file): a model (hub id, "
-                    "directory or demo:<name>), a lookup with no model (ngram, suffix; give --tokenizer), or LOOKUP+MODEL "
-                    "(each round the part whose draft is worth more by its acceptance measured on the request)")
-    dr.add_argument("--tokenizer", default=None, help="the target's tokenizer (a model name), for a draft source with no model")
-    dr.add_argument("--draft-length", default="goodput", choices=("goodput", "allotted"),
-                    help="goodput: each round drafts the length (at most the verifier's S_i) with the most expected tokens "
-                         "per second from the request's measured acceptance and this node's drafting and round times, 0 where "
-                         "speculation does not pay; allotted: always S_i (through the node: --concurrency > 1, --serve, or a "
-                         "lookup draft source)")
-    dr.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set name")
     dr.add_argument("--serve", default=None, metavar="HOST:PORT", help="serve the OpenAI API here instead "
                     "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; a --spec file's prompts are not read)")
     dr.add_argument("--max-concurrency", type=POSITIVE_INT, default=4, help="--serve: requests generating at once (one verifier session each)")
@@ -71,32 +63,9 @@ def _add_drafter_flags(dr: argparse.ArgumentParser) -> None:
                     "(required off loopback)")
     dr.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS, help="--serve: " + TOOL_PARSER_HELP)
     dr.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help="--serve: " + REASONING_PARSER_HELP)
-    _add_sampling_args(dr, max_new_tokens=DrafterSpec.max_new_tokens)
     dr.add_argument("--out", default=None, help="JSONL results (default: stdout)")
-    dr.add_argument("--name", default=None, help="this node's name, its identity without a token or certificate (default: "
-                                                 "drafter); with --spec, the entry to read (default: the file's only one)")
-    _add_client_credentials(dr)
     dr.add_argument("--connect-timeout-s", type=POSITIVE, default=60.0)
     dr.add_argument("--quiet", action="store_true", help="no progress bar")
-    dr.add_argument("--proactive", action=argparse.BooleanOptionalAction, default=True,
-                    help="draft the next round while a draft is being verified (default: on; one request at a time)")
-    dr.add_argument("--concurrency", type=int, default=1,
-                    help="--prompts: requests generating at once, drafted together (one verifier session each; "
-                         "more than 1 needs --no-proactive)")
-    dr.add_argument("--proposal-top-k", type=int, default=PROPOSAL_TOP_K,
-                    help="sampled drafts: draw from and send only the draft distribution's K most likely tokens a "
-                         "position, K (id, prob) pairs on the wire instead of the vocabulary's floats; lossless "
-                         "(the verifier tests against exactly that q); 0: the whole vocabulary (default: %(default)s)")
-    dr.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-                    help="replay the node's draft forwards (one request's at a time, or its batched drafting with "
-                         "--serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.runtime.graphs); CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x (docs/MEASUREMENTS.md)")
-    dr.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
-                    help="run the node's draft forwards at fixed shapes through a decoder compiled by torch.compile "
-                         "(goodspeed.lm.runtime.graphs; a handful of graphs, seconds to tens of seconds each on a CPU, "
-                         "compiled in a warm-up before the node joins); any device; on this project's CPU a round of "
-                         "one request's drafting cost 0.88-0.93x the eager one's with the SmolLM2 draft "
-                         "(docs/MEASUREMENTS.md)")
-    _add_model_args(dr)
 
 
 def drafter_settings(argv: list[str]) -> tuple[DrafterSpec, argparse.Namespace]:

@@ -28,7 +28,7 @@ Unknown keys are errors (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from goodspeed.api.reasoning import PARSER_HELP as REASONING_PARSER_HELP
@@ -95,7 +95,8 @@ def placement_of(spec: "VerifierSpec | DrafterSpec") -> Placement:
 
 
 def setting(default, help: str = "", to: str | tuple[str, ...] | None = None, cli_default=..., **flag):
-    """One ``goodspeed verifier`` setting, declared once: its spec key and flag (the field's name),
+    """One ``goodspeed verifier`` or ``goodspeed drafter`` setting, declared once (``MISSING``: a
+    key every spec entry must give): its spec key and flag (the field's name),
     its default, its flag's ``help``, and where it lands: ``to`` names the library config fields
     the daemon sets from it (``"engine.budget"``: ``EngineConfig.budget``; ``"server.*"``:
     ``ServerConfig``; ``"local.*"``: ``LocalConfig``), or None for the few that
@@ -110,8 +111,28 @@ def setting(default, help: str = "", to: str | tuple[str, ...] | None = None, cl
     return field(default=default, metadata={"help": help, "to": routes, "flag": flag})
 
 
+class DeclaredSettings:
+    """What a spec whose settings are declared with :func:`setting` can say about them."""
+
+    @classmethod
+    def flag_settings(cls) -> list[str]:
+        """The settings that are flags of the spec's command."""
+        raise NotImplementedError
+
+    def routed(self, config: str) -> dict:
+        """The settings that land in ``config`` (the first part of a route: ``engine``,
+        ``server``, ``local``; ``client``, ``node``), as that config's keyword arguments."""
+        out = {}
+        for f in fields(self):
+            for route in f.metadata.get("to", ()):
+                where, name = route.split(".")
+                if where == config:
+                    out[name] = getattr(self, f.name)
+        return out
+
+
 @dataclass(frozen=True)
-class VerifierSpec:
+class VerifierSpec(DeclaredSettings):
     """The verifier daemon's settings (``goodspeed verifier`` flags, a spec's ``[verifier]``); each
     declared once, with :func:`setting`."""
 
@@ -231,16 +252,9 @@ class VerifierSpec:
         return ["local_draft"] + [f.name for f in fields(cls) if f.metadata.get("to", ())[:1] and
                                   all(t.startswith("local.") for t in f.metadata["to"])] + ["latency_profile"]
 
-    def routed(self, config: str) -> dict:
-        """The settings that land in ``config`` (``engine``, ``server`` or ``local``), as that
-        config's keyword arguments."""
-        out = {}
-        for f in fields(self):
-            for route in f.metadata.get("to", ()):
-                where, name = route.split(".")
-                if where == config:
-                    out[name] = getattr(self, f.name)
-        return out
+    @classmethod
+    def flag_settings(cls) -> list[str]:
+        return cls.daemon_settings()
 
     def to_toml(self) -> str:
         """These daemon settings as a spec file's ``[verifier]`` table (unset ones left out): what
@@ -272,55 +286,66 @@ def _toml_value(value) -> str:
 
 
 @dataclass(frozen=True)
-class DrafterSpec:
-    """One draft node's settings (``goodspeed drafter`` flags, a spec's ``[[drafters]]``)."""
+class DrafterSpec(DeclaredSettings):
+    """One draft node's settings (``goodspeed drafter`` flags, a spec's ``[[drafters]]``); each node
+    setting declared once, with :func:`setting` (routes: ``client.*`` is the single-request client's
+    ``DrafterConfig``, ``node.*`` the edge node's ``NodeConfig``)."""
 
-    name: str
-    draft: str  # a draft source: MODEL, a lookup (ngram, suffix) or LOOKUP+MODEL (goodspeed.lm.decoding.draft_source)
-    prompts: str
-    max_new_tokens: int = 64  # as `goodspeed drafter`'s flag and the client's DrafterConfig
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    name: str = setting(MISSING, "this node's name, its identity without a token or certificate (default: drafter); "
+                        "with --spec, the entry to read (default: the file's only one)", to=("client.name", "node.name"),
+                        cli_default=None)
+    draft: str = setting(MISSING, "the draft source (required, here or in --spec's file): a model (hub id, directory or "
+                         "demo:<name>), a lookup with no model (ngram, suffix; give --tokenizer), or LOOKUP+MODEL (each "
+                         "round the part whose draft is worth more by its acceptance measured on the request)",
+                         to=("client.model_name", "node.model_name"), cli_default=None)
+    prompts: str = setting(MISSING, "JSONL with 'prompt' or 'prompt_ids' (and optional 'id') per line, or a shipped set "
+                           "name", cli_default=None)
+    max_new_tokens: int = setting(64, "tokens each request generates at most", to="client.max_new_tokens")
+    temperature: float = setting(0.0, "0: greedy")
+    top_k: int = setting(0, "0: off")
+    top_p: float = setting(1.0, "1: off")
     count: int = 1
     max_prompts: int | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int | None = None  # root seed (default: the spec's top-level seed)
-    # The target's tokenizer (a model name), for a draft source without a model (ngram, suffix);
-    # a draft model's own otherwise
-    tokenizer: str | None = None
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = setting("float32", "the draft's weights", choices=DTYPES)
+    seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and "
+                               "name (default: the spec's top-level seed, else fresh OS entropy, logged so the run can "
+                               "be replayed)", to=("client.seed", "node.seed"))
+    tokenizer: str | None = setting(None, "the target's tokenizer (a model name), for a draft source with no model")
     cpus: tuple[int, ...] | None = None  # CPU affinity (Linux)
-    token_file: str | None = None  # this drafter's bearer token (set by `goodspeed launch` with the verifier's tokens)
-    tls_ca: str | None = None  # PEM: the CA of the verifier's certificate (TLS); tls_cert/tls_key: this node's
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None  # the name to check in the verifier's certificate, if not the dialled host
+    token_file: str | None = setting(None, "file holding a bearer token (for a verifier with --auth-tokens; "
+                                     "`goodspeed launch` sets it with the verifier's tokens)")
+    tls_ca: str | None = setting(None, "PEM CA of the verifier's certificate: dial with TLS")
+    tls_cert: str | None = setting(None, "PEM client certificate for mutual TLS (with --tls-key)")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert")
+    tls_server_name: str | None = setting(None, "name to check in the verifier's certificate, if not the dialled host")
     link: LinkSpec | None = None  # an emulated edge link (needs root): rtt_ms, jitter_ms, mbit, loss
-    # Draft the next round while a draft is in flight (goodspeed.drafter.runner). Off for launched
-    # drafters, which share this machine's cores: one drafter's pre-drafting takes CPU from
-    # another's drafting (docs/EXPERIMENT-LOG.md measured it); `goodspeed drafter` on its own device
-    # has it on unless --no-proactive.
-    proactive: bool = False
-    # Prompts generated at once, as an edge device serving several users: more than 1 runs them
-    # through the node's batched drafting (goodspeed.drafter.node), one verifier session per
-    # request in flight, all under this drafter's name (one device: one utility term). While one
-    # request's draft is on the link, the device drafts another's.
-    concurrency: int = 1
-    # Sampled drafts are drawn from, and send, only their q's most likely tokens a position
-    # (goodspeed.lm.decoding.sampling.cap_support): k (id, prob) pairs on the wire instead of V floats,
-    # still lossless. 0: the whole vocabulary.
-    proposal_top_k: int = PROPOSAL_TOP_K
-    # The node's draft forwards replayed as CUDA graphs (goodspeed.lm.runtime.graphs; CUDA only): one
-    # request's at a time, or its batched drafting (concurrency > 1, or --serve).
-    cuda_graphs: bool = False
-    # The node's draft forwards at fixed shapes through a decoder compiled by torch.compile
-    # (goodspeed.lm.runtime.graphs.compiled), any device; with cuda_graphs the graphs record its kernels.
-    torch_compile: bool = False
-    # How many tokens a round drafts: goodput, the length (at most the verifier's S_i) with the most
-    # expected tokens per second from the request's measured acceptance and the node's drafting and
-    # round times, 0 where speculation does not pay (goodspeed.scheduler.paying); allotted: S_i
-    draft_length: str = "goodput"
+    # Off for launched drafters, which share this machine's cores: one drafter's pre-drafting takes
+    # CPU from another's drafting (docs/EXPERIMENT-LOG.md measured it); `goodspeed drafter` on its
+    # own device has it on unless --no-proactive.
+    proactive: bool = setting(False, "draft the next round while a draft is being verified (SpecEdge's idea; one "
+                              "request at a time; default: on)", to="client.proactive", cli_default=True)
+    concurrency: int = setting(1, "--prompts: requests generating at once, drafted together through the node's "
+                               "batched drafting (one verifier session each, all under this node's name: one device, "
+                               "one utility term); more than 1 needs --no-proactive")
+    proposal_top_k: int = setting(PROPOSAL_TOP_K, "sampled drafts: draw from and send only the draft distribution's K "
+                                  "most likely tokens a position, K (id, prob) pairs on the wire instead of the "
+                                  "vocabulary's floats; lossless (the verifier tests against exactly that q); 0: the "
+                                  "whole vocabulary (default: %(default)s)", to="node.proposal_top_k")
+    cuda_graphs: bool = setting(False, "replay the node's draft forwards (one request's at a time, or its batched "
+                                "drafting with --serve or --concurrency > 1) as CUDA graphs (goodspeed.lm.runtime.graphs); "
+                                "CUDA only; on an H200 a round of one request's drafting cost 0.15-0.41x "
+                                "(docs/MEASUREMENTS.md)", to="node.cuda_graphs")
+    torch_compile: bool = setting(False, "run the node's draft forwards at fixed shapes through a decoder compiled by "
+                                  "torch.compile (goodspeed.lm.runtime.graphs; compiled in a warm-up before the node "
+                                  "joins); any device; on this project's CPU a round of one request's drafting cost "
+                                  "0.88-0.93x the eager one's with the SmolLM2 draft (docs/MEASUREMENTS.md)",
+                                  to="node.torch_compile")
+    draft_length: str = setting("goodput", "goodput: each round drafts the length (at most the verifier's S_i) with the "
+                                "most expected tokens per second from the request's measured acceptance and this node's "
+                                "drafting and round times, 0 where speculation does not pay (goodspeed.scheduler.paying); "
+                                "allotted: always S_i (through the node: --concurrency > 1, --serve, or a lookup draft "
+                                "source)", to="node.draft_length", choices=("goodput", "allotted"))
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -340,8 +365,12 @@ class DrafterSpec:
     @classmethod
     def node_settings(cls) -> list[str]:
         """The fields that are ``goodspeed drafter`` flags, one for one (same names; the defaults
-        the flags differ in are listed in ``tests/launch/test_settings_sync.py``)."""
+        the flags differ in are each declared with ``cli_default``)."""
         return [f.name for f in fields(cls) if f.name not in cls.LAUNCHER]
+
+    @classmethod
+    def flag_settings(cls) -> list[str]:
+        return cls.node_settings()
 
     def to_toml(self) -> str:
         """This node's settings as a spec file's one ``[[drafters]]`` entry: what ``goodspeed

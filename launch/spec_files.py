@@ -77,25 +77,27 @@ def load_drafter_settings(path: str | Path, name: str | None = None) -> dict:
 
 
 def add_setting_flags(parser, spec_class=None) -> None:
-    """``parser``'s flags for every daemon setting of ``VerifierSpec`` (the local-serving ones in
-    their own group), typed, defaulted and documented from the fields."""
+    """``parser``'s flags for every setting of ``spec_class`` that is one (``flag_settings``;
+    default :class:`VerifierSpec`, whose local-serving settings get a group of their own), typed,
+    defaulted and documented from the fields' :func:`~goodspeed.launch.spec.setting` lines."""
     import argparse
     import typing
 
     spec_class = spec_class or VerifierSpec
     hints = typing.get_type_hints(spec_class)
-    local = parser.add_argument_group("local serving (Generate RPC)")
-    local_names = set(spec_class.local_settings())
+    local = parser.add_argument_group("local serving (Generate RPC)") if hasattr(spec_class, "local_settings") else parser
+    local_names = set(spec_class.local_settings()) if hasattr(spec_class, "local_settings") else set()
+    names = set(spec_class.flag_settings())
     for f in fields(spec_class):
-        if f.name not in spec_class.daemon_settings():
+        if f.name not in names:
             continue
         if "flag" not in f.metadata:
-            raise TypeError(f"{spec_class.__name__}.{f.name}: declare daemon settings with setting(...), not a bare default")
+            raise TypeError(f"{spec_class.__name__}.{f.name}: declare flag settings with setting(...), not a bare default")
         kind = hints[f.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         kind = args[0] if args else kind
         options = {"default": f.default, "help": f.metadata.get("help") or None, **f.metadata["flag"]}
-        if options.get("required"):
+        if options.get("required") or options["default"] is MISSING:
             options.pop("default")
         if kind is bool:  # --x / --no-x: either way, over the default or over --spec's file
             options.update(action=argparse.BooleanOptionalAction)

@@ -88,11 +88,11 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft: LoadedModel
     drafting included), one JSONL record per request."""
     eos = draft.tokenizer.eos_token_id
     config = DrafterConfig(
-        verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=draft.fingerprint,
-        sampling=SamplingParams(spec.temperature, spec.top_k, spec.top_p), max_new_tokens=spec.max_new_tokens,
-        eos_token_ids=(eos,) if eos is not None else (), seed=spec.seed, connect_timeout_s=connect_timeout_s,
+        **spec.routed("client"), verifier=verifier, fingerprint=draft.fingerprint,
+        sampling=SamplingParams(spec.temperature, spec.top_k, spec.top_p),
+        eos_token_ids=(eos,) if eos is not None else (), connect_timeout_s=connect_timeout_s,
         token=read_token(spec.token_file), tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name),
-        proactive=spec.proactive, on_wait=_say(spec.name),
+        on_wait=_say(spec.name),
     )
     client = DrafterClient(config, DraftRunner(draft.model, spec.proposal_top_k, cuda_graphs=spec.cuda_graphs,
                                                          torch_compile=spec.torch_compile))
@@ -128,10 +128,9 @@ def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurre
     from goodspeed.drafter.node import NodeConfig
 
     return NodeConfig(
-        verifier=verifier, name=spec.name, model_name=spec.draft, fingerprint=fingerprint, max_concurrency=max_concurrency,
-        max_waiting=max_waiting, seed=spec.seed, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
-        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), proposal_top_k=spec.proposal_top_k,
-        cuda_graphs=spec.cuda_graphs, torch_compile=spec.torch_compile, draft_length=spec.draft_length, on_wait=_say(spec.name))
+        **spec.routed("node"), verifier=verifier, fingerprint=fingerprint, max_concurrency=max_concurrency,
+        max_waiting=max_waiting, connect_timeout_s=connect_timeout_s, token=read_token(spec.token_file),
+        tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), on_wait=_say(spec.name))
 
 
 def _say(name: str):

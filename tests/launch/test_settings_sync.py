@@ -192,6 +192,47 @@ def test_every_drafter_setting_is_a_flag_and_every_other_flag_is_the_nodes_run_t
     assert {name: flags[name] for name in spec if flags[name] != spec[name]} == DRAFTER_CLI_DEFAULTS
 
 
+# The node settings launch/daemons/draft_node.py turns into something other than one config field,
+# and why; and the routed ones whose config default differs from the spec's, and why.
+DRAFT_NODE_HANDLES = {
+    "prompts": "the file whose prompts it generates", "temperature": "SamplingParams", "top_k": "SamplingParams",
+    "top_p": "SamplingParams", "device": "where the draft loads", "dtype": "how the draft loads",
+    "tokenizer": "the tokenizer of a draft source with no model", "token_file": "the token read from it",
+    "tls_ca": "the client's TLS settings", "tls_cert": "the client's TLS settings", "tls_key": "the client's TLS settings",
+    "tls_server_name": "the client's TLS settings", "concurrency": "how many prompts it generates at once",
+}
+ROUTED_DEFAULTS_DIFFER = {
+    "draft": "a spec entry must name its draft; a config's model name defaults to ''",
+    "proactive": "launched drafters share the launching machine's cores (the spec's False); the client on its own device drafts ahead",
+}
+
+
+def test_every_drafter_setting_lands_in_a_config_field_that_exists_and_defaults_alike():
+    """Each node setting's route names a field of the client's DrafterConfig or the node's
+    NodeConfig with the same default (or one listed above, with why); a setting with no route is
+    one draft_node.py handles itself (listed above, so a new setting without a route fails here)."""
+    from goodspeed.drafter.client import DrafterConfig
+    from goodspeed.drafter.node import NodeConfig
+
+    configs = {"client": DrafterConfig, "node": NodeConfig}
+    unrouted, differ = set(), set()
+    for f in dataclasses.fields(DrafterSpec):
+        if f.name not in DrafterSpec.node_settings():
+            continue
+        if not f.metadata["to"]:
+            unrouted.add(f.name)
+        for route in f.metadata["to"]:
+            where, name = route.split(".")
+            config = {c.name: c for c in dataclasses.fields(configs[where])}
+            assert name in config, f"{f.name} -> {route}: no such field"
+            if config[name].default != f.default:
+                differ.add(f.name)
+    assert unrouted == set(DRAFT_NODE_HANDLES)
+    assert differ == set(ROUTED_DEFAULTS_DIFFER)
+    spec = DrafterSpec(**DRAFTER_CHANGED)
+    assert spec.routed("node")["proposal_top_k"] == 64 and spec.routed("client")["max_new_tokens"] == 7
+
+
 def test_the_launchers_drafter_file_carries_every_node_setting(launched_drafter, tmp_path):
     """Every node setting away from its default, through the file ``drafter_command`` writes and
     the node's own argument handling, comes back whole; what places or copies the process does
