@@ -38,6 +38,7 @@ from goodspeed.api.protocol import MAX_STOP_STRINGS, ChatCompletionRequest
 from goodspeed.api.responses import new_id
 from goodspeed.api.text import TextStream
 from goodspeed.api.tools import MAX_TOOLS, NAME_PATTERN
+from goodspeed.lm.decoding.structured import loads_bounded
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -278,8 +279,8 @@ class MessageWriter:
         if call is None:
             return []
         try:
-            arguments = json.loads(call["arguments"] or "{}")
-        except json.JSONDecodeError:
+            arguments = loads_bounded(call["arguments"] or "{}")
+        except ValueError:  # json.JSONDecodeError and JsonTooDeep are
             arguments = None
         if not isinstance(arguments, dict):  # cut before its arguments closed: the text as written
             return self._text("text", call["arguments"])

@@ -54,6 +54,7 @@ from goodspeed.api.text import INLINE_CHARS
 from goodspeed.api.tokenizer_routes import TokenizerRoutes
 from goodspeed.api.tools import PARSERS
 from goodspeed.api.translated import ResponsesAndMessages
+from goodspeed.lm.decoding.structured import JsonTooDeep, loads_bounded
 from goodspeed.serving.generation import Delta, GenerationRequest, RequestError
 
 try:
@@ -233,7 +234,9 @@ class OpenAIServer(Completions, ResponsesAndMessages, TokenizerRoutes, Streaming
     @staticmethod
     async def _json(request: web.Request):
         try:
-            return json.loads(await request.read())
+            return loads_bounded(await request.read(), "the request body")
+        except JsonTooDeep as exc:
+            raise ApiError(400, str(exc), code="json_too_deep") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
@@ -241,19 +244,3 @@ class OpenAIServer(Completions, ResponsesAndMessages, TokenizerRoutes, Streaming
         if name not in self.backend.model_ids:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.backend.model_ids[0]!r}",
                            param="model", code="model_not_found")
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -43,6 +43,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from goodspeed.api.text import held_back
+from goodspeed.lm.decoding.structured import loads_bounded
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
@@ -91,8 +92,8 @@ class ToolCallMessage(BaseModel):
         """As chat templates read it (transformers' convention, vLLM's too): ``arguments`` a dict
         when it is a JSON object, else the text as sent."""
         try:
-            parsed = json.loads(self.function.arguments)
-        except json.JSONDecodeError:
+            parsed = loads_bounded(self.function.arguments)
+        except ValueError:  # json.JSONDecodeError and JsonTooDeep are
             parsed = None
         arguments = parsed if isinstance(parsed, dict) else self.function.arguments
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
@@ -222,7 +223,7 @@ class _Array:
                     continue
                 try:  # keys in another order: the item whole, once it closes
                     item, end = self.decoder.raw_decode(self.text, self.at)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):  # the model's text, nested past the decoder
                     break
                 if not (isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item):
                     self.state = "broken"
@@ -278,8 +279,8 @@ class _Hermes:
     def _call(self, body: str):
         """A block's body as ``(name, arguments)``, or None if it is not a call."""
         try:
-            item = json.loads(body)
-        except json.JSONDecodeError:
+            item = loads_bounded(body)
+        except ValueError:  # json.JSONDecodeError and JsonTooDeep are
             return None
         if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
             return None
@@ -356,8 +357,8 @@ class _Qwen3Coder(_Hermes):
                     return number if math.isfinite(number) else text  # JSON has no NaN or infinity
             if "boolean" in kinds and text.strip().lower() in ("true", "false"):
                 return text.strip().lower() == "true"
-            return json.loads(text)
-        except ValueError:  # json.JSONDecodeError is one
+            return loads_bounded(text)
+        except ValueError:  # json.JSONDecodeError and JsonTooDeep are
             return text
 
     def _call(self, body: str):
@@ -410,7 +411,7 @@ class _Llama3Json:
                 return "", calls
             try:
                 item, i = decoder.raw_decode(text, i)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # the model's text, nested past the decoder
                 return self.buffer, []
             if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
                 return self.buffer, []

@@ -48,6 +48,39 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The most characters a grammar's text may hold (a JSON schema, a regex, a Lark or GBNF grammar, the
 # choices as JSON); llguidance bounds the compiled grammar's size and each step's work besides.
 MAX_SPEC_CHARS = 256 * 1024
+# The deepest nesting a JSON value read from a client may have: a JSON schema's, and (goodspeed.api)
+# a request body's, which carries schemas. Deeper is refused by name, never a RecursionError.
+MAX_JSON_DEPTH = 100
+
+
+class JsonTooDeep(ValueError):
+    """JSON nested deeper than :data:`MAX_JSON_DEPTH`."""
+
+
+def json_depth(value) -> int:
+    """How deeply ``value`` (parsed JSON) nests arrays and objects: 0 for a scalar, 1 for ``[]``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def loads_bounded(text: str | bytes, what: str = "the JSON"):
+    """``json.loads(text)``, refusing nesting deeper than :data:`MAX_JSON_DEPTH` with a
+    :class:`JsonTooDeep` that names the limit (a ``ValueError``, as ``json.JSONDecodeError`` is)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        if json_depth(value) <= MAX_JSON_DEPTH:
+            return value
+    raise JsonTooDeep(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels (arrays and objects)")
 
 
 class StructureError(ValueError):
@@ -126,13 +159,13 @@ def _llguidance_grammar(kind: str, spec: str, any_whitespace: bool = False) -> s
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
         if kind == "json":
-            schema = json.loads(spec)
+            schema = loads_bounded(spec, "the JSON schema")
             if not isinstance(schema, (dict, bool)):
                 raise StructureError("a json constraint is a JSON schema: an object (or true / false)")
             return llguidance.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else
                                                                  ({} if schema else {"not": {}}), overrides=options)
         if kind == "choice":
-            choices = json.loads(spec)
+            choices = loads_bounded(spec, "the choices")
             if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
                 raise StructureError("a choice constraint is a non-empty list of non-empty strings")
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))

@@ -270,3 +270,24 @@ def test_chat_template_kwargs_and_continue_final_message_render_as_vllms():
     assert unread[0] == 400 and "frobnicate" in unread[1]["message"] and "enable_thinking" in unread[1]["message"]
     assert reserved[0] == 400 and reserved[1]["param"] == "chat_template_kwargs"
     assert both[0] == 400 and both[1]["param"] == "continue_final_message"
+
+
+def test_hostile_nesting_on_the_verifiers_front_is_a_400_that_names_the_limit(server, api):
+    """The verifier's own front: a body nested 20,000 levels deep, and a schema sent as text
+    nested 1,000 levels deep (compiled against the target's tokenizer), are each a 400 naming the
+    limit; the front keeps serving."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from goodspeed.lm.decoding.structured import MAX_JSON_DEPTH
+
+    deep = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
+    base = f"http://127.0.0.1:{server.server.http_port}/v1/completions"
+    for body in (b"[" * 20_000 + b"]" * 20_000, json.dumps({"model": "tiny", "prompt": "x", "guided_json": deep}).encode()):
+        request = urllib.request.Request(base, data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 400
+        assert f"nested deeper than {MAX_JSON_DEPTH} levels" in json.loads(refused.value.read())["error"]["message"]
+    assert api.completions.create(model="tiny", prompt="def f(x):", max_tokens=4, temperature=0).choices[0].text is not None

@@ -3,8 +3,11 @@ its output equals the target's greedy decoding; several requests share one devic
 a client that goes away frees the verifier at once; a dropped session is repaired."""
 
 import asyncio
+import json
 import re
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -771,9 +774,6 @@ def test_an_api_key_guards_the_node(models):
 
 
 def test_the_nodes_health_follows_its_verifier(models):
-    import urllib.error
-    import urllib.request
-
     def health(edge):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{edge.port}/health", timeout=5) as response:
@@ -813,3 +813,21 @@ def test_a_cuda_node_and_verifier_serve_the_targets_greedy_decoding(models, grap
         if graphs:
             assert engine.graphs.replays > 0 and edge.node.drafter.graphs.replays > 0
     assert texts == {p: reference(models, p, 14) for p in prompts}
+
+
+def test_hostile_nesting_through_a_node_is_a_400_that_names_the_limit(models):
+    """The edge node's front: a body nested 20,000 levels deep, and a schema sent as text nested
+    1,000 levels deep, are each a 400 naming the limit; the node keeps serving."""
+    from goodspeed.lm.decoding.structured import MAX_JSON_DEPTH
+
+    deep = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
+    with verifier(models) as server, node(server, models) as edge:
+        for body in (b"[" * 20_000 + b"]" * 20_000,
+                     json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 4, "guided_json": deep}).encode()):
+            request = urllib.request.Request(edge.base_url + "/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 400
+            assert f"nested deeper than {MAX_JSON_DEPTH} levels" in json.loads(refused.value.read())["error"]["message"]
+        assert api_of(edge).completions.create(model="tiny", prompt="def f(x):", max_tokens=4, temperature=0).choices[0].text

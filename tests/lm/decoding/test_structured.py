@@ -194,3 +194,20 @@ def test_forced_tokens_are_those_a_fresh_matcher_allows_alone(tokenizer, kind, s
         seen += len(got)
         assert constraint.forced(6) == got  # the matcher was left as it was
     assert seen > 0
+
+
+def test_json_nested_past_the_limit_is_refused_by_name_never_a_recursion_error(tokenizer):
+    """``loads_bounded`` reads JSON up to MAX_JSON_DEPTH levels and refuses deeper (the parser's
+    own recursion included) with a ValueError naming the limit; a schema nested deeper does not
+    compile, with the same words."""
+    from goodspeed.lm.decoding.structured import MAX_JSON_DEPTH, JsonTooDeep, json_depth, loads_bounded
+
+    assert [json_depth(v) for v in (1, "x", [], {}, [[1]], {"a": [{}]})] == [0, 0, 1, 1, 2, 3]
+    at_limit = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert json_depth(loads_bounded(at_limit)) == MAX_JSON_DEPTH
+    for depth in (MAX_JSON_DEPTH + 1, 50_000):  # past the limit; past the parser's recursion
+        with pytest.raises(JsonTooDeep, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
+            loads_bounded("[" * depth + "]" * depth)
+    schema = '{"type": "object", "properties": {"a": ' * 500 + '{"type": "string"}' + "}}" * 500
+    with pytest.raises(StructureError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
+        Structure("json", schema).bound(tokenizer)
