@@ -17,7 +17,7 @@ mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
 pkg=$(mktemp -d)/goodspeed
 mkdir -p "$pkg"
-for d in api drafter launch lm proto scheduler verifier; do ln -s "$root/$d" "$pkg/$d"; done
+for d in api drafter launch lm proto scheduler serving verifier; do ln -s "$root/$d" "$pkg/$d"; done
 export PYTHONPATH="$(dirname "$pkg")" PYTHONUNBUFFERED=1
 if [ -n "${WHEELS:-}" ]; then
     site=$(mktemp -d)
