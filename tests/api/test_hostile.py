@@ -121,3 +121,37 @@ def test_an_honest_request_gets_its_reply_after_the_fuzzing(front):
     _, api = front
     reply = api.chat.completions.create(model="scripted", max_tokens=16, messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content == REPLY
+
+
+def test_any_body_on_the_verifiers_real_front_is_a_2xx_or_a_4xx_and_honest_text_is_unchanged():
+    """The same generated bodies against the verifier's own front (local serving on a tiny target,
+    its engine's refusals mapped to statuses too): never a 5xx, and afterwards an honest greedy
+    request's text is the one it got before them."""
+    import openai
+
+    from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+    from goodspeed.verifier.local import LocalConfig, LocalServing
+    from grpckit import ServerThread
+
+    target, draft, tokenizer = chat_pair()
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, max_seq_len=128))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3))
+    with ServerThread(engine, local=local, tokenizer=tokenizer, http_port=0, target_name="tiny") as running:
+        base = f"http://127.0.0.1:{running.server.http_port}"
+        api = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+        def honest() -> str:
+            return api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, temperature=0).choices[0].text
+
+        before = honest()
+
+        @settings(max_examples=60, deadline=None)
+        @given(route=st.sampled_from(ROUTES), body=bodies)
+        def fuzz(route, body):
+            if isinstance(body, dict) and "model" in body:
+                body = {**body, "model": "tiny"}  # past the model check, into the backend
+            status, _ = post(base, route, json.dumps(body).encode())
+            assert 200 <= status < 500, (route, body)
+
+        fuzz()
+        assert honest() == before
