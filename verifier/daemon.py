@@ -122,9 +122,9 @@ class VerifierServer:
         """Refuse new sessions and requests; let the requests in progress finish (bounded)."""
         self.service.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.log.event("draining", requests_in_progress=self.service.requests_in_progress())
+        self.log.event("draining", requests_in_progress=self.service.drafters.requests_in_progress())
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.service.requests_in_progress() and time.monotonic() < deadline:
+        while self.service.drafters.requests_in_progress() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def stop(self, grace_s: float = 1.0) -> None:

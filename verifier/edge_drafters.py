@@ -1,14 +1,17 @@
-"""One edge drafter as the server and the round loop see it (:class:`Drafter`): its session, its
-request's KV tokens held against its identity's limit, and the smoothed timing of its rounds that
-says when its next draft is due (:mod:`goodspeed.verifier.round_loop`'s async window)."""
+"""The edge drafters as the server and the round loop see them: one :class:`Drafter` (its session,
+its request's KV tokens held against its identity's limit, and the smoothed timing of its rounds
+that says when its next draft is due: :mod:`goodspeed.verifier.round_loop`'s async window), and
+the :class:`DrafterRegistry` of them that the round loop owns."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from goodspeed.serving.metrics import RequestTimer
+from goodspeed.verifier import errors
 from goodspeed.verifier.auth import Identity
 
 CYCLE_SMOOTHING = 0.2  # weight of a drafter's newest cycle in its moving averages (when its next draft is due)
@@ -72,3 +75,58 @@ class Drafter:
         or ``now`` with no verdict or no estimate yet (it may come any moment)."""
         due_after = self.due_after_s
         return now if self.verdict_at is None or due_after is None else self.verdict_at + due_after
+
+
+class DrafterRegistry:
+    """The edge drafters that joined, by session id, and what joining holds: the round loop owns
+    it (:mod:`goodspeed.verifier.round_loop`), the RPC handlers add to it. Removing a drafter frees
+    everything it held (its request's KV tokens against its identity, its verdict stream, its
+    engine session) and updates the gauges; so does a request's end."""
+
+    def __init__(self, engine, local, call: Callable[..., Awaitable], usage, metrics, log) -> None:
+        self.engine, self.local, self.call, self.usage, self.metrics, self.log = engine, local, call, usage, metrics, log
+        self.by_session: dict[str, Drafter] = {}
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self.by_session
+
+    def get(self, session_id: str) -> Drafter | None:
+        return self.by_session.get(session_id)
+
+    def add(self, drafter: Drafter) -> None:
+        self.by_session[drafter.session_id] = drafter
+        self.metrics.active.set(len(self.by_session))
+
+    async def remove(self, session_id: str, reason: str) -> None:
+        """Forget a drafter, close its verdict stream and free its engine session (idempotent)."""
+        drafter = self.by_session.pop(session_id, None)
+        if drafter is None:
+            return
+        self.end_request(drafter)
+        drafter.verdicts.put_nowait(None)
+        try:
+            await self.call(self.engine.leave, session_id)
+        except errors.UnknownSessionError:
+            pass
+        self.metrics.active.set(len(self.by_session))
+        self.update_gauges()
+        self.log.event("drop", session=session_id, name=drafter.name, reason=reason)
+
+    def end_request(self, drafter: Drafter, reason: str = "abort") -> None:
+        """The drafter's request ended (finished, finished early or dropped): release its KV tokens."""
+        self.usage.release_request(drafter.identity.name, drafter.kv_tokens)
+        drafter.kv_tokens = 0
+        if drafter.timer is not None:
+            drafter.timer.finish(reason)
+            drafter.timer = None
+
+    def update_gauges(self) -> None:
+        """``num_requests_running`` (edge requests in progress and local requests in the batch)
+        and ``num_requests_waiting`` (local requests queued), from the state itself."""
+        waiting = self.local.num_waiting if self.local is not None else 0
+        self.metrics.requests.running.set(self.requests_in_progress() - waiting)
+        self.metrics.requests.waiting.set(waiting)
+
+    def requests_in_progress(self) -> int:
+        local = self.local.num_active + self.local.num_waiting if self.local is not None else 0
+        return sum(d.in_request for d in self.by_session.values()) + local

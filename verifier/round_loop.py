@@ -3,7 +3,9 @@
 The RPC handlers (:mod:`goodspeed.verifier.server`) validate a call, hand it to the engine and
 tell the loop what changed (:meth:`RoundLoop.queued`, :meth:`RoundLoop.forget`,
 :meth:`RoundLoop.wake`); the loop alone decides when the engine verifies, counts missed rounds,
-sweeps idle sessions and writes the :class:`~goodspeed.verifier.records.RoundRecord`. Its state
+sweeps idle sessions and writes the :class:`~goodspeed.verifier.records.RoundRecord`. It owns the
+registry of edge drafters (:class:`~goodspeed.verifier.edge_drafters.DrafterRegistry`: the
+handlers add to it, :meth:`RoundLoop.drop` removes from it), so it calls nothing of the server's. Its state
 (``_queued``: sessions with a draft waiting) changes only on the event loop, from what engine
 calls returned, so it never races the engine thread.
 
@@ -119,7 +121,7 @@ from collections.abc import Awaitable, Callable
 from goodspeed.serving.aio import within
 from goodspeed.serving.metrics import finished_reason
 from goodspeed.verifier import errors
-from goodspeed.verifier.edge_drafters import Drafter
+from goodspeed.verifier.edge_drafters import DrafterRegistry
 from goodspeed.verifier.records import DrafterRound, LocalRound, RoundRecord
 from goodspeed.verifier.serde import verdict_to_pb
 
@@ -130,12 +132,11 @@ STEP_SMOOTHING = 0.2  # weight of the newest step in the async coalescing window
 class RoundLoop:
     """Runs verification steps on the engine thread as the mode says (see the module docstring)."""
 
-    def __init__(self, engine, local, config, metrics, log, drafters: dict[str, Drafter],
-                 call: Callable[..., Awaitable], drop: Callable[[str, str], Awaitable[None]],
-                 end_request: Callable[[Drafter, str], None], update_gauges: Callable[[], None]) -> None:
+    def __init__(self, engine, local, config, metrics, log, registry: DrafterRegistry, call: Callable[..., Awaitable]) -> None:
+        """``registry``: the edge drafters (the loop drops them; the handlers add them); ``call``:
+        runs a function on the engine's thread."""
         self.engine, self.local, self.config, self.metrics, self.log = engine, local, config, metrics, log
-        self.drafters, self.call, self.drop = drafters, call, drop
-        self.end_request, self.update_gauges = end_request, update_gauges
+        self.registry, self.drafters, self.call = registry, registry.by_session, call
         self._queued: set[str] = set()  # sessions with a draft waiting for the next step
         self._wakeup = asyncio.Event()
         self._failed_rounds = 0  # consecutive steps that raised
@@ -167,6 +168,14 @@ class RoundLoop:
         if waiting is not None and not waiting.done():
             waiting.set_exception(errors.NoActiveRequestError(f"session {session_id}'s request ended while its prompt was prefilled"))
         self._wakeup.set()
+
+    async def drop(self, session_id: str, reason: str) -> None:
+        """Drop a drafter: no step may include it from now on, and the registry frees what it
+        held (idempotent)."""
+        if session_id not in self.registry:
+            return
+        self.forget(session_id)  # before the registry's await: no step may include it now
+        await self.registry.remove(session_id, reason)
 
     async def started(self, session_id: str) -> int:
         """Wait until the steps have prefilled the session's queued prompt (chunked prefill);
@@ -400,7 +409,7 @@ class RoundLoop:
                 if drafter.timer is not None:
                     drafter.timer.tokens(len(verdict.token_ids), sent)
                 if verdict.finished:
-                    self.end_request(drafter, finished_reason(verdict.finish_reason))
+                    self.registry.end_request(drafter, finished_reason(verdict.finish_reason))
                 drafter.verdicts.put_nowait(verdict_to_pb(verdict))
         send_s = time.perf_counter() - sent
         self._round_opened = time.perf_counter()
@@ -448,7 +457,7 @@ class RoundLoop:
                   "scheduling": t.scheduling_s, "send": send_s}
         verdicts = result.verdicts.values()
         self.metrics.observe_round(phases, verdicts, result.transit_tokens)
-        self.update_gauges()
+        self.registry.update_gauges()
         rows = tuple(
             DrafterRound(session=v.session_id, name=(d := self.drafters[v.session_id]).name, drafted=v.num_drafted,
                          accepted=v.num_accepted, gained=len(v.token_ids), acceptance=v.acceptance, goodput=v.goodput,

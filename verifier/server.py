@@ -47,7 +47,7 @@ from goodspeed.verifier.fields import (
 from goodspeed.verifier.local import LocalServing, TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
-from goodspeed.verifier.edge_drafters import Drafter
+from goodspeed.verifier.edge_drafters import Drafter, DrafterRegistry
 from goodspeed.verifier.round_loop import RoundLoop
 from goodspeed.verifier.serde import SAMPLING_FIELDS, draft_from_pb, logprobs_to_pb, sampling_from_pb, verdict_to_pb
 from goodspeed.verifier.tls import is_loopback
@@ -162,10 +162,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.local, self.tokenizer, self.auth = local, tokenizer, auth
         self.usage = Usage()  # what each identity holds (KV tokens, streams) and its request rate
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-engine")
-        self._drafters: dict[str, Drafter] = {}
         self.cleanups: set[asyncio.Task] = set()  # requests being freed: local ones cancelled (LocalStream.aclose), abandoned prefills
-        self.rounds = RoundLoop(engine, local, config, metrics, log, self._drafters, self.call, self.drop,
-                                self._end_request, self._update_gauges)
+        # The round loop owns the registry of edge drafters; the handlers add to it and read it.
+        self.drafters = DrafterRegistry(engine, local, self.call, self.usage, metrics, log)
+        self.rounds = RoundLoop(engine, local, config, metrics, log, self.drafters, self.call)
         # Async: each step's drafters take the shares of C the policy plans for every active drafter (round_loop).
         engine.allotments.plan_shares = config.rounds == "async" and config.async_shares == "plan"
         self.draining = False
@@ -188,7 +188,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     async def _owned(self, session_id: str, context) -> Drafter:
         """The caller's session: unknown ones FAILED_PRECONDITION, another identity's PERMISSION_DENIED."""
         identity = await self._identify(context)
-        drafter = self._drafters.get(session_id)
+        drafter = self.drafters.get(session_id)
         if drafter is None:
             raise errors.UnknownSessionError(f"unknown or evicted session {session_id!r}")
         if drafter.identity.name != identity.name:
@@ -207,7 +207,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {request.protocol_version} != {PROTOCOL_VERSION}")
         name = check_identifier("drafter_name", request.drafter_name or "drafter", MAX_NAME_CHARS)
         check_free_text("model_name", request.model_name, MAX_MODEL_NAME_CHARS)
-        held = sum(d.identity.name == identity.name for d in self._drafters.values())
+        held = sum(d.identity.name == identity.name for d in self.drafters.by_session.values())
         if identity.max_sessions is not None and held >= identity.max_sessions:
             raise errors.LimitExceededError(f"identity {identity.name!r} already holds {held} sessions (its max_sessions)")
         device = check_identifier("device", request.device, MAX_NAME_CHARS) if request.device else None
@@ -216,9 +216,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         group = f"{identity.name}/{device}" if device else None
         join = functools.partial(self.engine.join, name, request.tokenizer_fingerprint, device=group, transit=request.transit)
         session_id = await self.call(join)
-        self._drafters[session_id] = Drafter(session_id, name, asyncio.Queue(), identity,
-                                             transit=request.transit and self.engine.config.transit_tokens > 0)
-        self.metrics.active.set(len(self._drafters))
+        self.drafters.add(Drafter(session_id, name, asyncio.Queue(), identity,
+                                  transit=request.transit and self.engine.config.transit_tokens > 0))
         self.log.event("join", session=session_id, name=name, model=request.model_name, identity=identity.name)
         return pb.JoinReply(session_id=session_id, vocab_size=self.engine.vocab_size, max_seq_len=self.engine.max_seq_len, target_model=self.config.target_name)
 
@@ -232,7 +231,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             while (item := await drafter.verdicts.get()) is not None:
                 yield item
         finally:
-            await self.drop(request.session_id, "verdict stream closed")
+            await self.rounds.drop(request.session_id, "verdict stream closed")
 
     @_rpc
     async def StartRequest(self, request, context):
@@ -260,7 +259,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter.kv_tokens = kv_tokens
         drafter.timer = self.metrics.requests.track(len(request.prompt_ids), started, count_running=False)
         drafter.in_request, drafter.missed, drafter.last_seen = True, 0, time.monotonic()
-        self._update_gauges()
+        self.drafters.update_gauges()
         self.log.event("start", session=request.session_id, name=drafter.name, prompt_tokens=len(request.prompt_ids),
                        prefill_s=time.perf_counter() - started, draft_length=length)
         return pb.StartRequestReply(draft_length=length, round_index=await self.call(self.engine.next_round, request.session_id),
@@ -288,14 +287,6 @@ class VerifierService(pb_grpc.VerifierServicer):
             pass  # it had already left, or its request had ended
         self.usage.release_request(identity, kv_tokens)
 
-    def _end_request(self, drafter: Drafter, reason: str = "abort") -> None:
-        """The drafter's request ended (finished, finished early or dropped): release its KV tokens."""
-        self.usage.release_request(drafter.identity.name, drafter.kv_tokens)
-        drafter.kv_tokens = 0
-        if drafter.timer is not None:
-            drafter.timer.finish(reason)
-            drafter.timer = None
-
     @_rpc
     async def SubmitDraft(self, request, context):
         drafter = await self._owned(request.session_id, context)
@@ -312,8 +303,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         drafter = await self._owned(request.session_id, context)
         committed = await self.call(self.engine.finish_request, request.session_id)
         drafter.in_request, drafter.verdict_at = False, None
-        self._end_request(drafter)
-        self._update_gauges()
+        self.drafters.end_request(drafter)
+        self.drafters.update_gauges()
         self.log.event("finish", session=request.session_id, name=drafter.name, committed_tokens=len(committed))
         self.rounds.forget(request.session_id)  # the round may now be complete without it
         return pb.FinishRequestReply(committed_ids=committed)
@@ -328,7 +319,7 @@ class VerifierService(pb_grpc.VerifierServicer):
     @_rpc
     async def Leave(self, request, context):
         await self._owned(request.session_id, context)
-        await self.drop(request.session_id, "left")
+        await self.rounds.drop(request.session_id, "left")
         return pb.LeaveReply()
 
     async def Generate(self, request, context):
@@ -391,7 +382,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.log.event("generate", request=rid, prompt_tokens=len(request.prompt_ids), max_new_tokens=request.max_tokens,
                        tpot_slo_ms=request.tpot_slo_ms)
         self.rounds.wake()
-        self._update_gauges()
+        self.drafters.update_gauges()
         return LocalStream(self, rid, events, who.name, kv_tokens, self.metrics.requests.track(len(request.prompt_ids),
                                                                                                 count_running=False))
 
@@ -411,22 +402,6 @@ class VerifierService(pb_grpc.VerifierServicer):
         encoded = await asyncio.to_thread(self.tokenizer, request.prompt, add_special_tokens=False)
         return list(encoded["input_ids"])
 
-    async def drop(self, session_id: str, reason: str) -> None:
-        """Forget a drafter, close its verdict stream and free its engine session (idempotent)."""
-        drafter = self._drafters.pop(session_id, None)
-        if drafter is None:
-            return
-        self._end_request(drafter)
-        drafter.verdicts.put_nowait(None)
-        self.rounds.forget(session_id)  # before the await below: no step may include it now
-        try:
-            await self.call(self.engine.leave, session_id)
-        except errors.UnknownSessionError:
-            pass
-        self.metrics.active.set(len(self._drafters))
-        self._update_gauges()
-        self.log.event("drop", session=session_id, name=drafter.name, reason=reason)
-
     def warm_up(self) -> None:
         """One tiny request through the engine, and with fixed-shape steps (CUDA graphs,
         torch.compile) the engine's warm-up steps and local serving's draft's, which compile and
@@ -443,18 +418,6 @@ class VerifierService(pb_grpc.VerifierServicer):
             draft_steps = self.local.warm_up() if self.local is not None else 0
             self.log.event("warm_up", steps=steps, graphs=len(self.engine.graphs.shapes), draft_steps=draft_steps,
                            seconds=round(time.perf_counter() - t0, 3))
-
-    def _update_gauges(self) -> None:
-        """``num_requests_running`` (edge requests in progress and local requests in the batch)
-        and ``num_requests_waiting`` (local requests queued), from the state itself."""
-        waiting = self.local.num_waiting if self.local is not None else 0
-        self.metrics.requests.running.set(self.requests_in_progress() - waiting)
-        self.metrics.requests.waiting.set(waiting)
-
-    def requests_in_progress(self) -> int:
-        local = self.local.num_active + self.local.num_waiting if self.local is not None else 0
-        return sum(d.in_request for d in self._drafters.values()) + local
-
 
 class LocalStream:
     """One local request's events as an async iterator (see :meth:`VerifierService.open_local`)."""
@@ -494,5 +457,5 @@ class LocalStream:
 
     async def _cancel(self) -> None:
         freed = await self.service.call(self.service.local.cancel, self.request_id)
-        self.service._update_gauges()
+        self.service.drafters.update_gauges()
         self.service.log.event("cancelled", request=self.request_id, freed=freed)

@@ -262,7 +262,7 @@ def test_a_request_restarted_mid_way_keeps_its_penalties_exact(models, monkeypat
     async def dropping_submit(service, request, context):
         if not dropped and service.engine.round_index >= 4:
             dropped.append(request.session_id)
-            await service.drop(request.session_id, "dropped by the test")
+            await service.rounds.drop(request.session_id, "dropped by the test")
         return await submit(service, request, context)
 
     monkeypatch.setattr(VerifierService, "SubmitDraft", dropping_submit)

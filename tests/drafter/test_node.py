@@ -138,7 +138,7 @@ def test_echo_through_a_node_scores_the_prompt_as_the_verifier_does(models):
         whole = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, echo=True, logprobs=1, **GREEDY)
         chunks = list(api.completions.create(model="tiny", prompt="def f(x):", max_tokens=10, echo=True, stream=True, **GREEDY))
         scored = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=0, echo=True, logprobs=1, **GREEDY)
-        running = sum(d.in_request for d in server.server.service._drafters.values())
+        running = sum(d.in_request for d in server.server.service.drafters.by_session.values())
     lp = whole.choices[0].logprobs
     assert whole.choices[0].text == "def f(x):" + reference(models, "def f(x):", 10)
     assert lp.tokens == [tokenizer.decode([t]) for t in prompt_ids + generated]
@@ -183,7 +183,7 @@ def test_prompt_logprobs_through_a_node_carry_the_verifiers_ranks(models, monkey
         with pytest.raises(openai.APIStatusError, match="without their ranks") as refused:
             api_of(edge).completions.create(model="tiny", prompt="def f(x):", max_tokens=4, temperature=0,
                                             extra_body={"prompt_logprobs": 0})
-        running = sum(d.in_request for d in server.server.service._drafters.values())
+        running = sum(d.in_request for d in server.server.service.drafters.by_session.values())
     assert refused.value.status_code == 502 and running == 0
 
 
@@ -196,7 +196,7 @@ def test_a_verifier_that_does_not_score_prompts_is_a_502_for_echo_with_logprobs(
         with pytest.raises(openai.APIStatusError, match="does not score prompts") as refused:
             api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, echo=True, logprobs=0, **GREEDY)
         echoed = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, echo=True, **GREEDY)
-        running = sum(d.in_request for d in server.server.service._drafters.values())
+        running = sum(d.in_request for d in server.server.service.drafters.by_session.values())
     assert refused.value.status_code == 502 and running == 0
     assert echoed.choices[0].text == "def f(x):" + reference(models, "def f(x):", 8)
 
@@ -512,8 +512,8 @@ def test_penalties_through_a_node_are_the_targets_adjusted_greedy_decoding_acros
         stream = api.completions.create(model="tiny", prompt=prompt_ids, max_tokens=40, stream=True, temperature=0, **settings)
         chunks = iter(stream)
         pieces = [next(chunks).choices[0].text]
-        session = next(s for s, d in server.server.service._drafters.items() if d.in_request)
-        server.run(server.server.service.drop(session, "dropped by the test"))
+        session = next(s for s, d in server.server.service.drafters.by_session.items() if d.in_request)
+        server.run(server.server.service.rounds.drop(session, "dropped by the test"))
         pieces += [c.choices[0].text for c in chunks]
         joins = server.events("join")
     assert "".join(pieces) == want
@@ -528,7 +528,7 @@ def test_a_verifier_that_ignores_penalties_is_a_502_not_a_silent_change(models, 
         with pytest.raises(openai.APIStatusError, match="min_p, penalties or logit_bias") as refused:
             api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, presence_penalty=0.5, **GREEDY)
         plain = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, **GREEDY)
-        running = sum(d.in_request for d in server.server.service._drafters.values())
+        running = sum(d.in_request for d in server.server.service.drafters.by_session.values())
     assert refused.value.status_code == 502 and running == 0
     assert plain.choices[0].text == reference(models, "def f(x):", 8)
 
@@ -540,7 +540,7 @@ def test_a_verifier_that_ignores_min_tokens_is_a_502_not_a_silent_change(models,
         api = api_of(edge)
         with pytest.raises(openai.APIStatusError, match="does not apply min_tokens") as refused:
             api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, extra_body={"min_tokens": 4}, temperature=0)
-        running = sum(d.in_request for d in server.server.service._drafters.values())
+        running = sum(d.in_request for d in server.server.service.drafters.by_session.values())
     assert refused.value.status_code == 502 and running == 0
 
 
@@ -552,7 +552,7 @@ def test_a_verifier_that_ignores_allowed_token_ids_is_a_502_not_a_silent_change(
         with pytest.raises(openai.APIStatusError, match="does not apply allowed_token_ids") as refused:
             api.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, extra_body={"allowed_token_ids": [3, 4]},
                                    temperature=0)
-        running = sum(d.in_request for d in server.server.service._drafters.values())
+        running = sum(d.in_request for d in server.server.service.drafters.by_session.values())
     assert refused.value.status_code == 502 and running == 0
 
 
@@ -730,8 +730,8 @@ def test_a_session_the_verifier_drops_mid_request_is_repaired_losslessly(models)
         stream = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=60, stream=True, **GREEDY)
         chunks = iter(stream)
         pieces = [next(chunks).choices[0].text]
-        session = next(s for s, d in server.server.service._drafters.items() if d.in_request)
-        server.run(server.server.service.drop(session, "dropped by the test"))
+        session = next(s for s, d in server.server.service.drafters.by_session.items() if d.in_request)
+        server.run(server.server.service.rounds.drop(session, "dropped by the test"))
         pieces += [c.choices[0].text for c in chunks]
         joins = server.events("join")
     assert "".join(pieces) == reference(models, "def f(x):", 60)

@@ -14,13 +14,20 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.records import CLOSE_REASONS, RoundRecord
-from goodspeed.verifier.edge_drafters import Drafter
+from goodspeed.verifier.edge_drafters import Drafter, DrafterRegistry
 from goodspeed.verifier.round_loop import RoundLoop
 from goodspeed.verifier.server import ServerConfig
 from grpckit import ServerThread
 from modelkit import greedy_reference, perturbed, tiny_llama
 
 SLOW_PROMPT, FAST_PROMPTS = [4, 4, 4, 4, 5], [[1, 2, 3], [9, 8]]
+
+
+def registry_of(*drafters: Drafter) -> DrafterRegistry:
+    """A registry holding ``drafters``, for a round loop whose timing alone a test drives."""
+    registry = DrafterRegistry(None, None, None, None, None, None)
+    registry.by_session.update({d.session_id: d for d in drafters})
+    return registry
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,7 @@ def race(models, rounds, transit_tokens=0):
             slow.start()
             assert joined.wait(60)
             # The loop knows which drafters the steps decode for (the step's wait counts their tokens).
-            assert [d.transit for d in server.server.service._drafters.values()] == [bool(transit_tokens)]
+            assert [d.transit for d in server.server.service.drafters.by_session.values()] == [bool(transit_tokens)]
             measured = threading.Event()  # the slow drafter's cycle was measured once: its next draft can be due
             for _ in range(3000):  # bounded: its second draft comes one 150 ms round trip after its first
                 if any(d["name"] == "slow" and d["cycle_s"] is not None for e in server.events("round") for d in e["drafters"]):
@@ -223,8 +230,7 @@ def test_a_step_waits_for_a_due_draft_only_while_that_pays():
 
     def loop_with(*drafters, queued=("fast",), step_s=0.1):
         fast = drafter("fast", verdict_at=0.0, cycle=0.02)  # queued: weight 50
-        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None,
-                         {d.session_id: d for d in (fast, *drafters)}, None, None, None, None)
+        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, registry_of(fast, *drafters), None)
         loop._queued.update(queued)
         loop._step_s = step_s
         return loop
@@ -283,8 +289,7 @@ def test_with_transit_decoding_an_idle_engine_costs_the_drafters_whose_drafts_ar
     fast = drafter("fast", 0.0, 0.02, transit=False)  # queued, weight 50
 
     def wait(*others):
-        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None,
-                         {d.session_id: d for d in (fast, *others)}, None, None, None, None)
+        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, registry_of(fast, *others), None)
         loop._queued.add("fast")
         loop._step_s = step
         return loop._wait_until(opened, opened)
@@ -315,8 +320,7 @@ def test_a_step_for_transit_rows_alone_runs_only_while_its_tokens_outweigh_the_d
         return d
 
     def pays(*drafters, room=("slow",), queued=()):
-        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, {d.session_id: d for d in drafters},
-                         None, None, None, None)
+        loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, registry_of(*drafters), None)
         loop._step_s = 0.01
         loop._queued.update(queued)
         return loop._transit_step_worth(set(room), now)
@@ -341,7 +345,7 @@ def test_a_step_for_transit_rows_alone_runs_only_while_its_tokens_outweigh_the_d
 
 def test_a_drafters_cycle_is_smoothed_from_the_drafts_it_sends():
     d = Drafter("d", "d", asyncio.Queue(), identity=None)
-    loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, {"d": d}, None, None, None, None)
+    loop = RoundLoop(None, None, ServerConfig(rounds="async"), None, None, registry_of(d), None)
     loop.queued("d", time.perf_counter())
     assert d.cycle_s is None and d.due_after_s is None  # a request's first draft has no cycle
     d.verdict_at = 100.0
