@@ -1,12 +1,14 @@
 """Local serving: the verifier drafts for its own generation requests (continuous batching).
 
-Each iteration (one call of :meth:`LocalServing.step`):
+Each iteration (:meth:`LocalServing.submit_work`, the engine's step, :meth:`LocalServing.absorb`;
+the daemon's round loop runs the step, :meth:`LocalServing.step` does all three for callers with
+no loop of their own):
 
 1. admit waiting requests up to ``max_requests`` (an engine session and a draft KV slot each;
    the target prefills the prompt);
 2. the local policy decides what to draft and what to verify for every request in the batch;
-3. the drafts go into the engine and are verified in the same single target forward as any edge
-   drafts queued for this round (chains or trees, lossless). Local serving is a source of drafts
+3. the drafts are queued in the engine and verified in the same single target forward as any edge
+   drafts queued for this step (chains or trees, lossless). Local serving is a source of drafts
    like the edge drafters: its sessions are sized by its own book
    (:class:`~goodspeed.scheduler.OwnerSizedAllotments`, outside the edge budget ``C`` and the
    edge policy), which it fills each step with the sizes its policy chose;
@@ -41,7 +43,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,6 +59,7 @@ from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.decoding.draft_source import draft_with_forced
 from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASSES, Plan
+from goodspeed.verifier.local_requests import LocalRequest, LocalWork, StepReport, TokenEvent
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
 
 
@@ -93,110 +96,6 @@ class LocalConfig:
         LOCAL_POLICY_CLASSES[self.policy].check(self)
         if not 0 < self.iteration_smoothing <= 1:
             raise ValueError("iteration_smoothing must lie in (0, 1]")
-
-
-# ----------------------------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """What a request's callback receives: new tokens (with their clock times) and, at the end,
-    the finish reason ("length", "eos", "cancelled" or "error: ...")."""
-
-    request_id: str
-    token_ids: list[int]
-    times: list[float]
-    finished: bool = False
-    finish_reason: str | None = None
-    summary: dict | None = None  # the last event: the request's statistics (LocalRequest.summary)
-    logprobs: list | None = None  # TokenLogprob of each of token_ids, for a request that asked for them
-    prompt_logprobs: list | None = None  # the first event's, if asked: TokenLogprob of each prompt token after the first
-
-
-@dataclass
-class LocalRequest:
-    """A local request's state beside its spec (what was asked, as admitted: its id assigned, its
-    seed resolved, its sampling holding its ending tokens)."""
-
-    spec: GenerationRequest
-    on_event: Callable[[TokenEvent], None] | None
-    arrival: float
-    session_id: str | None = None
-    decode_start: float | None = None  # clock time the prefill finished
-    generated: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    token_logprobs: list = field(default_factory=list)  # TokenLogprob of each generated token, if asked for
-    prompt_token_logprobs: list | None = None  # TokenLogprob of each prompt token after the first, if asked for
-    finish_reason: str | None = None
-    finished_at: float | None = None
-    drafted: int = 0  # draft tokens sent for verification
-    accepted: int = 0
-    acceptance: float | None = None  # smoothed acceptance (eq. 3), as its last verdict carried it
-    committed: list[int] = field(init=False)  # prompt + generated, kept in step (not rebuilt per use)
-    generator: torch.Generator | None = field(init=False)  # a seeded request's draft stream
-    history: TokenHistory | None = field(init=False)  # what its draft's penalties read, if it has any
-
-    request_id = property(lambda self: self.spec.request_id)
-    prompt_ids = property(lambda self: self.spec.prompt_ids)
-    sampling = property(lambda self: self.spec.sampling)
-    max_new_tokens = property(lambda self: self.spec.max_tokens)
-    eos_token_ids = property(lambda self: self.spec.eos_token_ids)
-    seed = property(lambda self: self.spec.seed)
-    logprobs = property(lambda self: self.spec.logprobs)  # each token's log-probability and this many top ones
-    prompt_logprobs = property(lambda self: self.spec.prompt_logprobs)  # the prompt's too, in the first event
-    tpot_slo_s = property(lambda self: None if self.spec.tpot_slo_ms is None else self.spec.tpot_slo_ms / 1000)
-
-    def __post_init__(self) -> None:
-        self.committed = list(self.prompt_ids) + self.generated
-        self.generator = None if self.seed is None else torch_generator(self.seed, "request", "draft")
-        self.history = TokenHistory(self.prompt_ids, self.generated, self.sampling.structured) if self.sampling.adjusts_logits else None
-
-    def commit(self, tokens: list[int], at: float) -> None:
-        self.generated.extend(tokens)
-        self.committed.extend(tokens)
-        self.token_times.extend([at] * len(tokens))
-        if self.history is not None:
-            self.history.extend(tokens, strict=False)
-
-    @property
-    def cap(self) -> int:
-        """Most draft depth worth verifying: the last new token always comes from the target."""
-        return max(0, self.max_new_tokens - len(self.generated) - 1)
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Time per output token: decoding time over tokens (prefill and queueing excluded)."""
-        if not self.generated or self.decode_start is None:
-            return None
-        end = self.finished_at if self.finished_at is not None else self.token_times[-1]
-        return (end - self.decode_start) / len(self.generated)
-
-    @property
-    def slo_met(self) -> bool | None:
-        if self.tpot_slo_s is None or self.tpot_s is None:
-            return None
-        return self.tpot_s <= self.tpot_slo_s
-
-    def summary(self) -> dict:
-        return {
-            "request_id": self.request_id, "prompt_tokens": len(self.prompt_ids), "new_tokens": len(self.generated),
-            "arrival": self.arrival, "decode_start": self.decode_start, "finished_at": self.finished_at,
-            "finish_reason": self.finish_reason, "tpot_s": self.tpot_s, "tpot_slo_s": self.tpot_slo_s,
-            "slo_met": self.slo_met, "drafted": self.drafted, "accepted": self.accepted,
-        }
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """One iteration: the engine's round (edge verdicts included) and the local bookkeeping."""
-
-    round: RoundResult | None
-    requests: int  # local requests in the batch
-    drafted: int  # local draft tokens verified
-    accepted: int
-    emitted: int  # local tokens streamed
-    duration_s: float
-    k: int | None  # the chain length chosen this step (chain policies)
 
 
 # ----------------------------------------------------------------------------------- serving
@@ -361,8 +260,18 @@ class LocalServing:
     # ---------------------------------------------------------------------- step
 
     def step(self, periods: dict[str, float] | None = None) -> StepReport | None:
-        """One iteration over the batch (plus any queued edge drafts); None when there is no work.
+        """One iteration run here, for a caller with no round loop of its own (tests, benchmarks):
+        :meth:`submit_work`, the engine's step, :meth:`absorb`. None when there is no work.
         ``periods``: the queued edge drafters' seconds since their last verdict (``run_round``)."""
+        work = self.submit_work()
+        if work is None:
+            return None
+        return self.absorb(work, self.engine.run_round(periods=periods))
+
+    def submit_work(self) -> LocalWork | None:
+        """Admit waiting requests and queue this iteration's drafts in the engine, as the policy
+        plans them; the step that verifies them (with any queued edge drafts) is the caller's to
+        run, and :meth:`absorb` reads its verdicts. None when there is no work."""
         started = self.clock.now()
         self._admit()
         if not self._active:
@@ -379,10 +288,13 @@ class LocalServing:
             self.engine.submit(req.session_id, Draft(self.engine.next_round(req.session_id), plan.token_ids, plan.parents,
                                                      dense.get(req.request_id), _point_masses(req, plan)))
             drafted += len(plan.token_ids)
-        context = self.engine.context_tokens
-        planned = self.clock.now()
-        result = self.engine.run_round(periods=periods)
-        self.clock.charge("target", context, result.verified_tokens + result.prefill_tokens)
+        return LocalWork(started, planning, self.clock.now(), reqs, plans, k, drafted, self.engine.context_tokens)
+
+    def absorb(self, work: LocalWork, result: RoundResult) -> StepReport:
+        """The step that verified ``work``'s drafts: each request commits its verdict's tokens,
+        its client hears of them, finished requests leave, and the policy learns the iteration."""
+        reqs, plans, k, drafted = work.reqs, work.plans, work.k, work.drafted
+        self.clock.charge("target", work.context, result.verified_tokens + result.prefill_tokens)
         now = self.clock.now()
         for req in self._active.values():
             if req.session_id in result.started:
@@ -412,14 +324,14 @@ class LocalServing:
                                         prompt_logprobs=None if verdict.prompt_logprobs is None else list(verdict.prompt_logprobs)))
             if verdict.finished:
                 self._release(req, verdict.finish_reason)
-        duration = now - started
+        duration = now - work.started
         if not reqs:  # a prefill step: nothing drafted, nothing for the policies to learn
             return StepReport(result, 0, 0, 0, 0, duration, k)
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
         self.policy.observe(len(reqs), k, emitted, duration)
         for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted),
-                           ("drafting_s", planned - planning), ("round_s", now - planned)):
+                           ("drafting_s", work.planned - work.planning), ("round_s", now - work.planned)):
             self.totals[key] += value
         return StepReport(result, len(reqs), drafted, accepted, emitted, duration, k)
 

@@ -379,12 +379,18 @@ class RoundLoop:
             return
         self.log.event("prefill", tokens=step.tokens, seconds=round(step.seconds, 6), started=len(step.started))
 
+    def _local_step(self, periods: dict[str, float]):
+        """On the engine's thread: local serving queues its drafts, this loop runs the step that
+        verifies them with the edge drafts queued, and local serving reads its verdicts."""
+        work = self.local.submit_work()
+        return None if work is None else self.local.absorb(work, self.engine.run_round(periods=periods))
+
     async def _close(self, closed: str, local: bool = False, prefill: bool = True) -> None:
         receive_s = time.perf_counter() - self._round_opened
         report = None
         try:
             if local:
-                report = await self.call(self.local.step, self._periods())
+                report = await self.call(self._local_step, self._periods())
                 result = report.round if report is not None else None
                 if result is None:
                     return

@@ -44,7 +44,8 @@ from goodspeed.verifier.fields import (
     MAX_MODEL_NAME_CHARS, MAX_NAME_CHARS, MAX_PROMPT_CHARS_PER_TOKEN, MAX_REQUEST_ID_CHARS, check_free_text,
     check_identifier,
 )
-from goodspeed.verifier.local import LocalServing, TokenEvent
+from goodspeed.verifier.local import LocalServing
+from goodspeed.verifier.local_requests import TokenEvent
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES
 from goodspeed.verifier.edge_drafters import Drafter, DrafterRegistry

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from goodspeed.verifier.local import LocalConfig, LocalRequest, LocalServing
+    from goodspeed.verifier.local import LocalConfig, LocalServing
+    from goodspeed.verifier.local_requests import LocalRequest
 
 
 @dataclass
