@@ -119,6 +119,11 @@ class DeclaredSettings:
         """The settings that are flags of the spec's command."""
         raise NotImplementedError
 
+    @classmethod
+    def local_settings(cls) -> list[str]:
+        """The flags listed under local serving in the command's help (none but the verifier's)."""
+        return []
+
     def routed(self, config: str) -> dict:
         """The settings that land in ``config`` (the first part of a route: ``engine``,
         ``server``, ``local``; ``client``, ``node``), as that config's keyword arguments."""

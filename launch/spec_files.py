@@ -85,8 +85,8 @@ def add_setting_flags(parser, spec_class=None) -> None:
 
     spec_class = spec_class or VerifierSpec
     hints = typing.get_type_hints(spec_class)
-    local = parser.add_argument_group("local serving (Generate RPC)") if hasattr(spec_class, "local_settings") else parser
-    local_names = set(spec_class.local_settings()) if hasattr(spec_class, "local_settings") else set()
+    local_names = set(spec_class.local_settings())
+    local = parser.add_argument_group("local serving (Generate RPC)") if local_names else parser
     names = set(spec_class.flag_settings())
     for f in fields(spec_class):
         if f.name not in names:

@@ -108,11 +108,14 @@ class VerificationEngine:
         """Drop a drafter and free its KV memory."""
         self.sessions.leave(session_id)
 
-    def check(self, request: GenerationRequest) -> None:
-        """Raise the error ``request`` would get (nothing changes)."""
-        sampling = request.sampling.ending_with(request.eos_token_ids)
-        check_request([int(t) for t in request.prompt_ids], request.max_tokens, request.logprobs, sampling,
-                      request.generated, request.prompt_logprobs, request.eos_token_ids, self.vocab_size, self.max_seq_len)
+    def check(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
+        """Raise the error ``request`` would get (nothing changes); else its prompt ids and its
+        sampling settings holding its ending tokens (which ``min_tokens`` holds back)."""
+        prompt, eos = [int(t) for t in request.prompt_ids], tuple(int(t) for t in request.eos_token_ids)
+        sampling = request.sampling.ending_with(eos)
+        check_request(prompt, request.max_tokens, request.logprobs, sampling, request.generated, request.prompt_logprobs,
+                      eos, self.vocab_size, self.max_seq_len)
+        return prompt, sampling
 
     def start(self, session_id: str, request: GenerationRequest) -> int | None:
         """Start ``request`` on the session; returns its first draft length. Without chunked
@@ -126,10 +129,10 @@ class VerificationEngine:
         session = self.sessions.get(session_id)
         if session.request is not None:
             raise errors.RequestInProgressError(f"session {session_id} already has a request running")
-        self.check(request)
-        prompt, eos = [int(t) for t in request.prompt_ids], frozenset(int(t) for t in request.eos_token_ids)
+        prompt, sampling = self.check(request)
+        eos = frozenset(int(t) for t in request.eos_token_ids)
         generator = None if request.seed is None else torch_generator(resolve_root_seed(request.seed), "request", "verify")
-        state = Request(prompt, len(prompt), request.sampling.ending_with(request.eos_token_ids), int(request.max_tokens), eos,
+        state = Request(prompt, len(prompt), sampling, int(request.max_tokens), eos,
                         generator=generator, logprobs=request.logprobs, generated=request.generated,
                         prompt_logprobs=request.prompt_logprobs)
         chunked = len(prompt) > 1 and self.config.prefill_chunk is not None

@@ -162,16 +162,15 @@ class LocalServing:
         accept/correction uniforms come from streams of its own, so the same request with the same
         seed and draft lengths gives the same output. ``logprobs``: its events carry each token's
         log-probability under the target and that many top ones, and with ``prompt_logprobs`` its
-        first event the prompt tokens' too (:meth:`VerificationEngine.start_request`)."""
-        self.engine.check(request)
+        first event the prompt tokens' too (:meth:`VerificationEngine.start`)."""
+        prompt, sampling = self.engine.check(request)  # sampling holds the ending tokens: in the draft's logits too
         if len(self._waiting) >= self.config.max_waiting:
             raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry later")
         rid = request.request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
             raise errors.RequestInProgressError(f"request id {rid!r} is already in use")
-        eos = tuple(int(t) for t in request.eos_token_ids)
-        spec = dataclasses.replace(request, request_id=rid, prompt_ids=[int(t) for t in request.prompt_ids], eos_token_ids=eos,
-                                   sampling=request.sampling.ending_with(eos),  # min_tokens holds these back, in the draft's logits too
+        spec = dataclasses.replace(request, request_id=rid, prompt_ids=prompt, sampling=sampling,
+                                   eos_token_ids=tuple(int(t) for t in request.eos_token_ids),
                                    seed=None if request.seed is None else resolve_root_seed(request.seed))
         self._waiting.append(LocalRequest(spec, on_event, self.clock.now()))
         return rid

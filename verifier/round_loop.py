@@ -136,7 +136,8 @@ class RoundLoop:
         """``registry``: the edge drafters (the loop drops them; the handlers add them); ``call``:
         runs a function on the engine's thread."""
         self.engine, self.local, self.config, self.metrics, self.log = engine, local, config, metrics, log
-        self.registry, self.drafters, self.call = registry, registry.by_session, call
+        self.registry, self.call = registry, call
+        self.drafters = registry.by_session  # the registry's own dict (by session id), read here, never copied
         self._queued: set[str] = set()  # sessions with a draft waiting for the next step
         self._wakeup = asyncio.Event()
         self._failed_rounds = 0  # consecutive steps that raised

@@ -88,10 +88,8 @@ class SessionTable:
             yield slot, self.by_id[session_id]
 
     def open(self, session: Session, request: Request, chunked: bool) -> int:
-        """Give ``session`` its request and a KV slot; with ``chunked`` its prompt joins the
-        prefill queue. Returns the slot."""
-        if session.request is not None:
-            raise errors.RequestInProgressError(f"session {session.session_id} already has a request running")
+        """Give ``session`` (one with no request: the engine checked) its request and a KV slot;
+        with ``chunked`` its prompt joins the prefill queue. Returns the slot."""
         slot = self.slots.add(session.session_id)
         session.request = request
         if chunked:

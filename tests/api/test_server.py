@@ -284,10 +284,15 @@ def test_hostile_nesting_on_the_verifiers_front_is_a_400_that_names_the_limit(se
 
     deep = '{"type": "object", "properties": {"a": ' * 1000 + '{"type": "string"}' + "}}" * 1000
     base = f"http://127.0.0.1:{server.server.http_port}/v1/completions"
+
+    def honest() -> str:
+        return api.completions.create(model="tiny", prompt="def f(x):", max_tokens=4, temperature=0).choices[0].text
+
+    before = honest()
     for body in (b"[" * 20_000 + b"]" * 20_000, json.dumps({"model": "tiny", "prompt": "x", "guided_json": deep}).encode()):
         request = urllib.request.Request(base, data=body, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 400
         assert f"nested deeper than {MAX_JSON_DEPTH} levels" in json.loads(refused.value.read())["error"]["message"]
-    assert api.completions.create(model="tiny", prompt="def f(x):", max_tokens=4, temperature=0).choices[0].text is not None
+    assert honest() == before  # still serving, the same text
