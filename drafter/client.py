@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,7 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, unapplied_setting
-from goodspeed.serving.sampling_wire import sampling_to_pb
+from goodspeed.drafter.session import DrafterError, DraftSession, RequestStats, SessionLost, VerdictAhead, answers
+from goodspeed.serving.generation import GenerationRequest
+from goodspeed.serving.sampling_wire import request_to_pb
 from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
 from goodspeed.proto import PROTOCOL_VERSION
@@ -42,10 +44,6 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 # worst leaves a session behind (FAILED_PRECONDITION: this client joins again), which the
 # verifier evicts once idle.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
-
-class DrafterError(RuntimeError):
-    """The drafter cannot continue (verifier gone past the timeout, or a refused request)."""
 
 
 @dataclass(frozen=True)
@@ -176,10 +174,8 @@ class DrafterClient:
                 raise DrafterError(f"no verdict for round {round_index} within {self.config.verdict_timeout_s} s") from None
             if not isinstance(item, pb.Verdict):
                 raise SessionLost()
-            if item.round_index == round_index:
+            if answers(item, round_index):  # a later round's raises VerdictAhead: only a resync can tell
                 return item
-            if item.round_index > round_index:  # the verifier is ahead of us: only a resync can tell
-                raise _Drifted()
 
     def close(self) -> None:
         if self.session_id:
@@ -192,59 +188,60 @@ class DrafterClient:
 
     # ------------------------------------------------------------------------ generation
 
-    def _start(self, committed: list[int], remaining: int, result: RequestResult) -> tuple[int, int]:
+    def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:
+        """One request to its end: rounds on :class:`~goodspeed.drafter.session.DraftSession`,
+        repaired in place when the verifier loses the session or the text drifts."""
+        session = DraftSession(GenerationRequest(request_id, [int(t) for t in prompt_ids], self.config.max_new_tokens,
+                                                 self.config.sampling, self.config.eos_token_ids))
+        result = RequestResult(request_id, list(session.request.prompt_ids))
+        started = time.perf_counter()
+        self._start(session)
+        while True:
+            try:
+                verdict = self._round(session, result)
+            except SessionLost:
+                session.lost()
+                self.join()
+                self._start(session)
+                continue
+            except VerdictAhead:
+                self._resync(session)
+                continue
+            if session.apply(verdict):
+                if verdict.finished:
+                    break
+            elif verdict.finished:  # the request is over on the verifier: its text can no longer be fetched
+                raise DrafterError(f"request {request_id}: the final verdict's prefix hash does not match this drafter's text")
+            else:
+                self._resync(session)
+        result.token_ids, result.wall_s = session.output, time.perf_counter() - started
+        for name in fields(RequestStats):
+            setattr(result, name.name, getattr(session.stats, name.name))
+        return result
+
+    def _start(self, session: DraftSession) -> None:
         """``StartRequest``; when the verifier no longer knows the session (it restarted between
         requests, or dropped this drafter), join again once and start there."""
-        generated = len(committed) - len(result.prompt_ids)  # a restarted request's output so far
-        self.runner.start(committed, generated)
-        request = pb.StartRequestRequest(
-            session_id=self.session_id, prompt_ids=committed, sampling=sampling_to_pb(self.config.sampling),
-            max_new_tokens=remaining, eos_token_ids=list(self.config.eos_token_ids), generated=generated)
+        self.runner.start(session.committed, session.generated)
+        request = request_to_pb(self.session_id, session.start_request())
         try:
             reply = self._retry(self.stub.StartRequest, request)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise DrafterError(f"request {result.id} refused: {exc.code().name}: {exc.details()}") from None
-            result.repairs += 1
+                raise DrafterError(f"request {session.key} refused: {exc.code().name}: {exc.details()}") from None
+            session.lost()
             self.join()
             request.session_id = self.session_id
             try:
                 reply = self._retry(self.stub.StartRequest, request)
             except grpc.RpcError as again:
-                raise DrafterError(f"request {result.id} refused after rejoining: {again.code().name}: {again.details()}") from None
+                raise DrafterError(f"request {session.key} refused after rejoining: {again.code().name}: {again.details()}") from None
         if (why := unapplied_setting(self.config.sampling, reply)) is not None:
-            raise DrafterError(f"request {result.id}: {why}; upgrade the verifier or leave it out")
-        return reply.draft_length, reply.round_index
+            raise DrafterError(f"request {session.key}: {why}; upgrade the verifier or leave it out")
+        session.started(reply.draft_length, reply.round_index)
 
-    def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:
-        result = RequestResult(request_id, list(prompt_ids))
-        started = time.perf_counter()
-        length, round_index = self._start(list(prompt_ids), self.config.max_new_tokens, result)
-        while True:
-            try:
-                verdict = self._round(length, round_index, result)
-            except SessionLost:
-                result.repairs += 1
-                self.join()
-                committed = list(prompt_ids) + result.token_ids  # the verifier's tokens, from its verdicts
-                length, round_index = self._start(committed, self.config.max_new_tokens - len(result.token_ids), result)
-                continue
-            except _Drifted:
-                length, round_index = self._resync(result)
-                continue
-            result.token_ids.extend(verdict.token_ids)
-            if self._in_sync(verdict):
-                if verdict.finished:
-                    break
-                length, round_index = verdict.next_draft_length, verdict.round_index + 1
-            elif verdict.finished:  # the request is over on the verifier: its text can no longer be fetched
-                raise DrafterError(f"request {request_id}: the final verdict's prefix hash does not match this drafter's text")
-            else:
-                length, round_index = self._resync(result)
-        result.wall_s = time.perf_counter() - started
-        return result
-
-    def _round(self, length: int, round_index: int, result: RequestResult) -> pb.Verdict:
+    def _round(self, session: DraftSession, result: RequestResult) -> pb.Verdict:
+        length, round_index = session.length, session.round_index
         ready = len(self.runner.ahead)
         out = self.runner.draft(length, self.config.sampling, self.generator)
         if ready and self._predraft_s_per_token is not None:
@@ -264,10 +261,6 @@ class DrafterClient:
             verdict = self._next_verdict(round_index)
         if self.runner.apply(verdict.token_ids, verdict.num_accepted):
             result.proactive_hits += 1
-        result.rounds += 1
-        result.drafted_tokens += verdict.num_drafted
-        result.accepted_tokens += verdict.num_accepted
-        result.transit_tokens += verdict.num_transit
         return verdict
 
     def _predraft(self, length: int, result: RequestResult) -> None:
@@ -283,21 +276,11 @@ class DrafterClient:
             result.predrafted_tokens += made
             self._predraft_s_per_token = (time.perf_counter() - started) / (made + 1)  # + the guess's forward
 
-    def _in_sync(self, verdict: pb.Verdict) -> bool:
-        return len(self.runner.committed) == verdict.committed_length and self.runner.prefix_hash == verdict.prefix_hash
-
-    def _resync(self, result: RequestResult) -> tuple[int, int]:
-        """Take the verifier's committed tokens: the draft cache AND the request's output are
-        rebuilt from them, so a repaired drift leaves no wrong token in the result."""
+    def _resync(self, session: DraftSession) -> None:
+        """Take the verifier's committed tokens (:meth:`DraftSession.resync`) and redraft from them."""
         reply = self._retry(self.stub.Resync, pb.ResyncRequest(session_id=self.session_id))
-        committed = list(reply.committed_ids)
-        prompt = result.prompt_ids
-        if committed[: len(prompt)] != prompt:
-            raise DrafterError(f"request {result.id}: the verifier's text does not start with this request's prompt")
-        self.runner.start(committed, len(committed) - len(prompt))
-        result.token_ids = committed[len(prompt) :]
-        result.repairs += 1
-        return reply.draft_length, reply.round_index
+        session.resync(reply.committed_ids, reply.draft_length, reply.round_index)
+        self.runner.start(session.committed, session.generated)
 
 
 def backoff(timeout_s: float, cap_s: float):
@@ -308,14 +291,6 @@ def backoff(timeout_s: float, cap_s: float):
         pause = delay * (0.5 + random.random())
         yield pause if time.monotonic() + pause <= deadline else None
         delay = min(delay * 2, cap_s)
-
-
-class SessionLost(Exception):
-    """The verdict stream ended or the verifier no longer knows the session."""
-
-
-class _Drifted(Exception):
-    """A verdict for a later round than this drafter's: its view of the request is behind."""
 
 
 def say_waiting(config, first: bool) -> None:

@@ -45,12 +45,13 @@ from prometheus_client import CollectorRegistry
 from goodspeed.serving.aio import run_to_the_end
 from goodspeed.serving.generation import Delta, GenerationRequest, RequestError, StopStringMatched
 from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, SpecDecodeMetrics, finished_reason
-from goodspeed.drafter.client import DrafterError, SessionLost, backoff, say_waiting
+from goodspeed.drafter.client import backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
-from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession, RequestStats
+from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, unapplied_setting
-from goodspeed.serving.sampling_wire import sampling_to_pb
+from goodspeed.drafter.session import DrafterError, RequestStats, SessionLost
+from goodspeed.serving.sampling_wire import request_to_pb
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
 from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, TokenLogprob, check_proposal_top_k
 from goodspeed.proto import PROTOCOL_VERSION
@@ -274,8 +275,7 @@ class EdgeNode:
             raise RequestError("invalid", "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
         generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                      else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
-        req = NodeRequest(request, list(request.prompt_ids), generator, self.requests.track(len(request.prompt_ids)),
-                       stats=stats if stats is not None else RequestStats())
+        req = NodeRequest(request, generator, self.requests.track(len(request.prompt_ids)), stats)
         try:
             await self._call(self.drafter.add, req.key)
             await self._start(req)
@@ -307,29 +307,20 @@ class EdgeNode:
         tokens so far); a pooled session the verifier has forgotten is replaced."""
         for _ in range(MAX_REPAIRS + 1):
             req.session = await self._acquire()
-            message = pb.StartRequestRequest(
-                session_id=req.session.session_id, prompt_ids=req.committed, sampling=sampling_to_pb(req.gen.sampling),
-                max_new_tokens=req.gen.max_tokens - req.generated, eos_token_ids=list(req.gen.eos_token_ids),
-                generated=req.generated)
-            if req.gen.seed is not None:
-                message.seed = req.gen.seed
-            if req.gen.logprobs is not None:
-                message.logprobs = req.gen.logprobs
-            scores_prompt = req.gen.prompt_logprobs is not None and not req.prompt_scored  # a repair does not ask again
-            if scores_prompt:
-                message.prompt_logprobs = req.gen.prompt_logprobs
+            start = req.start_request()  # a repair does not ask for the prompt's scores again
             try:
-                reply = await self.stub.StartRequest(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
+                reply = await self.stub.StartRequest(request_to_pb(req.session.session_id, start),
+                                                     timeout=self.config.verdict_timeout_s, metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise _refusal("the request", exc) from None
                 session, req.session = req.session, None
                 await self._discard(session)
                 continue
-            req.in_progress, req.length, req.round_index = True, reply.draft_length, reply.round_index
-            if (why := unapplied_setting(req.gen.sampling, reply)) is not None:
+            req.started(reply.draft_length, reply.round_index)
+            if (why := unapplied_setting(req.sampling, reply)) is not None:
                 raise RequestError("upstream", f"{why}: this request needs it; upgrade the verifier or leave it out")
-            if scores_prompt and not reply.prompt_logprobs:
+            if start.prompt_logprobs is not None and not reply.prompt_logprobs:
                 raise RequestError("upstream", "the verifier does not score prompts (a version older than prompt_logprobs): "
                                     "this request needs it for echo with logprobs; upgrade the verifier or leave them out")
             return
@@ -342,10 +333,10 @@ class EdgeNode:
                 try:
                     verdict = await self._round(req)
                 except SessionLost:
-                    req.stats.repairs += 1
+                    req.lost()
                     if req.stats.repairs > MAX_REPAIRS:
                         raise RequestError("upstream", f"the verifier dropped this request's session {req.stats.repairs} times") from None
-                    session, req.session, req.in_progress = req.session, None, False
+                    session, req.session = req.session, None
                     await self._discard(session)
                     await self._start(req)
                     continue
@@ -354,27 +345,20 @@ class EdgeNode:
                 # rejected drafts cached otherwise)
                 if not self._inline:  # a lookup caches nothing past the committed text
                     await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
-                req.commit(list(verdict.token_ids))
                 req.timer.tokens(len(verdict.token_ids))
-                req.stats.rounds += 1
-                req.stats.drafted_tokens += verdict.num_drafted
-                req.stats.accepted_tokens += verdict.num_accepted
-                req.stats.transit_tokens += verdict.num_transit
-                if len(req.committed) != verdict.committed_length or req.hasher.hexdigest() != verdict.prefix_hash:
+                if not req.apply(verdict):  # its earlier tokens reached the client: not repaired
                     raise RequestError("upstream", "a verdict does not match this node's text (committed length or prefix hash)")
-                req.in_progress = not verdict.finished
                 prompt_scores = None
-                if req.gen.prompt_logprobs is not None and not req.prompt_scored:
+                if req.request.prompt_logprobs is not None and not req.prompt_scored:
                     prompt_scores, req.prompt_scored = logprobs_from_pb(verdict.prompt_logprobs), True
-                    if [lp.token_id for lp in prompt_scores] != req.gen.prompt_ids[1:]:
+                    if [lp.token_id for lp in prompt_scores] != req.request.prompt_ids[1:]:
                         raise RequestError("upstream", "a verdict's prompt log-probabilities do not match this request's prompt")
                 req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None,
-                                         logprobs=_logprobs(verdict) if req.gen.logprobs is not None else None,
+                                         logprobs=_logprobs(verdict) if req.request.logprobs is not None else None,
                                          prompt_logprobs=prompt_scores))
                 if verdict.finished:
                     reason = finished_reason(verdict.finish_reason)
                     return
-                req.length, req.round_index = verdict.next_draft_length, verdict.round_index + 1
         except asyncio.CancelledError:
             reason = "stop" if req.stop_string else "abort"
             raise
@@ -417,7 +401,7 @@ class EdgeNode:
         if self.config.draft_length == "goodput":
             length = self.paying.length(req.key, req.length)
         draft: ChainDraft = await self._draft(req, length)
-        message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.gen.sampling)
+        message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.sampling)
         sent = time.perf_counter()
         try:
             reply = await self.stub.SubmitDraft(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
@@ -442,7 +426,7 @@ class EdgeNode:
         if self._inline:
             key, started = req.key, time.perf_counter()
             drafts, forced = draft_with_forced(self.drafter, {key: list(req.committed)}, {key: length},
-                                               {key: req.gen.sampling}, {key: req.generator}, {key: req.history})
+                                               {key: req.sampling}, {key: req.generator}, {key: req.history})
             self._drafted(time.perf_counter() - started, drafts, forced)
             return drafts[key]
         future = asyncio.get_running_loop().create_future()
@@ -468,7 +452,7 @@ class EdgeNode:
             try:
                 drafts, forced = await self._call(
                     draft_with_forced, self.drafter, {j.request.key: j.committed for j in jobs},
-                    {j.request.key: j.length for j in jobs}, {j.request.key: j.request.gen.sampling for j in jobs},
+                    {j.request.key: j.length for j in jobs}, {j.request.key: j.request.sampling for j in jobs},
                     {j.request.key: j.request.generator for j in jobs}, {j.request.key: j.request.history for j in jobs})
             except Exception as exc:  # a device error: every request in the batch fails, the node goes on
                 for job in jobs:

@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from goodspeed.drafter.client import DrafterError
+    from goodspeed.drafter.session import DrafterError
     from goodspeed.drafter.credentials import CredentialsError
     from goodspeed.launch.cluster.certs import CertError
     from goodspeed.launch.cluster.links import LinkError

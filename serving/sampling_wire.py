@@ -1,5 +1,6 @@
-"""A request's :class:`~goodspeed.lm.decoding.sampling.SamplingParams` on the wire (the proto's
-``SamplingParams``), both directions, for the drafter that sends it and the verifier that reads it.
+"""A request on the wire, both directions, for the drafter that sends it and the verifier that
+reads it: its :class:`~goodspeed.lm.decoding.sampling.SamplingParams` (the proto's
+``SamplingParams``) and the whole request a ``StartRequest`` carries.
 
 A setting travels by name: every field of :class:`SamplingParams` that the message has under the
 same name is copied as it is (repeated fields as tuples), so a new plain setting needs its field in
@@ -15,6 +16,7 @@ from dataclasses import fields
 from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.lm.decoding.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.serving.generation import GenerationRequest
 
 SHAPED = ("top_p", "repetition_penalty", "logit_bias", "structured", "bad_words")  # not copied as they are
 _WIRE = pb.SamplingParams.DESCRIPTOR.fields_by_name
@@ -55,3 +57,22 @@ def structure_from_pb(msg: pb.StructuredOutput) -> Structure:
 def _value(value):
     """A scalar as it is; a repeated field as a tuple."""
     return value if isinstance(value, (bool, int, float, str)) else tuple(value)
+
+
+def request_to_pb(session_id: str, request: GenerationRequest) -> pb.StartRequestRequest:
+    """A request to start on a verifier session (the drafter's side of ``StartRequest``)."""
+    msg = pb.StartRequestRequest(session_id=session_id, prompt_ids=request.prompt_ids, sampling=sampling_to_pb(request.sampling),
+                                 max_new_tokens=request.max_tokens, eos_token_ids=list(request.eos_token_ids),
+                                 generated=request.generated)
+    for name in ("seed", "logprobs", "prompt_logprobs"):  # optional: unset is None
+        if getattr(request, name) is not None:
+            setattr(msg, name, getattr(request, name))
+    return msg
+
+
+def request_from_pb(msg: pb.StartRequestRequest, sampling: SamplingParams) -> GenerationRequest:
+    """The request a ``StartRequest`` carries, with its ``sampling`` as the verifier reads it
+    (:func:`sampling_from_pb`, then bound to the target's tokenizer)."""
+    optional = {name: getattr(msg, name) if msg.HasField(name) else None for name in ("seed", "logprobs", "prompt_logprobs")}
+    return GenerationRequest(msg.session_id, list(msg.prompt_ids), msg.max_new_tokens, sampling, tuple(msg.eos_token_ids),
+                             generated=msg.generated, **optional)

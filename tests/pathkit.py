@@ -19,7 +19,7 @@ def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, dr
     engine = VerificationEngine(target, EngineConfig(budget=8 * drafters, max_draft_len=4, transit_tokens=2 if transit else 0))
     ds = [InProcessDrafter(f"d{i}", DraftRunner(draft), prompts[i::drafters], sampling, max_new_tokens, transit=transit)
           for i in range(drafters)]
-    results = run_inprocess(engine, ds, eos, delay=(lambda d: d.round_index % 2) if transit else None)
+    results = run_inprocess(engine, ds, eos, delay=(lambda d: d.request.round_index % 2) if transit else None)
     return [out for d in ds for out in d.outputs], results
 
 

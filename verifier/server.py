@@ -31,6 +31,7 @@ import grpc
 
 from goodspeed.serving.aio import keep_until_done, run_to_the_end
 from goodspeed.serving.generation import GenerationRequest
+from goodspeed.serving.sampling_wire import request_from_pb
 from goodspeed.serving.metrics import RequestTimer, finished_reason
 from goodspeed.lm.decoding.sampling import FEATURES, SamplingParams
 from goodspeed.lm.decoding.structured import StructureError
@@ -239,11 +240,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self._refuse_if_draining(context)
         drafter = await self._owned(request.session_id, context)
         sampling = await self._bound(sampling_from_pb(request.sampling), context)
-        spec = GenerationRequest(request.session_id, list(request.prompt_ids), request.max_new_tokens, sampling,
-                                 tuple(request.eos_token_ids), seed=request.seed if request.HasField("seed") else None,
-                                 logprobs=request.logprobs if request.HasField("logprobs") else None,
-                                 prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
-                                 generated=request.generated)
+        spec = request_from_pb(request, sampling)
         started = time.perf_counter()
         kv_tokens = len(request.prompt_ids) + request.max_new_tokens
         self.usage.admit_request(drafter.identity, kv_tokens)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from goodspeed.drafter.runner import DraftOutput, DraftRunner
+from goodspeed.drafter.session import DrafterError, DraftSession, answers
+from goodspeed.serving.generation import GenerationRequest
 from goodspeed.lm.decoding.sampling import SamplingParams
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
 from goodspeed.verifier.engine import VerificationEngine
@@ -40,14 +42,17 @@ class InProcessDrafter:
     leave_round: int | None = None
     outputs: list[list[int]] = field(default_factory=list)
     session_id: str | None = None
-    draft_length: int | None = 0  # None: its prompt is being prefilled (chunked prefill)
-    round_index: int = 0  # the session's next round, counted by the drafter itself
+    request: DraftSession | None = None  # the request in progress; its length None while its prompt is prefilled in pieces
     generator: torch.Generator | None = None
     next_prompt: int = 0
-    busy: bool = False  # a request is in progress
     left: bool = False
     transit: bool = False  # joins with transit decoding (the engine decodes while its draft is delayed)
     held: tuple[int, Draft] | None = None  # a delayed draft: (the step it reaches the engine, the draft)
+
+    @property
+    def busy(self) -> bool:
+        """A request is in progress."""
+        return self.request is not None
 
     @property
     def done(self) -> bool:
@@ -65,13 +70,15 @@ def to_engine_draft(round_index: int, out: DraftOutput, sampling: SamplingParams
 
 
 def _start_next(engine: VerificationEngine, d: InProcessDrafter, eos_token_ids: Sequence[int]) -> None:
-    d.busy = d.next_prompt < len(d.prompts)
-    if not d.busy:
+    d.request = None
+    if d.next_prompt >= len(d.prompts):
         return
-    prompt = d.prompts[d.next_prompt]
+    prompt = [int(t) for t in d.prompts[d.next_prompt]]
     d.next_prompt += 1
+    d.request = DraftSession(GenerationRequest(f"{d.name}-{d.next_prompt - 1}", prompt, d.max_new_tokens, d.sampling,
+                                               tuple(eos_token_ids)))
     d.runner.start(prompt)
-    d.draft_length = engine.start_request(d.session_id, prompt, d.sampling, d.max_new_tokens, eos_token_ids)
+    d.request.started(engine.start(d.session_id, d.request.start_request()), engine.next_round(d.session_id))
 
 
 def _update_membership(engine: VerificationEngine, drafters: Sequence[InProcessDrafter], t: int, eos_token_ids) -> None:
@@ -82,16 +89,16 @@ def _update_membership(engine: VerificationEngine, drafters: Sequence[InProcessD
             _start_next(engine, d, eos_token_ids)
         elif d.session_id is not None and d.leave_round is not None and t >= d.leave_round:
             engine.leave(d.session_id)
-            d.session_id, d.busy, d.left = None, False, True
+            d.session_id, d.request, d.left = None, None, True
 
 
 def _apply_verdict(engine, d: InProcessDrafter, result: RoundResult, eos_token_ids) -> None:
     verdict = result.verdicts[d.session_id]
+    if not answers(verdict, d.request.round_index) or not d.request.apply(verdict):
+        raise DrafterError(f"{d.name}: the verdict for round {verdict.round_index} does not match this drafter's text")
     d.runner.apply(verdict.token_ids, verdict.num_accepted)
-    d.draft_length = verdict.next_draft_length
-    d.round_index += 1
     if verdict.finished:
-        d.outputs.append(d.runner.committed[len(d.prompts[d.next_prompt - 1]) :])
+        d.outputs.append(d.request.output)
         _start_next(engine, d, eos_token_ids)
 
 
@@ -110,14 +117,14 @@ def run_inprocess(
         _update_membership(engine, drafters, t, eos_token_ids)
         if all(d.done for d in drafters):
             break
-        active = [d for d in drafters if d.session_id is not None and d.busy and d.draft_length is not None]
+        active = [d for d in drafters if d.session_id is not None and d.busy and d.request.length is not None]
         if not active and not engine.has_prefill:
             continue
         submitted = []
         for d in active:
             if d.held is None:
-                out = d.runner.draft(d.draft_length, d.sampling, d.generator)
-                d.held = (t + (delay(d) if delay is not None else 0), to_engine_draft(d.round_index, out, d.sampling))
+                out = d.runner.draft(d.request.length, d.sampling, d.generator)
+                d.held = (t + (delay(d) if delay is not None else 0), to_engine_draft(d.request.round_index, out, d.sampling))
             if d.held[0] <= t:
                 engine.submit(d.session_id, d.held[1])
                 d.held = None
@@ -128,7 +135,7 @@ def run_inprocess(
             _apply_verdict(engine, d, result, eos_token_ids)
         for d in drafters:
             if d.session_id in result.started:  # its prompt's last chunk was in this step
-                d.draft_length = result.started[d.session_id]
+                d.request.length = result.started[d.session_id]
         if on_round:
             on_round(result)
     return results

@@ -145,7 +145,8 @@ async def generate_concurrently(spec: DrafterSpec, verifier: str, draft_model, t
     finished request, in the order they finish. A request the node fails raises: a file-mode
     drafter stops, as the one-at-a-time client does."""
     from goodspeed.serving.generation import GenerationRequest
-    from goodspeed.drafter.node import EdgeNode, RequestStats
+    from goodspeed.drafter.node import EdgeNode
+    from goodspeed.drafter.session import RequestStats
 
     eos = tokenizer.eos_token_id
     sampling = SamplingParams(spec.temperature, spec.top_k, spec.top_p)

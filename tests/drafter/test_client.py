@@ -4,7 +4,8 @@ resync repairs the request's output as well as the draft cache."""
 import grpc
 import pytest
 
-from goodspeed.drafter.client import DrafterClient, DrafterConfig, DrafterError
+from goodspeed.drafter.client import DrafterClient, DrafterConfig
+from goodspeed.drafter.session import DrafterError
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -26,8 +27,8 @@ class DuplicatingClient(DrafterClient):
     """Every verdict is also queued a second time, as when a retried SubmitDraft got it in its
     reply while the stream delivered it too."""
 
-    def _round(self, length, round_index, result):
-        verdict = super()._round(length, round_index, result)
+    def _round(self, *args):
+        verdict = super()._round(*args)
         self._verdicts.put(verdict)
         return verdict
 

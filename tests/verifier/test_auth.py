@@ -8,7 +8,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from goodspeed.drafter.client import DrafterClient, DrafterConfig, DrafterError
+from goodspeed.drafter.client import DrafterClient, DrafterConfig
+from goodspeed.drafter.session import DrafterError
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.generate import generate_request
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb

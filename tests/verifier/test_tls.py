@@ -4,7 +4,8 @@ from client certificates, and plaintext refused where other machines can reach t
 import grpc
 import pytest
 
-from goodspeed.drafter.client import DrafterClient, DrafterConfig, DrafterError
+from goodspeed.drafter.client import DrafterClient, DrafterConfig
+from goodspeed.drafter.session import DrafterError
 from goodspeed.drafter.credentials import ClientTLS, open_channel
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.cluster.certs import init_certs
