@@ -47,6 +47,8 @@ from goodspeed.serving.generation import Delta, GenerationRequest, RequestError,
 from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, SpecDecodeMetrics, finished_reason
 from goodspeed.drafter.client import backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
+from goodspeed.lm.models.adapt import AdaptConfig
+from goodspeed.drafter.node_adapt import NodeAdaptation
 from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, unapplied_setting
@@ -58,7 +60,7 @@ from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.runtime.batch_draft import ChainDraft, BatchDraftModel
-from goodspeed.lm.decoding.draft_source import draft_with_forced
+from goodspeed.lm.decoding.draft_source import draft_model, draft_with_forced
 from goodspeed.lm.decoding.lookup import LookupDraft
 from goodspeed.scheduler.paying import PayingLength
 
@@ -87,7 +89,12 @@ class NodeConfig:
     # tokens per second from its measured acceptance and this node's drafting and round times, 0
     # where speculation does not pay (goodspeed.scheduler.paying); allotted: always S_i
     draft_length: str = "goodput"
-    on_wait: Callable[[str], None] | None = field(default=None, compare=False)  # as DrafterConfig.on_wait
+    # Fine-tune the draft on this node's own traffic between requests (goodspeed.lm.models.adapt)
+    adapt: bool = False
+    adapt_every: int = 16  # finished requests between two fine-tunes
+    adapt_dir: str | None = None  # where adopted weights persist across restarts
+    # As DrafterConfig.on_wait; also told what --adapt did (each fine-tune's outcome)
+    on_wait: Callable[[str], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.max_waiting < 0:
@@ -95,6 +102,10 @@ class NodeConfig:
         check_proposal_top_k(self.proposal_top_k)
         if self.draft_length not in DRAFT_LENGTH_RULES:
             raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTH_RULES)}, got {self.draft_length!r}")
+        self.adapt_config()  # its checks
+
+    def adapt_config(self) -> AdaptConfig:
+        return AdaptConfig(every=self.adapt_every, dir=self.adapt_dir)
 
 
 class EdgeNode:
@@ -113,11 +124,13 @@ class EdgeNode:
                                         torch_compile=config.torch_compile) if isinstance(draft, torch.nn.Module) else draft)
         self.paying = PayingLength()  # the goodput rule's estimates (config.draft_length)
         self._inline = isinstance(self.drafter, LookupDraft)  # drafted on the event loop, not the drafting thread
+        self.adapting = NodeAdaptation(self, draft_model(self.drafter)) if config.adapt else None
         self.root_seed = resolve_root_seed(config.seed)
         self.metadata = bearer_metadata(config.token)
         self.model_ids: tuple[str, ...] = ()
         self.max_model_len = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-draft")  # owns the draft model
+        self.holding = 0  # requests admitted and not yet freed (each holds, or is about to hold, a draft KV slot)
         self._free: list[PooledSession] = []
         self._sessions = 0  # joined, free or busy
         self._session_freed = asyncio.Condition()
@@ -202,6 +215,8 @@ class EdgeNode:
         self._free.clear()
         if self.channel is not None:
             await self.channel.close()
+        if self.adapting is not None:
+            await self.adapting.stop()
         self._executor.shutdown(wait=True)
 
     def ready(self) -> bool:
@@ -273,10 +288,13 @@ class EdgeNode:
             raise RequestError("unavailable", "the node's verifier is not serving (unreachable or draining); retry later")
         if request.tpot_slo_ms is not None:
             raise RequestError("invalid", "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
+        if self.adapting is not None:
+            await self.adapting.admit()  # a request waits while new weights wait for a moment with none in flight
         generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                      else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
         req = NodeRequest(request, generator, self.requests.track(len(request.prompt_ids)), stats)
         try:
+            self.holding += 1  # counted before the slot exists, so weights never change under a request being admitted
             await self._call(self.drafter.add, req.key)
             await self._start(req)
         except BaseException as exc:
@@ -395,6 +413,9 @@ class EdgeNode:
             await self._release(session)
         if req.key in self.drafter.slots:  # a source that learns across requests keeps its text
             await self._call(self.drafter.remove, req.key, list(req.committed))
+        self.holding -= 1
+        if self.adapting is not None:
+            await self.adapting.finished(req, reason)
 
     async def _round(self, req: NodeRequest) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index

@@ -236,6 +236,13 @@ class VerifierSpec(DeclaredSettings):
     max_local_requests: int = setting(32, "local requests decoded together; later ones wait", to="local.max_requests")
     max_local_waiting: int = setting(256, "local requests queued behind those; more are refused (RESOURCE_EXHAUSTED)",
                                      to="local.max_waiting")
+    local_draft_adapt: bool = setting(False, "fine-tune the local draft model on the local requests served, in the "
+                                      "background, keeping new weights only when they accept more on held-back recent "
+                                      "requests (goodspeed.verifier.local_adapt; lossless)", to="local.adapt")
+    local_adapt_every: int = setting(16, "--local-draft-adapt: finished requests between two fine-tunes (default: "
+                                     "%(default)s)", to="local.adapt_every")
+    local_adapt_dir: str | None = setting(None, "--local-draft-adapt: a directory where adopted weights persist across "
+                                          "restarts", to="local.adapt_dir")
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -351,6 +358,14 @@ class DrafterSpec(DeclaredSettings):
                                 "drafting and round times, 0 where speculation does not pay (goodspeed.scheduler.paying); "
                                 "allotted: always S_i (through the node: --concurrency > 1, --serve, or a lookup draft "
                                 "source)", to="node.draft_length", choices=("goodput", "allotted"))
+    adapt: bool = setting(False, "fine-tune the draft on this node's own traffic between requests, in the background, "
+                          "keeping new weights only when they accept more on held-back recent requests "
+                          "(goodspeed.lm.models.adapt; drafts through the node; lossless: the verifier verifies any draft)",
+                          to="node.adapt")
+    adapt_every: int = setting(16, "--adapt: finished requests between two fine-tunes (default: %(default)s)",
+                               to="node.adapt_every")
+    adapt_dir: str | None = setting(None, "--adapt: a directory where adopted weights persist across restarts (loaded "
+                                    "only onto the same shipped draft)", to="node.adapt_dir")
     # Placement (Ray backend): see the module docstring.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -365,6 +380,20 @@ class DrafterSpec(DeclaredSettings):
         """Why ``cuda_graphs`` cannot apply to this drafter, in words, or None: it needs a CUDA device."""
         if self.cuda_graphs and not self.device.startswith("cuda"):
             return f"needs a CUDA device, not {self.device}"
+        return None
+
+    def adapt_missing(self) -> str | None:
+        """Why ``adapt`` cannot apply to this drafter, in words, or None: it needs a draft model."""
+        from goodspeed.lm.decoding.draft_source import DraftSpec
+
+        if not self.adapt:
+            return None
+        try:
+            source = DraftSpec.parse(self.draft)
+        except ValueError:  # a bad --draft is said where the draft loads
+            return None
+        if not source.needs_model:
+            return f"needs a draft model to fine-tune; {self.draft} is a lookup alone (give MODEL or LOOKUP+MODEL)"
         return None
 
     @classmethod

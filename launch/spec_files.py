@@ -237,6 +237,8 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
             raise SpecError(f"drafter {d.name!r}: {exc}") from None
         if (why := d.cuda_graphs_missing()) is not None:
             raise SpecError(f"drafter {d.name!r}: cuda_graphs {why}")
+        if (why := d.adapt_missing()) is not None:
+            raise SpecError(f"drafter {d.name!r}: adapt {why}")
         d.prompt_path()
     if spec.verifier.budget < 0:
         raise SpecError("[verifier] budget must be >= 0")

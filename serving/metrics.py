@@ -133,3 +133,15 @@ class DrafterMetrics:
                                      "drafted as point masses, always accepted)", registry=registry)
         self.draft_length = Histogram(f"{PREFIX}drafter_draft_length", "Draft length S the verifier allotted",
                                       buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=registry)
+        # --adapt (goodspeed.lm.models.adapt): the draft's weights version, each fine-tune's outcome, the
+        # held-back greedy acceptance the last one measured, and the time spent adapting
+        self.draft_version = Gauge(f"{PREFIX}drafter_draft_version", "Version of the draft's weights (0: as shipped)",
+                                   registry=registry)
+        self.adapt_updates = Counter(f"{PREFIX}drafter_adapt_updates", "Fine-tunes of the draft, by the guard's outcome",
+                                     ["outcome"], registry=registry)
+        self.adapt_acceptance = Gauge(f"{PREFIX}drafter_adapt_acceptance", "Held-back greedy acceptance at the last "
+                                      "fine-tune, of the weights live before it, its candidate, the shipped ones and "
+                                      "those live after it", ["weights"], registry=registry)
+        self.adapting = Gauge(f"{PREFIX}drafter_adapting", "1 while a fine-tune of the draft runs", registry=registry)
+        self.adapt_seconds = Counter(f"{PREFIX}drafter_adapt_seconds", "Seconds spent fine-tuning and judging the draft",
+                                     registry=registry)

@@ -88,3 +88,32 @@ def chat_pair(vocab_size: int = 300):
     tokenizer = train_tokenizer(inspect.getsource(json.decoder) * 3, vocab_size=vocab_size)
     target = tiny_llama(0, vocab=vocab_size)
     return target, perturbed(target, 0.05, 1), tokenizer
+
+
+# A device's or a service's recurring instructions: one domain of traffic for drafts that adapt
+DOMAIN_PREFIXES = ([1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [20, 21, 22, 23, 24])
+
+
+def domain_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of one domain: one of a few prefixes and a varying last token."""
+    g = torch.Generator().manual_seed(seed)
+    return [DOMAIN_PREFIXES[int(torch.randint(0, len(DOMAIN_PREFIXES), (1,), generator=g))]
+            + torch.randint(0, 16, (1,), generator=g).tolist() for _ in range(count)]
+
+
+def domain_traffic(target, count: int, new_tokens: int, seed: int = 0) -> list[tuple[int, list[int]]]:
+    """``(prompt length, prompt + the target's greedy answer)`` for ``count`` domain prompts."""
+    return [(len(p), p + greedy_reference(target, p, new_tokens)) for p in domain_prompts(count, seed)]
+
+
+def copy_of(model):
+    """An independent copy of a model (its own weights)."""
+    clone = type(model)(model.config).to(next(model.parameters()).dtype)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+def far_pair(vocab: int = 48):
+    """A tiny target and a draft far from it (little to lose, much to learn: for drafts that adapt)."""
+    target = tiny_llama(0, vocab=vocab)
+    return target, perturbed(target, 1.0, 7)

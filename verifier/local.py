@@ -57,7 +57,9 @@ from goodspeed.verifier import errors
 from goodspeed.verifier.clocks import LatencyProfile, RealClock, SimulatedClock
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
-from goodspeed.lm.decoding.draft_source import draft_with_forced
+from goodspeed.lm.decoding.draft_source import draft_model, draft_with_forced
+from goodspeed.lm.models.adapt import AdaptConfig
+from goodspeed.verifier.local_adapt import LocalAdaptation
 from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASSES, Plan
 from goodspeed.verifier.local_requests import LocalRequest, LocalWork, StepReport, TokenEvent
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
@@ -83,6 +85,9 @@ class LocalConfig:
     iteration_smoothing: float = 0.5  # weight of the newest iteration time in t_spec
     initial_acceptance: float = 0.5  # turbospec: pooled acceptance before any local draft was verified
     seed: int | None = None  # root seed of the local streams; None: the engine's root seed
+    adapt: bool = False  # the draft model learns the requests served (goodspeed.verifier.local_adapt)
+    adapt_every: int = 16  # finished requests between two fine-tunes
+    adapt_dir: str | None = None  # where adopted weights persist across restarts
 
     def __post_init__(self) -> None:
         if self.policy not in LOCAL_POLICY_CLASSES:
@@ -96,6 +101,10 @@ class LocalConfig:
         LOCAL_POLICY_CLASSES[self.policy].check(self)
         if not 0 < self.iteration_smoothing <= 1:
             raise ValueError("iteration_smoothing must lie in (0, 1]")
+        self.adapt_config()  # its checks
+
+    def adapt_config(self) -> AdaptConfig:
+        return AdaptConfig(every=self.adapt_every, dir=self.adapt_dir)
 
 
 # ----------------------------------------------------------------------------------- serving
@@ -105,10 +114,10 @@ class LocalServing:
     """Local generation on the verifier. Every method runs on the engine's thread."""
 
     def __init__(self, engine: VerificationEngine, draft: torch.nn.Module | object, config: LocalConfig,
-                 clock: RealClock | SimulatedClock | None = None) -> None:
+                 clock: RealClock | SimulatedClock | None = None, log: Callable[[str], None] | None = None) -> None:
         """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.decoding.draft_source`; a
         lookup alone drafts chains, so it serves every policy but ``adaserve``'s beam trees, which
-        a model or a lookup with a model drafts)."""
+        a model or a lookup with a model drafts). ``log``: told what ``config.adapt`` did."""
         if isinstance(draft, torch.nn.Module):
             # The draft's forwards replayed as CUDA graphs, or compiled, too when the target's are
             # (EngineConfig.cuda_graphs, EngineConfig.torch_compile)
@@ -128,6 +137,7 @@ class LocalServing:
         self.generator = torch_generator(root, "verifier", "local-draft")
         self.rng = numpy_rng(root, "verifier", "local-policy")
         self.policy = LOCAL_POLICY_CLASSES[config.policy](self)
+        self.adapting = LocalAdaptation(draft_model(self.draft), config.adapt_config(), log) if config.adapt else None
         self.allotments = OwnerSizedAllotments(engine.config.smoothing)  # this source's sizes, set every step
         self._waiting: deque[LocalRequest] = deque()
         self._active: dict[str, LocalRequest] = {}
@@ -228,6 +238,10 @@ class LocalServing:
             self.draft.on_forward, self.draft.forwards = on_forward, forwards
 
     def _admit(self) -> None:
+        if self.adapting is not None:
+            self.adapting.swap_if_idle(len(self._active))
+            if self.adapting.holds_admission:  # new weights wait for the active requests to end
+                return
         while self._waiting and len(self._active) < self.config.max_requests:
             req = self._waiting.popleft()
             req.session_id = self.engine.join(f"local:{req.request_id}", source=self.allotments)
@@ -247,6 +261,8 @@ class LocalServing:
         self.engine.leave(req.session_id)
         self.draft.remove(req.request_id, req.committed)
         del self._active[req.request_id]
+        if self.adapting is not None:
+            self.adapting.finished(len(req.prompt_ids) - req.spec.generated, req.committed, reason)
         self._finish(req, reason)
 
     def _finish(self, req: LocalRequest, reason: str) -> None:

@@ -31,14 +31,18 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
                          "--concurrency > 1 give --no-proactive (the node drafts its requests together instead)")
     if (why := spec.cuda_graphs_missing()) is not None:
         raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
+    if (why := spec.adapt_missing()) is not None:
+        raise SystemExit(f"goodspeed drafter {spec.name}: --adapt {why}")
     prompt_path = spec.prompt_path()  # before the draft loads (seconds for a real one): a missing file is said at once
     draft = load_draft(spec)
     prompts = load_prompts(prompt_path, draft.tokenizer)[: spec.max_prompts]
     out = open(out_path, "w", encoding="utf-8") if out_path else sys.stdout
     try:
-        if spec.concurrency > 1 or draft.source.lookup is not None:
+        if spec.concurrency > 1 or draft.source.lookup is not None or spec.adapt:
             if spec.concurrency == 1 and spec.proactive:
-                _say(spec.name)(f"proactive drafting is a draft model's alone; {draft.source} drafts through the node")
+                _say(spec.name)("proactive drafting is the single-request client's; with --adapt this drafter drafts "
+                                "through the node" if spec.adapt else
+                                f"proactive drafting is a draft model's alone; {draft.source} drafts through the node")
             asyncio.run(generate_concurrently(spec, verifier, draft.drafter, draft.tokenizer, draft.fingerprint, prompts, out,
                                               connect_timeout_s, progress))
         else:
@@ -219,6 +223,8 @@ def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: i
         raise SystemExit(f"goodspeed drafter: --serve {exc}") from None
     if (why := spec.cuda_graphs_missing()) is not None:
         raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
+    if (why := spec.adapt_missing()) is not None:
+        raise SystemExit(f"goodspeed drafter {spec.name}: --adapt {why}")
     authorize = _api_key_check(api_key_file, host)
     return asyncio.run(_serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s,
                                    tool_parser, reasoning_parser))

@@ -81,7 +81,7 @@ def local_draft_source(opts: VerifierSpec) -> DraftSpec:
         raise SpecError(f"--local-draft: {exc}") from None
 
 
-def build_local(opts: VerifierSpec, engine: VerificationEngine, target: LoadedModel) -> LocalServing:
+def build_local(opts: VerifierSpec, engine: VerificationEngine, target: LoadedModel, log: JsonLog | None = None) -> LocalServing:
     """The verifier's own draft source for Generate requests: a draft model sharing the target's
     tokenizer, a lookup, or both."""
     config = local_config(opts)  # bad settings fail before the draft model loads
@@ -97,7 +97,7 @@ def build_local(opts: VerifierSpec, engine: VerificationEngine, target: LoadedMo
         model = source.build(model, engine.vocab_size, cuda_graphs=engine.config.cuda_graphs,
                              torch_compile=engine.config.torch_compile)
     try:
-        local = LocalServing(engine, model, config)
+        local = LocalServing(engine, model, config, log=None if log is None else (lambda message: log.event("adapt", message=message)))
     except ValueError as exc:
         raise SpecError(f"local serving: {exc}") from None
     local.retain_finished = False  # a daemon streams results; it must not keep every request
@@ -144,7 +144,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     local = None
     if opts.local_draft is not None:
         log.event("loading", local_draft=opts.local_draft, local_policy=opts.local_policy)
-        local = build_local(opts, engine, target)
+        local = build_local(opts, engine, target, log)
     metrics = Metrics()
     if opts.metrics_port is not None:
         metrics.serve(opts.metrics_port, addr=opts.metrics_host)  # loopback unless told otherwise

@@ -204,6 +204,16 @@ class HybridDraft:
         self._count(key, "lookup", matched, matched < len(new))
 
 
+def draft_model(drafter) -> torch.nn.Module:
+    """The draft model a batched draft source drafts with (alone, or behind a lookup);
+    ``ValueError`` for a lookup alone."""
+    if isinstance(drafter, HybridDraft):
+        drafter = drafter.model
+    if isinstance(drafter, BatchDraftModel):
+        return drafter.model
+    raise ValueError("a lookup alone has no draft model (no weights to adapt): give MODEL or LOOKUP+MODEL")
+
+
 def with_branch(tree: BeamTree, tokens: Sequence[int], path_probs: Sequence[float]) -> BeamTree:
     """``tree`` with the chain ``tokens`` from its root: along the chain, a node holding the same
     token under the same parent is shared (keeping the larger path probability), the rest are

@@ -41,7 +41,8 @@ CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy
                local_draft="demo:draft-tiny", local_policy="tetris", local_k=3, local_extra=5, local_capacity=17,
                local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
                max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True, cuda_graphs=True, torch_compile=True,
-               async_shares="free", tool_call_parser="llama3_json", reasoning_parser="qwen3")
+               async_shares="free", tool_call_parser="llama3_json", reasoning_parser="qwen3", local_draft_adapt=True,
+               local_adapt_every=5, local_adapt_dir="/adapted")
 
 
 def test_the_launchers_spec_file_carries_every_setting(launched):
@@ -182,7 +183,8 @@ DRAFTER_RUNTIME = {"spec", "verifier", "serve", "max_concurrency", "max_waiting"
 DRAFTER_CHANGED = dict(name="edge", draft="demo:other", prompts="/p.jsonl", max_new_tokens=7, temperature=0.7, top_k=5,
                        top_p=0.9, device="cuda:1", dtype="bfloat16", seed=42, token_file="/t", tls_ca="/ca", tls_cert="/c",
                        tls_key="/k", tls_server_name="host", proactive=True, concurrency=3, proposal_top_k=64, cuda_graphs=True,
-                       torch_compile=True, tokenizer="demo:target", draft_length="allotted")
+                       torch_compile=True, tokenizer="demo:target", draft_length="allotted", adapt=True,
+                       adapt_every=4, adapt_dir="/adapted")
 
 
 def test_every_drafter_setting_is_a_flag_and_every_other_flag_is_the_nodes_run_time():
@@ -288,6 +290,29 @@ def test_a_bad_drafter_file_is_refused_by_key(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(SpecError, match=match):
         load_drafter_settings(path)
+
+
+def test_adapt_needs_a_draft_model_and_says_so_before_loading_anything(monkeypatch):
+    """--adapt fine-tunes a draft model: with a lookup alone the node (file mode and --serve) and
+    a launch spec refuse it at once; a lookup in front of a model is fine."""
+    from goodspeed.launch.daemons import draft_node
+    from goodspeed.launch.spec_files import load_spec
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(draft_node, "load_causal_lm", no_load)
+    lookup = DrafterSpec(name="edge", draft="suffix", tokenizer="demo:target", prompts="code", adapt=True)
+    with pytest.raises(SystemExit, match="--adapt needs a draft model to fine-tune; suffix is a lookup alone"):
+        draft_node.run_drafter(lookup, "127.0.0.1:1")
+    with pytest.raises(SystemExit, match="--adapt needs a draft model"):
+        draft_node.serve_node(lookup, "127.0.0.1:1", "127.0.0.1:0")
+    assert dataclasses.replace(lookup, draft="suffix+demo:draft-tiny").adapt_missing() is None
+    assert dataclasses.replace(lookup, adapt=False).adapt_missing() is None
+    tables = {"verifier": {"target": "demo:target"},
+              "drafters": [{"name": "edge", "draft": "ngram", "prompts": "code", "adapt": True}]}
+    with pytest.raises(SpecError, match="drafter 'edge': adapt needs a draft model"):
+        load_spec("s.toml", tables)
 
 
 def test_drafter_cuda_graphs_are_refused_off_cuda_before_a_model_loads(monkeypatch):
