@@ -51,11 +51,11 @@ from goodspeed.lm.models.adapt import AdaptConfig
 from goodspeed.drafter.node_adapt import NodeAdaptation
 from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession
 from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
-from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, unapplied_setting
+from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, refusal, unapplied_setting, verdict_logprobs
 from goodspeed.drafter.session import DrafterError, RequestStats, SessionLost
 from goodspeed.serving.sampling_wire import request_to_pb
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
-from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, TokenLogprob, check_proposal_top_k
+from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
@@ -235,7 +235,7 @@ class EdgeNode:
                 protocol_version=PROTOCOL_VERSION, device=self.config.name, transit=True), timeout=self.config.verdict_timeout_s,
                 metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            raise _refusal("join", exc) from None
+            raise refusal("join", exc) from None
         stream = self.stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=reply.session_id), metadata=self.metadata)
         return PooledSession(reply.session_id, stream), reply
 
@@ -331,7 +331,7 @@ class EdgeNode:
                                                      timeout=self.config.verdict_timeout_s, metadata=self.metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise _refusal("the request", exc) from None
+                    raise refusal("the request", exc) from None
                 session, req.session = req.session, None
                 await self._discard(session)
                 continue
@@ -372,7 +372,7 @@ class EdgeNode:
                     if [lp.token_id for lp in prompt_scores] != req.request.prompt_ids[1:]:
                         raise RequestError("upstream", "a verdict's prompt log-probabilities do not match this request's prompt")
                 req.out.put_nowait(Delta(list(verdict.token_ids), verdict.finished, verdict.finish_reason or None,
-                                         logprobs=_logprobs(verdict) if req.request.logprobs is not None else None,
+                                         logprobs=verdict_logprobs(verdict) if req.request.logprobs is not None else None,
                                          prompt_logprobs=prompt_scores))
                 if verdict.finished:
                     reason = finished_reason(verdict.finish_reason)
@@ -384,7 +384,7 @@ class EdgeNode:
             if isinstance(exc, RequestError):
                 error = exc
             elif isinstance(exc, grpc.aio.AioRpcError):
-                error = _refusal("a round", exc)
+                error = refusal("a round", exc)
             else:
                 error = (RequestError("upstream", str(exc)) if isinstance(exc, DrafterError)
                          else RequestError("internal", f"{type(exc).__name__}: {exc}"))
@@ -485,22 +485,3 @@ class EdgeNode:
                 if not job.future.done():
                     job.future.set_result(drafts[job.request.key])
 
-
-def _logprobs(verdict: pb.Verdict) -> list[TokenLogprob] | None:
-    """A verdict's log-probabilities, one per token; None when it carries none (a verifier older
-    than ``StartRequestRequest.logprobs``, which the HTTP layer then reports)."""
-    if len(verdict.logprobs) != len(verdict.token_ids):
-        return None
-    return logprobs_from_pb(verdict.logprobs)
-
-
-def _refusal(what: str, exc: grpc.aio.AioRpcError) -> RequestError:
-    """A verifier's refusal as the kind of error an application should see. A call the verifier
-    cancelled is its going away (gRPC cancels what is in flight when a stopping server's grace runs
-    out; the node's own cancellations end its tasks, not its calls), so it is unavailable, like
-    UNAVAILABLE."""
-    code = exc.code()
-    kind = {grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded", grpc.StatusCode.INVALID_ARGUMENT: "invalid",
-            grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "unavailable",
-            grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}.get(code, "upstream")
-    return RequestError(kind, f"the verifier refused {what}: {code.name}: {exc.details()}")

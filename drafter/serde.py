@@ -1,10 +1,14 @@
-"""Conversions between the draft runner's outputs and the wire messages (goodspeed.v1 pb2)."""
+"""Conversions between the draft side and the wire (goodspeed.v1 pb2): drafts, log-probabilities,
+the features a verifier applies, and a verifier's refusals as error kinds."""
 
 from __future__ import annotations
+
+import grpc
 
 from goodspeed.drafter.runner import DraftOutput
 from goodspeed.lm.decoding.sampling import FEATURES, SamplingParams, TokenLogprob
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
+from goodspeed.serving.generation import RequestError
 
 
 def applied_features(reply: pb.StartRequestReply) -> set[str]:
@@ -40,3 +44,23 @@ def logprobs_from_pb(logprobs) -> list[TokenLogprob]:
     rank of 0 (a verifier older than the field sent none) is None."""
     return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)), lp.rank or None)
             for lp in logprobs]
+
+
+def verdict_logprobs(verdict: pb.Verdict) -> list[TokenLogprob] | None:
+    """A verdict's log-probabilities, one per token; None when it carries none (a verifier older
+    than ``StartRequestRequest.logprobs``, which the HTTP layer then reports)."""
+    if len(verdict.logprobs) != len(verdict.token_ids):
+        return None
+    return logprobs_from_pb(verdict.logprobs)
+
+
+def refusal(what: str, exc: grpc.aio.AioRpcError) -> RequestError:
+    """A verifier's refusal as the kind of error an application should see. A call the verifier
+    cancelled is its going away (gRPC cancels what is in flight when a stopping server's grace runs
+    out; the node's own cancellations end its tasks, not its calls), so it is unavailable, like
+    UNAVAILABLE."""
+    code = exc.code()
+    kind = {grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded", grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+            grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.CANCELLED: "unavailable",
+            grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}.get(code, "upstream")
+    return RequestError(kind, f"the verifier refused {what}: {code.name}: {exc.details()}")

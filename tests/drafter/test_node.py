@@ -760,9 +760,9 @@ def test_each_verifier_status_is_the_http_status_an_application_retries_on(code,
     import grpc
 
     from goodspeed.api.errors import ApiError
-    from goodspeed.drafter.node import _refusal
+    from goodspeed.drafter.serde import refusal
 
-    error = _refusal("a round", grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"))
+    error = refusal("a round", grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"))
     assert ApiError.of(error).status == status and f"{code}: gone" in error.message  # the node's kind, as the API says it
 
 
