@@ -153,9 +153,11 @@ async def run_trace_grpc(address: str, trace: Sequence[TraceItem], sampling: Sam
                                    request_id=it.request_id)
             arrival = time.perf_counter()
             rec = {"request_id": it.request_id, "slo_class": it.slo_class, "tpot_slo_ms": it.tpot_slo_ms, "arrival": arrival - t0,
-                   "new_tokens": 0, "tpot_s": None, "drafted": 0, "accepted": 0, "finish_reason": None}
+                   "new_tokens": 0, "tpot_s": None, "ttft_s": None, "drafted": 0, "accepted": 0, "finish_reason": None}
             try:
                 async for chunk in stub.Generate(req, metadata=bearer_metadata(token)):
+                    if chunk.token_ids and rec["ttft_s"] is None:
+                        rec["ttft_s"] = time.perf_counter() - arrival
                     rec["new_tokens"] += len(chunk.token_ids)
                     if chunk.finished:
                         rec.update(tpot_s=chunk.tpot_s or None, drafted=chunk.num_drafted, accepted=chunk.num_accepted,

@@ -78,6 +78,7 @@ def test_replay_over_grpc(models):
     with ServerThread(engine, local=local) as server:
         records = asyncio.run(run_trace_grpc(server.address, trace))
     assert all(r["finish_reason"] == "length" and r["new_tokens"] == 12 for r in records)
+    assert all(0 < r["ttft_s"] <= r["finished_at"] - r["arrival"] for r in records)  # the first token comes before the end
     summary = summarize(records)
     assert summary["completed"] == 8 and summary["throughput_tok_s"] > 0
     outputs = {r.request_id: r.generated for r in local.finished}
