@@ -2,10 +2,10 @@
 
     python -m bench.bench_overload [--pair demo|real] [--policy goodput] [--loads 0.5,1,2,4]
                                    [--window-s 30] [--max-new-tokens 32] [--max-local-requests 8]
-                                   [--max-local-waiting 8] [--dtype auto] [--json PATH]
+                                   [--max-local-waiting 8] [--admissions count,slo] [--dtype auto] [--json PATH]
 
 One verifier (``goodspeed verifier --local-draft DRAFT``, both CPUs, two torch threads) serves
-Generate requests; this process is the load generator (``goodspeed loadgen``'s trace and client:
+Generate requests, once for each ``--local-admission`` in ``--admissions`` (one after the other); this process is the load generator (``goodspeed loadgen``'s trace and client:
 Poisson arrivals, strict / moderate / relaxed TPOT SLOs).
 
 1. **Baseline and capacity.** ``--max-local-requests`` requests at once (the queue must hold them:
@@ -98,6 +98,36 @@ def level(records: list[dict], load: float, rate: float) -> dict:
             "refusal_ms_p50": pct(refusal_ms, 50), "refusal_ms_max": round(max(refusal_ms), 2) if refusal_ms else None}
 
 
+def one_run(args, admission: str, target: str, draft: str, dtype: str, loads, logs: Path, prompts, say) -> dict:
+    """Start a verifier with ``--local-admission admission``, measure its baseline and capacity, then each load."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    gs = [sys.executable, "-m", "goodspeed.launch.cli"]
+    cores = ",".join(str(c) for c in range(min(2, os.cpu_count() or 1)))
+    with Servers(logs) as servers:
+        servers.spawn(gs + ["verifier", "--target", target, "--port", str(port), "--local-draft", draft, "--local-policy", args.policy,
+                            "--max-local-requests", str(args.max_local_requests), "--max-local-waiting",
+                            str(args.max_local_waiting), "--local-admission", admission, "--dtype", dtype], cores, 2,
+                      f"verifier-{admission}")
+        wait_serving(address, 900)
+        run(address, prompts, 2, 1e6, 1000.0, 8, args.seed)  # warm-up
+        at_once = run(address, prompts, args.max_local_requests, 1e6, 1e6, args.max_new_tokens, args.seed)
+        if any(r["tpot_s"] is None for r in at_once):
+            raise RuntimeError(f"a request failed at the batch cap: {[r['finish_reason'] for r in at_once]}")
+        baseline_ms = float(np.mean([r["tpot_s"] for r in at_once])) * 1000
+        capacity = len(at_once) / (max(r["finished_at"] for r in at_once) - min(r["arrival"] for r in at_once))
+        say(f"{admission}: baseline TPOT {baseline_ms:.1f} ms and capacity {capacity:.3f} requests/s at {args.max_local_requests} requests")
+        levels = []
+        for i, load in enumerate(loads):
+            rate = load * capacity
+            count = max(2, round(rate * args.window_s))
+            levels.append(level(run(address, prompts, count, rate, baseline_ms, args.max_new_tokens, args.seed + 10 + i), load, rate))
+            say(f"{admission}: {json.dumps(levels[-1])}")
+    peak = max(lv["goodput_tok_s"] for lv in levels)
+    return {"baseline_tpot_ms": round(baseline_ms, 3), "capacity_req_s": round(capacity, 4), "levels": levels,
+            "goodput_vs_peak": {str(lv["load"]): round(lv["goodput_tok_s"] / peak, 4) for lv in levels} if peak else None}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", choices=tuple(PAIRS), default="demo")
@@ -107,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-local-requests", type=int, default=8)
     parser.add_argument("--max-local-waiting", type=int, default=8)
+    parser.add_argument("--admissions", default="count,slo", help="--local-admission rules to run, one verifier each")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
@@ -117,38 +148,16 @@ def main(argv=None) -> int:
     dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")
     loads = [float(x) for x in args.loads.split(",") if x]
     logs = Path(tempfile.mkdtemp(prefix="bench-overload-"))
-    port = free_port()
-    address = f"127.0.0.1:{port}"
     prompts = prompts_of(target)
-    gs = [sys.executable, "-m", "goodspeed.launch.cli"]
-    cores = ",".join(str(c) for c in range(min(2, os.cpu_count() or 1)))
     say = lambda message: print(f"overload bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
     started = time.time()
-    with Servers(logs) as servers:
-        servers.spawn(gs + ["verifier", "--target", target, "--port", str(port), "--local-draft", draft, "--local-policy", args.policy,
-                            "--max-local-requests", str(args.max_local_requests), "--max-local-waiting",
-                            str(args.max_local_waiting), "--dtype", dtype], cores, 2, "verifier")
-        wait_serving(address, 900)
-        run(address, prompts, 2, 1e6, 1000.0, 8, args.seed)  # warm-up
-        at_once = run(address, prompts, args.max_local_requests, 1e6, 1e6, args.max_new_tokens, args.seed)
-        if any(r["tpot_s"] is None for r in at_once):
-            raise RuntimeError(f"a request failed at the batch cap: {[r['finish_reason'] for r in at_once]}")
-        baseline_ms = float(np.mean([r["tpot_s"] for r in at_once])) * 1000
-        capacity = len(at_once) / (max(r["finished_at"] for r in at_once) - min(r["arrival"] for r in at_once))
-        say(f"baseline TPOT {baseline_ms:.1f} ms and capacity {capacity:.3f} requests/s at {args.max_local_requests} requests")
-        levels = []
-        for i, load in enumerate(loads):
-            rate = load * capacity
-            count = max(2, round(rate * args.window_s))
-            levels.append(level(run(address, prompts, count, rate, baseline_ms, args.max_new_tokens, args.seed + 10 + i), load, rate))
-            say(json.dumps(levels[-1]))
-    peak = max(lv["goodput_tok_s"] for lv in levels)
+    runs = {}
+    for admission in [a for a in args.admissions.split(",") if a]:
+        runs[admission] = one_run(args, admission, target, draft, dtype, loads, logs, prompts, say)
     result = {"pair": args.pair, "policy": args.policy, "dtype": dtype, "max_new_tokens": args.max_new_tokens,
               "max_local_requests": args.max_local_requests, "max_local_waiting": args.max_local_waiting,
-              "window_s": args.window_s, "baseline_tpot_ms": round(baseline_ms, 3), "capacity_req_s": round(capacity, 4),
-              "levels": levels,
-              "goodput_vs_peak": {str(lv["load"]): round(lv["goodput_tok_s"] / peak, 4) for lv in levels} if peak else None,
-              "seconds": round(time.time() - started, 1), "date": time.strftime("%Y-%m-%d")}
+              "window_s": args.window_s, "runs": runs, "seconds": round(time.time() - started, 1),
+              "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -236,6 +236,10 @@ class VerifierSpec(DeclaredSettings):
     max_local_requests: int = setting(32, "local requests decoded together; later ones wait", to="local.max_requests")
     max_local_waiting: int = setting(256, "local requests queued behind those; more are refused (RESOURCE_EXHAUSTED)",
                                      to="local.max_waiting")
+    local_admission: str = setting("count", "which waiting local requests join the batch: count (while fewer than "
+                                   "--max-local-requests decode) or slo (also only while the batch's predicted time per "
+                                   "token, measured from its steps, stays within every decoding request's TPOT SLO)",
+                                   to="local.admission", choices=("count", "slo"))
     local_draft_adapt: bool = setting(False, "fine-tune the local draft model on the local requests served, in the "
                                       "background, keeping new weights only when they accept more on held-back recent "
                                       "requests (goodspeed.verifier.local_adapt; lossless)", to="local.adapt")

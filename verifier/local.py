@@ -60,6 +60,7 @@ from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.decoding.draft_source import draft_model, draft_with_forced
 from goodspeed.lm.models.adapt import AdaptConfig
 from goodspeed.verifier.local_adapt import LocalAdaptation
+from goodspeed.verifier.local_admission import ADMISSIONS, SloAdmission
 from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASSES, Plan
 from goodspeed.verifier.local_requests import LocalRequest, LocalWork, StepReport, TokenEvent
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
@@ -85,6 +86,7 @@ class LocalConfig:
     iteration_smoothing: float = 0.5  # weight of the newest iteration time in t_spec
     initial_acceptance: float = 0.5  # turbospec: pooled acceptance before any local draft was verified
     seed: int | None = None  # root seed of the local streams; None: the engine's root seed
+    admission: str = "count"  # which waiting requests join the batch: count or slo (goodspeed.verifier.local_admission)
     adapt: bool = False  # the draft model learns the requests served (goodspeed.verifier.local_adapt)
     adapt_every: int = 16  # finished requests between two fine-tunes
     adapt_dir: str | None = None  # where adopted weights persist across restarts
@@ -101,6 +103,8 @@ class LocalConfig:
         LOCAL_POLICY_CLASSES[self.policy].check(self)
         if not 0 < self.iteration_smoothing <= 1:
             raise ValueError("iteration_smoothing must lie in (0, 1]")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         self.adapt_config()  # its checks
 
     def adapt_config(self) -> AdaptConfig:
@@ -137,6 +141,7 @@ class LocalServing:
         self.generator = torch_generator(root, "verifier", "local-draft")
         self.rng = numpy_rng(root, "verifier", "local-policy")
         self.policy = LOCAL_POLICY_CLASSES[config.policy](self)
+        self.admission = SloAdmission() if config.admission == "slo" else None
         self.adapting = LocalAdaptation(draft_model(self.draft), config.adapt_config(), log) if config.adapt else None
         self.allotments = OwnerSizedAllotments(engine.config.smoothing)  # this source's sizes, set every step
         self._waiting: deque[LocalRequest] = deque()
@@ -242,7 +247,12 @@ class LocalServing:
             self.adapting.swap_if_idle(len(self._active))
             if self.adapting.holds_admission:  # new weights wait for the active requests to end
                 return
+        admitted = 0
         while self._waiting and len(self._active) < self.config.max_requests:
+            if self.admission is not None and not self.admission.admits([r.tpot_slo_s for r in self._active.values()],
+                                                                        self._waiting[0].tpot_slo_s, admitted):
+                return  # one more would break a decoding request's SLO: the head waits
+            admitted += 1
             req = self._waiting.popleft()
             req.session_id = self.engine.join(f"local:{req.request_id}", source=self.allotments)
             try:
@@ -342,6 +352,8 @@ class LocalServing:
         duration = now - work.started
         if not reqs:  # a prefill step: nothing drafted, nothing for the policies to learn
             return StepReport(result, 0, 0, 0, 0, duration, k)
+        if self.admission is not None:  # the step's time as its requests' TPOT counts it (admissions' prefill too)
+            self.admission.observe(len(reqs), emitted, duration)
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
         self.policy.observe(len(reqs), k, emitted, duration)
