@@ -4,6 +4,7 @@ with the field at fault named (:func:`parse_body`)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -16,19 +17,24 @@ class ApiError(Exception):
     """A refusal with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (whole seconds, at least 1)
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                               429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` when the refusal says when to retry (RFC 9110: whole seconds)."""
+        return {} if self.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
     @classmethod
     def of(cls, exc: RequestError) -> "ApiError":
         """A backend's refusal or failure as the HTTP status of its kind (:data:`HTTP_STATUS`)."""
-        return cls(HTTP_STATUS[exc.kind], exc.message, param=exc.param, code=exc.code)
+        return cls(HTTP_STATUS[exc.kind], exc.message, param=exc.param, code=exc.code, retry_after_s=exc.retry_after_s)
 
 
 # A backend's error kinds (goodspeed.serving.generation.ERROR_KINDS) as HTTP statuses

@@ -149,10 +149,10 @@ class OpenAIServer(Completions, ResponsesAndMessages, TokenizerRoutes, Streaming
         try:
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
         except RequestError as exc:  # an authorizer's or backend's, by kind
             error = ApiError.of(exc)
-            return web.json_response(error.body(), status=error.status)
+            return web.json_response(error.body(), status=error.status, headers=error.headers())
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -31,11 +31,13 @@ class RequestError(Exception):
     """A request refused or failed: its ``kind`` (:data:`ERROR_KINDS`), a message for the client,
     and optionally the request field at fault (``param``) and a machine-readable ``code``."""
 
-    def __init__(self, kind: str, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, kind: str, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         if kind not in ERROR_KINDS:
             raise ValueError(f"error kind must be one of {', '.join(ERROR_KINDS)}, got {kind!r}")
         super().__init__(message)
         self.kind, self.message, self.param, self.code = kind, message, param, code
+        self.retry_after_s = retry_after_s  # "overloaded": about when to retry, if the backend knows
 
 
 @dataclass(frozen=True)

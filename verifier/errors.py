@@ -91,7 +91,12 @@ class LimitExceededError(EngineError):
 
 
 class QueueFullError(EngineError):
-    """Local serving's wait queue is full: the request was not queued."""
+    """Local serving's wait queue is full: the request was not queued. ``retry_after_s``: about
+    when a place frees (the client's retry-after hint)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DrainingError(EngineError):

@@ -32,7 +32,7 @@ def request_error(exc: errors.EngineError) -> RequestError:
     for cls in type(exc).__mro__:
         if cls in ERROR_KINDS:
             kind, code = ERROR_KINDS[cls]
-            return RequestError(kind, str(exc), code=code)
+            return RequestError(kind, str(exc), code=code, retry_after_s=getattr(exc, "retry_after_s", None))
     return RequestError("invalid", str(exc))
 
 

@@ -180,7 +180,9 @@ class LocalServing:
         first event the prompt tokens' too (:meth:`VerificationEngine.start`)."""
         prompt, sampling = self.engine.check(request)  # sampling holds the ending tokens: in the draft's logits too
         if len(self._waiting) >= self.config.max_waiting:
-            raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry later")
+            retry = self.retry_after_s()
+            raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry in about "
+                                        f"{retry:.2g} s", retry_after_s=retry)
         rid = request.request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
             raise errors.RequestInProgressError(f"request id {rid!r} is already in use")
@@ -189,6 +191,14 @@ class LocalServing:
                                    seed=None if request.seed is None else resolve_root_seed(request.seed))
         self._waiting.append(LocalRequest(spec, on_event, self.clock.now()))
         return rid
+
+    def retry_after_s(self) -> float:
+        """About when a place in the wait queue frees: when the active request nearest its end ends,
+        at the measured time of a step and one token a step (an upper estimate: drafts that are
+        accepted end it sooner); one step, or a second before any step was measured."""
+        step = self.t_spec_s if self.totals["steps"] else 1.0
+        left = min((r.max_new_tokens - len(r.generated) for r in self._active.values()), default=1)
+        return step * max(1, left)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request (its client went away); False if it already ended."""

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from goodspeed.verifier.serde import SAMPLING_FIELDS, draft_from_pb, logprobs_to
 from goodspeed.verifier.tls import is_loopback
 
 SERVICE_NAME = "goodspeed.v1.Verifier"
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal that knows when to retry (a full wait queue)
 # StartRequestReply's flag per feature, from before its features list: still set, for older drafters
 LEGACY_FEATURE_FLAGS = {name: True for name in FEATURES if name in pb.StartRequestReply.DESCRIPTOR.fields_by_name}
 STATUS = {
@@ -144,6 +146,15 @@ def check_transit(rounds: str, transit_tokens: int, transit_alone: bool = False)
                          "(and --rounds async)")
 
 
+async def abort_for(context, exc: errors.EngineError) -> None:
+    """End the call with the engine error's status; a refusal that knows when to retry (a full
+    wait queue) says so in the trailing metadata ``retry-after-ms``."""
+    retry = getattr(exc, "retry_after_s", None)
+    if retry is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, math.ceil(retry * 1000)))),))
+    await context.abort(status_for(exc), str(exc))
+
+
 def _rpc(handler):
     """Map engine errors to their status codes; the engine and other sessions are unaffected."""
 
@@ -152,7 +163,7 @@ def _rpc(handler):
         try:
             return await handler(self, request, context)
         except errors.EngineError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await abort_for(context, exc)
 
     return wrapper
 
@@ -227,7 +238,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         try:
             drafter = await self._owned(request.session_id, context)
         except errors.EngineError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await abort_for(context, exc)
         drafter.streaming = True
         try:
             while (item := await drafter.verdicts.get()) is not None:
@@ -338,7 +349,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                                            request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
             stream = await self.open_local(who, generation)
         except errors.EngineError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await abort_for(context, exc)
         except ValueError as exc:  # the request's own fields (a tpot_slo_ms <= 0)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = stream.request_id

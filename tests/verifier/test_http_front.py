@@ -3,6 +3,7 @@ local serving's output through the API equals the target's own greedy decoding."
 
 import asyncio
 import functools
+import threading
 
 import openai
 import pytest
@@ -929,3 +930,28 @@ def test_an_http_port_in_use_stops_what_had_started(models):
 
         asyncio.run(start())
     assert server.http is None and server._rounds.cancelled()
+
+
+def test_a_full_wait_queue_is_a_429_with_retry_after(models):
+    """One request decoding, one waiting (max_requests 1, max_waiting 1): a third is a 429 whose
+    Retry-After header says when to retry (whole seconds, at least 1), as OpenAI's clients read it."""
+    target, draft, tokenizer = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6, seed=3))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3, max_requests=1, max_waiting=1))
+    with ServerThread(engine, local=local, tokenizer=tokenizer, http_port=0, target_name="tiny") as server:
+        api = client(server)
+        first = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, stream=True, **GREEDY)
+        next(iter(first))  # decoding
+        waiting = threading.Thread(target=lambda: api.completions.create(model="tiny", prompt="x", max_tokens=2, **GREEDY),
+                                   daemon=True)
+        waiting.start()
+        for _ in range(500):  # bounded: until the second request is queued
+            if local.num_waiting == 1:
+                break
+            server.run(asyncio.sleep(0.01))
+        assert local.num_waiting == 1
+        with pytest.raises(openai.RateLimitError) as refused:
+            api.completions.create(model="tiny", prompt="y", max_tokens=2, **GREEDY)
+        first.close()
+        waiting.join(60)
+    assert refused.value.status_code == 429 and int(refused.value.response.headers["retry-after"]) >= 1

@@ -232,8 +232,9 @@ def test_the_wait_queue_is_bounded(models):
     target, draft = models
     serving = serve(target, draft, "chain", max_requests=1, max_waiting=2)
     ids = [serving.submit(PROMPTS[0], max_new_tokens=2) for _ in range(2)]
-    with pytest.raises(errors.QueueFullError, match="waiting"):
+    with pytest.raises(errors.QueueFullError, match="waiting") as full:
         serving.submit(PROMPTS[0], max_new_tokens=2)
+    assert full.value.retry_after_s == 1.0  # nothing measured yet: a second
     serving.step()  # admits one: room for one more
     ids.append(serving.submit(PROMPTS[0], max_new_tokens=2))
     drain(serving)

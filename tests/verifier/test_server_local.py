@@ -251,3 +251,32 @@ def test_generate_cli_log_probabilities(models, capsys):
     assert [e["token_id"] for e in out["logprobs"]] == out["token_ids"] and all(len(e["top"]) == 3 for e in out["logprobs"])
     assert [e["token_id"] for e in out["prompt_logprobs"]] == [2, 3] and all(e["top"] == [] for e in out["prompt_logprobs"])
     assert "--logprobs and --prompt-logprobs need --json" in capsys.readouterr().err
+
+
+def test_a_full_wait_queue_refuses_with_a_retry_after_hint(models):
+    """One request decoding, one waiting (max_requests 1, max_waiting 1): a third is refused at once
+    with RESOURCE_EXHAUSTED, and the trailing metadata says when to retry (retry-after-ms, from the
+    decoding request's tokens left at the measured step time)."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3, max_requests=1, max_waiting=1))
+    with ServerThread(engine, local=local, round_deadline_ms=500) as server:
+        channel, stub = stub_for(server)
+        first = stub.Generate(generate_request(prompt_ids=PROMPTS[0], max_new_tokens=400, temperature=0.0, ignore_eos=True))
+        next(iter(first))  # decoding
+        second = stub.Generate(generate_request(prompt_ids=PROMPTS[1], max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        waiting = threading.Thread(target=lambda: list(second), daemon=True)
+        waiting.start()
+        for _ in range(500):  # bounded: until the second request is queued
+            if local.num_waiting == 1:
+                break
+            server.run(asyncio.sleep(0.01))
+        assert local.num_waiting == 1
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(generate_request(prompt_ids=PROMPTS[2], max_new_tokens=4, temperature=0.0, ignore_eos=True)))
+        first.cancel()
+        waiting.join(60)
+        channel.close()
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in about" in refused.value.details()
+    hint = dict(refused.value.trailing_metadata())["retry-after-ms"]
+    assert int(hint) >= 1
