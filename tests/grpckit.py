@@ -41,6 +41,15 @@ class ServerThread:
     def run(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def wait_for(self, condition, tries: int = 500) -> bool:
+        """Poll ``condition()`` between turns of the server's loop, a bounded number of times;
+        whether it came true."""
+        for _ in range(tries):
+            if condition():
+                return True
+            self.run(asyncio.sleep(0.01))
+        return condition()
+
     def events(self, kind: str | None = None) -> list[dict]:
         lines = [json.loads(line) for line in self.log_stream.getvalue().splitlines() if line.startswith("{")]
         return [e for e in lines if kind is None or e["event"] == kind]

@@ -945,11 +945,7 @@ def test_a_full_wait_queue_is_a_429_with_retry_after(models):
         waiting = threading.Thread(target=lambda: api.completions.create(model="tiny", prompt="x", max_tokens=2, **GREEDY),
                                    daemon=True)
         waiting.start()
-        for _ in range(500):  # bounded: until the second request is queued
-            if local.num_waiting == 1:
-                break
-            server.run(asyncio.sleep(0.01))
-        assert local.num_waiting == 1
+        assert server.wait_for(lambda: local.num_waiting == 1)  # the second request is queued
         with pytest.raises(openai.RateLimitError) as refused:
             api.completions.create(model="tiny", prompt="y", max_tokens=2, **GREEDY)
         first.close()

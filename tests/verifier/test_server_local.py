@@ -267,11 +267,7 @@ def test_a_full_wait_queue_refuses_with_a_retry_after_hint(models):
         second = stub.Generate(generate_request(prompt_ids=PROMPTS[1], max_new_tokens=4, temperature=0.0, ignore_eos=True))
         waiting = threading.Thread(target=lambda: list(second), daemon=True)
         waiting.start()
-        for _ in range(500):  # bounded: until the second request is queued
-            if local.num_waiting == 1:
-                break
-            server.run(asyncio.sleep(0.01))
-        assert local.num_waiting == 1
+        assert server.wait_for(lambda: local.num_waiting == 1)  # the second request is queued
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(generate_request(prompt_ids=PROMPTS[2], max_new_tokens=4, temperature=0.0, ignore_eos=True)))
         first.cancel()
