@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, unapplied_setting
-from goodspeed.drafter.session import DrafterError, DraftSession, RequestStats, SessionLost, VerdictAhead, answers
+from goodspeed.drafter.session import DrafterError, DraftSession, SessionLost, VerdictAhead, answers
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.serving.sampling_wire import request_to_pb
 from goodspeed.lm.decoding.sampling import SamplingParams
@@ -191,9 +191,9 @@ class DrafterClient:
     def generate(self, request_id: str, prompt_ids: list[int]) -> RequestResult:
         """One request to its end: rounds on :class:`~goodspeed.drafter.session.DraftSession`,
         repaired in place when the verifier loses the session or the text drifts."""
-        session = DraftSession(GenerationRequest(request_id, [int(t) for t in prompt_ids], self.config.max_new_tokens,
-                                                 self.config.sampling, self.config.eos_token_ids))
-        result = RequestResult(request_id, list(session.request.prompt_ids))
+        result = RequestResult(request_id, [int(t) for t in prompt_ids])
+        session = DraftSession(GenerationRequest(request_id, list(result.prompt_ids), self.config.max_new_tokens,
+                                                 self.config.sampling, self.config.eos_token_ids), stats=result)
         started = time.perf_counter()
         self._start(session)
         while True:
@@ -215,8 +215,6 @@ class DrafterClient:
             else:
                 self._resync(session)
         result.token_ids, result.wall_s = session.output, time.perf_counter() - started
-        for name in fields(RequestStats):
-            setattr(result, name.name, getattr(session.stats, name.name))
         return result
 
     def _start(self, session: DraftSession) -> None:

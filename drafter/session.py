@@ -71,6 +71,8 @@ class DraftSession:
     """One request's protocol state on a drafter (the module docstring)."""
 
     def __init__(self, request: GenerationRequest, stats: RequestStats | None = None) -> None:
+        """``stats``: where its rounds are counted (a :class:`RequestStats`, or any object with its
+        counters, as the client's ``RequestResult``); a new one if None."""
         self.request = request
         self.prompt_len = len(request.prompt_ids) - request.generated  # where the request's output begins
         self.stats = stats if stats is not None else RequestStats()
@@ -84,10 +86,17 @@ class DraftSession:
         self.committed = [int(t) for t in committed]
         self.hasher = new_prefix_hasher()
         update_prefix_hasher(self.hasher, self.committed)
-        # The text its penalties and grammar read, split as the verifier splits it: prompt, then output
-        self.history = (TokenHistory(self.committed[: self.prompt_len], self.committed[self.prompt_len :],
-                                     self.request.sampling.structured)
-                        if self.request.sampling.adjusts_logits else None)
+        self._history: TokenHistory | None = None  # built when a driver first drafts from it
+
+    @property
+    def history(self) -> TokenHistory | None:
+        """The text its penalties and grammar read, split as the verifier splits it (prompt, then
+        output); None when its sampling adjusts no logits. Built on first use, so a driver whose
+        draft model keeps its own (the single-request client's runner) costs nothing here."""
+        if self._history is None and self.request.sampling.adjusts_logits:
+            self._history = TokenHistory(self.committed[: self.prompt_len], self.committed[self.prompt_len :],
+                                         self.request.sampling.structured)
+        return self._history
 
     @property
     def key(self) -> str:
@@ -132,8 +141,8 @@ class DraftSession:
         tokens = [int(t) for t in verdict.token_ids]
         self.committed.extend(tokens)
         update_prefix_hasher(self.hasher, tokens)
-        if self.history is not None:  # drafting and committing alternate, so no draft reads it meanwhile
-            self.history.extend(tokens, strict=False)
+        if self._history is not None:  # drafting and committing alternate, so no draft reads it meanwhile
+            self._history.extend(tokens, strict=False)
         self.stats.rounds += 1
         self.stats.drafted_tokens += verdict.num_drafted
         self.stats.accepted_tokens += verdict.num_accepted

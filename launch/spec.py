@@ -400,6 +400,14 @@ class DrafterSpec(DeclaredSettings):
             return f"needs a draft model to fine-tune; {self.draft} is a lookup alone (give MODEL or LOOKUP+MODEL)"
         return None
 
+    def setting_problem(self) -> tuple[str, str] | None:
+        """The first setting that cannot apply to this drafter and why, in words (``cuda_graphs``
+        off CUDA, ``adapt`` with no draft model), or None: said before anything loads."""
+        for name, why in (("cuda_graphs", self.cuda_graphs_missing()), ("adapt", self.adapt_missing())):
+            if why is not None:
+                return name, why
+        return None
+
     @classmethod
     def node_settings(cls) -> list[str]:
         """The fields that are ``goodspeed drafter`` flags, one for one (same names; the defaults

@@ -235,10 +235,8 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
             check_proposal_top_k(d.proposal_top_k)
         except ValueError as exc:
             raise SpecError(f"drafter {d.name!r}: {exc}") from None
-        if (why := d.cuda_graphs_missing()) is not None:
-            raise SpecError(f"drafter {d.name!r}: cuda_graphs {why}")
-        if (why := d.adapt_missing()) is not None:
-            raise SpecError(f"drafter {d.name!r}: adapt {why}")
+        if (problem := d.setting_problem()) is not None:
+            raise SpecError(f"drafter {d.name!r}: {problem[0]} {problem[1]}")
         d.prompt_path()
     if spec.verifier.budget < 0:
         raise SpecError("[verifier] budget must be >= 0")

@@ -29,10 +29,7 @@ def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, c
     if spec.concurrency > 1 and spec.proactive:
         raise SystemExit(f"goodspeed drafter {spec.name}: proactive drafting runs one request at a time; with "
                          "--concurrency > 1 give --no-proactive (the node drafts its requests together instead)")
-    if (why := spec.cuda_graphs_missing()) is not None:
-        raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
-    if (why := spec.adapt_missing()) is not None:
-        raise SystemExit(f"goodspeed drafter {spec.name}: --adapt {why}")
+    _refuse_unusable(spec)
     prompt_path = spec.prompt_path()  # before the draft loads (seconds for a real one): a missing file is said at once
     draft = load_draft(spec)
     prompts = load_prompts(prompt_path, draft.tokenizer)[: spec.max_prompts]
@@ -137,6 +134,13 @@ def node_config(spec: DrafterSpec, verifier: str, fingerprint: str, max_concurre
         tls=client_tls(spec.tls_ca, spec.tls_cert, spec.tls_key, spec.tls_server_name), on_wait=_say(spec.name))
 
 
+def _refuse_unusable(spec: DrafterSpec) -> None:
+    """Exit with the first setting that cannot apply to this drafter, before anything loads."""
+    if (problem := spec.setting_problem()) is not None:
+        name, why = problem
+        raise SystemExit(f"goodspeed drafter {spec.name}: --{name.replace('_', '-')} {why}")
+
+
 def _say(name: str):
     """What a drafter process tells its operator on stderr, under its name."""
     return lambda message: print(f"drafter {name}: {message}", file=sys.stderr, flush=True)
@@ -221,10 +225,7 @@ def serve_node(spec: DrafterSpec, verifier: str, listen: str, max_concurrency: i
         host, port = split_host_port(listen)
     except ValueError as exc:
         raise SystemExit(f"goodspeed drafter: --serve {exc}") from None
-    if (why := spec.cuda_graphs_missing()) is not None:
-        raise SystemExit(f"goodspeed drafter {spec.name}: --cuda-graphs {why}")
-    if (why := spec.adapt_missing()) is not None:
-        raise SystemExit(f"goodspeed drafter {spec.name}: --adapt {why}")
+    _refuse_unusable(spec)
     authorize = _api_key_check(api_key_file, host)
     return asyncio.run(_serve_node(spec, verifier, host, port, max_concurrency, max_waiting, authorize, connect_timeout_s,
                                    tool_parser, reasoning_parser))
