@@ -43,6 +43,7 @@ from transformers import DynamicCache
 
 from goodspeed.lm.runtime.attention import keep_logits, with_cache
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+from goodspeed.lm.runtime.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
 from goodspeed.lm.decoding.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
                                    sample_from)
@@ -168,12 +169,19 @@ class DraftRunner:
         self._prompt_len = len(self.committed) - generated
         self._history: TokenHistory | None = None  # built at the first draft that adjusts its logits
         self.kv.reset()
+        self._hasher = new_prefix_hasher()
+        update_prefix_hasher(self._hasher, self.committed)
         # The speculative continuation after the committed text: tokens and the q rows they were
         # sampled from (None for the guessed bonus token, which nobody sampled). The cache holds
         # the committed text but its last token, then every continuation token but the last.
         self.ahead: list[int] = []
         self._ahead_q: list[torch.Tensor | None] = []
         self._reusable = False  # the continuation is pre-drafted text a verdict confirmed (apply)
+
+    @property
+    def prefix_hash(self) -> str:
+        """:func:`goodspeed.lm.runtime.prefix.prefix_hash` of ``committed``, kept incrementally (O(new tokens) a round)."""
+        return self._hasher.hexdigest()
 
     @property
     def cached_len(self) -> int:
@@ -256,6 +264,7 @@ class DraftRunner:
             self.kv.crop(len(self.committed) + num_accepted)
             self.ahead, self._ahead_q = [], []
         self.committed.extend(emitted)
+        update_prefix_hasher(self._hasher, emitted)
         if self._history is not None:
             self._history.extend(emitted, strict=False)
         self._reusable = hit and bool(self.ahead)
