@@ -65,7 +65,7 @@ def test_through_a_node_weights_change_only_between_requests_and_outputs_stay_ex
 def test_sampled_outputs_through_a_node_changing_weights_keep_the_targets_distribution(pair):
     """Sampled requests, four at a time, through a node whose draft changes weights every 40
     requests (to arbitrary ones: the guard is bypassed, the verifier verifies whatever is
-    drafted): the first two tokens follow the target's own distribution (chi-square, p = 0.001)."""
+    drafted): the first two tokens follow the target's own distribution (chi-square, p = 1e-5)."""
     target = pair[0]
     sampling, prompt, n = SamplingParams(temperature=1.0), [1, 2, 3, 4, 5, 6], 1200
     engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4, seed=11))

@@ -4,7 +4,7 @@ delayed drafts decoded in transit) and trees, and local serving's policies, gree
 Greedy output must equal the target's own greedy decoding with the same settings, each step's
 logits adjusted by the text before it (``statkit.reference_adjust``, the definitions written out
 densely); sampled output must follow the target's adjusted distribution (the joint distribution of
-the first two tokens, chi-square at p = 0.001, as ``test_lossless``). The drafts here adjust
+the first two tokens, chi-square at p = 1e-5, as ``test_lossless``). The drafts here adjust
 nothing (edge runners) or adjust their own logits (local serving's chains): exactness holds for
 either. A verifier that forgets the drafted tokens in the text a position follows must fail the
 sampled test (power check)."""
@@ -21,7 +21,7 @@ from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError
 from goodspeed.verifier.types import Draft
 from modelkit import adjusted_greedy_reference, perturbed, tiny_llama
 from pathkit import PATHS, on_path, run_edge, run_local
-from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, fits, reference_adjust
+from statkit import Z_POWER, chi2_critical, chi2_stat, count_first_two, exact_first_two, fits, reference_adjust
 
 V = 6
 PROMPT = [1, 2, 3]
@@ -222,7 +222,7 @@ def test_a_verifier_that_forgets_the_drafted_text_is_caught(small, monkeypatch):
     target, draft = small
     outputs, _ = run_edge(target, draft, PENALTIES, [PROMPT] * 800, 3, drafters=8)
     stat, dof = chi2_stat(count_first_two(outputs, V), exact_first_two(target, PROMPT, PENALTIES))
-    assert stat > chi2_critical(dof, z=4.7534), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+    assert stat > chi2_critical(dof, z=Z_POWER), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 def likeliest_pair(target) -> tuple[int, int]:

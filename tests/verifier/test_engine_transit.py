@@ -15,7 +15,7 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.planner import after_decoded
 from goodspeed.verifier.types import Draft, SparseProbs
 from modelkit import greedy_reference, perturbed, tiny_llama
-from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, fits
+from statkit import Z_POWER, chi2_critical, chi2_stat, count_first_two, exact_first_two, fits
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33]]
 
@@ -176,7 +176,7 @@ def test_a_transit_step_that_looks_at_its_token_is_caught(sampled_models, monkey
     sampling = SamplingParams(temperature=1.0)
     outputs, _ = run_sampled(target, draft, sampling, per_drafter=200)
     stat, dof = chi2_stat(count_first_two(outputs, V), exact_first_two(target, PROMPT, sampling))
-    assert stat > chi2_critical(dof, z=4.7534), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+    assert stat > chi2_critical(dof, z=Z_POWER), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 def test_transit_rows_only_fill_what_the_drafts_leave_of_the_budget(models):

@@ -1,6 +1,6 @@
 """Local serving is lossless under sampling for every policy: concurrent sampled requests (so
 TETRIS's selection across the batch really happens), the joint distribution of each request's
-first two tokens against the target's own (chi-square, p = 0.001), default seeds.
+first two tokens against the target's own (chi-square, p = 1e-5), default seeds.
 
 TETRIS ranking sampled tokens by their own sampled values (``prod q(s_j)``) conditions the sample;
 the negative control replays that ranking and must fail the same test at p < 1e-6 (default tier)."""
@@ -17,11 +17,10 @@ from goodspeed.verifier.local_policies.tetris import TetrisSelection
 from goodspeed.scheduler import LatencyModel
 from graphkit import needs_cpp
 from modelkit import perturbed, tiny_llama
-from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, fits
+from statkit import Z_POWER, chi2_critical, chi2_stat, count_first_two, exact_first_two, fits
 
 V = 6
 PROMPT = [1, 2, 3]
-Z_P1E6 = 4.7534  # standard normal 1 - 1e-6 quantile
 SAMPLED = SamplingParams(temperature=1.0)
 TARGET_COST, DRAFT_COST = LatencyModel(1e-6, 2e-4, 0.010), LatencyModel(1e-7, 2e-5, 0.001)
 
@@ -122,7 +121,7 @@ def test_value_ranked_tetris_is_caught(models):
     seeds; chi2 231-232 in two runs, against a critical 90.5)."""
     stat, dof = chi2_stat(count_first_two(generate(models, "tetris", 5000, policy_cls=ValueRankedTetris), V),
                           exact_first_two(models[0], PROMPT, SAMPLED))
-    assert stat > chi2_critical(dof, z=Z_P1E6), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+    assert stat > chi2_critical(dof, z=Z_POWER), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Lookup drafts (goodspeed.lm.decoding.lookup) and the hybrid (goodspeed.lm.decoding.draft_source) through the
 engine: greedy output equals the target's greedy decoding on edge drafters and in local serving
 under every chain policy, and for the hybrid's trees under AdaServe; sampled output follows the target's exact distribution of the first two
-tokens (chi-square, p = 0.001), on an edge drafter, in local serving (chains and the hybrid's
+tokens (chi-square, p = 1e-5), on an edge drafter, in local serving (chains and the hybrid's
 trees), and after a rejection
 (a prompt whose lookup proposes a token the target rarely takes). Power check: a lookup's draft
 sent with a ``q`` it was not drawn from (uniform instead of its point mass) fails the same test
@@ -17,9 +17,8 @@ from goodspeed.lm.decoding.lookup import PromptLookup, SuffixDraft
 from goodspeed.lm.decoding.sampling import SamplingParams
 from modelkit import greedy_reference, perturbed, tiny_llama
 from pathkit import run_edge_source, run_local
-from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, fits
+from statkit import Z_POWER, chi2_critical, chi2_stat, count_first_two, exact_first_two, fits
 
-Z_P1E6 = 4.7534  # standard normal 1 - 1e-6 quantile
 
 V = 6
 PROMPT = [1, 2, 3, 4, 1, 2]  # "1 2" occurred before: both lookups propose 3, 4, ... at once
@@ -126,4 +125,4 @@ def test_a_lookups_draft_sent_with_a_q_it_was_not_drawn_from_is_caught(target, m
     monkeypatch.setattr(runner_module.DraftOutput, "q_to_send", uniform)
     sampling = SamplingParams(temperature=1.0)
     stat, dof = chi2_stat(count_first_two(sampled_edge(target, "ngram", sampling), V), exact_first_two(target, PROMPT, sampling))
-    assert stat > chi2_critical(dof, z=Z_P1E6), f"a made-up q gave chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+    assert stat > chi2_critical(dof, z=Z_POWER), f"a made-up q gave chi2 {stat:.1f}: the test lacks power at p = 1e-6"

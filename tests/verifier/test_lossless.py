@@ -1,5 +1,5 @@
 """Losslessness under sampling, through the engine: the joint distribution of the first two
-generated tokens is compared (chi-square, p = 0.001) with the target's own, computed exactly from
+generated tokens is compared (chi-square, p = 1e-5) with the target's own, computed exactly from
 the model, for every sampling setting, chains and trees, a draft with q = 0 where p > 0, EOS
 inside a draft, a bf16 target and mixed settings in one batch; and the fifth token, which comes
 after a first round's verdict (a rejection and a KV rollback in most requests), against its exact
@@ -24,11 +24,10 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 from modelkit import perturbed, tiny_llama
 from goodspeed.lm.runtime import kv_slots
-from statkit import chi2_critical, chi2_stat, count_first_two, exact_first_two, exact_marginal, fits
+from statkit import Z_POWER, chi2_critical, chi2_stat, count_first_two, exact_first_two, exact_marginal, fits
 
 V = 6
 PROMPT = [1, 2, 3]
-Z_P1E6 = 4.7534  # standard normal 1 - 1e-6 quantile: a negative control must exceed chi2's critical value there
 SETTINGS = {
     "T1": SamplingParams(temperature=1.0),
     "T0.7": SamplingParams(temperature=0.7),
@@ -122,7 +121,7 @@ def test_a_proposal_sampled_capped_but_sent_whole_is_caught(target, bad_draft, m
     sampling = SETTINGS["T1"]
     outputs, _ = run_chains(target, bad_draft, {"T1": sampling}, per_setting=400, proposal_top_k=0)  # chi2 ~600
     stat, dof = chi2_stat(count_first_two(outputs["T1"], V), exact_first_two(target, PROMPT, sampling))
-    assert stat > chi2_critical(dof, z=Z_P1E6), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+    assert stat > chi2_critical(dof, z=Z_POWER), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 class MaskedDraft(torch.nn.Module):
@@ -141,12 +140,12 @@ class MaskedDraft(torch.nn.Module):
 def fifth_token(target, draft, n: int = 1600):
     """Each request's fifth generated token (index 4) with max_draft_len 3: it always comes after
     the first round's verdict. Returns the chi-square statistic against its exact marginal, the
-    critical values at p = 0.001 and p = 1e-6, and the rounds' verdicts."""
+    critical values at p = 1e-5 and p = 1e-6, and the rounds' verdicts."""
     sampling = SETTINGS["T1"]
     outputs, results = run_chains(target, draft, {"T1": sampling}, per_setting=n, max_new_tokens=5)
     counts = np.bincount([o[4] for o in outputs["T1"]], minlength=V)
     stat, dof = chi2_stat(counts, exact_marginal(target, PROMPT, sampling, 4))
-    return stat, chi2_critical(dof), chi2_critical(dof, z=Z_P1E6), [v for r in results for v in r.verdicts.values()]
+    return stat, chi2_critical(dof), chi2_critical(dof, z=Z_POWER), [v for r in results for v in r.verdicts.values()]
 
 
 def test_tokens_after_a_rejection_and_a_rollback_follow_the_target(target, bad_draft):
@@ -280,7 +279,7 @@ def test_a_tree_verifier_that_skips_the_residual_is_caught(target, bad_draft, mo
     sampling = SETTINGS["T1"]
     stat, dof = chi2_stat(count_first_two(sampled_trees(target, bad_draft, "deterministic", sampling), V),
                           exact_first_two(target, PROMPT, sampling))
-    assert stat > chi2_critical(dof, z=Z_P1E6), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+    assert stat > chi2_critical(dof, z=Z_POWER), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 # ---------------------------------------------------------------------------- random streams

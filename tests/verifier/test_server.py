@@ -410,7 +410,7 @@ def test_the_warm_up_says_what_it_compiles_the_engines_steps_and_the_local_draft
 def test_sampled_outputs_follow_the_target_through_grpc(rounds):
     """Real drafter clients over gRPC with default seeds (fresh entropy on both sides), T > 0,
     proactive drafting on (the client's default), in either round mode: the first two tokens
-    follow the target's own distribution (chi-square, p = 0.001). The default suite runs async
+    follow the target's own distribution (chi-square, p = 1e-5). The default suite runs async
     rounds (the mode with transit and windows); sync rounds' verification is the engine's, whose
     sampled tests (tests/verifier/test_lossless.py) run by default."""
     check_sampled_through_grpc(rounds, "cpu")
@@ -421,7 +421,7 @@ def test_a_drafter_that_sends_a_q_it_did_not_sample_from_is_caught_through_grpc(
     place (as a wire format that lost the probabilities would) fail the same test at p < 1e-6
     (chi2 168 and 236 in two runs, against a critical 85.8)."""
     from goodspeed.drafter import runner as runner_module
-    from statkit import chi2_critical
+    from statkit import Z_POWER, chi2_critical
 
     real = runner_module.DraftOutput.q_to_send
 
@@ -432,7 +432,7 @@ def test_a_drafter_that_sends_a_q_it_did_not_sample_from_is_caught_through_grpc(
 
     monkeypatch.setattr(runner_module.DraftOutput, "q_to_send", uniform)
     stat, dof = sampled_through_grpc("async", "cpu")
-    assert stat > chi2_critical(dof, z=4.7534), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
+    assert stat > chi2_critical(dof, z=Z_POWER), f"chi2 {stat:.1f}: the test lacks power at p = 1e-6"
 
 
 def check_sampled_through_grpc(rounds: str, device: str) -> None:

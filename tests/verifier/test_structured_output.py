@@ -5,7 +5,7 @@ AdaServe's trees), greedy and sampled.
 Greedy output must equal the target's own constrained greedy decoding (each step's logits with
 every token the grammar refuses after the text at -inf, from a fresh matcher: ``statkit``), and
 match the grammar; sampled output must follow the target's constrained distribution (the joint
-distribution of the first two tokens, chi-square at p = 0.001). Negative controls, in the default
+distribution of the first two tokens, chi-square at p = 1e-5). Negative controls, in the default
 tier: a verifier that masks every position by the committed text alone (forgetting the drafted
 tokens before it), and one that gates a grammar-after-a-token by the committed text alone, must
 fail the sampled test or commit a text the grammar refuses, which the request's own matcher
