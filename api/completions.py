@@ -22,7 +22,7 @@ from goodspeed.api.reasoning import Reasoning, closes_reasoning
 from goodspeed.api.reasoning import end_token as reasoning_end
 from goodspeed.api.text import INLINE_CHARS, TextStream
 from goodspeed.api.tools import ToolCalls
-from goodspeed.lm.decoding.sampling import TokenLogprob
+from goodspeed.lm.decoding.params import TokenLogprob
 from goodspeed.lm.decoding.seeding import ROOT_SEED_BITS, stream_seed
 from goodspeed.lm.decoding.structured import StructureError
 from goodspeed.serving.generation import GenerationRequest

@@ -14,7 +14,7 @@ error object ``{"error": {"message", "type", "param", "code"}}``:
   never a silent fallback; a structured output constraint that does not compile, more than one
   (a forced tool call is one), or one with ``ignore_eos``, ``min_tokens``, ``allowed_token_ids`` or
   ``bad_words``: 400; tools that cannot be served as asked (:mod:`goodspeed.api.tools`): 400; more
-  than :data:`~goodspeed.lm.decoding.sampling.MAX_TOP_LOGPROBS` top log-probabilities: 400;
+  than :data:`~goodspeed.lm.decoding.params.MAX_TOP_LOGPROBS` top log-probabilities: 400;
 * more than :data:`MAX_CHOICES` choices (prompts times ``n``) in one request: 400;
 * an unknown ``model``: 404 ``model_not_found``; a prompt (plus ``max_tokens``) past the context:
   400 ``context_length_exceeded``; a full queue: 429.
@@ -29,8 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from goodspeed.api.errors import ApiError
 from goodspeed.api.tools import MAX_TOOLS, NamedToolChoice, Tool, ToolCallMessage, forced_schema
-from goodspeed.lm.decoding.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS,
-                                   MIN_TEMPERATURE, SamplingParams)
+from goodspeed.lm.decoding.params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 from goodspeed.lm.decoding.structured import Structure, StructureError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API

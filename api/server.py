@@ -20,7 +20,7 @@ all are admitted together (one refused: the whole request refused, the others ca
 pieces are merged into one response or one event stream, each event naming its choice.
 
 ``logprobs`` (chat: ``logprobs`` / ``top_logprobs``): the backend's deltas carry each token's
-:class:`~goodspeed.lm.decoding.sampling.TokenLogprob` (the target's, read off the verifying step's logits),
+:class:`~goodspeed.lm.decoding.params.TokenLogprob` (the target's, read off the verifying step's logits),
 formatted here as OpenAI's objects, trimmed with the text at a stop string. Completions' ``echo``
 starts each choice's text with its prompt (streamed: the choice's first event); with ``logprobs``
 the prompt's tokens come first in the log-probabilities, scored by the target's prefill of that

@@ -47,7 +47,7 @@ from bench.bench_tree_round import random_llama
 from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 
 ACCEPTED = 2  # drafts accepted a round (then one correction token)
 WARMUP = 3

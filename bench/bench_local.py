@@ -68,7 +68,7 @@ from goodspeed.lm.runtime.attention import masked_attention
 from goodspeed.lm.models.corpus import load_corpus, prompt_snippets
 from goodspeed.lm.runtime.graphs import StepGraphs
 from goodspeed.lm.models.loading import ModelLoadError, load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.clocks import LatencyProfile
 from goodspeed.verifier.local import LocalConfig, LocalServing

@@ -6,8 +6,9 @@ A verifier (``goodspeed verifier``) and an edge node (``goodspeed drafter --draf
 --tokenizer TARGET --serve``) run as separate processes; the node serves the per-task workload's
 chat requests (``bench/workloads/tasks.jsonl``, cycled) one after another, so its suffix cache
 fills with their outputs. Reported: the node's resident set size (``VmRSS``) after warm-up and
-after the requests, its peak (``VmHWM``), and those of a bare Python interpreter started the same
-way (``python -c``): the runtime the goal is stated above.
+after each request and after them all, its peak (``VmHWM``), and those of a bare Python interpreter started the same
+way (``python -c``): the runtime the goal is stated above; and whether the node has torch's
+library mapped (a lookup alone should not load it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def status_kb(pid: int) -> dict[str, int]:
         if key in ("VmRSS", "VmHWM"):
             out[key] = int(value.split()[0])
     return out
+
+
+def loads_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped (``/proc/PID/maps``)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def bare_python_kb() -> dict[str, int]:
@@ -69,14 +75,19 @@ def main(argv=None) -> int:
         node_pid = servers.procs[1].pid
         post(http_port, tasks[0], 8)
         warm = status_kb(node_pid)
+        by_request = []  # the node's VmRSS after each request, with its category
         for i in range(args.requests):
-            post(http_port, tasks[i % len(tasks)], args.max_tokens)
+            task = tasks[i % len(tasks)]
+            post(http_port, task, args.max_tokens)
+            by_request.append({"category": task["category"], "VmRSS_kb": status_kb(node_pid)["VmRSS"]})
         served = status_kb(node_pid)
+        torch_loaded = loads_torch(node_pid)
     bare = bare_python_kb()
     report = {"command": " ".join(["python -m bench.bench_node_memory", *(argv if argv is not None else sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())},
               "target": target, "draft": args.draft, "requests": args.requests, "bare_python_kb": bare,
-              "node_after_warm_up_kb": warm, "node_after_requests_kb": served,
+              "node_after_warm_up_kb": warm, "node_after_requests_kb": served, "torch_loaded": torch_loaded,
+              "rss_by_request": by_request,
               "rss_above_python_mb": round((served["VmRSS"] - bare["VmRSS"]) / 1024, 1),
               "peak_above_python_mb": round((served["VmHWM"] - bare["VmRSS"]) / 1024, 1)}
     print(json.dumps(report, indent=1))

@@ -33,7 +33,7 @@ from goodspeed.launch.experiments.experiment import load_experiment
 from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.launch.spec import spec_path
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 
 POLICIES = ("goodspeed", "fixed")

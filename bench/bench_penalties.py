@@ -14,7 +14,7 @@ name, not with the vocabulary. Median of ``--repeats`` calls after two discarded
 size (the demo's, SmolLM2's and Qwen3's).
 
 ``--numpy`` times instead the two numpy choices inside ``adjust_logits`` against the calls they
-replaced: distinct keys by sorting (``_sorted_unique``) against ``np.unique`` (which hashes
+replaced: distinct keys by sorting (``sorted_unique``) against ``np.unique`` (which hashes
 integers in numpy 2) on 5,600 keys, and filling a preallocated ``[6, n]`` array against
 ``np.stack`` of six arrays of mixed dtypes (n = 19,000: the entries of this harness's default
 penalised step). Median of ``--repeats`` after two discarded.
@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.adjust import TokenHistory, _sorted_unique
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.history import TokenHistory, sorted_unique
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.verify_rows import RowInput, RowVerifier
 
@@ -82,7 +82,7 @@ def numpy_choices(repeats: int) -> list[dict]:
         return out
 
     return [{"what": "distinct keys (5,600)", "replaced": "np.unique", "replaced_us": _median_us(lambda: np.unique(keys), repeats),
-             "now": "sort (_sorted_unique)", "now_us": _median_us(lambda: _sorted_unique(keys), repeats)},
+             "now": "sort (sorted_unique)", "now_us": _median_us(lambda: sorted_unique(keys), repeats)},
             {"what": "six arrays of 19,000, mixed dtypes", "replaced": "np.stack",
              "replaced_us": _median_us(lambda: np.stack(parts + floats), repeats),
              "now": "preallocated fill", "now_us": _median_us(fill, repeats)}]

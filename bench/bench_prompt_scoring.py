@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from goodspeed.lm.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 
 

@@ -40,7 +40,7 @@ from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.launch.spec import PROMPT_SETS
 from goodspeed.lm.runtime.attention import with_cache
 from goodspeed.lm.models.loading import ensure_models, load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LOCAL_POLICIES
 

@@ -29,7 +29,7 @@ from goodspeed.launch.cluster.local import launch_local
 from goodspeed.launch.spec import DrafterSpec, LaunchSpec, VerifierSpec
 from goodspeed.lm.models.demo import build_demo
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, SamplingParams
+from goodspeed.lm.decoding.params import PROPOSAL_TOP_K, SamplingParams
 from goodspeed.verifier.records import RoundRecord
 
 MODES = {  # (sampling, the drafter's proposal_top_k)

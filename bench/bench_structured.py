@@ -33,8 +33,8 @@ import time
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.adjust import TokenHistory
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.structured import Structure
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.verify_rows import RowInput, RowVerifier

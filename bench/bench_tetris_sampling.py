@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from bench.bench_local import code_prompts, load_pair
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.local_policies import Plan

@@ -22,7 +22,7 @@ import torch
 
 from goodspeed.lm.models.demo import list_models
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 

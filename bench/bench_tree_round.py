@@ -71,7 +71,8 @@ from goodspeed.lm.runtime.attention import masked_attention
 from goodspeed.lm.runtime.graphs import StepGraphs
 from goodspeed.lm.runtime.kv_slots import SlotKVCache
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
+from goodspeed.lm.decoding.sampling import process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft, SparseProbs

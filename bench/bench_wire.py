@@ -30,7 +30,8 @@ from goodspeed.drafter.serde import draft_to_pb
 from goodspeed.drafter.prompts import load_prompts
 from goodspeed.launch.spec import prompt_set_path
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams, cap_support, process_logits
+from goodspeed.lm.decoding.sampling import cap_support, process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 
 PAIRS = {"real": ("real:smollm2-135m", "real:smollm2-135m-draft"), "demo": ("demo:target", "demo:draft-distilled")}
 CAPS = (0, 1024, 256, 64)

@@ -20,21 +20,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
-from goodspeed.drafter.runner import DraftRunner
 from goodspeed.drafter.serde import draft_to_pb, unapplied_setting
 from goodspeed.drafter.session import DrafterError, DraftSession, SessionLost, VerdictAhead, answers
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.serving.sampling_wire import request_to_pb
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from goodspeed.drafter.runner import DraftRunner
 
 # What a retry may cure: the verifier unreachable, or a call it cancelled. This client cancels
 # nothing it sends (its own time limits end as DEADLINE_EXCEEDED), so a CANCELLED call is the

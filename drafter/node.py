@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -47,20 +46,19 @@ from goodspeed.serving.generation import Delta, GenerationRequest, RequestError,
 from goodspeed.serving.metrics import DrafterMetrics, RequestMetrics, SpecDecodeMetrics, finished_reason
 from goodspeed.drafter.client import backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
-from goodspeed.lm.models.adapt import AdaptConfig
-from goodspeed.drafter.node_adapt import NodeAdaptation
+from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession
-from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftOutput
+from goodspeed.drafter.serde import DraftOutput
 from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, refusal, unapplied_setting, verdict_logprobs
 from goodspeed.drafter.session import DrafterError, RequestStats, SessionLost
 from goodspeed.serving.sampling_wire import request_to_pb
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
-from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K, check_proposal_top_k
+from goodspeed.lm.decoding.params import PROPOSAL_TOP_K, check_proposal_top_k
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
-from goodspeed.lm.runtime.batch_draft import ChainDraft, BatchDraftModel
-from goodspeed.lm.decoding.draft_source import draft_model, draft_with_forced
+from goodspeed.lm.decoding.proposals import ChainDraft
+from goodspeed.lm.decoding.draft_source import as_draft_source, draft_model, draft_with_forced
 from goodspeed.lm.decoding.lookup import LookupDraft
 from goodspeed.scheduler.paying import PayingLength
 
@@ -111,7 +109,7 @@ class NodeConfig:
 class EdgeNode:
     """:class:`goodspeed.api.server.Backend` of an edge device: ``await start()``, then serve."""
 
-    def __init__(self, config: NodeConfig, draft: torch.nn.Module | object, tokenizer,
+    def __init__(self, config: NodeConfig, draft, tokenizer,
                  registry: CollectorRegistry | None = None) -> None:
         """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.decoding.draft_source`: a
         lookup, or a lookup in front of a model)."""
@@ -120,11 +118,14 @@ class EdgeNode:
         self.requests = RequestMetrics(self.registry)
         self.spec = SpecDecodeMetrics(self.registry)
         self.node_metrics = DrafterMetrics(self.registry)
-        self.drafter = (BatchDraftModel(draft, config.proposal_top_k, cuda_graphs=config.cuda_graphs,
-                                        torch_compile=config.torch_compile) if isinstance(draft, torch.nn.Module) else draft)
+        self.drafter = as_draft_source(draft, config.proposal_top_k, config.cuda_graphs, config.torch_compile)
         self.paying = PayingLength()  # the goodput rule's estimates (config.draft_length)
         self._inline = isinstance(self.drafter, LookupDraft)  # drafted on the event loop, not the drafting thread
-        self.adapting = NodeAdaptation(self, draft_model(self.drafter)) if config.adapt else None
+        self.adapting = None
+        if config.adapt:  # the fine-tuning runtime is loaded only here (a lookup alone imports no torch)
+            from goodspeed.drafter.node_adapt import NodeAdaptation
+
+            self.adapting = NodeAdaptation(self, draft_model(self.drafter))
         self.root_seed = resolve_root_seed(config.seed)
         self.metadata = bearer_metadata(config.token)
         self.model_ids: tuple[str, ...] = ()
@@ -151,7 +152,10 @@ class EdgeNode:
         """Warm up the draft's fixed-shape forwards (with ``cuda_graphs`` / ``torch_compile``:
         :meth:`BatchDraftModel.warm_up <goodspeed.lm.runtime.batch_draft.BatchDraftModel.warm_up>`), reach
         the verifier (retrying until ``connect_timeout_s``) and join the first session."""
-        if self.drafter.graphs is not None:
+        if self.drafter.graphs is not None:  # a model's fixed-shape forwards: the model runtime is loaded
+            from goodspeed.drafter.runner import WARM_UP_NOTICE
+            from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+
             if self.config.on_wait is not None:  # compiling can take a minute before the node joins
                 self.config.on_wait(WARM_UP_NOTICE)
             await self._call(self.drafter.warm_up, BatchDraftModel.EDGE_WARM_UP_CHAIN)
@@ -290,8 +294,10 @@ class EdgeNode:
             raise RequestError("invalid", "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
         if self.adapting is not None:
             await self.adapting.admit()  # a request waits while new weights wait for a moment with none in flight
-        generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
-                     else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
+        generator = None  # a lookup alone draws nothing
+        if not self._inline:
+            generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
+                         else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
         req = NodeRequest(request, generator, self.requests.track(len(request.prompt_ids)), stats)
         try:
             self.holding += 1  # counted before the slot exists, so weights never change under a request being admitted

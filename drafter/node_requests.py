@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from goodspeed.drafter.session import DrafterError, DraftSession, RequestStats, SessionLost, VerdictAhead, answers
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.serving.aio import within
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.serving.metrics import RequestTimer
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PooledSession:
@@ -58,7 +61,7 @@ class NodeRequest(DraftSession):
     the node holds: its sampling stream, its metrics, the deltas its client reads, the pooled
     verifier session it runs on."""
 
-    def __init__(self, request: GenerationRequest, generator: torch.Generator, timer: RequestTimer,
+    def __init__(self, request: GenerationRequest, generator: torch.Generator | None, timer: RequestTimer,
                  stats: RequestStats | None = None) -> None:
         super().__init__(request, stats)
         self.generator, self.timer = generator, timer

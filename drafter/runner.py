@@ -36,7 +36,6 @@ before a request waits on them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -44,36 +43,11 @@ from transformers import DynamicCache
 from goodspeed.lm.runtime.attention import keep_logits, with_cache
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.runtime.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.decoding.sampling import (PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k, draft_proposal, process_logits,
-                                   sample_from)
-
-
-@dataclass(frozen=True)
-class DraftOutput:
-    token_ids: list[int]  # [S]
-    # [S, V] float32 q_j after logits processing: what was sampled from and travels; None: the
-    # point mass on each drafted token (a deterministic proposal: goodspeed.lm.decoding.lookup)
-    probs: torch.Tensor | None
-
-    def q_to_send(self, sampling: SamplingParams) -> tuple[str, object]:
-        """How q travels, exactly: ``("none", None)`` for greedy (q is the point mass) or empty
-        drafts; ``("sparse", [(ids, probs), ...])`` — each row's support — when that is smaller
-        on the wire (an id and a prob a token against a float for every vocabulary entry: the
-        support under half of ``S x V``, as with top-k, top-p or a capped proposal); else
-        ``("dense", probs [S, V])``."""
-        if sampling.greedy or not self.token_ids:
-            return "none", None
-        if self.probs is None:  # point masses (a lookup's draft): one (id, 1.0) a position
-            return "sparse", [([int(t)], [1.0]) for t in self.token_ids]
-        support = self.probs > 0
-        if 2 * int(support.sum()) < self.probs.numel():
-            rows = []
-            for row, keep in zip(self.probs, support):
-                ids = torch.nonzero(keep).squeeze(-1)
-                rows.append((ids.tolist(), row[ids].tolist()))
-            return "sparse", rows
-        return "dense", self.probs
+from goodspeed.lm.decoding.adjust import adjust_logits
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.sampling import draft_proposal, process_logits, sample_from
+from goodspeed.lm.decoding.params import PROPOSAL_TOP_K, SamplingParams, check_proposal_top_k
+from goodspeed.drafter.serde import DraftOutput
 
 
 class GrowingDraftKV:

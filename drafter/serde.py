@@ -1,14 +1,46 @@
 """Conversions between the draft side and the wire (goodspeed.v1 pb2): drafts, log-probabilities,
-the features a verifier applies, and a verifier's refusals as error kinds."""
+the features a verifier applies, and a verifier's refusals as error kinds. No torch import here: a
+model's q rows arrive as a tensor and are read through its own methods."""
 
 from __future__ import annotations
 
-import grpc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from goodspeed.drafter.runner import DraftOutput
-from goodspeed.lm.decoding.sampling import FEATURES, SamplingParams, TokenLogprob
+import grpc
+from goodspeed.lm.decoding.params import FEATURES, SamplingParams, TokenLogprob
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.serving.generation import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    token_ids: list[int]  # [S]
+    # [S, V] float32 q_j after logits processing: what was sampled from and travels; None: the
+    # point mass on each drafted token (a deterministic proposal: goodspeed.lm.decoding.lookup)
+    probs: torch.Tensor | None
+
+    def q_to_send(self, sampling: SamplingParams) -> tuple[str, object]:
+        """How q travels, exactly: ``("none", None)`` for greedy (q is the point mass) or empty
+        drafts; ``("sparse", [(ids, probs), ...])`` — each row's support — when that is smaller
+        on the wire (an id and a prob a token against a float for every vocabulary entry: the
+        support under half of ``S x V``, as with top-k, top-p or a capped proposal); else
+        ``("dense", probs [S, V])``."""
+        if sampling.greedy or not self.token_ids:
+            return "none", None
+        if self.probs is None:  # point masses (a lookup's draft): one (id, 1.0) a position
+            return "sparse", [([int(t)], [1.0]) for t in self.token_ids]
+        support = self.probs > 0
+        if 2 * int(support.sum()) < self.probs.numel():
+            rows = []
+            for row, keep in zip(self.probs, support):
+                ids = keep.nonzero().squeeze(-1)
+                rows.append((ids.tolist(), row[ids].tolist()))
+            return "sparse", rows
+        return "dense", self.probs
 
 
 def applied_features(reply: pb.StartRequestReply) -> set[str]:

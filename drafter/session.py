@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from goodspeed.lm.decoding.adjust import TokenHistory
+from goodspeed.lm.decoding.history import TokenHistory
 from goodspeed.lm.runtime.prefix import new_prefix_hasher, update_prefix_hasher
 from goodspeed.serving.generation import GenerationRequest
 

@@ -13,7 +13,7 @@ from goodspeed.api.tools import PARSERS as TOOL_PARSERS
 from goodspeed.launch import commands
 from goodspeed.launch.spec import DTYPES, DrafterSpec, VerifierSpec
 from goodspeed.launch.spec_files import add_setting_flags
-from goodspeed.lm.decoding.sampling import check_proposal_top_k
+from goodspeed.lm.decoding.params import check_proposal_top_k
 from goodspeed.scheduler.policy import POLICIES
 
 
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     from goodspeed.launch.cluster.local import LaunchError
     from goodspeed.launch.experiments.sim_profiles import SimulationError
     from goodspeed.launch.spec import SpecError
-    from goodspeed.lm.models.loading import ModelLoadError
+    from goodspeed.lm.models.model_dirs import ModelLoadError
     from goodspeed.verifier.auth import TokenFileError
     from goodspeed.verifier.errors import ListenError
 

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.records import ROUND_MODES
 
 
@@ -158,7 +158,7 @@ def generate(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         from goodspeed.drafter.prompts import PromptFileError, chat_prompt_ids
-        from goodspeed.lm.models.loading import resolve_model_path
+        from goodspeed.lm.models.tokenizers import resolve_model_path
 
         try:
             ids = chat_prompt_ids(AutoTokenizer.from_pretrained(resolve_model_path(args.chat)), [{"role": "user", "content": prompt}])
@@ -264,7 +264,7 @@ def _prompt_ids(path, tokenizer_spec: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from goodspeed.drafter.prompts import load_prompts
-    from goodspeed.lm.models.loading import resolve_model_path
+    from goodspeed.lm.models.tokenizers import resolve_model_path
 
     ensure_models([tokenizer_spec])
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_spec))

@@ -15,7 +15,7 @@ from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
 from goodspeed.lm.models.corpus import load_corpus, prompt_snippets
 from goodspeed.lm.models.demo import build_demo
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 
 DRAFTS = ("draft-distilled", "draft-small", "draft-tiny", "draft-distilled")

@@ -10,7 +10,7 @@ import grpc
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_channel
 from goodspeed.drafter.serde import logprobs_from_pb
 from goodspeed.serving.sampling_wire import sampling_to_pb
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 

@@ -37,7 +37,7 @@ from goodspeed.api.tools import PARSER_HELP as TOOL_PARSER_HELP
 from goodspeed.api.tools import PARSERS as TOOL_PARSERS
 from goodspeed.launch.cluster.links import LinkSpec
 from goodspeed.lm.models.precision import DTYPES as TORCH_DTYPES
-from goodspeed.lm.decoding.sampling import PROPOSAL_TOP_K
+from goodspeed.lm.decoding.params import PROPOSAL_TOP_K
 from goodspeed.lm.decoding.seeding import resolve_root_seed
 from goodspeed.scheduler.policy import POLICIES
 from goodspeed.verifier.records import ROUND_MODES, SHARE_MODES

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from goodspeed.launch.cluster.links import LinkSpec
 from goodspeed.launch.spec import DEFAULT_SPEC, RESERVED_RESOURCES, DrafterSpec, LaunchSpec, SpecError, VerifierSpec
-from goodspeed.lm.decoding.sampling import check_proposal_top_k
+from goodspeed.lm.decoding.params import check_proposal_top_k
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -215,7 +215,7 @@ def _validate(spec: LaunchSpec, path: Path) -> None:
         raise SpecError(f"{path}: drafter names must be unique, got {names}")
     if "verifier" in names:
         raise SpecError(f"{path}: 'verifier' is the verifier's name (its log is verifier.log); name the drafter otherwise")
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
     from goodspeed.verifier.fields import MAX_NAME_CHARS, PLAIN, is_plain_name
 
     for name in names:  # what the verifier would refuse at Join, refused before any process starts

@@ -1,5 +1,5 @@
 """A request on the wire, both directions, for the drafter that sends it and the verifier that
-reads it: its :class:`~goodspeed.lm.decoding.sampling.SamplingParams` (the proto's
+reads it: its :class:`~goodspeed.lm.decoding.params.SamplingParams` (the proto's
 ``SamplingParams``) and the whole request a ``StartRequest`` carries.
 
 A setting travels by name: every field of :class:`SamplingParams` that the message has under the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.serving.generation import GenerationRequest

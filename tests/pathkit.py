@@ -70,7 +70,7 @@ class SourceRunner:
         self.committed = [int(t) for t in prompt_ids]
 
     def draft(self, num_tokens, sampling, generator):
-        from goodspeed.drafter.runner import DraftOutput
+        from goodspeed.drafter.serde import DraftOutput
 
         d = self.source.draft_chains({self.KEY: self.committed}, {self.KEY: num_tokens}, {self.KEY: sampling}, generator)
         return DraftOutput(d[self.KEY].token_ids, d[self.KEY].probs)

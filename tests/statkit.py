@@ -6,7 +6,8 @@ import math
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
+from goodspeed.lm.decoding.sampling import process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 
 # Each goodness-of-fit test passes at p = 1e-5. About 40 of them run in the default suite (with
 # fresh seeds on the threaded paths), so at p = 0.001 a correct suite failed by chance about once

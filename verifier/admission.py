@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from goodspeed.lm.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from goodspeed.lm.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.lm.decoding.structured import Structure, StructureError
 from goodspeed.verifier import errors
 from goodspeed.verifier.drafts import draft_depth, validate_draft

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from goodspeed.lm.runtime.kv_slots import SlotKVCache
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import DraftAllotments
 from goodspeed.serving.generation import GenerationRequest

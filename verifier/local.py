@@ -48,17 +48,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.adjust import TokenHistory
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.seeding import numpy_rng, resolve_root_seed, torch_generator
 from goodspeed.scheduler import OwnerSizedAllotments
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.verifier import errors
 from goodspeed.verifier.clocks import LatencyProfile, RealClock, SimulatedClock
 from goodspeed.verifier.engine import VerificationEngine
-from goodspeed.lm.runtime.batch_draft import BatchDraftModel
-from goodspeed.lm.decoding.draft_source import draft_model, draft_with_forced
-from goodspeed.lm.models.adapt import AdaptConfig
+from goodspeed.lm.decoding.draft_source import as_draft_source, draft_model, draft_with_forced
+from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.verifier.local_adapt import LocalAdaptation
 from goodspeed.verifier.local_admission import ADMISSIONS, SloAdmission
 from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASSES, Plan
@@ -122,10 +121,9 @@ class LocalServing:
         """``draft``: a draft model, or any draft source (:mod:`goodspeed.lm.decoding.draft_source`; a
         lookup alone drafts chains, so it serves every policy but ``adaserve``'s beam trees, which
         a model or a lookup with a model drafts). ``log``: told what ``config.adapt`` did."""
-        if isinstance(draft, torch.nn.Module):
-            # The draft's forwards replayed as CUDA graphs, or compiled, too when the target's are
-            # (EngineConfig.cuda_graphs, EngineConfig.torch_compile)
-            draft = BatchDraftModel(draft, cuda_graphs=engine.config.cuda_graphs, torch_compile=engine.config.torch_compile)
+        # A draft model's forwards replayed as CUDA graphs, or compiled, too when the target's are
+        # (EngineConfig.cuda_graphs, EngineConfig.torch_compile)
+        draft = as_draft_source(draft, 0, engine.config.cuda_graphs, engine.config.torch_compile)
         if draft.vocab_size != engine.vocab_size:
             raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {engine.vocab_size}")
         if LOCAL_POLICY_CLASSES[config.policy].drafting(config)[1] is not None and not hasattr(draft, "draft_trees"):

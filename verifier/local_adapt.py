@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from goodspeed.lm.models.adapt import AdaptConfig, DraftAdapter, Update
+from goodspeed.lm.models.adapt import DraftAdapter, Update
+from goodspeed.lm.models.adapt_config import AdaptConfig
 
 LEARNS_FROM = ("eos", "length")  # requests that finished: a cancelled or failed one's text is not kept
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from goodspeed.lm.decoding.adjust import TokenHistory
+from goodspeed.lm.decoding.history import TokenHistory
 from goodspeed.lm.decoding.seeding import torch_generator
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.verifier.types import RoundResult

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.serving import sampling_wire as wire
 from goodspeed.verifier.errors import MalformedDraftError

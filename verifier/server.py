@@ -34,7 +34,7 @@ from goodspeed.serving.aio import keep_until_done, run_to_the_end
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.serving.sampling_wire import request_from_pb
 from goodspeed.serving.metrics import RequestTimer, finished_reason
-from goodspeed.lm.decoding.sampling import FEATURES, SamplingParams
+from goodspeed.lm.decoding.params import FEATURES, SamplingParams
 from goodspeed.lm.decoding.structured import StructureError
 from goodspeed.proto import PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from goodspeed.lm.runtime.prefix import new_prefix_hasher, update_prefix_hasher
-from goodspeed.lm.decoding.adjust import TokenHistory
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.seeding import resolve_root_seed
 from goodspeed.scheduler import DraftAllotments, SmoothingConfig, make_policy, smoothing_of
 from goodspeed.verifier.types import Draft, Verdict
-from goodspeed.verifier.verify_rows import RowInput
+
+if TYPE_CHECKING:
+    from goodspeed.verifier.verify_rows import RowInput
 
 
 ATTENTION_PATHS = ("auto", "varlen", "masked")

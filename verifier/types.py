@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from goodspeed.lm.decoding.sampling import TokenLogprob
+from goodspeed.lm.decoding.params import TokenLogprob
 
 
 @dataclass(frozen=True)

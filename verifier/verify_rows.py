@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.decoding.sampling import SamplingParams, TokenLogprob, process_logits
+from goodspeed.lm.decoding.adjust import adjust_logits
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.sampling import process_logits
+from goodspeed.lm.decoding.params import SamplingParams, TokenLogprob
 from goodspeed.verifier.drafts import DraftQ, dense_q, q_rows_at
 from goodspeed.verifier.rejection import verify_chains_q, verify_greedy_chains, verify_greedy_trees, verify_tree
 from goodspeed.verifier.types import Draft

@@ -2,7 +2,7 @@
 
 This is the distributed protocol without the network: each round every drafter with a request
 drafts exactly its allotted ``S_i`` tokens, submits them with their draft distributions (sparse
-when their support is small, as over gRPC: :meth:`~goodspeed.drafter.runner.DraftOutput.q_to_send`),
+when their support is small, as over gRPC: :meth:`~goodspeed.drafter.serde.DraftOutput.q_to_send`),
 the engine verifies all of them in one forward, and each drafter applies its verdict. With
 chunked prefill a drafter whose prompt is being prefilled waits (the steps carry its chunks) and
 drafts from the step after its prefill completes.
@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from goodspeed.drafter.runner import DraftOutput, DraftRunner
+from goodspeed.drafter.runner import DraftRunner
+from goodspeed.drafter.serde import DraftOutput
 from goodspeed.drafter.session import DrafterError, DraftSession, answers
 from goodspeed.serving.generation import GenerationRequest
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
 from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs

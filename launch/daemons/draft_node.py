@@ -1,5 +1,6 @@
 """``goodspeed drafter``: one edge draft node, generating its prompt file through a verifier or
-(``--serve``) serving applications through the OpenAI API (:mod:`goodspeed.drafter.node`)."""
+(``--serve``) serving applications through the OpenAI API (:mod:`goodspeed.drafter.node`). A node
+drafting by lookup alone never imports torch (tests/launch/test_light_node.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from goodspeed.drafter.client import DrafterClient, DrafterConfig
 from goodspeed.drafter.credentials import client_tls, read_token
 from goodspeed.drafter.prompts import load_prompts
-from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftRunner
 from goodspeed.launch.spec import DrafterSpec
 from goodspeed.lm.decoding.draft_source import DraftSpec
-from goodspeed.lm.models.loading import LoadedModel, load_causal_lm, load_tokenizer
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.models.tokenizers import load_tokenizer
+from goodspeed.lm.decoding.params import SamplingParams
+
+if TYPE_CHECKING:
+    from goodspeed.lm.models.loading import LoadedModel
 
 
 def run_drafter(spec: DrafterSpec, verifier: str, out_path: str | None = None, connect_timeout_s: float = 60.0, progress: bool = True) -> int:
@@ -71,7 +75,11 @@ def load_draft(spec: DrafterSpec) -> LoadedDraft:
         raise SystemExit(f"goodspeed drafter {spec.name}: --draft: {exc}") from None
     if source.model is None and spec.tokenizer is None:
         raise SystemExit(f"goodspeed drafter {spec.name}: --draft {spec.draft} loads no model: give --tokenizer MODEL")
-    model = load_causal_lm(source.model, dtype=spec.dtype, device=spec.device) if source.model else None
+    model = None
+    if source.model:  # the model runtime (torch) is loaded only for a source with a model
+        from goodspeed.lm.models.loading import load_causal_lm
+
+        model = load_causal_lm(source.model, dtype=spec.dtype, device=spec.device)
     tokenizer, fingerprint = (model.tokenizer, model.fingerprint) if model else load_tokenizer(spec.tokenizer)
     if model is not None and spec.tokenizer is not None and load_tokenizer(spec.tokenizer)[1] != fingerprint:
         raise SystemExit(f"goodspeed drafter {spec.name}: --tokenizer {spec.tokenizer} is not the draft model's tokenizer")
@@ -87,6 +95,8 @@ def _generate_one_at_a_time(spec: DrafterSpec, verifier: str, draft: LoadedModel
                             progress: bool) -> None:
     """The prompts through a :class:`DrafterClient`, one request after another (proactive
     drafting included), one JSONL record per request."""
+    from goodspeed.drafter.runner import WARM_UP_NOTICE, DraftRunner
+
     eos = draft.tokenizer.eos_token_id
     config = DrafterConfig(
         **spec.routed("client"), verifier=verifier, fingerprint=draft.fingerprint,

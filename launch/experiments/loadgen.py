@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 
 SLO_CLASSES = {"strict": 1.0, "moderate": 2.4, "relaxed": 8.0}  # TPOT SLO / baseline latency
 

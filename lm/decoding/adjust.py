@@ -12,64 +12,13 @@ stays exact against it.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.sampling import SamplingParams
-from goodspeed.lm.decoding.structured import Constraint, Structure, StructureError, mask_logits
-
-
-class TokenHistory:
-    """A request's text as its penalties read it: the prompt's distinct token ids (the repetition
-    penalty counts them as seen), how often each token occurs in the output, how many tokens the
-    output holds (``min_tokens`` reads that), and the output itself (``bad_words`` reads its end).
-    Extended with each committed token; a speculative row's drafted tokens come on top as
-    :func:`adjust_logits`' ``paths``, never into the history itself.
-    With a bound ``structure`` it also holds the request's grammar matcher (``constraint``), which
-    consumes the output (:class:`~goodspeed.lm.decoding.structured.StructureError` if the grammar refuses it)."""
-
-    def __init__(self, prompt: Sequence[int], output: Sequence[int] = (), structure: Structure | None = None) -> None:
-        self.prompt = _sorted_unique(np.asarray(list(prompt), dtype=np.int64))
-        self.counts: Counter[int] = Counter(int(t) for t in output)
-        self.generated = len(output)
-        self.output = [int(t) for t in output]  # bad_words read its last tokens
-        self.constraint: Constraint | None = None if structure is None else structure.constraint(output)
-
-    def extended(self, tokens: Sequence[int]) -> "TokenHistory":
-        """A copy of this history with ``tokens`` added (a drafter's, as :meth:`extend` with
-        ``strict`` False); this one is unchanged."""
-        other = object.__new__(TokenHistory)
-        other.prompt, other.counts, other.generated = self.prompt, Counter(self.counts), self.generated
-        other.output = list(self.output)
-        other.constraint = None if self.constraint is None else self.constraint.copy()
-        other.extend(tokens, strict=False)
-        return other
-
-    def extend(self, tokens: Sequence[int], strict: bool = True) -> None:
-        """Add committed ``tokens``. ``strict`` False (a drafter's copy of the text, which the
-        verifier decides): a grammar refusing them drops the constraint instead of raising, as
-        where the verifier's matcher ran past its limits and ended the text with EOS; the drafts
-        then go unmasked, which costs acceptance only."""
-        if self.constraint is not None:
-            try:
-                self.constraint.extend(tokens)
-            except StructureError:
-                if strict:
-                    raise
-                self.constraint = None
-        self.counts.update(int(t) for t in tokens)
-        self.generated += len(tokens)
-        self.output.extend(int(t) for t in tokens)
-
-
-def _sorted_unique(x: np.ndarray) -> np.ndarray:
-    """``np.unique(x)`` by sorting: numpy 2's default for integers hashes, which measured 11-17x
-    slower here (5,600 keys: 898-906 us against 54-81 us; ``bench_penalties --numpy``)."""
-    x = np.sort(x)
-    return x[np.concatenate(([True], x[1:] != x[:-1]))] if len(x) else x
+from goodspeed.lm.decoding.params import SamplingParams
+from goodspeed.lm.decoding.history import TokenHistory, sorted_unique
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
@@ -202,7 +151,7 @@ def _penalize(logits: torch.Tensor, rows, params, histories, paths, chosen: list
     join = lambda parts, dtype=np.int64: np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)  # noqa: E731
     out_keys, out_counts, prompt_keys = join(out_keys), join(out_counts), join(prompt_keys)
     bias_keys, bias_values, path_keys = join(bias_keys), join(bias_values, np.float64), join(path_keys)
-    named = _sorted_unique(np.concatenate([out_keys, prompt_keys, bias_keys,
+    named = sorted_unique(np.concatenate([out_keys, prompt_keys, bias_keys,
                                            path_keys // (p_max * vocab) * vocab + path_keys % vocab]))
     if not len(named):
         return
@@ -219,7 +168,7 @@ def _penalize(logits: torch.Tensor, rows, params, histories, paths, chosen: list
     j = np.arange(len(key)) - np.repeat(np.cumsum(reps) - reps, reps)
     count = base[key]
     if len(path_keys):
-        drafted = _sorted_unique(path_keys)
+        drafted = sorted_unique(path_keys)
         times = np.bincount(np.searchsorted(drafted, path_keys), minlength=len(drafted))
         at = (row_of[key] * p_max + j) * vocab + token[key]
         found = np.minimum(np.searchsorted(drafted, at), len(drafted) - 1)
@@ -240,3 +189,31 @@ def _penalize(logits: torch.Tensor, rows, params, histories, paths, chosen: list
     x = logits[at] + bias
     x = torch.where(seen > 0, torch.where(x > 0, x / rep, x * rep), x)
     logits[at] = x - freq * count - pres * (count > 0).to(x.dtype)
+
+
+_BYTE_BIAS: dict = {}  # (dtype, device) -> [256, 8]: row b holds 0 where bit i of b is set, else -inf
+
+
+def mask_logits(logits: torch.Tensor, bits: np.ndarray) -> None:
+    """Add -inf to ``logits [P, V]`` IN PLACE wherever :meth:`~goodspeed.lm.decoding.structured.Constraint.masks`' ``bits`` refuse a
+    token (and past the mask's words: no token of the tokenizer). Each mask byte picks its eight
+    tokens' biases (0 or -inf) from a 256-row table: one gather and one add over ``[P, V]``, with
+    no boolean tensor unpacked or filled through. A position that allows none of ``logits``'
+    tokens (a draft's smaller vocabulary) is left as it is."""
+    key = (logits.dtype, logits.device)
+    table = _BYTE_BIAS.get(key)
+    if table is None:
+        codes = torch.arange(256)
+        table = _BYTE_BIAS[key] = torch.where((codes[:, None] >> torch.arange(8)) & 1 == 1, 0.0,
+                                              float("-inf")).to(logits.dtype).to(logits.device)
+    rows, vocab = logits.shape
+    n = min(vocab, 32 * bits.shape[-1])
+    codes = torch.from_numpy(bits.view(np.uint8)).to(logits.device).reshape(-1).long()
+    bias = table.index_select(0, codes).view(rows, -1)[:, :n]
+    if vocab < 32 * bits.shape[-1]:
+        none = ~(bias == 0).any(dim=-1)
+        if none.any():
+            bias[none] = 0.0
+    logits[:, :n].add_(bias)
+    if vocab > n:
+        logits[:, n:] = float("-inf")

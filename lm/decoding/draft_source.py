@@ -19,18 +19,25 @@ SOURCE``) name one the same way:
 
 Adding a lookup is one :class:`~goodspeed.lm.decoding.lookup.LookupDraft` subclass with its ``name``, listed in
 :data:`LOOKUPS`.
+
+This module imports no torch: a node drafting by lookup alone never loads it. The model runtime
+(:mod:`goodspeed.lm.runtime.batch_draft`) is imported where a source with a model is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from goodspeed.lm.runtime.batch_draft import BatchDraftModel, BeamTree, ChainDraft
 from goodspeed.lm.decoding.lookup import LookupDraft, PromptLookup, SuffixDraft
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
+from goodspeed.lm.decoding.proposals import BeamTree, ChainDraft
+
+if TYPE_CHECKING:
+    import torch
+
+    from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 
 LOOKUPS: dict[str, type[LookupDraft]] = {cls.name: cls for cls in (PromptLookup, SuffixDraft)}
 
@@ -77,7 +84,7 @@ class DraftSpec:
             if vocab_size is None:
                 raise ValueError(f"draft source {self}: give the target's vocabulary size")
             return LOOKUPS[self.lookup](vocab_size)
-        drafter = BatchDraftModel(model, proposal_top_k, cuda_graphs=cuda_graphs, torch_compile=torch_compile)
+        drafter = as_draft_source(model, proposal_top_k, cuda_graphs, torch_compile)
         if self.lookup is None:
             return drafter
         return HybridDraft(LOOKUPS[self.lookup](drafter.vocab_size), drafter)
@@ -204,12 +211,22 @@ class HybridDraft:
         self._count(key, "lookup", matched, matched < len(new))
 
 
+def as_draft_source(draft, proposal_top_k: int = 0, cuda_graphs: bool = False, torch_compile: bool = False):
+    """A draft model (``torch.nn.Module``) as a source: a :class:`BatchDraftModel` over it with
+    these settings; a draft source (a lookup, a hybrid, a batched model) as it is."""
+    if hasattr(draft, "draft_chains"):
+        return draft
+    from goodspeed.lm.runtime.batch_draft import BatchDraftModel
+
+    return BatchDraftModel(draft, proposal_top_k, cuda_graphs=cuda_graphs, torch_compile=torch_compile)
+
+
 def draft_model(drafter) -> torch.nn.Module:
     """The draft model a batched draft source drafts with (alone, or behind a lookup);
     ``ValueError`` for a lookup alone."""
     if isinstance(drafter, HybridDraft):
         drafter = drafter.model
-    if isinstance(drafter, BatchDraftModel):
+    if not isinstance(drafter, LookupDraft):
         return drafter.model
     raise ValueError("a lookup alone has no draft model (no weights to adapt): give MODEL or LOOKUP+MODEL")
 
@@ -308,6 +325,8 @@ def _after_forced(forced: list[int], draft: ChainDraft, sampling: SamplingParams
     if not draft.token_ids or draft.probs is None:
         return ChainDraft(forced + list(draft.token_ids), None, [1.0] * len(forced) + list(draft.token_probs),
                           sampled=not sampling.greedy)
+    import torch  # a model's q rows: torch is loaded already
+
     one_hot = torch.zeros(len(forced), draft.probs.shape[-1], dtype=draft.probs.dtype, device=draft.probs.device)
     one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
     return ChainDraft(forced + list(draft.token_ids), torch.cat([one_hot, draft.probs]),

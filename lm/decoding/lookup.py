@@ -18,7 +18,7 @@ over a given document, multi-turn chat, agent loops) can be drafted by lookup at
   expected number of accepted tokens (the sum of its path probabilities) is proposed.
 
 A lookup draft is a deterministic function of text already committed, so its ``q`` is the point
-mass on each drafted token (:attr:`goodspeed.lm.runtime.batch_draft.ChainDraft.probs` is None): the
+mass on each drafted token (:attr:`goodspeed.lm.decoding.proposals.ChainDraft.probs` is None): the
 verifier accepts a sampled request's drafted token with probability ``p(x)`` and otherwise
 samples the residual, which keeps the output exactly the target's distribution
 (:mod:`goodspeed.verifier.rejection`); greedy output stays the target's greedy decoding. Both
@@ -33,8 +33,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from goodspeed.lm.runtime.batch_draft import ChainDraft
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.proposals import ChainDraft
+from goodspeed.lm.decoding.params import SamplingParams
 
 
 class NgramIndex:

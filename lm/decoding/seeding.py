@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
 
 ROOT_SEED_BITS = 63  # fits a signed int64 everywhere it is logged, passed on a command line or stored
 
@@ -57,7 +61,10 @@ def stream_seed(root: int, *domain: str) -> int:
 
 
 def torch_generator(root: int, *domain: str, device: str | torch.device = "cpu") -> torch.Generator:
-    """A torch generator on the stream ``domain`` of ``root``."""
+    """A torch generator on the stream ``domain`` of ``root`` (torch imported here, on first use:
+    a node drafting by lookup alone draws no tensors and never loads it)."""
+    import torch
+
     return torch.Generator(device=device).manual_seed(stream_seed(root, *domain))
 
 

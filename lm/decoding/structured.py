@@ -26,7 +26,7 @@ is still a function of the position's text alone, so speculation stays exact the
 
 A :class:`Structure` is what a request asks for (a kind and its text); :meth:`Structure.bound`
 compiles it against a tokenizer (a bad grammar is refused there, before the request is queued), and
-each request's :class:`~goodspeed.lm.decoding.adjust.TokenHistory` holds a :class:`Constraint`, its own
+each request's :class:`~goodspeed.lm.decoding.history.TokenHistory` holds a :class:`Constraint`, its own
 matcher, extended with each committed token.
 """
 
@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 import llguidance
 import numpy as np
-import torch
 
 # The kinds of constraint (vLLM's ``StructuredOutputsParams`` fields); ``json_object`` is any
 # JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
@@ -326,30 +325,3 @@ class Constraint:
             self.matcher.rollback(len(stack))
         return bits, reachable
 
-
-_BYTE_BIAS: dict = {}  # (dtype, device) -> [256, 8]: row b holds 0 where bit i of b is set, else -inf
-
-
-def mask_logits(logits: torch.Tensor, bits: np.ndarray) -> None:
-    """Add -inf to ``logits [P, V]`` IN PLACE wherever :meth:`Constraint.masks`' ``bits`` refuse a
-    token (and past the mask's words: no token of the tokenizer). Each mask byte picks its eight
-    tokens' biases (0 or -inf) from a 256-row table: one gather and one add over ``[P, V]``, with
-    no boolean tensor unpacked or filled through. A position that allows none of ``logits``'
-    tokens (a draft's smaller vocabulary) is left as it is."""
-    key = (logits.dtype, logits.device)
-    table = _BYTE_BIAS.get(key)
-    if table is None:
-        codes = torch.arange(256)
-        table = _BYTE_BIAS[key] = torch.where((codes[:, None] >> torch.arange(8)) & 1 == 1, 0.0,
-                                              float("-inf")).to(logits.dtype).to(logits.device)
-    rows, vocab = logits.shape
-    n = min(vocab, 32 * bits.shape[-1])
-    codes = torch.from_numpy(bits.view(np.uint8)).to(logits.device).reshape(-1).long()
-    bias = table.index_select(0, codes).view(rows, -1)[:, :n]
-    if vocab < 32 * bits.shape[-1]:
-        none = ~(bias == 0).any(dim=-1)
-        if none.any():
-            bias[none] = 0.0
-    logits[:, :n].add_(bias)
-    if vocab > n:
-        logits[:, n:] = float("-inf")

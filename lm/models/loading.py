@@ -19,6 +19,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from goodspeed.lm.models.fingerprint import tokenizer_fingerprint
+from goodspeed.lm.models.tokenizers import resolve_model_path
 from goodspeed.lm.models.model_dirs import ModelLoadError
 from goodspeed.lm.models.precision import DTYPES, resolve_dtype
 
@@ -36,19 +37,6 @@ class LoadedModel:
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
-
-
-def resolve_model_path(spec: str) -> str:
-    """``demo:<name>`` / ``real:<name>`` -> the built model's directory; anything else is passed through."""
-    if spec.startswith("demo:"):
-        from goodspeed.lm.models.demo import demo_model_path
-
-        return str(demo_model_path(spec.removeprefix("demo:")))
-    if spec.startswith("real:"):
-        from goodspeed.lm.models.real import real_model_path
-
-        return str(real_model_path(spec.removeprefix("real:")))
-    return spec
 
 
 def embedded_families(specs: list[str]) -> list[str]:
@@ -91,7 +79,7 @@ def ensure_models(specs: list[str], progress: bool = True, log=print) -> None:
 def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """The torch dtype of ``name`` (``auto`` resolved for ``device``: :func:`resolve_dtype`)."""
     try:
-        return DTYPES[resolve_dtype(name, device)]
+        return getattr(torch, DTYPES[resolve_dtype(name, device)])
     except KeyError:
         raise ModelLoadError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
 
@@ -127,14 +115,3 @@ def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> Lo
     model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: torch_type}).to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(spec, path, model, tokenizer, tokenizer_fingerprint(tokenizer))
-
-
-def load_tokenizer(spec: str) -> tuple[object, str]:
-    """The tokenizer of ``spec`` (hub id, directory, ``demo:<name>``, ``real:<name>``) and its
-    fingerprint, without the model's weights: what a node drafting without a model needs."""
-    path = resolve_model_path(spec)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {exc}") from exc
-    return tokenizer, tokenizer_fingerprint(tokenizer)

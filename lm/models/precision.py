@@ -1,23 +1,22 @@
 """Precision names: what ``--dtype`` and a spec's ``dtype`` accept, and ``auto``'s choice.
 
 ``auto`` is bfloat16 where the device computes it natively (a CUDA device with bf16; a CPU whose
-flags say ``avx512_bf16``, ``amx_bf16`` or Arm's ``bf16``) and float32 elsewhere.
+flags say ``avx512_bf16``, ``amx_bf16`` or Arm's ``bf16``) and float32 elsewhere. Names only
+here (every settings check reads them; torch is imported where a device is resolved).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float64": torch.float64,
+DTYPES = {  # accepted name -> the torch dtype's attribute name (torch.float32, ...)
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float64": "float64",
 }
 
 
@@ -42,6 +41,8 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     with native bf16: :func:`cpu_has_native_bf16`), else ``float32``; any other name as it is."""
     if name != "auto":
         return name
+    import torch
+
     dev = torch.device(device)
     if dev.type == "cuda":
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"

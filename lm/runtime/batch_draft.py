@@ -37,51 +37,19 @@ processed distribution is one-hot, the draft's softmax ranks the candidates. Tre
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.decoding.sampling import SamplingParams, check_proposal_top_k, draft_step, process_logits
+from goodspeed.lm.decoding.adjust import adjust_logits
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.sampling import draft_step, process_logits
+from goodspeed.lm.decoding.params import SamplingParams, check_proposal_top_k
+from goodspeed.lm.decoding.proposals import BeamTree, ChainDraft
 from goodspeed.lm.runtime.attention import keep_logits, use_gqa_attention, with_cache
 from goodspeed.lm.runtime.graphs import StepGraphs
 from goodspeed.lm.runtime.kv_slots import SlotKVCache, SlotTable
 from goodspeed.lm.runtime.packing import additive_mask, build_attention
-
-
-@dataclass(frozen=True)
-class ChainDraft:
-    token_ids: list[int]  # [k]
-    # [k, V] processed q of each drafted position; None: the point mass on each drafted token (a
-    # deterministic proposal, as a lookup's: goodspeed.lm.decoding.lookup)
-    probs: torch.Tensor | None
-    # [k] the draft's probability of each drafted token: q_j(s_j), or for greedy requests (one-hot
-    # q) the draft's softmax probability of its argmax
-    token_probs: list[float]
-    sampled: bool = False  # drawn from q (temperature > 0), not the argmax
-
-    def q_rows(self) -> torch.Tensor | None:
-        return self.probs if self.token_ids else None
-
-    @property
-    def expected_probs(self) -> list[float]:
-        """[k] each position's confidence known BEFORE its token was drawn: ``E_{s~q_j}[q_j(s)] =
-        sum_v q_j(v)^2`` for sampled drafts; for greedy ones (nothing is drawn) ``token_probs``.
-        TETRIS ranks sampled tokens by this, never by their own sampled values (verifier.local)."""
-        if not self.sampled or not self.token_ids or self.probs is None:
-            return list(self.token_probs)
-        return self.probs.double().square().sum(dim=-1).tolist()
-
-
-@dataclass(frozen=True)
-class BeamTree:
-    """A candidate tree: ``parents[k]`` (-1: the root), ``path_probs[k]`` and ``depths[k]`` per node."""
-
-    token_ids: list[int]
-    parents: list[int]
-    path_probs: list[float]
-    depths: list[int]
 
 
 class BatchDraftModel:

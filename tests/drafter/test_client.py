@@ -250,7 +250,7 @@ def test_a_request_restarted_mid_way_keeps_its_penalties_exact(models, monkeypat
     of it is output (``StartRequestRequest.generated``), so the frequency and presence penalties
     keep counting it: the output is the target's own penalised greedy decoding, as if nothing had
     happened."""
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
     from modelkit import adjusted_greedy_reference
 
     target, draft = models
@@ -288,7 +288,7 @@ def test_a_request_restarted_mid_way_keeps_its_penalties_exact(models, monkeypat
 ])
 def test_a_verifier_that_ignores_a_setting_is_an_error_not_a_silent_change(models, monkeypatch, flag, setting, says):
     """A verifier older than a sampling setting leaves its StartRequestReply flag false."""
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
 
     older_verifier(monkeypatch, flag)
     target, draft = models

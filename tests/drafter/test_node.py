@@ -17,7 +17,7 @@ from goodspeed.serving.generation import GenerationRequest
 from goodspeed.drafter import node_requests
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.runtime.graphs import StepGraphs
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from apikit import GREEDY, complete_concurrently, metric_samples
 from grpckit import NodeThread, ServerThread, older_verifier

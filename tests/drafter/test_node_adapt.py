@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from goodspeed.lm.decoding.sampling import SamplingParams
-from goodspeed.lm.models.adapt import AdaptConfig
+from goodspeed.lm.decoding.params import SamplingParams
+from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from grpckit import NodeThread, ServerThread

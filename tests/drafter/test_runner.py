@@ -5,7 +5,8 @@ import torch
 from goodspeed.drafter.runner import DraftRunner, SlotDraftKV
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.runtime.graphs import MAX_GRAPH_QUERIES
-from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
+from goodspeed.lm.decoding.sampling import process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 from graphkit import checking, fresh_dynamo, needs_cpp, static_drafter  # noqa: F401 (a fixture)
 from modelkit import tiny_llama
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from goodspeed.drafter.session import DrafterError, DraftSession, VerdictAhead, answers
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.runtime.prefix import prefix_hash
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.serving.generation import GenerationRequest

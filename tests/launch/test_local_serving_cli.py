@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from goodspeed.launch import cli
 from goodspeed.launch.cluster.local import verifier_command
 from goodspeed.launch.spec import VerifierSpec
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.structured import Structure
 from modelkit import adjusted_greedy_reference, greedy_reference, perturbed, save_models, tiny_llama
 

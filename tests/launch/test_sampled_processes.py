@@ -12,7 +12,8 @@ import torch
 from goodspeed.launch.cluster.local import launch_local
 from goodspeed.launch.spec_files import load_spec
 from goodspeed.lm.models.loading import load_causal_lm
-from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
+from goodspeed.lm.decoding.sampling import process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 from statkit import fits
 
 PROMPT = "def parse_args(argv):\n    parser = argparse."

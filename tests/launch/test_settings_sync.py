@@ -296,12 +296,13 @@ def test_adapt_needs_a_draft_model_and_says_so_before_loading_anything(monkeypat
     """--adapt fine-tunes a draft model: with a lookup alone the node (file mode and --serve) and
     a launch spec refuse it at once; a lookup in front of a model is fine."""
     from goodspeed.launch.daemons import draft_node
+    from goodspeed.lm.models import loading
     from goodspeed.launch.spec_files import load_spec
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
-    monkeypatch.setattr(draft_node, "load_causal_lm", no_load)
+    monkeypatch.setattr(loading, "load_causal_lm", no_load)  # draft_node imports it where a model loads
     lookup = DrafterSpec(name="edge", draft="suffix", tokenizer="demo:target", prompts="code", adapt=True)
     with pytest.raises(SystemExit, match="--adapt needs a draft model to fine-tune; suffix is a lookup alone"):
         draft_node.run_drafter(lookup, "127.0.0.1:1")
@@ -319,11 +320,12 @@ def test_drafter_cuda_graphs_are_refused_off_cuda_before_a_model_loads(monkeypat
     """--cuda-graphs replays the node's draft forwards on CUDA (one request at a time, batched or
     --serve): off CUDA the node says so before loading anything; a launch spec the same."""
     from goodspeed.launch.daemons import draft_node
+    from goodspeed.lm.models import loading
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
-    monkeypatch.setattr(draft_node, "load_causal_lm", no_load)
+    monkeypatch.setattr(loading, "load_causal_lm", no_load)  # draft_node imports it where a model loads
     base = DrafterSpec(name="edge", draft="demo:draft-tiny", prompts="code", cuda_graphs=True)
     for spec in (base, dataclasses.replace(base, concurrency=2, proactive=False)):
         with pytest.raises(SystemExit, match="--cuda-graphs needs a CUDA device, not cpu"):

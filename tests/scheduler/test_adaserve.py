@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from goodspeed.lm.runtime.batch_draft import BeamTree
+from goodspeed.lm.decoding.proposals import BeamTree
 from goodspeed.scheduler.adaserve import CandidateTree, select_tree_nodes, slo_need, speculation_shape, tree_depth
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
-from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.adjust import adjust_logits
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.errors import InvalidTokenError, MalformedDraftError

@@ -8,7 +8,7 @@ import torch
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from goodspeed.drafter.runner import DraftRunner
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.scheduler import allocate_draft_lengths
 from goodspeed.scheduler.goodspeed import expected_goodput
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft, SparseProbs

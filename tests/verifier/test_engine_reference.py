@@ -11,7 +11,8 @@ from goodspeed.lm.runtime.attention import REFERENCE_VARLEN
 from goodspeed.lm.runtime.graphs import StepGraphs
 from goodspeed.lm.runtime.kv_slots import SlotKVCache
 from goodspeed.lm.runtime.prefix import prefix_hash
-from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
+from goodspeed.lm.decoding.sampling import process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 from modelkit import perturbed, tiny_llama

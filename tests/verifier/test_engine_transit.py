@@ -9,7 +9,7 @@ import pytest
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier import apply
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.planner import after_decoded

@@ -6,7 +6,7 @@ import pytest
 
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.runtime.graphs import StepGraphs
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from goodspeed.lm.models.adapt import AdaptConfig
+from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from modelkit import domain_prompts, far_pair, greedy_reference

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from goodspeed.lm.runtime.graphs import StepGraphs
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.clocks import LatencyProfile, SimulatedClock
 from goodspeed.verifier.local import LocalConfig, LocalServing

@@ -6,7 +6,7 @@ several requests in one batch); and asking for them changes no output."""
 import pytest
 import torch
 
-from goodspeed.lm.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from goodspeed.lm.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.verifier import errors
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing

@@ -14,7 +14,7 @@ from goodspeed.drafter import runner as runner_module
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.decoding.draft_source import HybridDraft
 from goodspeed.lm.decoding.lookup import PromptLookup, SuffixDraft
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from modelkit import greedy_reference, perturbed, tiny_llama
 from pathkit import run_edge_source, run_local
 from statkit import Z_POWER, chi2_critical, chi2_stat, count_first_two, exact_first_two, fits

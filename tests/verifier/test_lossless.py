@@ -18,7 +18,8 @@ import torch
 
 from goodspeed.drafter.runner import DraftRunner
 from goodspeed.launch.cluster.inprocess import InProcessDrafter, run_inprocess
-from goodspeed.lm.decoding.sampling import SamplingParams, cap_support, process_logits, sample_from
+from goodspeed.lm.decoding.sampling import cap_support, process_logits, sample_from
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier import rejection
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft

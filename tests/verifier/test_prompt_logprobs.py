@@ -7,7 +7,7 @@ come with a request's first verdict only, and asking for them changes no output.
 import pytest
 import torch
 
-from goodspeed.lm.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from goodspeed.lm.decoding.params import MAX_TOP_LOGPROBS, SamplingParams
 from goodspeed.verifier import errors
 from goodspeed.verifier import planner
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine

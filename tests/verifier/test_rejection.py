@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from goodspeed.lm.decoding.sampling import SamplingParams, process_logits, sample_from
+from goodspeed.lm.decoding.sampling import process_logits, sample_from
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.rejection import verify_chains, verify_greedy_chains, verify_greedy_trees, verify_tree
 
 V = 6

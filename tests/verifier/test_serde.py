@@ -3,7 +3,7 @@ chunk tells its client it applies each one up to the highest, ``GenerateChunk.sa
 and a drafter's settings arrive as they were sent."""
 
 from goodspeed.serving.sampling_wire import sampling_to_pb
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.structured import Structure
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.verifier.serde import SAMPLING_FIELDS, sampling_from_pb
@@ -66,7 +66,7 @@ def test_a_reply_lists_its_features_and_an_older_replys_flags_still_count():
     than that list is read by its per-feature flags; one older than a feature lists or flags
     nothing for it, and a request that uses it is not trusted."""
     from goodspeed.drafter.serde import applied_features, unapplied_setting
-    from goodspeed.lm.decoding.sampling import FEATURES
+    from goodspeed.lm.decoding.params import FEATURES
 
     penalised = SamplingParams(presence_penalty=1.0, min_tokens=2)
     assert applied_features(pb.StartRequestReply(features=list(FEATURES))) == set(FEATURES)

@@ -448,7 +448,7 @@ def sampled_through_grpc(rounds: str, device: str) -> tuple[float, int]:
     host), and its degrees of freedom."""
     import copy
 
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
     from statkit import chi2_stat, count_first_two, exact_first_two
 
     vocab, prompt, sampling = 6, [1, 2, 3], SamplingParams(temperature=1.0, top_p=0.95)

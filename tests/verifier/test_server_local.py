@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from goodspeed.launch import cli
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.serving.generation import GenerationRequest
 from goodspeed.launch.generate import MissingLogprobsError, OlderVerifierError, collect, generate_request
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb

@@ -18,7 +18,7 @@ import re
 import pytest
 
 from goodspeed.lm.models.demo import train_tokenizer
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.structured import Structure, StructureError
 from goodspeed.verifier import verify_rows
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine

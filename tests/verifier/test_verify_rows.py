@@ -1,7 +1,8 @@
 import numpy as np
 import torch
 
-from goodspeed.lm.decoding.sampling import SamplingParams, process_logits
+from goodspeed.lm.decoding.sampling import process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.drafts import dense_q
 from goodspeed.verifier.rejection import verify_tree
 from goodspeed.verifier.types import Draft, SparseProbs

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
-from goodspeed.lm.runtime.batch_draft import BeamTree
+from goodspeed.lm.decoding.proposals import BeamTree
 from goodspeed.lm.decoding.draft_source import DraftSpec, HybridDraft, with_branch
 from goodspeed.lm.decoding.lookup import NgramIndex, PromptLookup, SuffixDraft, SuffixTrie, continue_from
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from modelkit import tiny_llama
 
 GREEDY = SamplingParams()

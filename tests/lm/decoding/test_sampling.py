@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from goodspeed.lm.decoding.sampling import SamplingParams, cap_support, process_logits, sample_from
+from goodspeed.lm.decoding.sampling import cap_support, process_logits, sample_from
+from goodspeed.lm.decoding.params import SamplingParams
 
 
 def test_greedy_one_hot_lowest_index_on_ties():
@@ -239,7 +240,8 @@ def test_adjust_logits_is_the_dense_definition_at_every_position_of_chains_and_t
     that position follows: the history, then a chain's first ``j`` drafted tokens or a tree node's
     path (min_tokens: the output's length counts its path). Rows that adjust nothing and positions
     past the paths are left alone."""
-    from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
+    from goodspeed.lm.decoding.adjust import adjust_logits
+    from goodspeed.lm.decoding.history import TokenHistory
     from goodspeed.verifier.verify_rows import draft_paths
     from statkit import reference_adjust
 
@@ -290,7 +292,8 @@ def test_allowed_token_ids_past_a_drafts_vocabulary_are_left_out():
 
 
 def test_adjusted_greedy_is_the_adjusted_argmax():
-    from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
+    from goodspeed.lm.decoding.adjust import adjust_logits
+    from goodspeed.lm.decoding.history import TokenHistory
 
     logits = torch.tensor([[[2.0, 1.9, 0.5, -1.0]]])
     sampling = SamplingParams(repetition_penalty=1.2)
@@ -303,7 +306,8 @@ def test_adjusted_greedy_is_the_adjusted_argmax():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_adjust_logits_on_cuda_is_the_cpus():
-    from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
+    from goodspeed.lm.decoding.adjust import adjust_logits
+    from goodspeed.lm.decoding.history import TokenHistory
     from goodspeed.verifier.verify_rows import draft_paths
 
     logits = torch.randn(len(ADJUSTING), 4, 300, generator=torch.Generator().manual_seed(5)) * 3

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from goodspeed.lm.models.demo import train_tokenizer
-from goodspeed.lm.decoding.adjust import TokenHistory, adjust_logits
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.adjust import adjust_logits
+from goodspeed.lm.decoding.history import TokenHistory
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.decoding.structured import MAX_SPEC_CHARS, Structure, StructureError
 from statkit import allowed, grammar_allows
 

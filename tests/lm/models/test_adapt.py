@@ -8,7 +8,8 @@ import torch
 
 from goodspeed.lm.decoding.draft_source import draft_model
 from goodspeed.lm.decoding.lookup import LookupDraft
-from goodspeed.lm.models.adapt import AdaptConfig, DraftAdapter, acceptance
+from goodspeed.lm.models.adapt import DraftAdapter, acceptance
+from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from modelkit import copy_of, domain_traffic, far_pair, perturbed
 

@@ -2,6 +2,7 @@
 computes bf16 natively, fp32 elsewhere; other names stand as they are."""
 
 import pytest
+import torch
 
 from goodspeed.lm.models import loading, precision
 
@@ -21,5 +22,5 @@ def test_native_bf16_is_read_from_the_cpus_flags(cpuinfo, native):
 def test_auto_dtype_is_bf16_where_the_cpu_computes_it_natively_and_fp32_elsewhere(monkeypatch):
     for native, want in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
-        assert precision.resolve_dtype("auto", "cpu") == want and loading.torch_dtype("auto") == precision.DTYPES[want]
+        assert precision.resolve_dtype("auto", "cpu") == want and loading.torch_dtype("auto") == getattr(torch, want)
     assert precision.resolve_dtype("float32", "cpu") == "float32" and precision.resolve_dtype("bf16") == "bf16"

@@ -11,7 +11,8 @@ import pytest
 from goodspeed.drafter.prompts import PromptFileError, chat_prompt_ids, load_prompts
 from goodspeed.launch.cli import main
 from goodspeed.lm.models import real
-from goodspeed.lm.models.loading import embedded_families, resolve_model_path
+from goodspeed.lm.models.loading import embedded_families
+from goodspeed.lm.models.tokenizers import resolve_model_path
 
 UNREACHABLE = ("--index-url", "http://127.0.0.1:9/simple", "--retries", "0", "--timeout", "2")
 

@@ -176,7 +176,7 @@ def test_logprobs_on_the_real_pair_are_the_targets(pair, prompts, policy):
     """Each generated token's log-probability (and the top 5), greedy and sampled, read off the
     verifying steps: the target's own forward over the finished text gives them within float32's
     rounding over 30 layers (measured up to 5e-4 and 1.3e-3 on 2026-11-27)."""
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
 
     target, draft = pair
     engine = VerificationEngine(target.model, EngineConfig(seed=0), target.fingerprint)
@@ -200,7 +200,7 @@ def test_prompt_logprobs_on_the_real_pair_are_the_targets(pair, prompts):
     """``echo`` with ``logprobs``: each prompt token's log-probability (and the top 5), read off
     the prefill in chunks next to another request's verification rows, equals the target's own
     forward over the prompt within float32's rounding, as the generated tokens' do."""
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
 
     target, draft = pair
     engine = VerificationEngine(target.model, EngineConfig(seed=0, prefill_chunk=16), target.fingerprint)
@@ -227,7 +227,7 @@ def test_structured_output_on_the_real_pair_is_the_targets_constrained_greedy_de
     """A JSON schema on SmolLM2's chat: local serving's output is the target's own greedy decoding
     with every token the grammar refuses at -inf (a fresh matcher each step), ending at EOS, and is
     JSON of the schema; the draft, masked the same way, drafts inside the grammar."""
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
     from goodspeed.lm.decoding.structured import Structure
     from modelkit import adjusted_greedy_reference
 
@@ -262,7 +262,7 @@ def test_a_required_tool_call_on_the_real_pair_is_the_targets_constrained_greedy
     import openai
 
     from goodspeed.api.tools import Tool, forced_schema
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
     from goodspeed.lm.decoding.structured import Structure
     from grpckit import ServerThread
     from modelkit import adjusted_greedy_reference
@@ -295,7 +295,7 @@ def test_the_responses_and_messages_apis_on_the_real_pair_are_the_targets_greedy
     import anthropic
     import openai
 
-    from goodspeed.lm.decoding.sampling import SamplingParams
+    from goodspeed.lm.decoding.params import SamplingParams
     from grpckit import ServerThread
     from modelkit import adjusted_greedy_reference
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from goodspeed.lm.decoding.sampling import SamplingParams, cap_support, process_logits
+from goodspeed.lm.decoding.sampling import cap_support, process_logits
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel, subtree
 from modelkit import tiny_llama
 

@@ -10,7 +10,7 @@ from goodspeed.lm.runtime.attention import PACKED, with_cache
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.runtime.graphs import StepGraphs, bucket, cpp_compiler_missing, decoder_and_head
 from goodspeed.lm.runtime.kv_slots import SlotKVCache
-from goodspeed.lm.decoding.sampling import SamplingParams
+from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.warm_up import WARM_UP_PLAN
