@@ -2,7 +2,7 @@
 
     python -m bench.bench_workloads [--pair real|demo] [--modes edge,local,fleet] [--sources model,ngram,suffix,hybrid]
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
-                                    [--json PATH]
+                                    [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
 
 The tasks are ``bench/workloads/tasks.jsonl``, written for this project: code completion, code
 editing, summary and extraction from a given passage, question answering over a given context,
@@ -13,7 +13,8 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   pinned to CPU 0, one torch thread) serves plain decoding on its own OpenAI front (``--local-policy
   none``) and the gRPC of one edge node per source and ``--draft-length`` rule (``goodspeed drafter
   --serve``, pinned to CPU 1, one torch thread). Each task goes to plain decoding, then to each node, one request at a time:
-  the ratios are measured interleaved, in one run.
+  the ratios are measured interleaved, in one run. ``--verifier-flags`` adds flags to that
+  verifier (its round mode, transit decoding), so plain decoding and the nodes share them.
 * ``local`` (local serving, ``--batch`` requests at once): one verifier process per source
   (``--local-draft SOURCE --local-policy goodput``, or ``chain``, or ``adaserve`` with its trees for
   the sources that draft them: ``model``, ``hybrid``) and one plain (``none``), all pinned to the
@@ -36,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -166,7 +168,8 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
     with Servers(out) as servers:
         servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--http-port", str(plain_port),
                             "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype,
-                            "--max-draft-len", str(args.max_draft_len), "--budget", str(args.budget)], "0", 1, "verifier")
+                            "--max-draft-len", str(args.max_draft_len), "--budget", str(args.budget),
+                            *shlex.split(args.verifier_flags)], "0", 1, "verifier")
         wait_http(plain_port, 600)
         for source in args.sources:
             for rule in args.draft_lengths:
@@ -332,6 +335,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local-policy", choices=("chain", "goodput", "adaserve"), default="goodput")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tasks", type=Path, default=TASKS)
+    parser.add_argument("--categories", default=None, help="only these task categories (comma-separated; default: all)")
+    parser.add_argument("--verifier-flags", default="", help="edge: more flags for the verifier, e.g. "
+                                                              "'--rounds async --transit-tokens 2 --transit-alone'")
     parser.add_argument("--nodes", type=int, default=8, help="fleet: edge nodes at once")
     parser.add_argument("--fleet-source", choices=SOURCES, default="suffix", help="fleet: the nodes' draft source")
     parser.add_argument("--repeats", type=int, default=2, help="fleet: interleaved repeats of both phases")
@@ -360,6 +366,11 @@ def main(argv=None) -> int:
     out = Path(args.logs)
     out.mkdir(parents=True, exist_ok=True)
     tasks = load_tasks(args.tasks)
+    if args.categories:
+        wanted = args.categories.split(",")
+        if unknown := sorted(set(wanted) - {t["category"] for t in tasks}):
+            parser.error(f"--categories: no tasks of {', '.join(unknown)}")
+        tasks = [t for t in tasks if t["category"] in wanted]
     report = {"command": " ".join(["python -m bench.bench_workloads", *(argv if argv is not None else sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())},
               "pair": {"target": target, "draft": draft}, "dtype": args.dtype, "resolved_dtype": resolve_dtype(args.dtype),
@@ -370,7 +381,8 @@ def main(argv=None) -> int:
             print(f"\nfleet: verifier CPU s per token {report[mode]['verifier_cpu_s_per_token']}, "
                   f"fleet / plain {report[mode]['fleet_over_plain']}")
             continue
-        report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths} if mode == "edge"
+        report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths, "verifier_flags": args.verifier_flags}
+                                    if mode == "edge"
                                     else {"batch": args.batch, "local_k": args.local_k, "local_policy": args.local_policy})
         print_table(mode, report[mode])
     if args.json:
