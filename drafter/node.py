@@ -8,7 +8,8 @@ How a node holds several requests at once, and why fairness stays per DEVICE:
 * Each request in progress has its own verifier session (the protocol's unit: one request, one
   KV slot, one round counter), taken from a pool of at most ``max_concurrency`` sessions that
   the node keeps joined (their acceptance estimates carry over between requests). Requests
-  beyond that wait in a bounded queue; beyond it they get 429.
+  beyond that wait in a bounded queue; beyond it they get 429 with a hint of when to retry
+  (:meth:`EdgeNode.retry_after_s`).
 * Every session of the node joins with the node's name as its ``device``. The verifier's
   GoodSpeed then has ONE utility term per device, ``log X_d`` with ``X_d`` the sum of the
   device's sessions' goodputs (:mod:`goodspeed.scheduler.allotments`): a node serving four
@@ -132,6 +133,7 @@ class EdgeNode:
         self.max_model_len = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-draft")  # owns the draft model
         self.holding = 0  # requests admitted and not yet freed (each holds, or is about to hold, a draft KV slot)
+        self._in_flight: set[NodeRequest] = set()  # the same requests (retry_after_s reads their pace)
         self._free: list[PooledSession] = []
         self._sessions = 0  # joined, free or busy
         self._session_freed = asyncio.Condition()
@@ -259,7 +261,9 @@ class EdgeNode:
                 self.node_metrics.sessions.set(self._sessions)
                 return session
             if self._waiting >= self.config.max_waiting:
-                raise RequestError("overloaded", f"{self._waiting} requests are already waiting on this node; retry later")
+                retry = self.retry_after_s()
+                raise RequestError("overloaded", f"{self._waiting} requests are already waiting on this node; retry in "
+                                                 f"about {retry:.2g} s", retry_after_s=retry)
             self._waiting += 1
             self.requests.waiting.set(self._waiting)
             try:
@@ -268,6 +272,19 @@ class EdgeNode:
             finally:
                 self._waiting -= 1
                 self.requests.waiting.set(self._waiting)
+
+    def retry_after_s(self, now: float | None = None) -> float:
+        """About when a session frees: when the request in flight nearest its end ends, at its own
+        pace so far (seconds since it arrived per token it generated: an upper estimate, its time
+        to first token included), its tokens left being what ``max_tokens`` leaves (EOS may end it
+        sooner); one second where no request has a token yet."""
+        now = time.perf_counter() if now is None else now
+        ends = []
+        for req in self._in_flight:
+            made = req.generated - req.request.generated
+            if made > 0:
+                ends.append((now - req.timer.arrival) / made * max(1, req.request.max_tokens - made))
+        return min(ends, default=1.0)
 
     async def _release(self, session: PooledSession) -> None:
         self._free.append(session)
@@ -299,6 +316,7 @@ class EdgeNode:
             generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                          else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
         req = NodeRequest(request, generator, self.requests.track(len(request.prompt_ids)), stats)
+        self._in_flight.add(req)
         try:
             self.holding += 1  # counted before the slot exists, so weights never change under a request being admitted
             await self._call(self.drafter.add, req.key)
@@ -420,6 +438,7 @@ class EdgeNode:
         if req.key in self.drafter.slots:  # a source that learns across requests keeps its text
             await self._call(self.drafter.remove, req.key, list(req.committed))
         self.holding -= 1
+        self._in_flight.discard(req)
         if self.adapting is not None:
             await self.adapting.finished(req, reason)
 

@@ -234,7 +234,7 @@ def test_a_batch_the_node_cannot_queue_is_refused_whole_and_leaves_nothing_behin
     """One session, one waiting place, three choices: 429, and the two admitted are cancelled."""
     with verifier(models) as server, node(server, models, max_concurrency=1, max_waiting=1) as edge:
         api = api_of(edge)
-        with pytest.raises(openai.RateLimitError, match="already waiting"):
+        with pytest.raises(openai.RateLimitError, match="already waiting") as refused:
             api.completions.create(model="tiny", prompt="import os", n=3, max_tokens=200, **GREEDY)
         after = api.completions.create(model="tiny", prompt="import os", max_tokens=12, **GREEDY)
         metrics = metric_samples(edge.port)
@@ -243,6 +243,27 @@ def test_a_batch_the_node_cannot_queue_is_refused_whole_and_leaves_nothing_behin
     assert metrics["goodspeed:num_requests_running[]"] == 0 and metrics["goodspeed:num_requests_waiting[]"] == 0
     assert metrics["goodspeed:request_success_total[('finished_reason', 'length')]"] == 1  # only the one after
     assert busy == []  # the admitted choice's KV slot is free again (the request after it ran on the same session)
+    assert int(refused.value.response.headers["retry-after"]) >= 1  # when to retry, as OpenAI's clients read it
+
+
+def test_a_refusal_says_when_the_request_nearest_its_end_will_end():
+    """The node's retry hint: each request in flight ends after its tokens left at its own pace so
+    far (seconds since it arrived per token made); the soonest wins; one second with no pace yet."""
+    from types import SimpleNamespace
+
+    from goodspeed.drafter.node import EdgeNode
+
+    def in_flight(arrived_s_ago, made, max_tokens, resumed_at=0):
+        return SimpleNamespace(generated=resumed_at + made, timer=SimpleNamespace(arrival=100.0 - arrived_s_ago),
+                               request=SimpleNamespace(generated=resumed_at, max_tokens=max_tokens))
+
+    def hint(*requests):
+        return EdgeNode.retry_after_s(SimpleNamespace(_in_flight=list(requests)), now=100.0)
+
+    slow_long = in_flight(10.0, 100, 200)  # 0.1 s a token, 100 left: 10 s
+    quick_short = in_flight(2.0, 10, 20, resumed_at=5)  # 0.2 s a token, 10 left of its own: 2 s
+    assert hint(slow_long) == pytest.approx(10.0) and hint(slow_long, quick_short) == pytest.approx(2.0)
+    assert hint() == hint(in_flight(3.0, 0, 50)) == 1.0  # nothing in flight, or no token yet
 
 
 @pytest.mark.parametrize("graphs", [False, True])
