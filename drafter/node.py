@@ -24,7 +24,9 @@ Losslessness is the verifier's: the node only drafts. Each request samples from 
 (its ``seed``, else the node's root seed and the request id); each verdict's committed length and
 prefix hash are checked against the node's copy. If the verifier drops a session (a restart, a
 missed deadline), the request joins again and resumes from the tokens already verified (the
-target's continuation of a verified prefix is still its own distribution). A verdict that does
+target's continuation of a verified prefix is still its own distribution); while the verifier is
+unreachable it waits for it, up to ``connect_timeout_s`` (``tests/launch/test_chaos.py``: the
+verifier killed with `kill -9` under two nodes' requests, every one completed exactly). A verdict that does
 not match the node's text ends the request with an error: its tokens already reached the client,
 so the node never papers over it.
 """
@@ -346,7 +348,24 @@ class EdgeNode:
 
     async def _start(self, req: NodeRequest) -> None:
         """A session and ``StartRequest`` for the request's committed text (prompt + verified
-        tokens so far); a pooled session the verifier has forgotten is replaced."""
+        tokens so far); a pooled session the verifier has forgotten is replaced. While the
+        verifier is unavailable (restarting, a link down) the request waits for it as the node's
+        start does, up to ``connect_timeout_s``, and goes on from its committed text (a request
+        that arrives while the node knows its verifier is down is refused at once: :meth:`open`);
+        past that it fails as unavailable."""
+        waits = backoff(self.config.connect_timeout_s, cap_s=1.0)
+        while True:
+            try:
+                return await self._start_once(req)
+            except RequestError as exc:
+                if exc.kind != "unavailable" or (pause := next(waits, None)) is None:
+                    raise
+                if req.session is not None:  # a session of the verifier that went away
+                    session, req.session = req.session, None
+                    await self._discard(session)
+                await asyncio.sleep(pause)
+
+    async def _start_once(self, req: NodeRequest) -> None:
         for _ in range(MAX_REPAIRS + 1):
             req.session = await self._acquire()
             start = req.start_request()  # a repair does not ask for the prompt's scores again
@@ -452,7 +471,10 @@ class EdgeNode:
         try:
             reply = await self.stub.SubmitDraft(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            # The session is gone: forgotten by the verifier, or with the verifier itself (it went
+            # away or restarts: UNAVAILABLE, or CANCELLED as it stops; this node cancels no call).
+            # Repaired from the committed text (_start waits for a verifier to come back).
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise SessionLost() from None
             raise
         verdict = reply.verdict if reply.HasField("verdict") else await session.verdict(round_index, self.config.verdict_timeout_s)
