@@ -51,8 +51,7 @@ from goodspeed.drafter.client import backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession
-from goodspeed.drafter.serde import DraftOutput
-from goodspeed.drafter.serde import draft_to_pb, logprobs_from_pb, refusal, unapplied_setting, verdict_logprobs
+from goodspeed.drafter.serde import DraftOutput, draft_to_pb, logprobs_from_pb, refusal, unapplied_setting, verdict_logprobs
 from goodspeed.drafter.session import DrafterError, RequestStats, SessionLost
 from goodspeed.serving.sampling_wire import request_to_pb
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
@@ -134,8 +133,9 @@ class EdgeNode:
         self.model_ids: tuple[str, ...] = ()
         self.max_model_len = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="goodspeed-draft")  # owns the draft model
-        self.holding = 0  # requests admitted and not yet freed (each holds, or is about to hold, a draft KV slot)
-        self._in_flight: set[NodeRequest] = set()  # the same requests (retry_after_s reads their pace)
+        # Requests admitted and not yet freed (each holds, or is about to hold, a draft KV slot):
+        # weights swap only with none (node_adapt); retry_after_s reads their pace
+        self._in_flight: set[NodeRequest] = set()
         self._free: list[PooledSession] = []
         self._sessions = 0  # joined, free or busy
         self._session_freed = asyncio.Condition()
@@ -275,6 +275,11 @@ class EdgeNode:
                 self._waiting -= 1
                 self.requests.waiting.set(self._waiting)
 
+    @property
+    def holding(self) -> int:
+        """Requests admitted and not yet freed."""
+        return len(self._in_flight)
+
     def retry_after_s(self, now: float | None = None) -> float:
         """About when a session frees: when the request in flight nearest its end ends, at its own
         pace so far (seconds since it arrived per token it generated: an upper estimate, its time
@@ -318,9 +323,8 @@ class EdgeNode:
             generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                          else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
         req = NodeRequest(request, generator, self.requests.track(len(request.prompt_ids)), stats)
-        self._in_flight.add(req)
+        self._in_flight.add(req)  # before the slot exists, so weights never change under a request being admitted
         try:
-            self.holding += 1  # counted before the slot exists, so weights never change under a request being admitted
             await self._call(self.drafter.add, req.key)
             await self._start(req)
         except BaseException as exc:
@@ -456,7 +460,6 @@ class EdgeNode:
             await self._release(session)
         if req.key in self.drafter.slots:  # a source that learns across requests keeps its text
             await self._call(self.drafter.remove, req.key, list(req.committed))
-        self.holding -= 1
         self._in_flight.discard(req)
         if self.adapting is not None:
             await self.adapting.finished(req, reason)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+
 from goodspeed.lm.decoding.params import FEATURES, SamplingParams, TokenLogprob
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.serving.generation import RequestError
