@@ -1,6 +1,6 @@
 """Speculation per task: tokens/s of each draft source against plain decoding, by task category.
 
-    python -m bench.bench_workloads [--pair real|demo] [--modes edge,local,fleet] [--sources model,ngram,suffix,hybrid]
+    python -m bench.bench_workloads [--pair real|demo] [--modes edge,local,fleet,capacity] [--sources model,ngram,suffix,hybrid]
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
                                     [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
 
@@ -24,6 +24,11 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   once (each its share, one at a time), against the same verifier's batched plain decoding of the
   same tasks ``--nodes`` at a time; the figure is the verifier's CPU seconds per generated token
   (``/proc``), each phase ``--repeats`` times, interleaved.
+* ``capacity`` (clients at a TPOT SLO): for each of ``--clients`` N, N clients at once (each
+  ``--per-client`` tasks in turn) against centralised plain decoding, centralised speculation
+  (local serving with ``--fleet-source``, goodput policy) and N edge nodes with
+  ``--fleet-source``; per cell the share of requests whose wall time per token meets
+  ``--tpot-slo-ms``, and per server the most clients up to which every cell has 90% attainment.
 
 Per category and source: tokens/s and the speedup against plain decoding (its tokens/s in the
 same run), accepted tokens per verified draft and the acceptance rate (the server's
@@ -40,6 +45,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -289,6 +295,79 @@ def run_fleet(ports: list[int], tasks: list[dict], max_tokens: int) -> int:
     return sum(made)
 
 
+def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
+    """How many clients one verifier serves at a TPOT SLO (``--tpot-slo-ms``) with 90% of requests
+    meeting it, for each of ``--clients`` N: N clients at once, each sending ``--per-client``
+    tasks one after another (the mixed categories, in turn), to (1) centralised plain decoding on
+    the verifier's own front, (2) centralised speculation (a second verifier serving locally with
+    ``--fleet-source`` under the goodput policy) and (3) N edge nodes drafting with
+    ``--fleet-source`` against the first verifier, one client each. A request's TPOT is its wall
+    time over its tokens (time to first token included: an upper estimate). The speculating
+    servers and nodes start fresh for each N, so no suffix cache has seen the tasks before; the
+    verifiers are pinned to CPU 0 and run one at a time, the nodes to CPU 1."""
+    gs = [sys.executable, "-m", "goodspeed.launch.cli"]
+    clients = [int(n) for n in args.clients.split(",")]
+    source = source_name(args.fleet_source, draft)
+    grpc_port, plain_port = free_port(), free_port()
+    cells = []
+    with Servers(out) as servers:
+        servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--http-port", str(plain_port),
+                            "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype, "--max-local-requests",
+                            str(max(clients)), "--max-drafters", str(4 * max(clients)), "--budget", str(args.budget),
+                            "--max-draft-len", str(args.max_draft_len)], "0", 1, "capacity-verifier")
+        wait_http(plain_port, 600)
+        post(plain_port, tasks[0], 8)
+        for n in clients:
+            work = [[tasks[(i + n * c) % len(tasks)] for c in range(args.per_client)] for i in range(n)]
+            with Servers(out) as fresh:
+                spec_port = free_port()
+                fresh.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(spec_port),
+                                  "--local-draft", source, "--local-policy", "goodput", "--local-k", str(args.local_k),
+                                  "--local-max-k", str(args.local_k), "--dtype", dtype, "--max-local-requests", str(n)],
+                            "0", 1, f"capacity-local-{n}")
+                node_ports = [free_port() for _ in range(n)]
+                for i, port in enumerate(node_ports):
+                    fresh.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", source, "--tokenizer", target,
+                                      "--name", f"edge-{i}", "--serve", f"127.0.0.1:{port}", "--dtype", dtype, "--no-proactive",
+                                      "--max-concurrency", "1"], "1", 1, f"capacity-node-{n}-{i}")
+                for port in [spec_port, *node_ports]:
+                    wait_http(port, 600)
+                for phase, ports in (("plain", [plain_port] * n), ("local-spec", [spec_port] * n), ("edge", node_ports)):
+                    replies = run_clients(ports, work, args.max_tokens)
+                    tpot = [1000 * r["wall_s"] / max(1, r["tokens"]) for r in replies]
+                    cells.append({"clients": n, "phase": phase, "requests": len(tpot), "tokens": sum(r["tokens"] for r in replies),
+                                  "tpot_ms_p50": round(statistics.median(tpot), 2),
+                                  "tpot_ms_p90": round(sorted(tpot)[max(0, math.ceil(0.9 * len(tpot)) - 1)], 2),
+                                  "attainment": round(sum(t <= args.tpot_slo_ms for t in tpot) / len(tpot), 3)})
+                    print(f"capacity: {n} clients, {phase}: attainment {cells[-1]['attainment']}, "
+                          f"TPOT p50 {cells[-1]['tpot_ms_p50']} ms", file=sys.stderr, flush=True)
+    capacity = {}  # per server: the most clients up to which every cell meets the SLO 90% of the time
+    for phase in ("plain", "local-spec", "edge"):
+        capacity[phase] = 0
+        for cell in sorted((c for c in cells if c["phase"] == phase), key=lambda c: c["clients"]):
+            if cell["attainment"] < 0.9:
+                break
+            capacity[phase] = cell["clients"]
+    return {"cells": cells, "tpot_slo_ms": args.tpot_slo_ms, "capacity_at_slo": capacity, "source": args.fleet_source,
+            "per_client": args.per_client}
+
+
+def run_clients(ports: list[int], work: list[list[dict]], max_tokens: int) -> list[dict]:
+    """Client ``i`` sends ``work[i]`` to ``ports[i]`` one after another, all clients at once."""
+    replies: list[list[dict]] = [[] for _ in ports]
+
+    def client(i: int) -> None:
+        for task in work[i]:
+            replies[i].append(post(ports[i], task, max_tokens))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ports))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for mine in replies for r in mine]
+
+
 def summarize(rows: list[dict], configs: list[str], batched: bool = False) -> dict:
     """Per category and config: tokens, seconds, tokens/s, speedup against plain, acceptance."""
     plain = {r["id"]: text_of(r["output"]) for r in rows if r["config"] == "plain"}
@@ -341,6 +420,9 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, default=8, help="fleet: edge nodes at once")
     parser.add_argument("--fleet-source", choices=SOURCES, default="suffix", help="fleet: the nodes' draft source")
     parser.add_argument("--repeats", type=int, default=2, help="fleet: interleaved repeats of both phases")
+    parser.add_argument("--clients", default="1,2,4,8", help="capacity: numbers of clients at once")
+    parser.add_argument("--per-client", type=int, default=3, help="capacity: tasks each client sends, one after another")
+    parser.add_argument("--tpot-slo-ms", type=float, default=60.0, help="capacity: the TPOT SLO")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--summarize", default=None, metavar="REPORT",
                         help="recompute a written report's tables from its raw rows (no run) and write it back")
@@ -381,6 +463,10 @@ def main(argv=None) -> int:
             print(f"\nfleet: verifier CPU s per token {report[mode]['verifier_cpu_s_per_token']}, "
                   f"fleet / plain {report[mode]['fleet_over_plain']}")
             continue
+        if mode == "capacity":
+            print(f"\ncapacity: clients served at TPOT <= {args.tpot_slo_ms:g} ms with 90% attainment: "
+                  f"{report[mode]['capacity_at_slo']}")
+            continue
         report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths, "verifier_flags": args.verifier_flags}
                                     if mode == "edge"
                                     else {"batch": args.batch, "local_k": args.local_k, "local_policy": args.local_policy})
@@ -412,7 +498,7 @@ def print_table(mode: str, result: dict) -> None:
     print(f"{'geomean':<20}" + "".join(f"{result['geomean_speedup'][c]:>21.2f}x" for c in configs))
 
 
-MODES = {"edge": edge_mode, "local": local_mode, "fleet": fleet_mode}
+MODES = {"edge": edge_mode, "local": local_mode, "fleet": fleet_mode, "capacity": capacity_mode}
 
 if __name__ == "__main__":
     raise SystemExit(main())
