@@ -341,15 +341,21 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                   "attainment": round(sum(t <= args.tpot_slo_ms for t in tpot) / len(tpot), 3)})
                     print(f"capacity: {n} clients, {phase}: attainment {cells[-1]['attainment']}, "
                           f"TPOT p50 {cells[-1]['tpot_ms_p50']} ms", file=sys.stderr, flush=True)
-    capacity = {}  # per server: the most clients up to which every cell meets the SLO 90% of the time
-    for phase in ("plain", "local-spec", "edge"):
+    return {"cells": cells, "tpot_slo_ms": args.tpot_slo_ms, "capacity_at_slo": capacity_at_slo(cells),
+            "source": args.fleet_source, "per_client": args.per_client}
+
+
+def capacity_at_slo(cells: list[dict], attainment: float = 0.9) -> dict[str, int]:
+    """Per server (a cell's ``phase``): the most clients up to which every cell, by clients,
+    meets the SLO at least ``attainment`` of the time; 0 where even the fewest do not."""
+    capacity = {}
+    for phase in dict.fromkeys(c["phase"] for c in cells):
         capacity[phase] = 0
         for cell in sorted((c for c in cells if c["phase"] == phase), key=lambda c: c["clients"]):
-            if cell["attainment"] < 0.9:
+            if cell["attainment"] < attainment:
                 break
             capacity[phase] = cell["clients"]
-    return {"cells": cells, "tpot_slo_ms": args.tpot_slo_ms, "capacity_at_slo": capacity, "source": args.fleet_source,
-            "per_client": args.per_client}
+    return capacity
 
 
 def run_clients(ports: list[int], work: list[list[dict]], max_tokens: int) -> list[dict]:

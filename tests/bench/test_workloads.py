@@ -46,3 +46,12 @@ def test_the_task_file_covers_each_category_with_chat_requests():
     for t in tasks:
         assert t["messages"] and t["messages"][-1]["role"] == "user"
         assert ("tools" in t) == (t["category"] == "tool-calls") and ("response_format" in t) == (t["category"] == "json-extraction")
+
+
+def test_capacity_is_where_the_slo_first_fails_not_the_largest_cell_that_meets_it():
+    from bench.bench_workloads import capacity_at_slo
+
+    cells = [{"phase": "plain", "clients": n, "attainment": a} for n, a in ((1, 1.0), (4, 0.95), (8, 0.5), (16, 0.92))]
+    cells += [{"phase": "edge", "clients": n, "attainment": a} for n, a in ((4, 0.89), (1, 0.9))]
+    assert capacity_at_slo(cells) == {"plain": 4, "edge": 1}  # 16's lucky 0.92 does not count past 8's failure
+    assert capacity_at_slo(cells, attainment=0.99) == {"plain": 1, "edge": 0}
