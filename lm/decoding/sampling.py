@@ -51,10 +51,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingP
 
 def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)``, the lowest index on ties (torch's rule and numpy's alike). A CPU
-    tensor goes through numpy: torch's CPU argmax over a batch of short rows measured ~13x slower
-    on this machine (8 x 5 x 2,048 float32 logits, a greedy round's verification: 106 us against
-    8 us). Other devices, and dtypes numpy lacks (bfloat16), use torch's."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.float16):
+    tensor goes through numpy (bfloat16 rows widened to float32 first, which is exact, ties
+    included): torch's CPU argmax measured 9x slower over a greedy round's 8 x 5 rows of 2,048
+    float32 logits and 30x over a batch-8 step of the real target's 49,152 bfloat16 logits a row
+    (1.27 ms against 0.04 ms; ``python -m bench.bench_argmax``, docs/benchmarks/micro/argmax.json).
+    Other devices use torch's."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        if x.dtype == torch.bfloat16:  # numpy has no bfloat16
+            x = x.float()
         return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
     return x.argmax(dim=-1)
 
