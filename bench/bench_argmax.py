@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -48,7 +50,10 @@ def main(argv=None) -> int:
         print(f"{name}: torch {rows[-1]['torch_us']} us, argmax_last {rows[-1]['argmax_last_us']} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python -m bench.bench_argmax", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, f, indent=1)
+            json.dump({"command": " ".join(["python -m bench.bench_argmax", *(argv if argv is not None else sys.argv[1:])]),
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                       "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname()), "torch": torch.__version__},
+                       "rows": rows}, f, indent=1)
     return 0
 
 

@@ -54,7 +54,7 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     tensor goes through numpy (bfloat16 rows widened to float32 first, which is exact, ties
     included): torch's CPU argmax measured 9x slower over a greedy round's 8 x 5 rows of 2,048
     float32 logits and 30x over a batch-8 step of the real target's 49,152 bfloat16 logits a row
-    (1.27 ms against 0.04 ms; ``python -m bench.bench_argmax``, docs/benchmarks/micro/argmax.json).
+    (1.28 ms against 0.04 ms; ``python -m bench.bench_argmax``, docs/benchmarks/micro/argmax.json).
     Other devices use torch's."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         if x.dtype == torch.bfloat16:  # numpy has no bfloat16
