@@ -48,6 +48,12 @@ def wait_serving(port: int, proc, log, timeout_s: float = 120) -> None:
     pytest.fail(f"the node did not serve within {timeout_s} s:\n{log.read_text()[-2000:]}")
 
 
+def greedy_text(model, tokenizer, prompt: str, max_tokens: int) -> str:
+    """The target's greedy text for ``prompt``, up to its EOS (where a server stops)."""
+    ids = greedy_reference(model, tokenizer.encode(prompt), max_tokens)
+    return tokenizer.decode(ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids)
+
+
 def model_id(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as reply:
         return json.loads(reply.read())["data"][0]["id"]
@@ -74,6 +80,7 @@ def test_an_edge_node_killed_mid_stream_leaves_nothing_behind_on_the_verifier(tm
             streams = [completion(port, prompt, 480, stream=True) for prompt in ("import os", "class A:", "def f(x):")]
             for reply in streams:  # each is decoding: its first chunk has arrived
                 assert reply.readline().startswith(b"data: ")
+            assert server.wait_for(lambda: sum(s.request is not None for s in engine.sessions.by_id.values()) == 3)
             node.send_signal(signal.SIGSTOP)  # hung first, so all three are surely mid-stream when it dies
             assert sum(s.request is not None for s in engine.sessions.by_id.values()) == 3
             node.send_signal(signal.SIGKILL)
@@ -109,8 +116,7 @@ def test_an_edge_node_killed_mid_stream_leaves_nothing_behind_on_the_verifier(tm
         finally:
             node.terminate()
             node.wait(30)
-    want = greedy_reference(target, tokenizer.encode("def f(x):"), 16)
-    assert text == tokenizer.decode(want)
+    assert text == greedy_text(target, tokenizer, "def f(x):", 16)
 
 
 def running(port: int) -> float:
@@ -150,9 +156,8 @@ def test_a_verifier_killed_under_serving_nodes_loses_no_request_silently(tmp_pat
         except urllib.error.HTTPError as exc:
             results.append((prompt, "error", json.loads(exc.read())["error"]["message"]))
 
-    def reference(prompt, max_tokens):  # the target's greedy text, up to its EOS (where the server stops)
-        ids = greedy_reference(target32, tokenizer.encode(prompt), max_tokens)
-        return tokenizer.decode(ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids)
+    def reference(prompt, max_tokens):
+        return greedy_text(target32, tokenizer, prompt, max_tokens)
 
     verifier = start_verifier(tmp_path / "v1.log")
     ports = [free_port(), free_port()]
