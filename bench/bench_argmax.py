@@ -13,26 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
+from bench.bench_penalties import median_us
 from goodspeed.lm.decoding.sampling import argmax_last
 
 SHAPES = {"real step, batch 8 (bf16)": ((8, 49152), torch.bfloat16), "real step, batch 1 (bf16)": ((1, 49152), torch.bfloat16),
           "demo round, 8 x 5 rows (fp32)": ((8, 5, 2048), torch.float32)}
-
-
-def median_us(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return round(1e6 * statistics.median(times), 1)
 
 
 def main(argv=None) -> int:
@@ -45,8 +35,8 @@ def main(argv=None) -> int:
     for name, (shape, dtype) in SHAPES.items():
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
         assert torch.equal(argmax_last(x), x.argmax(dim=-1))
-        rows.append({"shape": name, "torch_us": median_us(lambda: x.argmax(dim=-1), args.repeats),
-                     "argmax_last_us": median_us(lambda: argmax_last(x), args.repeats)})
+        rows.append({"shape": name, "torch_us": round(median_us(lambda: x.argmax(dim=-1), args.repeats), 1),
+                     "argmax_last_us": round(median_us(lambda: argmax_last(x), args.repeats), 1)})
         print(f"{name}: torch {rows[-1]['torch_us']} us, argmax_last {rows[-1]['argmax_last_us']} us")
     if args.json:
         with open(args.json, "w") as f:

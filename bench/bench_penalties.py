@@ -57,7 +57,7 @@ def rows_for(setting: str, temperature: float, args, vocab: int, rng: np.random.
     return rows
 
 
-def _median_us(call, repeats: int) -> float:
+def median_us(call, repeats: int) -> float:
     times = []
     for i in range(repeats + 2):
         start = time.perf_counter()
@@ -81,11 +81,11 @@ def numpy_choices(repeats: int) -> list[dict]:
             out[i] = x
         return out
 
-    return [{"what": "distinct keys (5,600)", "replaced": "np.unique", "replaced_us": _median_us(lambda: np.unique(keys), repeats),
-             "now": "sort (sorted_unique)", "now_us": _median_us(lambda: sorted_unique(keys), repeats)},
+    return [{"what": "distinct keys (5,600)", "replaced": "np.unique", "replaced_us": median_us(lambda: np.unique(keys), repeats),
+             "now": "sort (sorted_unique)", "now_us": median_us(lambda: sorted_unique(keys), repeats)},
             {"what": "six arrays of 19,000, mixed dtypes", "replaced": "np.stack",
-             "replaced_us": _median_us(lambda: np.stack(parts + floats), repeats),
-             "now": "preallocated fill", "now_us": _median_us(fill, repeats)}]
+             "replaced_us": median_us(lambda: np.stack(parts + floats), repeats),
+             "now": "preallocated fill", "now_us": median_us(fill, repeats)}]
 
 
 def main() -> int:

@@ -37,15 +37,17 @@ def load_tokenizer(spec: str) -> tuple[object, str]:
 
     path = resolve_model_path(spec)
     try:
-        cls = _named_class(transformers, Path(path))
+        cls = named_class(Path(path))
         tokenizer = (cls or transformers.AutoTokenizer).from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {exc}") from exc
     return tokenizer, tokenizer_fingerprint(tokenizer)
 
 
-def _named_class(transformers, path: Path):
+def named_class(path: Path):
     """The tokenizer class ``path/tokenizer_config.json`` names, if transformers has it; else None."""
+    import transformers
+
     try:
         name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):

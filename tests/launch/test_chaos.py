@@ -6,9 +6,7 @@ new node's request on the same verifier is the target's greedy decoding."""
 import http.client
 import json
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -19,15 +17,7 @@ import pytest
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from grpckit import ServerThread
 from modelkit import chat_pair, greedy_reference
-
-CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from prockit import CLI, free_port, model_id, wait_serving
 
 def start_node(verifier: str, tokenizer_dir, port: int, log) -> subprocess.Popen:
     return subprocess.Popen(CLI + ["drafter", "--verifier", verifier, "--draft", "suffix", "--tokenizer", str(tokenizer_dir),
@@ -35,28 +25,10 @@ def start_node(verifier: str, tokenizer_dir, port: int, log) -> subprocess.Popen
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
-def wait_serving(port: int, proc, log, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the node exited {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    pytest.fail(f"the node did not serve within {timeout_s} s:\n{log.read_text()[-2000:]}")
-
-
 def greedy_text(model, tokenizer, prompt: str, max_tokens: int) -> str:
     """The target's greedy text for ``prompt``, up to its EOS (where a server stops)."""
     ids = greedy_reference(model, tokenizer.encode(prompt), max_tokens)
     return tokenizer.decode(ids[: ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids)
-
-
-def model_id(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as reply:
-        return json.loads(reply.read())["data"][0]["id"]
 
 
 def completion(port: int, prompt: str, max_tokens: int, stream: bool):
@@ -76,7 +48,7 @@ def test_an_edge_node_killed_mid_stream_leaves_nothing_behind_on_the_verifier(tm
         port = free_port()
         node = start_node(server.address, tmp_path / "tokenizer", port, tmp_path / "node.log")
         try:
-            wait_serving(port, node, tmp_path / "node.log")
+            wait_serving(port, [node], [tmp_path / "node.log"])
             streams = [completion(port, prompt, 480, stream=True) for prompt in ("import os", "class A:", "def f(x):")]
             for reply in streams:  # each is decoding: its first chunk has arrived
                 assert reply.readline().startswith(b"data: ")
@@ -110,7 +82,7 @@ def test_an_edge_node_killed_mid_stream_leaves_nothing_behind_on_the_verifier(tm
         port = free_port()
         node = start_node(server.address, tmp_path / "tokenizer", port, tmp_path / "node2.log")
         try:
-            wait_serving(port, node, tmp_path / "node2.log")
+            wait_serving(port, [node], [tmp_path / "node2.log"])
             with completion(port, "def f(x):", 16, stream=False) as reply:
                 text = json.loads(reply.read())["choices"][0]["text"]
         finally:
@@ -165,7 +137,7 @@ def test_a_verifier_killed_under_serving_nodes_loses_no_request_silently(tmp_pat
     second = None
     try:
         for i, (p, n) in enumerate(zip(ports, nodes)):
-            wait_serving(p, n, tmp_path / f"node{i}.log")
+            wait_serving(p, [n], [tmp_path / f"node{i}.log"])
         results: list = []
         prompts = {ports[0]: ["import os", "class A:"], ports[1]: ["def f(x):", "return None"]}
         askers = [threading.Thread(target=ask, args=(p, prompt, 480, results)) for p in ports for prompt in prompts[p]]

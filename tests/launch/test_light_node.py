@@ -5,25 +5,14 @@ anything imports torch); the verifier's own map, which must show it, is the cont
 check sees torch where it is loaded."""
 
 import json
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from modelkit import chat_pair
-
-CLI = [sys.executable, "-m", "goodspeed.launch.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from prockit import CLI, free_port, model_id, wait_serving
 
 def maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
@@ -34,21 +23,6 @@ def post(port: int, body: dict) -> dict:
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.loads(reply.read())
-
-
-def wait_serving(port: int, procs, logs, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for proc, log in zip(procs, logs):
-            if proc.poll() is not None:
-                pytest.fail(f"exited {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    pytest.fail(f"the node did not serve within {timeout_s} s:\n{logs[-1].read_text()[-2000:]}")
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
@@ -65,8 +39,7 @@ def test_a_node_drafting_by_suffix_serves_without_loading_torch(tmp_path):
                                    "--connect-timeout-s", "120"], stdout=subprocess.DEVNULL, stderr=open(logs[1], "w"))
     try:
         wait_serving(http_port, [verifier, node], logs)
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as reply:
-            model = json.loads(reply.read())["data"][0]["id"]
+        model = model_id(http_port)
         chat = post(http_port, {"model": model, "messages": [{"role": "user", "content": "def f(x):"}],
                                 "max_tokens": 12, "temperature": 0})
         schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from goodspeed.lm.models.model_dirs import ModelLoadError
-from goodspeed.lm.models.tokenizers import load_tokenizer
+from goodspeed.lm.models.tokenizers import load_tokenizer, named_class
 from goodspeed.lm.models.fingerprint import tokenizer_fingerprint
 from modelkit import chat_pair
 
@@ -33,6 +33,7 @@ def test_a_directory_that_names_no_class_loads_through_autotokenizer(tmp_path):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     del config["tokenizer_class"]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert named_class(tmp_path) is None  # so load_tokenizer takes AutoTokenizer's path
     light, fingerprint = load_tokenizer(str(tmp_path))
     assert fingerprint == tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path))
 
