@@ -20,8 +20,10 @@ and of rejections, which a chain's verdict gives, decayed so a request's accepta
 its text, starting from the drafter's pooled acceptance over its recent verdicts), and per drafter
 the times (a smoothed mean of the drafting time; ``t_round`` and ``t_verify`` fitted by least
 squares over recent rounds, the slope taken from ``default_verify_ratio`` until the rounds'
-lengths vary enough to fit it). A request at ``S = 0`` drafts one token every ``probe_every``
-rounds, so its acceptance is heard again and speculation resumes where it pays again.
+lengths vary enough to fit it). A request at ``S = 0`` drafts one token after ``probe_every``
+rounds, so its acceptance is heard again and speculation resumes where it pays again; each probe
+that is rejected doubles the wait before the next (up to ``max_probe_every`` rounds), and one that
+is accepted, or a paying length, resets it, so text that never pays costs ever fewer probes.
 
 >>> paying_draft_length(0.8, 8, draft_s_per_token=0.0, round_s=0.030, verify_s_per_token=0.001)
 8
@@ -92,6 +94,8 @@ class _Acceptance:
     accepted: float = 1.0  # a prior of one accepted token and one rejection: a = 0.5 before any verdict
     rejected: float = 1.0
     idle_rounds: int = 0  # rounds in a row at S = 0
+    misses: int = 0  # probes in a row whose token was rejected
+    probing: bool = False  # the last length given was a probe, its verdict not yet heard
 
     @property
     def rate(self) -> float:
@@ -106,7 +110,8 @@ class PayingLength:
     smoothing: float = 0.2  # weight of a new sample in the drafting time's mean
     default_verify_ratio: float = 0.03  # t_verify / t_round until the rounds' lengths let it be fitted
     window: int = 64  # rounds the round-time fit reads
-    probe_every: int = 8  # a request at S = 0 drafts one token this often
+    probe_every: int = 8  # a request at S = 0 drafts one token after this many rounds
+    max_probe_every: int = 64  # the longest wait, after rejected probes have doubled it
     draft_s_per_token: float = 0.0
     _rounds: deque = field(init=False)  # (drafted, round seconds) of the last ``window`` rounds
     _requests: dict = field(default_factory=dict)
@@ -114,9 +119,9 @@ class PayingLength:
 
     def __post_init__(self) -> None:
         if not (0 <= self.decay < 1 and 0 < self.smoothing <= 1 and self.default_verify_ratio >= 0 and self.window >= 2
-                and self.probe_every >= 1):
+                and 1 <= self.probe_every <= self.max_probe_every):
             raise ValueError("PayingLength needs decay in [0, 1), smoothing in (0, 1], default_verify_ratio >= 0, "
-                             "window >= 2 and probe_every >= 1")
+                             "window >= 2 and 1 <= probe_every <= max_probe_every")
         self._rounds = deque(maxlen=self.window)
 
     def forget(self, request: Hashable) -> None:
@@ -141,8 +146,9 @@ class PayingLength:
             return None
         s = np.array([r[0] for r in self._rounds], dtype=np.float64)
         t = np.array([r[1] for r in self._rounds], dtype=np.float64)
-        if s.var() >= 0.5 and len(s) >= 4:
-            slope, intercept = np.polyfit(s, t, 1)
+        if (var := float(s.var())) >= 0.5 and len(s) >= 4:  # least squares, in closed form
+            slope = float(((s - s.mean()) * (t - t.mean())).mean()) / var
+            intercept = float(t.mean()) - slope * float(s.mean())
             if intercept > 0:
                 return float(intercept), float(max(0.0, slope))
         base = float(t.mean()) / (1.0 + self.default_verify_ratio * float(s.mean()))
@@ -157,18 +163,26 @@ class PayingLength:
         return self.probed(request, best)
 
     def probed(self, request: Hashable, length: int) -> int:
-        """``length``, or 1 where the request has drafted nothing for ``probe_every`` rounds."""
+        """``length``, or 1 where the request has drafted nothing for its probe wait:
+        ``probe_every`` rounds, doubled for each rejected probe in a row, at most
+        ``max_probe_every``."""
         state = self._state(request)
-        state.idle_rounds = state.idle_rounds + 1 if length == 0 else 0
-        if state.idle_rounds >= self.probe_every:
-            state.idle_rounds, length = 0, 1
+        if length:
+            state.idle_rounds = state.misses = 0
+            return length
+        state.idle_rounds += 1
+        if state.idle_rounds >= min(self.probe_every << min(state.misses, 30), self.max_probe_every):
+            state.idle_rounds, state.probing, length = 0, True, 1
         return length
 
     def observe_round(self, request: Hashable, drafted: int, accepted: int, round_s: float) -> None:
         """A verdict: ``accepted`` of ``drafted`` tokens taken; ``round_s`` from sending the draft to
         the verdict."""
         if drafted > 0:
-            for state, decay in ((self._state(request), self.decay), (self._pooled, POOLED_DECAY)):
+            own = self._state(request)
+            if own.probing:
+                own.misses, own.probing = (own.misses + 1 if accepted == 0 else 0), False
+            for state, decay in ((own, self.decay), (self._pooled, POOLED_DECAY)):
                 state.accepted = decay * state.accepted + accepted
                 state.rejected = decay * state.rejected + (accepted < drafted)
         if math.isfinite(round_s) and round_s > 0:

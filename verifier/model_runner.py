@@ -22,7 +22,7 @@ import torch
 from goodspeed.lm.runtime.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
 from goodspeed.lm.runtime.graphs import StepGraphs
 from goodspeed.lm.runtime.kv_slots import SlotKVCache
-from goodspeed.lm.runtime.packing import build_attention
+from goodspeed.lm.runtime.packing import build_attention, group_overhead
 from goodspeed.verifier.sessions import EngineConfig, Request, Row
 from goodspeed.verifier.verify_rows import committed_logprobs
 
@@ -46,6 +46,8 @@ class ModelRunner:
             raise ValueError(f"attention 'varlen' needs flash's varlen kernel, which needs {missing} "
                              f"(this model: {self.device}, {self.dtype}); use 'auto' or 'masked'")
         self.cache.varlen = flash_varlen_kernel() if wants_varlen and not missing else None
+        # Masked groups split where a long row would pad the others (packing.split_rows), on a CPU
+        self.cache.group_overhead = group_overhead(model.config, self.device)
         if config.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device; this target is on {self.device}")
         # Steps at fixed shapes where they fit one, replayed as CUDA graphs and / or through a

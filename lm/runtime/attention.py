@@ -27,7 +27,8 @@ Attention alone works in the padded ``[rows, q_len]`` layout the slot cache's KV
 SDPA call per :class:`~goodspeed.lm.runtime.packing.AttentionGroup`: the queries are gathered into it,
 SDPA runs with the rows' masks, and the outputs are scattered back to the packed tokens. A prompt
 chunk (chunked prefill) is a group of its own, so its hundreds of queries do not pad the
-verification rows' few; so is a row whose slot keeps its KV in buffers of its own (a slot far
+verification rows' few; on a CPU the other rows split into contiguous groups where one long draft
+would pad many short rows (:func:`~goodspeed.lm.runtime.packing.split_rows`); so is a row whose slot keeps its KV in buffers of its own (a slot far
 longer than the others), whose keys come from :meth:`~goodspeed.lm.runtime.kv_slots.SlotKVCache.own_view`
 (the attention module's ``layer_idx`` names the layer). Exact: every real query sees the same keys under the same
 mask as in the padded forward; only the padding's wasted compute in the rest of the model is gone.

@@ -86,6 +86,9 @@ class SlotKVCache:
         # Packed forwards: the kernel groups of chains attend through, reading keys in place
         # (goodspeed.lm.runtime.attention.varlen_kernel_for; None: masked SDPA for every group).
         self.varlen: VarlenKernel | None = None
+        # What one more attention group costs (goodspeed.lm.runtime.packing.split_rows; None: one
+        # group for the shared rows), set by the model runner for its device.
+        self.group_overhead: float | None = None
         # Bumped whenever a pool buffer is (re)allocated: what a captured step (goodspeed.lm.runtime.graphs)
         # read and wrote is then gone, and its graphs with it.
         self.generation = 0

@@ -8,6 +8,7 @@ masks are additive 4-D (0 / finfo.min): a bool 4-D mask is silently wrong under 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -134,28 +135,102 @@ def pack(cache: SlotKVCache, tokens: list[list[int]], parents: list[list[int] | 
                                      VarlenRows(cache.varlen, tuple(rows.start + r for r in real),
                                                 tuple(lengths[r] for r in real), tuple(sizes[r] for r in real))))
     elif q_len:
-        # Keys up to the longest row's last new token: a real query never sees past it, and a pad
-        # (a short, solo, own or idle row's) attends to what is there (its output is dropped), so a
-        # long prompt's slot does not widen everyone's attention.
-        kv_len = max(lengths[r] + sizes[r] for r in shared if sizes[r])
-        mask, pos = build_attention(lengths, [None if r not in shared else parents[r] for r in range(len(tokens))],
-                                    q_len, kv_len, dtype, device)
-        real = torch.arange(q_len) < torch.tensor([sizes[r] if r in shared else 0 for r in range(len(tokens))]).unsqueeze(1)
-        count = sum(sizes[r] for r in shared)
-        span = slice(total - count, total)
-        if bool(real.all()):  # every row is q_len long: the packed order is the padded one
-            positions[0, span] = pos.reshape(-1).cpu()
-            groups.append(AttentionGroup(slice(0, len(tokens)), q_len, kv_len, mask, span, None, None, span))
-        else:
-            scatter = real.view(-1).nonzero().view(-1)  # padded index of each real token, in row order
-            gather = torch.zeros(len(tokens) * q_len, dtype=torch.long)
-            gather[scatter] = torch.arange(total - count, total)  # packed index of each padded query (pads: token 0)
-            positions[0, span] = pos.reshape(-1).cpu()[scatter]
-            groups.append(AttentionGroup(slice(0, len(tokens)), q_len, kv_len, mask, None, gather.to(device),
-                                         scatter.to(device), span))
+        # One group per segment of the window (split_rows): a long draft pads only its own
+        # segment's rows to its length. Keys up to the segment's longest row's last new token: a
+        # real query never sees past it, and a pad (a short, solo, own or idle row's) attends to
+        # what is there (its output is dropped), so a long prompt's slot does not widen everyone's
+        # attention.
+        own_sizes = [sizes[r] if r in shared else 0 for r in range(len(tokens))]
+        ends = [lengths[r] + sizes[r] for r in range(len(tokens))]
+        offset = total - sum(own_sizes)  # the shared rows' tokens, in row order, end the forward
+        for a, b in split_rows(own_sizes, ends, cache.group_overhead):
+            seg = range(a, b)
+            q_seg = max(own_sizes[a:b])
+            kv_len = max(ends[r] for r in seg if own_sizes[r])
+            mask, pos = build_attention(lengths[a:b], [parents[r] if r in shared else None for r in seg], q_seg, kv_len,
+                                        dtype, device)
+            real = torch.arange(q_seg) < torch.tensor(own_sizes[a:b]).unsqueeze(1)
+            count = sum(own_sizes[a:b])
+            span = slice(offset, offset + count)
+            offset += count
+            if bool(real.all()):  # every row is q_seg long: the packed order is the padded one
+                positions[0, span] = pos.reshape(-1).cpu()
+                groups.append(AttentionGroup(slice(a, b), q_seg, kv_len, mask, span, None, None, span))
+            else:
+                scatter = real.view(-1).nonzero().view(-1)  # padded index of each real token, in row order
+                gather = torch.zeros((b - a) * q_seg, dtype=torch.long)
+                gather[scatter] = torch.arange(span.start, span.stop)  # packed index of each padded query (pads: token 0)
+                positions[0, span] = pos.reshape(-1).cpu()[scatter]
+                groups.append(AttentionGroup(slice(a, b), q_seg, kv_len, mask, None, gather.to(device),
+                                             scatter.to(device), span))
     cache._kv_len = max((g.kv_len for g in groups if g.own is None), default=0)  # the pool view attention reads
     logit_rows = max((sizes[r] for r in own + shared), default=0)
     return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, logit_rows, keep, cache)
+
+# What one more masked attention group costs on a CPU, in multiply-adds of attention (a row's
+# query against a key, over one head's width, for each query head). SDPA over the shapes of
+# verification steps (SmolLM2-135M's 9 heads of 64, bf16, two threads) costs about 22-29 us a
+# call plus 0.014-0.017 us per row, key and query, with about 2 queries' worth more per row and
+# key (bench/bench_groups.py fits it); with a group's gather, scatter and mask on top, a group
+# costs about 4,000 (row, key) pairs at that width (docs/MEASUREMENTS.md, *Attention groups*).
+# group_overhead() turns it into a model's pairs.
+CPU_GROUP_OVERHEAD_MACS = 4000.0 * 9 * 64
+EXTRA_QUERIES = 2.4  # the per-(row, key) cost of a call that scores one query, in queries' worth
+
+
+def group_overhead(model_config, device: torch.device) -> float | None:
+    """:func:`split_rows`'s ``overhead`` for a model on ``device``: :data:`CPU_GROUP_OVERHEAD_MACS`
+    in (row, key) pairs of its query heads' width on a CPU; None (one group) elsewhere, where a
+    call's launch, not its arithmetic, is what a group costs (not measured here)."""
+    if device.type != "cpu":
+        return None
+    heads = int(model_config.num_attention_heads)
+    head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads)
+    return CPU_GROUP_OVERHEAD_MACS / (heads * head_dim)
+
+
+def split_rows(sizes: list[int], ends: list[int], overhead: float | None) -> list[tuple[int, int]]:
+    """Contiguous segments ``[a, b)`` of the window's rows, one attention group each, covering every
+    row with tokens (``sizes[r] > 0``); ``ends[r]``: row ``r``'s keys after this step. A group
+    pads its rows to its longest and reads keys up to its farthest end, so it costs about
+    ``overhead + rows * kv_len * (q_len + EXTRA_QUERIES)``; the segments minimise the sum (a
+    dynamic programme over the row boundaries; rows without tokens between groups cost
+    nothing). ``overhead`` None: one group over every row from the first with tokens to the last
+    (where a call's launch, not its arithmetic, is the cost, as on a GPU, unmeasured here).
+
+    >>> split_rows([1, 1, 1, 7, 1, 1, 1, 1], [800] * 8, 4000.0)  # one long draft among 8 rows
+    [(0, 3), (3, 4), (4, 8)]
+    >>> split_rows([1, 1, 2, 1], [50, 50, 50, 50], 4000.0)
+    [(0, 4)]
+    """
+    real = [r for r, n in enumerate(sizes) if n]
+    if not real:
+        return []
+    if overhead is None:
+        return [(real[0], real[-1] + 1)]
+    n = len(sizes)
+    best = [0.0] + [math.inf] * n  # best[j]: the cheapest cover of the rows with tokens among [0, j)
+    cut = [0] * (n + 1)  # where the last segment of that cover starts (-1: row j - 1 has no tokens, uncovered)
+    for j in range(1, n + 1):
+        if not sizes[j - 1]:  # segments end at a row with tokens
+            best[j], cut[j] = best[j - 1], -1
+            continue
+        q_len = kv_len = 0
+        for i in range(j - 1, -1, -1):  # the segment [i, j), widened one row at a time
+            if sizes[i]:
+                q_len, kv_len = max(q_len, sizes[i]), max(kv_len, ends[i])
+            cost = best[i] + overhead + (j - i) * kv_len * (q_len + EXTRA_QUERIES)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    segments, j = [], n
+    while j > 0:
+        if cut[j] < 0:
+            j -= 1
+        else:
+            segments.append((cut[j], j))
+            j = cut[j]
+    return segments[::-1]
+
 
 def _can_pad(cache: SlotKVCache, sizes: list[int], parents: list[list[int] | None], rows: slice, solo: tuple[int, ...]) -> bool:
     """Whether :func:`_pack_padded` can take this step, its real tokens placed: no solo rows (a

@@ -50,6 +50,23 @@ def test_drafting_falls_to_zero_where_it_does_not_pay_probes_and_recovers():
     assert again[-1] >= 4 and again[-1] > max(idle)
 
 
+def test_rejected_probes_double_the_wait_before_the_next_and_an_accepted_one_resets_it():
+    rule = PayingLength(probe_every=4, max_probe_every=16)
+    scripted(rule, "r", 1, accept_all=False)
+    idle = scripted(rule, "r", 80, accept_all=False)
+    probes = [i for i, s in enumerate(idle) if s and i > idle.index(0)]  # after the rule's own lengths fell to 0
+    assert set(idle[idle.index(0):]) == {0, 1}
+    gaps = np.diff([idle.index(0) - 1] + probes).tolist()
+    assert gaps[:3] == [4, 8, 16] and set(gaps[3:]) == {16}, gaps  # probe_every, doubled, then the cap
+    again = scripted(rule, "r", 40, accept_all=True)  # the next probe is accepted: the rule drafts again
+    first, second = [i for i, s in enumerate(again) if s][:2]
+    assert first < 16 and second - first <= 4  # accepted: the wait is probe_every again
+    assert max(again) >= 4
+    assert PayingLength(probe_every=8).max_probe_every == 64
+    with pytest.raises(ValueError):
+        PayingLength(probe_every=8, max_probe_every=4)
+
+
 def test_the_round_cost_is_fitted_from_rounds_of_different_lengths():
     rule = PayingLength()
     for s in (0, 2, 4, 6, 8) * 3:

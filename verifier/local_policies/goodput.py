@@ -15,8 +15,8 @@ class GoodputChains(LocalPolicy):
     starting from the recent requests': :class:`~goodspeed.scheduler.PayingLength`) and the step's
     measured costs: a round's time fitted against the tokens it verified, the draft's forward
     time per drafting step. A request whose
-    drafts do not pay drafts nothing, and one token every ``probe_every`` steps to hear its
-    acceptance again. The first step, with nothing measured, drafts ``k``."""
+    drafts do not pay drafts nothing, and one token after ``probe_every`` steps to hear its
+    acceptance again (longer after rejected probes: :meth:`~goodspeed.scheduler.PayingLength.probed`). The first step, with nothing measured, drafts ``k``."""
 
     name = "goodput"
 

@@ -240,6 +240,43 @@ def _assert_same_kv(got: SlotKVCache, want: SlotKVCache) -> None:
                 assert torch.allclose(mine, theirs, atol=1e-9)
 
 
+@pytest.mark.parametrize("overhead", [0.0, 30.0], ids=["every-split", "some-splits"])
+def test_split_attention_groups_equal_padded_forwards(overhead):
+    """The shared rows split into several masked groups (packing.split_rows, its overhead low
+    enough to split a long chain, a tree and single tokens apart; an idle slot and a solo prompt
+    chunk between them): every real query's logits and every committed KV equal the padded
+    reference's (float64, 1e-9), and the layouts did split."""
+    from goodspeed.lm.runtime.attention import use_gqa_attention
+    from modelkit import tiny_llama
+
+    model = tiny_llama(7)
+    use_gqa_attention(model)
+    caches = {mode: SlotKVCache(num_layers=2, initial_capacity=8) for mode in ("padded", "packed")}
+    caches["packed"].group_overhead, layouts = overhead, []
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [4], [3, 3, 3, 3], [5], [6, 6]]
+    steps = [
+        (prompts, [None] * 6, ()),
+        ([[10], [11, 12, 13, 14, 15, 16], [], [17], [18, 19, 20, 21], [22]], [None, None, None, None, [-1, 0, 0, 1], None], ()),
+        ([[23], list(range(30, 42)), [24, 25, 26, 27, 28], [29], [30], [31]], [None] * 6, (1,)),
+    ]
+    for cache in caches.values():
+        for _ in prompts:
+            cache.add_slot()
+    for tokens, parents, solo in steps:
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed", solo if mode == "packed" else (), layouts)
+               for mode, cache in caches.items()}
+        padded_rows = [r for r, t in enumerate(tokens) if t]
+        for i, row in enumerate(r for r in padded_rows if r not in solo):
+            n = len(tokens[row])
+            assert torch.allclose(out["packed"][i, :n], out["padded"][padded_rows.index(row), :n], atol=1e-9, rtol=0)
+        for cache in caches.values():
+            for slot, t in enumerate(tokens):
+                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
+        _assert_same_kv(caches["packed"], caches["padded"])
+    masked = [len([g for g in layout.groups if g.own is None and g.rows.stop - g.rows.start >= 1]) for layout in layouts]
+    assert max(masked[1:]) >= 3, masked  # the mixed steps ran as several groups
+
+
 @pytest.mark.parametrize("varlen", VARLEN, ids=VARLEN_IDS)
 def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged(varlen):
     """A prompt chunk packed as a solo row (its own attention group, first in the packed order)
