@@ -148,6 +148,7 @@ class LocalServing:
         self.retain_finished = True  # a long-running daemon turns this off (results go to callbacks)
         self._ids = itertools.count()
         self.t_spec_s = 0.0  # smoothed iteration time (AdaServe's t_spec)
+        self.retry_hint_s = 1.0  # retry_after_s() as the last step left it, for queue_full() off the engine thread
         # Acceptance across local requests: a new request's estimate until it has drafted.
         self.pooled_acceptance = config.initial_acceptance
         self.draft_forward_s = 0.0  # smoothed time of one draft forward (Nightjar's switching cost)
@@ -177,10 +178,8 @@ class LocalServing:
         log-probability under the target and that many top ones, and with ``prompt_logprobs`` its
         first event the prompt tokens' too (:meth:`VerificationEngine.start`)."""
         prompt, sampling = self.engine.check(request)  # sampling holds the ending tokens: in the draft's logits too
-        if len(self._waiting) >= self.config.max_waiting:
-            retry = self.retry_after_s()
-            raise errors.QueueFullError(f"{len(self._waiting)} requests are already waiting (max_waiting); retry in about "
-                                        f"{retry:.2g} s", retry_after_s=retry)
+        if (refusal := self.queue_full(self.retry_after_s)) is not None:
+            raise refusal
         rid = request.request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
             raise errors.RequestInProgressError(f"request id {rid!r} is already in use")
@@ -189,6 +188,19 @@ class LocalServing:
                                    seed=None if request.seed is None else resolve_root_seed(request.seed))
         self._waiting.append(LocalRequest(spec, on_event, self.clock.now()))
         return rid
+
+    def queue_full(self, retry_after_s: Callable[[], float] | None = None) -> errors.QueueFullError | None:
+        """The refusal a new request gets now because the wait queue is full, or None. From any
+        thread: it reads only the queue's length and, unless given ``retry_after_s``, the retry
+        estimate the last step left (:attr:`retry_hint_s`), so a door (the gRPC and HTTP fronts)
+        refuses at once instead of waiting for the engine thread to finish its step;
+        :meth:`submit_request` checks again there."""
+        waiting = len(self._waiting)
+        if waiting < self.config.max_waiting:
+            return None
+        retry = retry_after_s() if retry_after_s is not None else self.retry_hint_s
+        return errors.QueueFullError(f"{waiting} requests are already waiting (max_waiting); retry in about {retry:.2g} s",
+                                     retry_after_s=retry)
 
     def retry_after_s(self) -> float:
         """About when a place in the wait queue frees: when the active request nearest its end ends,
@@ -365,6 +377,7 @@ class LocalServing:
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
         self.policy.observe(len(reqs), k, emitted, duration)
+        self.retry_hint_s = self.retry_after_s()
         for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted),
                            ("drafting_s", work.planned - work.planning), ("round_s", now - work.planned)):
             self.totals[key] += value

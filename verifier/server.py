@@ -376,6 +376,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         yields its :class:`TokenEvent` s; closing it before the last one cancels the request at once."""
         if self.draining:
             raise errors.DrainingError("the verifier is draining")
+        if (refusal := self.local.queue_full()) is not None:  # at the door: a refusal never waits for a step
+            raise refusal
         kv_tokens = len(request.prompt_ids) + request.max_tokens
         self.usage.open_stream(who, kv_tokens)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()

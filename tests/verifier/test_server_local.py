@@ -253,6 +253,44 @@ def test_generate_cli_log_probabilities(models, capsys):
     assert "--logprobs and --prompt-logprobs need --json" in capsys.readouterr().err
 
 
+def test_a_full_wait_queue_refuses_at_the_door_while_the_engine_thread_is_busy(models):
+    """The queue's refusal does not wait for the engine's step (under load a step is tens of ms):
+    with the engine thread held, a request past max_waiting is refused RESOURCE_EXHAUSTED, with
+    the retry hint the last step left, before the thread is let go."""
+    target, draft = models
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3, max_requests=1, max_waiting=1))
+    with ServerThread(engine, local=local, round_deadline_ms=500) as server:
+        channel, stub = stub_for(server)
+        first = stub.Generate(generate_request(prompt_ids=PROMPTS[0], max_new_tokens=400, temperature=0.0, ignore_eos=True))
+        next(iter(first))  # decoding
+        second = stub.Generate(generate_request(prompt_ids=PROMPTS[1], max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        waiting = threading.Thread(target=lambda: list(second), daemon=True)
+        waiting.start()
+        assert server.wait_for(lambda: local.num_waiting == 1)
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            held.set()
+            release.wait(120)
+
+        holding = asyncio.run_coroutine_threadsafe(server.server.service.call(hold), server.loop)
+        assert held.wait(60)
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(generate_request(prompt_ids=PROMPTS[2], max_new_tokens=4, temperature=0.0, ignore_eos=True),
+                                   timeout=60))
+            assert not release.is_set() and not holding.done()  # refused while the engine thread was still held
+        finally:
+            release.set()
+        holding.result(60)
+        first.cancel()
+        waiting.join(60)
+        channel.close()
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in about" in refused.value.details()
+    assert int(dict(refused.value.trailing_metadata())["retry-after-ms"]) >= 1
+
+
 def test_a_full_wait_queue_refuses_with_a_retry_after_hint(models):
     """One request decoding, one waiting (max_requests 1, max_waiting 1): a third is refused at once
     with RESOURCE_EXHAUSTED, and the trailing metadata says when to retry (retry-after-ms, from the

@@ -13,7 +13,7 @@ import torch
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.decoding.proposals import BeamTree
 from goodspeed.lm.decoding.draft_source import DraftSpec, HybridDraft, with_branch
-from goodspeed.lm.decoding.lookup import NgramIndex, PromptLookup, SuffixDraft, SuffixTrie, continue_from
+from goodspeed.lm.decoding.lookup import NgramIndex, PromptLookup, SuffixDraft, SuffixTrie
 from goodspeed.lm.decoding.params import SamplingParams
 from modelkit import tiny_llama
 
@@ -96,6 +96,26 @@ def test_removing_a_text_leaves_the_trie_of_the_others():
     assert trie.paths() == brute_counts(kept, 6) and trie.num_nodes == len(brute_counts(kept, 6))
 
 
+def test_a_trie_holds_nothing_the_garbage_collector_walks_and_reuses_removed_nodes():
+    """Nodes are ints in flat lists, children dicts of ints (untracked by Python's cyclic GC,
+    which a trie of node objects made walk every node on each collection); removed nodes' slots
+    are reused, so adding and removing texts does not grow the lists."""
+    import gc
+
+    trie = SuffixTrie(6)
+    seqs = texts(3, count=20, vocab=7, max_len=40)
+    for seq in seqs:
+        trie.add(seq)
+    assert trie._children and not any(gc.is_tracked(c) for c in trie._children if c is not None)
+    size = len(trie._count)
+    for seq in seqs:
+        trie.add(seq, sign=-1)
+    assert trie.num_nodes == 0 and trie.paths() == {}
+    for seq in seqs:
+        trie.add(seq)
+    assert len(trie._count) == size and trie.paths() == brute_counts(seqs, 6)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_longest_match_and_its_most_frequent_continuation_equal_brute_force(seed):
     seqs = texts(seed + 10, count=6, vocab=3, max_len=30)
@@ -112,7 +132,7 @@ def test_the_longest_match_and_its_most_frequent_continuation_equal_brute_force(
                 want = n
                 break
         assert length == want
-        tokens, score = continue_from(node, 3, 0.0)
+        tokens, score = trie.continue_from(node, 3, 0.0)
         path, prob, expected = tuple(context[-length:]) if length else (), 1.0, 0.0
         for token in tokens:  # each step the most counted child (ties: smallest id), p = count / siblings' total
             children = {p[-1]: c for p, c in counts.items() if len(p) == len(path) + 1 and p[:-1] == path}
@@ -131,8 +151,8 @@ def test_a_continuation_stops_where_its_probability_falls_under_the_floor():
     for seq in ([1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 5, 6]):
         trie.add(seq)
     node, _ = trie.match([1], 3)
-    assert continue_from(node, 5, 0.0)[0] == [2, 3]  # 3/4 then 2/3: p = 0.5
-    assert continue_from(node, 5, 0.6)[0] == [2]  # 0.75 kept, 0.5 under the floor
+    assert trie.continue_from(node, 5, 0.0)[0] == [2, 3]  # 3/4 then 2/3: p = 0.5
+    assert trie.continue_from(node, 5, 0.6)[0] == [2]  # 0.75 kept, 0.5 under the floor
 
 
 def test_suffix_drafts_from_the_request_and_from_earlier_outputs():

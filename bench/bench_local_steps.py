@@ -1,0 +1,127 @@
+"""Where a local-serving step's time goes, per draft source: plain decoding against each source
+at batch 8, in one process, interleaved.
+
+    python -m bench.bench_local_steps [--categories open-chat,multi-turn-chat] [--sources ngram,suffix]
+                                      [--repeats 2] [--threads 2] [--dtype auto] [--json PATH]
+
+For each category of the per-task benchmark (``bench/workloads/tasks.jsonl``), its tasks cycled
+to 8 greedy requests of up to 96 tokens run through :class:`goodspeed.verifier.local.LocalServing`
+(the goodput policy, ``k = max_k = 6``; plain decoding: policy ``none``), every source in turn,
+``--repeats`` times. Per run: wall time, tokens/s and its ratio to the same repeat's plain run,
+steps, drafted and accepted tokens, and the time in planning and drafting, in the engine's
+rounds, and in Python's cyclic garbage collector (``gc.callbacks``; collections counted per
+generation), the rest being the steps' own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from goodspeed.lm.decoding.draft_source import DraftSpec
+from goodspeed.lm.decoding.params import SamplingParams
+from goodspeed.lm.models.loading import load_causal_lm
+from goodspeed.lm.models.precision import resolve_dtype
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.local import LocalConfig, LocalServing
+
+TASKS = Path(__file__).parent / "workloads" / "tasks.jsonl"
+
+
+class GcClock:
+    """Seconds Python's cyclic garbage collector has run, and its collections per generation."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._start = 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+
+    def read(self) -> tuple[float, list[int]]:
+        return self.seconds, list(self.collections)
+
+
+def run(engine, prompts, source: str, eos: list[int], clock: GcClock) -> dict:
+    if source == "plain":
+        config, draft = LocalConfig(policy="none", max_requests=8), DraftSpec.parse("ngram").build(None, engine.vocab_size)
+    else:
+        config = LocalConfig(policy="goodput", k=6, max_k=6, budget=32, max_requests=8)
+        draft = DraftSpec.parse(source).build(None, engine.vocab_size)
+    serving = LocalServing(engine, draft, config)
+    for p in prompts:
+        serving.submit(p, SamplingParams(temperature=0.0), max_new_tokens=96, eos_token_ids=eos)
+    gc_s, gc_n = clock.read()
+    t0 = time.perf_counter()
+    while serving.step() is not None:
+        pass
+    wall = time.perf_counter() - t0
+    gc_after, n_after = clock.read()
+    totals = serving.totals
+    tokens = sum(len(r.generated) for r in serving.finished)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": totals["steps"], "drafted": totals["drafted"],
+            "accepted": totals["accepted"], "drafting_s": totals["drafting_s"], "round_s": totals["round_s"],
+            "gc_s": gc_after - gc_s, "gc_collections": [a - b for a, b in zip(n_after, gc_n)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="local serving at batch 8: where a step's time goes, per source")
+    parser.add_argument("--target", default="real:smollm2-135m")
+    parser.add_argument("--categories", default="open-chat,multi-turn-chat")
+    parser.add_argument("--sources", default="ngram,suffix")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = load_causal_lm(args.target, dtype=args.dtype)
+    tok = target.tokenizer
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    tasks = [json.loads(line) for line in TASKS.read_text().splitlines() if line.strip()]
+    clock = GcClock()
+    engine = VerificationEngine(target.model, EngineConfig(seed=0))
+    results = []
+    for category in args.categories.split(","):
+        mine = [t for t in tasks if t["category"] == category]
+        if not mine:
+            parser.error(f"no tasks of category {category!r}")
+        prompts = []
+        for i in range(8):
+            ids = tok.apply_chat_template(mine[i % len(mine)]["messages"], add_generation_prompt=True, tokenize=True)
+            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        run(engine, prompts[:2], "plain", eos, clock)  # warm-up
+        for repeat in range(args.repeats):
+            runs = {source: run(engine, prompts, source, eos, clock) for source in ["plain", *args.sources.split(",")]}
+            for source, r in runs.items():
+                r.update(category=category, repeat=repeat, source=source, speedup=r["tok_s"] / runs["plain"]["tok_s"])
+                results.append(r)
+                print(f"{category:18s} {repeat} {source:7s} {r['tok_s']:7.1f} tok/s  x{r['speedup']:.3f}  steps {r['steps']:3d}  "
+                      f"drafted {r['drafted']:4d} accepted {r['accepted']:4d}  drafting {1e3 * r['drafting_s'] / r['steps']:.2f} "
+                      f"ms/step  round {1e3 * r['round_s'] / r['steps']:.2f} ms/step  gc {1e3 * r['gc_s']:.1f} ms "
+                      f"{r['gc_collections']}", flush=True)
+    if args.json:
+        report = {"command": " ".join(["python -m bench.bench_local_steps", *(argv if argv is not None else sys.argv[1:])]),
+                  "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+                  "target": args.target, "dtype": resolve_dtype(args.dtype, "cpu"), "threads": args.threads, "runs": results}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
