@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import llguidance
 import numpy as np
 
+from goodspeed.lm.runtime.heap import trim_heap
+
 # The kinds of constraint (vLLM's ``StructuredOutputsParams`` fields); ``json_object`` is any
 # JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -199,6 +201,7 @@ def llguidance_tokenizer(hf_tokenizer):
             except ValueError as exc:
                 raise StructureError(f"structured output needs a fast tokenizer: {exc}") from None
             _TOKENIZERS[hf_tokenizer] = cached
+            trim_heap()  # the serialised copy it parsed, freed (goodspeed.lm.runtime.heap)
         return cached
 
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from goodspeed.lm.models.fingerprint import tokenizer_fingerprint
+from goodspeed.lm.runtime.heap import trim_heap
 from goodspeed.lm.models.model_dirs import ModelLoadError
 
 
@@ -41,7 +42,9 @@ def load_tokenizer(spec: str) -> tuple[object, str]:
         tokenizer = (cls or transformers.AutoTokenizer).from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {spec!r}: {exc}") from exc
-    return tokenizer, tokenizer_fingerprint(tokenizer)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    trim_heap()  # what loading freed (tens of MB): goodspeed.lm.runtime.heap
+    return tokenizer, fingerprint
 
 
 def named_class(path: Path):
