@@ -178,7 +178,7 @@ class LocalServing:
         log-probability under the target and that many top ones, and with ``prompt_logprobs`` its
         first event the prompt tokens' too (:meth:`VerificationEngine.start`)."""
         prompt, sampling = self.engine.check(request)  # sampling holds the ending tokens: in the draft's logits too
-        if (refusal := self.queue_full(self.retry_after_s)) is not None:
+        if (refusal := self.queue_full(retry_after_s=self.retry_after_s)) is not None:
             raise refusal
         rid = request.request_id or f"local-{next(self._ids)}"
         if rid in self._active or any(r.request_id == rid for r in self._waiting):
@@ -189,13 +189,14 @@ class LocalServing:
         self._waiting.append(LocalRequest(spec, on_event, self.clock.now()))
         return rid
 
-    def queue_full(self, retry_after_s: Callable[[], float] | None = None) -> errors.QueueFullError | None:
-        """The refusal a new request gets now because the wait queue is full, or None. From any
-        thread: it reads only the queue's length and, unless given ``retry_after_s``, the retry
-        estimate the last step left (:attr:`retry_hint_s`), so a door (the gRPC and HTTP fronts)
-        refuses at once instead of waiting for the engine thread to finish its step;
-        :meth:`submit_request` checks again there."""
-        waiting = len(self._waiting)
+    def queue_full(self, arriving: int = 0, retry_after_s: Callable[[], float] | None = None) -> errors.QueueFullError | None:
+        """The refusal a new request gets now because the wait queue is full, counting
+        ``arriving`` requests a door has let through that are not queued yet; None where there
+        is room. From any thread: it reads only the queue's length and, unless given
+        ``retry_after_s``, the retry estimate the last step left (:attr:`retry_hint_s`), so a door
+        (the gRPC and HTTP fronts) refuses at once instead of waiting for the engine thread to
+        finish its step; :meth:`submit_request` checks again there."""
+        waiting = len(self._waiting) + arriving
         if waiting < self.config.max_waiting:
             return None
         retry = retry_after_s() if retry_after_s is not None else self.retry_hint_s

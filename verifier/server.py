@@ -182,6 +182,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         # Async: each step's drafters take the shares of C the policy plans for every active drafter (round_loop).
         engine.allotments.plan_shares = config.rounds == "async" and config.async_shares == "plan"
         self.draining = False
+        self._arriving = 0  # local requests open_local let through, not yet queued (this event loop's count)
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -376,7 +377,9 @@ class VerifierService(pb_grpc.VerifierServicer):
         yields its :class:`TokenEvent` s; closing it before the last one cancels the request at once."""
         if self.draining:
             raise errors.DrainingError("the verifier is draining")
-        if (refusal := self.local.queue_full()) is not None:  # at the door: a refusal never waits for a step
+        # At the door, counting the requests let through but not queued yet (this loop's own
+        # count): a refusal never waits for the engine thread's step
+        if (refusal := self.local.queue_full(self._arriving)) is not None:
             raise refusal
         kv_tokens = len(request.prompt_ids) + request.max_tokens
         self.usage.open_stream(who, kv_tokens)
@@ -385,11 +388,14 @@ class VerifierService(pb_grpc.VerifierServicer):
         def on_event(event: TokenEvent) -> None:  # engine thread -> event loop
             loop.call_soon_threadsafe(events.put_nowait, event)
 
+        self._arriving += 1
         try:
             rid = await self.call(self.local.submit_request, request, on_event)
         except errors.EngineError:
             self.usage.close_stream(who.name, kv_tokens)
             raise
+        finally:
+            self._arriving -= 1
         self.log.event("generate", request=rid, prompt_tokens=len(request.prompt_ids), max_new_tokens=request.max_tokens,
                        tpot_slo_ms=request.tpot_slo_ms)
         self.rounds.wake()

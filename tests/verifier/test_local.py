@@ -241,6 +241,21 @@ def test_the_wait_queue_is_bounded(models):
     assert sorted(r.request_id for r in serving.finished) == sorted(ids)
 
 
+def test_the_doors_check_counts_the_requests_it_let_through_that_are_not_queued_yet(models):
+    """queue_full(arriving): a door's check off the engine thread counts what it has let through
+    but the engine thread has not queued yet, and answers with the last step's retry estimate."""
+    target, draft = models
+    serving = serve(target, draft, "chain", max_requests=1, max_waiting=2)
+    serving.submit(PROMPTS[0], max_new_tokens=8)
+    assert serving.queue_full() is None and serving.queue_full(arriving=0) is None
+    refusal = serving.queue_full(arriving=1)  # one waiting and one on its way: full
+    assert isinstance(refusal, errors.QueueFullError) and refusal.retry_after_s == serving.retry_hint_s == 1.0
+    serving.step()  # admits the waiting one (its prefill)
+    serving.step()  # a drafting step: its time measured, the retry estimate left for the doors
+    assert serving.queue_full(arriving=1) is None and serving.retry_hint_s == serving.retry_after_s() < 1.0
+    drain(serving)
+
+
 def test_fail_all_ends_every_request_and_frees_its_state(models):
     """After a failed iteration (the server's round loop calls this) nothing half-applied stays."""
     target, draft = models
