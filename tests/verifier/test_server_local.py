@@ -2,6 +2,7 @@
 sharing rounds with edge drafters — all greedy-equal to the target."""
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -253,10 +254,10 @@ def test_generate_cli_log_probabilities(models, capsys):
     assert "--logprobs and --prompt-logprobs need --json" in capsys.readouterr().err
 
 
-def test_a_full_wait_queue_refuses_at_the_door_while_the_engine_thread_is_busy(models):
-    """The queue's refusal does not wait for the engine's step (under load a step is tens of ms):
-    with the engine thread held, a request past max_waiting is refused RESOURCE_EXHAUSTED, with
-    the retry hint the last step left, before the thread is let go."""
+@contextlib.contextmanager
+def _full_wait_queue(models):
+    """A server whose local serving has one request decoding and one waiting (max_requests 1,
+    max_waiting 1): its queue is full. Yields the server and a stub; both requests end on exit."""
     target, draft = models
     engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
     local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3, max_requests=1, max_waiting=1))
@@ -267,7 +268,25 @@ def test_a_full_wait_queue_refuses_at_the_door_while_the_engine_thread_is_busy(m
         second = stub.Generate(generate_request(prompt_ids=PROMPTS[1], max_new_tokens=4, temperature=0.0, ignore_eos=True))
         waiting = threading.Thread(target=lambda: list(second), daemon=True)
         waiting.start()
-        assert server.wait_for(lambda: local.num_waiting == 1)
+        assert server.wait_for(lambda: local.num_waiting == 1)  # the second request is queued
+        try:
+            yield server, stub
+        finally:
+            first.cancel()
+            waiting.join(60)
+            channel.close()
+
+
+def _assert_refused_with_a_hint(refused) -> None:
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in about" in refused.value.details()
+    assert int(dict(refused.value.trailing_metadata())["retry-after-ms"]) >= 1
+
+
+def test_a_full_wait_queue_refuses_at_the_door_while_the_engine_thread_is_busy(models):
+    """The queue's refusal does not wait for the engine's step (under load a step is tens of ms):
+    with the engine thread held, a request past max_waiting is refused RESOURCE_EXHAUSTED, with
+    the retry hint the last step left, before the thread is let go."""
+    with _full_wait_queue(models) as (server, stub):
         held, release = threading.Event(), threading.Event()
 
         def hold():
@@ -284,33 +303,14 @@ def test_a_full_wait_queue_refuses_at_the_door_while_the_engine_thread_is_busy(m
         finally:
             release.set()
         holding.result(60)
-        first.cancel()
-        waiting.join(60)
-        channel.close()
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in about" in refused.value.details()
-    assert int(dict(refused.value.trailing_metadata())["retry-after-ms"]) >= 1
+    _assert_refused_with_a_hint(refused)
 
 
 def test_a_full_wait_queue_refuses_with_a_retry_after_hint(models):
     """One request decoding, one waiting (max_requests 1, max_waiting 1): a third is refused at once
     with RESOURCE_EXHAUSTED, and the trailing metadata says when to retry (retry-after-ms, from the
     decoding request's tokens left at the measured step time)."""
-    target, draft = models
-    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=6))
-    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=3, max_requests=1, max_waiting=1))
-    with ServerThread(engine, local=local, round_deadline_ms=500) as server:
-        channel, stub = stub_for(server)
-        first = stub.Generate(generate_request(prompt_ids=PROMPTS[0], max_new_tokens=400, temperature=0.0, ignore_eos=True))
-        next(iter(first))  # decoding
-        second = stub.Generate(generate_request(prompt_ids=PROMPTS[1], max_new_tokens=4, temperature=0.0, ignore_eos=True))
-        waiting = threading.Thread(target=lambda: list(second), daemon=True)
-        waiting.start()
-        assert server.wait_for(lambda: local.num_waiting == 1)  # the second request is queued
+    with _full_wait_queue(models) as (server, stub):
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(generate_request(prompt_ids=PROMPTS[2], max_new_tokens=4, temperature=0.0, ignore_eos=True)))
-        first.cancel()
-        waiting.join(60)
-        channel.close()
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in about" in refused.value.details()
-    hint = dict(refused.value.trailing_metadata())["retry-after-ms"]
-    assert int(hint) >= 1
+    _assert_refused_with_a_hint(refused)

@@ -240,6 +240,26 @@ def _assert_same_kv(got: SlotKVCache, want: SlotKVCache) -> None:
                 assert torch.allclose(mine, theirs, atol=1e-9)
 
 
+def _packed_against_padded(model, caches, prompts, steps, layouts) -> None:
+    """Run ``steps`` (tokens, parents, solo rows) on both caches after a slot per prompt: every
+    real query's logits (solo rows' apart) and every committed KV equal the padded reference's
+    (float64, 1e-9)."""
+    for cache in caches.values():
+        for _ in prompts:
+            cache.add_slot()
+    for tokens, parents, solo in steps:
+        out = {mode: _step(model, cache, tokens, parents, mode == "packed", solo if mode == "packed" else (), layouts)
+               for mode, cache in caches.items()}
+        padded_rows = [r for r, t in enumerate(tokens) if t]
+        for i, row in enumerate(r for r in padded_rows if r not in solo):
+            n = len(tokens[row])
+            assert torch.allclose(out["packed"][i, :n], out["padded"][padded_rows.index(row), :n], atol=1e-9, rtol=0)
+        for cache in caches.values():
+            for slot, t in enumerate(tokens):
+                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
+        _assert_same_kv(caches["packed"], caches["padded"])
+
+
 @pytest.mark.parametrize("overhead", [0.0, 30.0], ids=["every-split", "some-splits"])
 def test_split_attention_groups_equal_padded_forwards(overhead):
     """The shared rows split into several masked groups (packing.split_rows, its overhead low
@@ -259,20 +279,7 @@ def test_split_attention_groups_equal_padded_forwards(overhead):
         ([[10], [11, 12, 13, 14, 15, 16], [], [17], [18, 19, 20, 21], [22]], [None, None, None, None, [-1, 0, 0, 1], None], ()),
         ([[23], list(range(30, 42)), [24, 25, 26, 27, 28], [29], [30], [31]], [None] * 6, (1,)),
     ]
-    for cache in caches.values():
-        for _ in prompts:
-            cache.add_slot()
-    for tokens, parents, solo in steps:
-        out = {mode: _step(model, cache, tokens, parents, mode == "packed", solo if mode == "packed" else (), layouts)
-               for mode, cache in caches.items()}
-        padded_rows = [r for r, t in enumerate(tokens) if t]
-        for i, row in enumerate(r for r in padded_rows if r not in solo):
-            n = len(tokens[row])
-            assert torch.allclose(out["packed"][i, :n], out["padded"][padded_rows.index(row), :n], atol=1e-9, rtol=0)
-        for cache in caches.values():
-            for slot, t in enumerate(tokens):
-                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
-        _assert_same_kv(caches["packed"], caches["padded"])
+    _packed_against_padded(model, caches, prompts, steps, layouts)
     masked = [len([g for g in layout.groups if g.own is None and g.rows.stop - g.rows.start >= 1]) for layout in layouts]
     assert max(masked[1:]) >= 3, masked  # the mixed steps ran as several groups
 
@@ -297,21 +304,7 @@ def test_solo_rows_attend_alone_and_leave_the_others_logits_and_kv_unchanged(var
         ([[19], [20, 21], list(range(31, 36)), [22], [23, 24]], [None] * 5, (2,)),  # the chunk's second part
         ([[25, 26]] * 5, [None] * 5, (0, 4)),  # two solo rows, no padding in the shared group
     ]
-    for cache in caches.values():
-        for _ in prompts:
-            cache.add_slot()
-    for tokens, parents, solo in steps:
-        out = {mode: _step(model, cache, tokens, parents, mode == "packed", solo if mode == "packed" else (), layouts)
-               for mode, cache in caches.items()}
-        padded_rows = [r for r, t in enumerate(tokens) if t]
-        packed_rows = [r for r in padded_rows if r not in solo]
-        for i, row in enumerate(packed_rows):
-            n = len(tokens[row])
-            assert torch.allclose(out["packed"][i, :n], out["padded"][padded_rows.index(row), :n], atol=1e-9, rtol=0)
-        for cache in caches.values():
-            for slot, t in enumerate(tokens):
-                cache.commit(slot, cache.lengths[slot], list(range(len(t))))
-        _assert_same_kv(caches["packed"], caches["padded"])
+    _packed_against_padded(model, caches, prompts, steps, layouts)
 
 
 @pytest.mark.parametrize("varlen", VARLEN, ids=VARLEN_IDS)
