@@ -287,7 +287,8 @@ class SuffixDraft(LookupDraft):
     """``suffix``: SuffixDecoding's drafting over a per-request trie (prompt and output) and a
     node-wide trie of recent outputs (module docstring). ``max_match``: the longest suffix
     matched; ``max_spec``: the most tokens a draft looks ahead (the tries' depth is the sum);
-    ``max_nodes``: the node-wide trie's bound (each node some 150-250 bytes of Python objects)."""
+    ``max_nodes``: the node-wide trie's bound (each node some 250 bytes: its children's dict and
+    two list entries)."""
 
     name = "suffix"
 

@@ -83,8 +83,10 @@ def pack(cache: SlotKVCache, tokens: list[list[int]], parents: list[list[int] | 
     ``solo``: rows attended on their own whose logits nobody reads (a prompt chunk: hundreds of
     tokens that would pad every short verification row to their length). A row whose slot has
     a buffer of its own (see the module docstring; decided here, from what this forward writes)
-    is attended on its own too, with logits. The others share one group. The packed order is
-    solo rows, own-buffer rows, then the shared group, so the rows with logits are the last
+    is attended on its own too, with logits. The others share one group, or on a CPU (the
+    cache's ``group_overhead``) the contiguous groups :func:`split_rows` cuts them into, so one
+    long draft does not pad every short row. The packed order is solo rows, own-buffer rows,
+    then the shared rows in row order, so the rows with logits are the last
     ``PackedRows.keep`` tokens.
 
     ``pad``: where the step allows it, lay the rows out padded instead (:func:`_pack_padded`):
@@ -166,6 +168,7 @@ def pack(cache: SlotKVCache, tokens: list[list[int]], parents: list[list[int] | 
     cache._kv_len = max((g.kv_len for g in groups if g.own is None), default=0)  # the pool view attention reads
     logit_rows = max((sizes[r] for r in own + shared), default=0)
     return PackedRows(ids, positions.to(device), tuple(groups), starts, sizes, logit_rows, keep, cache)
+
 
 # What one more masked attention group costs on a CPU, in multiply-adds of attention (a row's
 # query against a key, over one head's width, for each query head). SDPA over the shapes of
