@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from bench.bench_workloads import load_tasks
+from goodspeed.drafter.prompts import chat_prompt_ids
 from goodspeed.lm.decoding.draft_source import DraftSpec
 from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.models.loading import load_causal_lm
@@ -39,7 +41,6 @@ from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 from goodspeed.verifier.local_policies.base import Plan
 
-TASKS = Path(__file__).parent / "workloads" / "tasks.jsonl"
 SHAPES = {  # draft lengths of the 8 rows
     "no drafts": [0] * 8,
     "one row of 1": [1] + [0] * 7,
@@ -94,11 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     target = load_causal_lm(args.target, dtype=args.dtype)
     tok = target.tokenizer
-    tasks = [json.loads(line) for line in TASKS.read_text().splitlines() if line.strip()]
-    prompts = []
-    for task in tasks[:: max(1, len(tasks) // 8)][:8]:
-        ids = tok.apply_chat_template(task["messages"], add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    tasks = load_tasks()
+    prompts = [chat_prompt_ids(tok, task["messages"]) for task in tasks[:: max(1, len(tasks) // 8)][:8]]
     fit = sdpa_fit(target.model.config, next(target.model.parameters()).dtype)
     print(f"masked attention: {fit['call_us']:.1f} us a call + {fit['per_row_key_query_us']:.4f} us per row, key and query "
           f"(+ {fit['extra_queries']:.2f} queries' worth per row and key): a call = {fit['call_in_row_key_pairs']:.0f} "

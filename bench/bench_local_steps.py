@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from bench.bench_workloads import load_tasks
+from goodspeed.drafter.prompts import chat_prompt_ids
 from goodspeed.lm.decoding.draft_source import DraftSpec
 from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.lm.models.loading import load_causal_lm
@@ -34,7 +36,6 @@ from goodspeed.lm.models.precision import resolve_dtype
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.local import LocalConfig, LocalServing
 
-TASKS = Path(__file__).parent / "workloads" / "tasks.jsonl"
 
 
 class GcClock:
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_causal_lm(args.target, dtype=args.dtype)
     tok = target.tokenizer
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    tasks = [json.loads(line) for line in TASKS.read_text().splitlines() if line.strip()]
+    tasks = load_tasks()
     clock = GcClock()
     engine = VerificationEngine(target.model, EngineConfig(seed=0))
     results = []
@@ -99,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = [t for t in tasks if t["category"] == category]
         if not mine:
             parser.error(f"no tasks of category {category!r}")
-        prompts = []
-        for i in range(8):
-            ids = tok.apply_chat_template(mine[i % len(mine)]["messages"], add_generation_prompt=True, tokenize=True)
-            prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        prompts = [chat_prompt_ids(tok, mine[i % len(mine)]["messages"]) for i in range(8)]
         run(engine, prompts[:2], "plain", eos, clock)  # warm-up
         for repeat in range(args.repeats):
             runs = {source: run(engine, prompts, source, eos, clock) for source in ["plain", *args.sources.split(",")]}

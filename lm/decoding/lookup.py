@@ -73,7 +73,7 @@ class SuffixTrie:
     A node is an index into flat lists (its count, and its children as a dict of token -> index),
     the root 0: the trie holds ints and dicts of ints only, which Python's cyclic garbage
     collector does not track. A trie of node objects had every collection walk all of them
-    (6.5% of a local-serving step at batch 8 in the generations' GC pauses, docs/MEASUREMENTS.md
+    (200-226 ms, 6-10% of a batch-8 local-serving run, in a full collection: docs/MEASUREMENTS.md
     *A suffix trie the garbage collector does not walk*)."""
 
     def __init__(self, depth: int) -> None:

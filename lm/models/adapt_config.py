@@ -20,8 +20,9 @@ class AdaptConfig:
     batch: int = 8
     seq_len: int = 128  # tokens a training window (generated tokens and the context before them)
     lr: float = 3e-4
-    # of the wall time while training (it pauses between steps): at 0.5 the requests served
-    # meanwhile took 1.17x as long, at 0.25 1.01x (docs/MEASUREMENTS.md, *An edge draft that adapts*)
+    # of the wall time while training (it pauses between steps): with the first fine-tune running
+    # through the last 9 of a node's first 25 requests, those 25 took 1.17x the shipped node's time
+    # at 0.5 and 1.01x at 0.25 (docs/MEASUREMENTS.md, *An edge draft that adapts*)
     cpu_share: float = 0.25
     dir: str | None = None  # where adopted weights persist; None: nowhere
     seed: int = 0
