@@ -28,7 +28,7 @@ from goodspeed.scheduler.goodspeed import (
     expected_goodput,
 )
 from goodspeed.scheduler.nightjar import NightjarBandit
-from goodspeed.scheduler.paying import PayingLength, paying_batch_lengths, paying_draft_length
+from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength, paying_batch_lengths, paying_draft_length, paying_lengths
 from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, default_eta, make_policy, POLICIES, smoothing_of
 from goodspeed.scheduler.allotments import DraftAllotments, OwnerSizedAllotments
 from goodspeed.scheduler.tetris import presample_scores, select_by_scores, select_tokens, verification_success_rate
@@ -39,6 +39,7 @@ __all__ = [
     "CandidateTree",
     "DraftAllotments",
     "DraftLengthPolicy",
+    "EvidenceAcceptance",
     "GoodputEstimator",
     "LatencyModel",
     "NightjarBandit",
@@ -58,6 +59,7 @@ __all__ = [
     "make_policy",
     "paying_batch_lengths",
     "paying_draft_length",
+    "paying_lengths",
     "random_draft_lengths",
     "select_tokens",
     "presample_scores",

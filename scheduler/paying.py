@@ -20,7 +20,9 @@ and of rejections, which a chain's verdict gives, decayed so a request's accepta
 its text, starting from the drafter's pooled acceptance over its recent verdicts), and per drafter
 the times (a smoothed mean of the drafting time; ``t_round`` and ``t_verify`` fitted by least
 squares over recent rounds, the slope taken from ``default_verify_ratio`` until the rounds'
-lengths vary enough to fit it). A request at ``S = 0`` drafts one token after ``probe_every``
+lengths vary enough to fit it: at least three distinct lengths, so one odd round cannot set the
+slope alone; rounds over :data:`OUTLIER_RATIO` times the median, as a new batch shape's first
+forward, are left out). A request at ``S = 0`` drafts one token after ``probe_every``
 rounds, so its acceptance is heard again and speculation resumes where it pays again; each probe
 that is rejected doubles the wait before the next (up to ``max_probe_every`` rounds), and one that
 is accepted, or a paying length, resets it, so text that never pays costs ever fewer probes.
@@ -57,34 +59,53 @@ def paying_draft_length(acceptance: float, allotted: int, draft_s_per_token: flo
 def paying_batch_lengths(acceptance, allotted: int, step_s: float, verify_s_per_token: float,
                          draft_s_per_step: float) -> list[int]:
     """A batch's draft lengths with the most expected tokens per second: each request ``i`` with
-    acceptance ``a_i`` drafts ``S_i <= allotted``; a step costs ``step_s + verify_s_per_token *
-    sum_i S_i + draft_s_per_step * max_i S_i`` (the draft model drafts the batch together, one
-    forward a step). For each longest length ``m``, the best set of ``n`` units is the ``n`` largest
-    gains ``a_i^s`` (``s <= m``; a request's gains fall with ``s``, so each takes a prefix), and
-    the best ``n`` is read off all of them; the best ``m`` wins (ties: the shorter). ``S = 0`` for
-    all where nothing pays.
+    acceptance ``a_i`` drafts ``S_i <= allotted``, its ``s``-th token accepted with probability
+    ``a_i^s`` (:func:`paying_lengths` with those paths).
 
     >>> paying_batch_lengths([0.9, 0.1], 4, step_s=0.03, verify_s_per_token=0.002, draft_s_per_step=0.0)
     [4, 0]
     """
     a = [float(x) for x in acceptance]
-    if any(not 0.0 <= x <= 1.0 for x in a) or allotted < 0 or step_s <= 0 or verify_s_per_token < 0 or draft_s_per_step < 0:
-        raise ValueError("need acceptances in [0, 1], allotted >= 0, step_s > 0 and non-negative per-token times")
-    best, best_rate = [0] * len(a), len(a) / step_s
-    for longest in range(1, allotted + 1):
-        units = sorted(((x ** s, i) for i, x in enumerate(a) for s in range(1, longest + 1)), key=lambda u: (-u[0], u[1]))
+    if any(not 0.0 <= x <= 1.0 for x in a) or allotted < 0:
+        raise ValueError("need acceptances in [0, 1] and allotted >= 0")
+    return paying_lengths([[x ** s for s in range(1, allotted + 1)] for x in a], step_s, verify_s_per_token, draft_s_per_step)
+
+
+def paying_lengths(paths, step_s: float, verify_s_per_token: float, draft_s_per_step: float) -> list[int]:
+    """A batch's draft lengths with the most expected tokens per second, where request ``i`` may
+    draft up to ``len(paths[i])`` tokens, its ``s``-th accepted (with the ones before it) with
+    probability ``paths[i][s-1]`` (non-increasing in ``s``): a lookup's proposal at its evidence's
+    acceptance, behind tokens a grammar forces (probability 1). A step costs ``step_s +
+    verify_s_per_token * sum_i S_i + draft_s_per_step * max_i S_i`` (the draft model drafts the
+    batch together, one forward a step) and yields ``sum_i (1 + sum_{s <= S_i} paths[i][s-1])``
+    tokens. For each longest length ``m``, the best set of ``n`` units is the ``n`` largest gains
+    (``s <= m``; a request's gains fall with ``s``, so each takes a prefix), and the best ``n`` is
+    read off all of them; the best ``m`` wins (ties: the shorter). ``S = 0`` for all where nothing
+    pays.
+
+    >>> paying_lengths([[1.0, 1.0, 0.2], [0.9, 0.8], []], step_s=0.03, verify_s_per_token=0.002, draft_s_per_step=0.0)
+    [2, 2, 0]
+    """
+    p = [[float(x) for x in path] for path in paths]
+    if (any(not 0.0 <= x <= 1.0 for path in p for x in path) or any(b > a for path in p for a, b in zip(path, path[1:]))
+            or step_s <= 0 or verify_s_per_token < 0 or draft_s_per_step < 0):
+        raise ValueError("need paths of non-increasing probabilities in [0, 1], step_s > 0 and non-negative per-token times")
+    best, best_rate = [0] * len(p), len(p) / step_s
+    for longest in range(1, max(map(len, p), default=0) + 1):
+        units = sorted(((g, i) for i, path in enumerate(p) for g in path[:longest]), key=lambda u: (-u[0], u[1]))
         gains = np.cumsum([g for g, _ in units])
         counts = np.arange(1, len(units) + 1)
-        rates = (len(a) + gains) / (step_s + draft_s_per_step * longest + verify_s_per_token * counts)
+        rates = (len(p) + gains) / (step_s + draft_s_per_step * longest + verify_s_per_token * counts)
         n = int(np.argmax(rates)) + 1
         if rates[n - 1] > best_rate:
-            lengths = [0] * len(a)
+            lengths = [0] * len(p)
             for _, i in units[:n]:
                 lengths[i] += 1
             best, best_rate = lengths, float(rates[n - 1])
     return best
 
 
+OUTLIER_RATIO = 4.0  # rounds slower than this many times the window's median stay out of the round-time fit
 PRIOR_WEIGHT = 2.0  # verdicts' worth of the pooled acceptance a new request starts with
 POOLED_DECAY = 0.95  # the pooled counts' decay a verdict (its memory: some 20 verdicts)
 
@@ -146,7 +167,9 @@ class PayingLength:
             return None
         s = np.array([r[0] for r in self._rounds], dtype=np.float64)
         t = np.array([r[1] for r in self._rounds], dtype=np.float64)
-        if (var := float(s.var())) >= 0.5 and len(s) >= 4:  # least squares, in closed form
+        usual = t <= OUTLIER_RATIO * float(np.median(t))  # a cold shape's first run, a GC pause, the OS: left out
+        s, t = s[usual], t[usual]
+        if (var := float(s.var())) >= 0.5 and len(set(s.tolist())) >= 3:  # least squares, in closed form
             slope = float(((s - s.mean()) * (t - t.mean())).mean()) / var
             intercept = float(t.mean()) - slope * float(s.mean())
             if intercept > 0:
@@ -194,3 +217,82 @@ class PayingLength:
             per = seconds / steps
             w = self.smoothing if self.draft_s_per_token else 1.0
             self.draft_s_per_token = w * per + (1 - w) * self.draft_s_per_token
+
+
+@dataclass
+class EvidenceAcceptance:
+    """Acceptance of a lookup's drafts by the evidence behind each proposal: the length of the
+    context it matched (:attr:`goodspeed.lm.decoding.proposals.ChainDraft.evidence`). A lookup
+    proposing after one matched token is taken far less often than one after eight, on the same
+    request (prompt lookup and suffix drafting alike), so one acceptance a request over-drafts weak
+    matches and under-drafts strong ones. Each evidence class (match lengths above
+    ``max_evidence`` share one) keeps counts pooled over every request (decayed by
+    :data:`POOLED_DECAY` a verdict) and each request its own on top (decayed by ``decay``,
+    starting from the pool's rate as :data:`PRIOR_WEIGHT` verdicts). A class proposed but drafted
+    by no request gets a one-token probe after ``probe_every`` steps, the wait doubled by each
+    rejected probe in a row (at most ``max_probe_every``), so a class that starts paying again
+    is heard."""
+
+    decay: float = 0.8
+    max_evidence: int = 8
+    probe_every: int = 8
+    max_probe_every: int = 64
+    _pools: dict = field(default_factory=dict)  # class -> _Acceptance over every request
+    _requests: dict = field(default_factory=dict)  # request -> {class: _Acceptance}
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.decay < 1 and self.max_evidence >= 0 and 1 <= self.probe_every <= self.max_probe_every):
+            raise ValueError("EvidenceAcceptance needs decay in [0, 1), max_evidence >= 0 and "
+                             "1 <= probe_every <= max_probe_every")
+
+    def bucket(self, evidence: int) -> int:
+        return max(0, min(int(evidence), self.max_evidence))
+
+    def rate(self, request: Hashable, evidence: int) -> float:
+        """The chance the target takes each drafted token of ``request``'s proposal backed by
+        ``evidence``, given it took the ones before."""
+        return self._state(request, self.bucket(evidence)).rate
+
+    def _pool(self, b: int) -> _Acceptance:
+        return self._pools.setdefault(b, _Acceptance())
+
+    def _state(self, request: Hashable, b: int) -> _Acceptance:
+        mine = self._requests.setdefault(request, {})
+        state = mine.get(b)
+        if state is None:
+            rate = self._pool(b).rate
+            state = mine[b] = _Acceptance(PRIOR_WEIGHT * rate, PRIOR_WEIGHT * (1.0 - rate))
+        return state
+
+    def due_probes(self, drafting, idle) -> set[int]:
+        """One step's probes: ``drafting`` the evidence of the proposals drafted (their classes'
+        waits reset), ``idle`` that of proposals given no tokens; returns the idle classes whose
+        wait is over (each gets one probe token this step)."""
+        drafting = {self.bucket(e) for e in drafting}
+        due = set()
+        for b in drafting:
+            pool = self._pool(b)
+            pool.idle_rounds = pool.misses = 0
+        for b in {self.bucket(e) for e in idle} - drafting:
+            pool = self._pool(b)
+            pool.idle_rounds += 1
+            if pool.idle_rounds >= min(self.probe_every << min(pool.misses, 30), self.max_probe_every):
+                pool.idle_rounds = 0
+                due.add(b)
+        return due
+
+    def observe(self, request: Hashable, evidence: int, drafted: int, accepted: int, probe: bool = False) -> None:
+        """A verdict on ``drafted`` looked-up tokens backed by ``evidence`` (tokens a grammar forced
+        before them aside): ``accepted`` of them taken. ``probe``: the draft was a probe."""
+        if drafted <= 0:
+            return
+        b = self.bucket(evidence)
+        own, pool = self._state(request, b), self._pool(b)
+        if probe:
+            pool.misses = pool.misses + 1 if accepted == 0 else 0
+        for state, decay in ((own, self.decay), (pool, POOLED_DECAY)):
+            state.accepted = decay * state.accepted + accepted
+            state.rejected = decay * state.rejected + (accepted < drafted)
+
+    def forget(self, request: Hashable) -> None:
+        self._requests.pop(request, None)

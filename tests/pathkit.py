@@ -23,8 +23,9 @@ def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, dr
     return [out for d in ds for out in d.outputs], results
 
 
-def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=()):
-    """``prompts`` through local serving under ``policy``; outputs in prompt order, and the serving."""
+def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=(), min_drafted=None):
+    """``prompts`` through local serving under ``policy``; outputs in prompt order, and the serving.
+    ``min_drafted``: the fewest tokens it must have drafted (default: more than one a prompt)."""
     engine = VerificationEngine(target, EngineConfig())
     config = LocalConfig(policy=policy, k=2, extra=2, budget=24, max_requests=8, max_waiting=len(prompts))
     serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
@@ -34,7 +35,7 @@ def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=()):
         pass
     assert len(serving.finished) == len(prompts)
     if policy != "none":
-        assert serving.stats()["drafted"] > len(prompts)
+        assert serving.stats()["drafted"] > (len(prompts) if min_drafted is None else min_drafted - 1)
     return [r.generated for r in sorted(serving.finished, key=lambda r: int(r.request_id.split("-")[1]))], serving
 
 

@@ -377,7 +377,7 @@ class LocalServing:
             self.admission.observe(len(reqs), emitted, duration)
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
-        self.policy.observe(len(reqs), k, emitted, duration)
+        self.policy.observe(len(reqs), k, emitted, duration, prefill_tokens=result.prefill_tokens)
         self.retry_hint_s = self.retry_after_s()
         for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted),
                            ("drafting_s", work.planned - work.planning), ("round_s", now - work.planned)):

@@ -324,10 +324,10 @@ def _after_forced(forced: list[int], draft: ChainDraft, sampling: SamplingParams
     """``forced`` point masses, then ``draft``: its q rows (if any) after one-hot rows for them."""
     if not draft.token_ids or draft.probs is None:
         return ChainDraft(forced + list(draft.token_ids), None, [1.0] * len(forced) + list(draft.token_probs),
-                          sampled=not sampling.greedy)
+                          sampled=not sampling.greedy, forced=len(forced), evidence=draft.evidence)
     import torch  # a model's q rows: torch is loaded already
 
     one_hot = torch.zeros(len(forced), draft.probs.shape[-1], dtype=draft.probs.dtype, device=draft.probs.device)
     one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
     return ChainDraft(forced + list(draft.token_ids), torch.cat([one_hot, draft.probs]),
-                      [1.0] * len(forced) + list(draft.token_probs), sampled=draft.sampled)
+                      [1.0] * len(forced) + list(draft.token_probs), sampled=draft.sampled, forced=len(forced))

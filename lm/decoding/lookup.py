@@ -58,11 +58,15 @@ class NgramIndex:
     def propose(self, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens after the latest earlier occurrence of the longest suffix
         that occurred before; [] when none did."""
+        return self.match(max_tokens)[0]
+
+    def match(self, max_tokens: int) -> tuple[list[int], int]:
+        """:meth:`propose`'s tokens and the length of the suffix they follow (0: none matched)."""
         for n in range(min(self.max_n, len(self.tokens) - 1), self.min_n - 1, -1):
             end = self._latest.get(tuple(self.tokens[-n:]))
             if end is not None:
-                return self.tokens[end + 1 : end + 1 + max_tokens]
-        return []
+                return self.tokens[end + 1 : end + 1 + max_tokens], n
+        return [], 0
 
 
 class SuffixTrie:
@@ -188,10 +192,13 @@ class SuffixTrie:
 class LookupDraft:
     """Batched drafting by lookup: the interface of :class:`~goodspeed.lm.runtime.batch_draft.BatchDraftModel`
     that edge nodes and local serving call, with no model and no forwards. Subclasses keep one
-    state a request (``_new_state``), bring it up to the committed text and propose from it."""
+    state a request (``_new_state``), bring it up to the committed text and propose from it. Each
+    chain carries its evidence (:attr:`~goodspeed.lm.decoding.proposals.ChainDraft.evidence`: the
+    length of the context matched), which the goodput rule reads its acceptance by."""
 
     name = ""
     graphs = None  # no fixed-shape forwards to warm up
+    free_proposals = True  # proposing costs no forward: a policy may look up the longest draft, then keep what pays
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = int(vocab_size)
@@ -221,12 +228,16 @@ class LookupDraft:
         none, where the lookup finds less). No random stream is drawn from."""
         out = {}
         for key, n in lengths.items():
-            tokens = self.propose(key, committed[key], n) if n > 0 else []
-            out[key] = ChainDraft(tokens, None, [1.0] * len(tokens), sampled=not sampling[key].greedy)
+            tokens, evidence = self.proposal(key, committed[key], n) if n > 0 else ([], 0)
+            out[key] = ChainDraft(tokens, None, [1.0] * len(tokens), sampled=not sampling[key].greedy, evidence=evidence)
         return out
 
     def propose(self, key: str, committed: Sequence[int], max_tokens: int) -> list[int]:
         """The lookup's draft of at most ``max_tokens`` tokens after ``committed``."""
+        return self.proposal(key, committed, max_tokens)[0]
+
+    def proposal(self, key: str, committed: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
+        """:meth:`propose`'s draft and its evidence: the length of the context it matched."""
         state = self.slots[key]
         self._sync(state, committed)
         return self._propose(state, max_tokens)
@@ -241,7 +252,8 @@ class LookupDraft:
         state's is read afresh, as after a resynchronisation)."""
         raise NotImplementedError
 
-    def _propose(self, state, max_tokens: int) -> list[int]:
+    def _propose(self, state, max_tokens: int) -> tuple[list[int], int]:
+        """The draft and the length of the context it matched."""
         raise NotImplementedError
 
     def _learn(self, state, committed: Sequence[int] | None) -> None:
@@ -272,8 +284,8 @@ class PromptLookup(LookupDraft):
             state.__init__(self.min_n, self.max_n)
         state.extend(committed[len(state.tokens) :])
 
-    def _propose(self, state: NgramIndex, max_tokens: int) -> list[int]:
-        return state.propose(max_tokens)
+    def _propose(self, state: NgramIndex, max_tokens: int) -> tuple[list[int], int]:
+        return state.match(max_tokens)
 
 
 class _SuffixState:
@@ -320,15 +332,15 @@ class SuffixDraft(LookupDraft):
         state.tokens.extend(new)
         state.trie.append(new)
 
-    def _propose(self, state: _SuffixState, max_tokens: int) -> list[int]:
-        best: tuple[list[int], float] = ([], 0.0)  # the draft, and its expected accepted tokens
+    def _propose(self, state: _SuffixState, max_tokens: int) -> tuple[list[int], int]:
+        best: tuple[list[int], float, int] = ([], 0.0, 0)  # the draft, its expected accepted tokens, its match
         for trie in (state.trie, self.outputs):
             node, length = trie.match(state.tokens, self.max_match)
             limit = min(max_tokens, self.max_spec, math.ceil(self.max_spec_factor * length))
             tokens, score = trie.continue_from(node, limit, self.min_token_prob)
             if score > best[1]:
-                best = (tokens, score)
-        return best[0]
+                best = (tokens, score, length)
+        return best[0], best[2]
 
     def _learn(self, state: _SuffixState, committed: Sequence[int] | None) -> None:
         if committed is not None:

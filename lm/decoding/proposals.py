@@ -22,6 +22,10 @@ class ChainDraft:
     # q) the draft's softmax probability of its argmax
     token_probs: list[float]
     sampled: bool = False  # drawn from q (temperature > 0), not the argmax
+    forced: int = 0  # leading tokens a grammar forced (fast-forward: always accepted)
+    # a lookup's evidence for the tokens after the forced ones: the length of the context it
+    # matched (goodspeed.lm.decoding.lookup); None for a model's draft
+    evidence: int | None = None
 
     def q_rows(self) -> torch.Tensor | None:
         return self.probs if self.token_ids else None

@@ -332,7 +332,7 @@ def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_t
 
     class AlwaysWrong(PromptLookup):  # a source that proposes a token the target's greedy text never holds
         def _propose(self, state, max_tokens):
-            return [wrong] * max_tokens
+            return [wrong] * max_tokens, 1
 
     drafted = {}
     for rule in ("allotted", "goodput"):

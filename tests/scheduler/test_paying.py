@@ -1,6 +1,7 @@
 """The drafter's own length rule (goodspeed.scheduler.paying): the paying length against brute
 force, and the estimator on scripted rounds: drafting falls to zero where it does not pay, probes,
-and recovers when the text turns repetitive again."""
+and recovers when the text turns repetitive again; the round-cost fit's guards against one odd
+round; a lookup's acceptance by its evidence (match length) and its probes."""
 
 import itertools
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from goodspeed.scheduler.goodspeed import expected_goodput
-from goodspeed.scheduler.paying import PayingLength, paying_batch_lengths, paying_draft_length
+from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength, paying_batch_lengths, paying_draft_length, paying_lengths
 
 
 @pytest.mark.parametrize("a, draft, rnd, verify", list(itertools.product(
@@ -110,3 +111,81 @@ def test_the_batch_lengths_have_the_most_tokens_per_second(seed):
 def test_a_batch_drafts_for_the_requests_that_pay_and_nothing_where_none_does():
     assert paying_batch_lengths([0.9, 0.05, 0.9], 4, 0.03, 0.002, 0.001) == [4, 0, 4]
     assert paying_batch_lengths([0.05] * 8, 6, 0.2, 0.004, 0.003) == [0] * 8
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lengths_over_per_position_paths_have_the_most_tokens_per_second(seed):
+    """Each request's own non-increasing path (forced tokens at 1, then a lookup's falling
+    probabilities), capped by its length, against every combination."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for _ in range(3):
+        forced = int(rng.integers(0, 3))
+        a = float(rng.choice([0.0, 0.2, 0.5, 0.8, 1.0]))
+        paths.append([1.0] * forced + [a ** j for j in range(1, int(rng.integers(0, 4)) + 1)])
+    step, verify, draft = rng.choice([0.01, 0.05]), rng.choice([0.0, 0.001, 0.01]), rng.choice([0.0, 0.002, 0.02])
+
+    def rate(lengths):
+        tokens = sum(1 + sum(path[:s]) for path, s in zip(paths, lengths))
+        return tokens / (step + verify * sum(lengths) + draft * max(lengths))
+
+    best = max(rate(s) for s in itertools.product(*(range(len(p) + 1) for p in paths)))
+    got = paying_lengths(paths, step, verify, draft)
+    assert rate(got) == pytest.approx(best) and all(0 <= s <= len(p) for s, p in zip(got, paths))
+
+
+def test_paths_must_be_probabilities_that_do_not_rise():
+    for bad in ([[0.5, 0.6]], [[1.2]], [[-0.1]]):
+        with pytest.raises(ValueError):
+            paying_lengths(bad, 0.03, 0.001, 0.0)
+    assert paying_lengths([[], []], 0.03, 0.001, 0.0) == [0, 0]
+
+
+def test_one_odd_round_does_not_set_the_fitted_cost_of_a_drafted_token():
+    """A new batch shape's first forward (here 16x the usual time) among rounds of two lengths: the
+    fit leaves it out and, with fewer than three lengths, keeps the default ratio."""
+    rule = PayingLength(default_verify_ratio=0.03)
+    rule.observe_round("batch", 48, 0, 0.47)
+    for s in (0, 0, 5, 0, 0, 0, 5, 0):
+        rule.observe_round("batch", s, 0, 0.026 + 0.0007 * s)
+    base, per_token = rule.round_costs()
+    assert per_token == pytest.approx(0.03 * base) and base == pytest.approx(0.0266, rel=0.05)
+    for s in (2, 3, 2, 3):  # more lengths: fitted, and still without the odd round
+        rule.observe_round("batch", s, 0, 0.026 + 0.0007 * s)
+    base, per_token = rule.round_costs()
+    assert base == pytest.approx(0.026) and per_token == pytest.approx(0.0007)
+
+
+def test_a_lookups_acceptance_is_kept_by_its_evidence_pooled_and_per_request():
+    rule = EvidenceAcceptance(decay=0.5, max_evidence=4)
+    assert rule.rate("r", 1) == rule.rate("r", 4) == 0.5  # nothing heard: the prior
+    for i in range(10):  # short matches rejected at once, long ones taken whole, over many requests
+        rule.observe(f"q{i}", 1, 3, 0)
+        rule.observe(f"q{i}", 7, 4, 4)
+    assert rule.rate("new", 1) < 0.2 and rule.rate("new", 9) > 0.9  # a new request starts from the pools
+    assert rule.rate("new", 6) == rule.rate("new", 4)  # matches past max_evidence share one class
+    for _ in range(4):  # this request's own short matches are taken: its rate rises, the pool's less
+        rule.observe("mine", 1, 2, 2)
+    assert rule.rate("mine", 1) > 0.7 > rule.rate("other", 1)
+    rule.forget("mine")
+    assert rule.rate("mine", 1) == pytest.approx(rule.rate("other", 1))
+    rule.observe("r", 1, 0, 0)  # nothing drafted: nothing heard
+    with pytest.raises(ValueError):
+        EvidenceAcceptance(probe_every=8, max_probe_every=4)
+
+
+def test_a_class_no_request_drafts_is_probed_and_rejected_probes_double_the_wait():
+    rule = EvidenceAcceptance(probe_every=4, max_probe_every=16)
+    due_at = []
+    for step in range(60):
+        due = rule.due_probes(drafting=[5], idle=[1, 5])  # class 5 drafts every step: never idle, never probed
+        assert 5 not in due
+        if 1 in due:
+            due_at.append(step)
+            rule.observe("r", 1, 1, 0, probe=True)  # rejected
+    gaps = [b - a for a, b in zip([-1] + due_at, due_at)]
+    assert gaps[:3] == [4, 8, 16] and set(gaps[3:]) == {16}, gaps
+    rule.observe("r", 1, 1, 1, probe=True)  # an accepted probe: the wait is probe_every again
+    assert [s for s in range(8) if 1 in rule.due_probes([], [1])] == [3, 7]
+    rule.due_probes(drafting=[1], idle=[])  # drafted with a paying length: the wait starts over
+    assert [s for s in range(4) if 1 in rule.due_probes([], [1])] == [3]

@@ -1,11 +1,13 @@
 """Local serving: every policy is lossless under greedy decoding (the target's own, trees
 included; sampled outputs: test_local_lossless.py), AdaServe meets a tight SLO that fixed-k
-chains miss, and TurboSpec / Nightjar switch speculation off where it cannot pay and on where it does."""
+chains miss, TurboSpec / Nightjar switch speculation off where it cannot pay and on where it does,
+and the goodput policy keeps a lookup's drafts by the evidence behind them."""
 
 import pytest
 
 from goodspeed.lm.runtime.batch_draft import BatchDraftModel
 from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.decoding.lookup import LookupDraft
 from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.scheduler import LatencyModel
 from goodspeed.verifier import errors
@@ -227,6 +229,58 @@ def test_speculation_switches_off_where_it_cannot_pay_and_on_where_it_does(model
     assert off > 0.8 and on > 0.8, (off, on, ks)
 
 
+class OracleLookup(LookupDraft):
+    """A lookup that knows each prompt's greedy continuation: after a text of even length it
+    proposes it, backed by a long match (evidence 6); after an odd one, the wrong tokens, backed by
+    one matched token (evidence 1). One request's acceptance is the mix of both."""
+
+    name = "oracle"
+
+    def __init__(self, vocab_size, truth):
+        super().__init__(vocab_size)
+        self.truth = truth
+
+    def _new_state(self):
+        return []
+
+    def _sync(self, state, committed):
+        state[:] = [int(t) for t in committed]
+
+    def _propose(self, state, max_tokens):
+        prompt = next(p for p in self.truth if tuple(state[: len(p)]) == p)
+        done = len(state) - len(prompt)
+        tokens = self.truth[prompt][done : done + max_tokens]
+        if len(state) % 2 == 0:
+            return tokens, 6
+        return [(t + 1) % self.vocab_size for t in tokens], 1
+
+
+@pytest.mark.parametrize("by_evidence", [True, False])
+def test_the_goodput_policy_keeps_a_lookups_drafts_by_their_evidence(models, by_evidence):
+    """Proposals backed by a long match are always taken, those backed by one matched token never,
+    in the same requests: the policy learns each class's acceptance and drafts the first at full
+    length and the second little (its first steps, then backed-off probes); the output is the
+    target's greedy decoding. Negative control: by one acceptance a request (the lookup's
+    proposals taken as a model's, ``free_proposals`` off), most drafted tokens are wasted."""
+    target, _ = models
+    prompts = [tuple(p) for p in PROMPTS]
+    truth = {p: greedy_reference(target, list(p), 40) for p in prompts}
+    source = OracleLookup(target.config.vocab_size, truth)
+    source.free_proposals = by_evidence
+    serving = serve(target, source, "goodput", max_requests=6, k=4, max_k=4)
+    for p in prompts:
+        serving.submit(list(p), max_new_tokens=40)
+    while serving.step() is not None:
+        pass
+    done = {tuple(r.prompt_ids): r for r in serving.finished}
+    assert all(done[p].generated == truth[p] for p in prompts)
+    drafted, accepted = serving.stats()["drafted"], serving.stats()["accepted"]
+    if by_evidence:
+        assert accepted >= 0.8 * drafted and accepted >= 6 * 12, (drafted, accepted)
+    else:
+        assert accepted < 0.6 * drafted, (drafted, accepted)
+
+
 def test_the_wait_queue_is_bounded(models):
     """1,000 queued Generate requests used to be accepted (+130 MB); past max_waiting they are refused."""
     target, draft = models
@@ -287,7 +341,7 @@ def test_a_local_policy_is_one_registered_class(models, monkeypatch):
             k = self.serving.config.k if self.serving.totals["steps"] % 2 else 0
             return self.serving.chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
 
-        def observe(self, batch_size, k, emitted, duration_s):
+        def observe(self, batch_size, k, emitted, duration_s, prefill_tokens=0):
             self.seen.append(k)
 
     with pytest.raises(ValueError, match="unknown local policy 'every-other'"):

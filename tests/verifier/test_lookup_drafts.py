@@ -1,8 +1,8 @@
 """Lookup drafts (goodspeed.lm.decoding.lookup) and the hybrid (goodspeed.lm.decoding.draft_source) through the
 engine: greedy output equals the target's greedy decoding on edge drafters and in local serving
 under every chain policy, and for the hybrid's trees under AdaServe; sampled output follows the target's exact distribution of the first two
-tokens (chi-square, p = 1e-5), on an edge drafter, in local serving (chains and the hybrid's
-trees), and after a rejection
+tokens (chi-square, p = 1e-5), on an edge drafter, in local serving (chains, the goodput policy's
+prefixes cut by evidence, and the hybrid's trees), and after a rejection
 (a prompt whose lookup proposes a token the target rarely takes). Power check: a lookup's draft
 sent with a ``q`` it was not drawn from (uniform instead of its point mass) fails the same test
 at the default sample size with p < 1e-6."""
@@ -55,7 +55,7 @@ def test_greedy_on_edge_drafters_is_the_targets_greedy_decoding(loopy, name):
     assert sum(v.num_accepted for r in results for v in r.verdicts.values()) > len(prompts)  # the lookups drafted
 
 
-@pytest.mark.parametrize("policy", ["chain", "tetris", "nightjar"])
+@pytest.mark.parametrize("policy", ["chain", "tetris", "nightjar", "goodput"])
 @pytest.mark.parametrize("name", SOURCES)
 def test_greedy_in_local_serving_is_the_targets_greedy_decoding(loopy, name, policy):
     target, draft = loopy
@@ -90,6 +90,18 @@ def test_sampled_lookup_drafts_on_edge_drafters_follow_the_target(target, name):
     sampling = SamplingParams(temperature=1.0)
     ok, msg = fits(count_first_two(sampled_edge(target, name, sampling), V), exact_first_two(target, PROMPT, sampling))
     assert ok, msg
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix"])
+def test_sampled_lookup_drafts_under_the_goodput_policy_follow_the_target(target, name):
+    """The goodput policy looks a lookup's longest draft up, then verifies the prefix that pays by
+    its evidence: the cut reads only past verdicts, so the output keeps the target's distribution."""
+    sampling = SamplingParams(temperature=1.0)
+    prompt = [3, 2, 4, 5, 3, 2]  # the lookups propose 4, 5, ...: the target's 4 has p = 0.39, so drafting pays at times
+    outputs, serving = run_local(target, SOURCES[name](target, None), sampling, "goodput", [prompt] * 800, 3, min_drafted=60)
+    ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, prompt, sampling))
+    assert ok, msg
+    assert serving.stats()["accepted"] >= 20
 
 
 def test_sampled_hybrid_drafts_in_local_serving_follow_the_target(target):

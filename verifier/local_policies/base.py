@@ -54,5 +54,6 @@ class LocalPolicy:
     def plan(self, reqs: list[LocalRequest]) -> tuple[dict[str, Plan], int | None]:
         raise NotImplementedError
 
-    def observe(self, batch_size: int, k: int | None, emitted: int, duration_s: float) -> None:
-        """The iteration planned with ``k`` emitted ``emitted`` tokens in ``duration_s`` seconds."""
+    def observe(self, batch_size: int, k: int | None, emitted: int, duration_s: float, prefill_tokens: int = 0) -> None:
+        """The iteration planned with ``k`` emitted ``emitted`` tokens in ``duration_s`` seconds,
+        ``prefill_tokens`` of other requests' prompts prefilled in the same forward."""

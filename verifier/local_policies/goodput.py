@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from goodspeed.scheduler import PayingLength, paying_batch_lengths
-from goodspeed.verifier.local_policies.base import LocalPolicy
+from goodspeed.scheduler import EvidenceAcceptance, PayingLength, paying_batch_lengths, paying_lengths
+from goodspeed.verifier.local_policies.base import LocalPolicy, Plan
 
 
 class GoodputChains(LocalPolicy):
@@ -16,14 +16,23 @@ class GoodputChains(LocalPolicy):
     measured costs: a round's time fitted against the tokens it verified, the draft's forward
     time per drafting step. A request whose
     drafts do not pay drafts nothing, and one token after ``probe_every`` steps to hear its
-    acceptance again (longer after rejected probes: :meth:`~goodspeed.scheduler.PayingLength.probed`). The first step, with nothing measured, drafts ``k``."""
+    acceptance again (longer after rejected probes: :meth:`~goodspeed.scheduler.PayingLength.probed`). The first step, with nothing measured, drafts ``k``.
+
+    A draft source that proposes at no cost (a lookup: ``free_proposals``) is asked for every
+    request's longest chain first, and each keeps the prefix that pays
+    (:func:`goodspeed.scheduler.paying_lengths`), its tokens taken at the acceptance of the
+    lookup's evidence (the context it matched; :class:`~goodspeed.scheduler.EvidenceAcceptance`),
+    tokens a grammar forces at 1. A weak match drafts nothing where the batch's step makes its
+    tokens cost more than they bring, a long one drafts long."""
 
     name = "goodput"
 
     def __init__(self, serving):
         super().__init__(serving)
         self.costs = PayingLength()
+        self.evidence = EvidenceAcceptance()
         self._seen: dict[str, tuple[int, int]] = {}  # a request's drafted and accepted totals at its last plan
+        self._looked: dict[str, tuple[int, int, int, bool]] = {}  # a lookup's last plan: evidence, forced, kept, probe
         self._drafted = 0
         self._drafting_s = 0.0
 
@@ -41,12 +50,20 @@ class GoodputChains(LocalPolicy):
         current = {r.request_id for r in reqs}
         for gone in [key for key in self._seen if key not in current]:  # finished (or prefilling again): forgotten
             del self._seen[gone]
+            self._looked.pop(gone, None)
             self.costs.forget(gone)
+            self.evidence.forget(gone)
         for r in reqs:  # each request's last verdict, from its running totals: accepted tokens and a rejection
             before = self._seen.get(r.request_id, (0, 0))
-            self.costs.observe_round(r.request_id, r.drafted - before[0], r.accepted - before[1], math.nan)
+            drafted, accepted = r.drafted - before[0], r.accepted - before[1]
+            self.costs.observe_round(r.request_id, drafted, accepted, math.nan)
+            if drafted and (looked := self._looked.pop(r.request_id, None)) is not None:
+                evidence, forced, kept, probe = looked
+                self.evidence.observe(r.request_id, evidence, kept - forced, max(0, accepted - forced), probe)
             self._seen[r.request_id] = (r.drafted, r.accepted)
         costs = self.costs.round_costs()
+        if costs is not None and getattr(s.draft, "free_proposals", False):
+            return self._plan_lookups(reqs, costs), None
         if costs is None:
             lengths = {r.request_id: min(cfg.k, r.cap) for r in reqs}
         else:
@@ -59,5 +76,37 @@ class GoodputChains(LocalPolicy):
         self._drafting_s = s.clock.now() - started
         return plans, None
 
-    def observe(self, batch_size, k, emitted, duration_s):
-        self.costs.observe_round("batch", self._drafted, 0, duration_s - self._drafting_s)
+    def observe(self, batch_size, k, emitted, duration_s, prefill_tokens=0):
+        if not prefill_tokens:  # a step that prefilled a prompt too says nothing of what drafted tokens cost
+            self.costs.observe_round("batch", self._drafted, 0, duration_s - self._drafting_s)
+
+    def _plan_lookups(self, reqs, costs) -> dict[str, Plan]:
+        """Every request's longest lookup (grammar-forced tokens first), then the prefixes that
+        pay, by each proposal's evidence; an evidence class no request drafts is probed now and
+        then (:meth:`~goodspeed.scheduler.EvidenceAcceptance.due_probes`)."""
+        s, cfg = self.serving, self.serving.config
+        started = s.clock.now()
+        drafts = s.draft_chains(reqs, {r.request_id: min(cfg.max_k, r.cap) for r in reqs})
+        paths = []
+        for r in reqs:
+            d = drafts[r.request_id]
+            a = self.evidence.rate(r.request_id, d.evidence or 0)
+            paths.append([1.0] * d.forced + [a ** j for j in range(1, len(d.token_ids) - d.forced + 1)])
+        chosen = paying_lengths(paths, costs[0], costs[1], 0.0)
+        looked = [(r, drafts[r.request_id], n) for r, n in zip(reqs, chosen)]
+        due = self.evidence.due_probes([d.evidence or 0 for _, d, n in looked if n > d.forced],
+                                       [d.evidence or 0 for _, d, n in looked if n <= d.forced < len(d.token_ids)])
+        plans = {}
+        for r, d, n in looked:
+            probe = n <= d.forced < len(d.token_ids) and self.evidence.bucket(d.evidence or 0) in due
+            if probe:
+                due.discard(self.evidence.bucket(d.evidence or 0))
+                n = d.forced + 1
+            s.totals["forced"] -= max(0, d.forced - n)  # counted as drafted, then cut
+            if n > d.forced:
+                self._looked[r.request_id] = (d.evidence or 0, d.forced, n, probe)
+            q = d.q_rows()
+            plans[r.request_id] = Plan(d.token_ids[:n], None, q[:n] if q is not None and n else None)
+        self._drafted = sum(len(p.token_ids) for p in plans.values())
+        self._drafting_s = s.clock.now() - started
+        return plans

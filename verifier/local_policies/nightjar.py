@@ -30,6 +30,6 @@ class NightjarChains(LocalPolicy):
         k = self.bandit.choose_arm(len(reqs), s.rng, prefill_cost_s=s.draft_forward_s)
         return s.timed_chains(reqs, {r.request_id: min(k, r.cap) for r in reqs}), k
 
-    def observe(self, batch_size, k, emitted, duration_s):
+    def observe(self, batch_size, k, emitted, duration_s, prefill_tokens=0):
         if k is not None and duration_s > 0:
             self.bandit.observe(batch_size, k, emitted / duration_s)

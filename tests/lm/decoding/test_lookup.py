@@ -1,6 +1,7 @@
 """Model-free draft sources (goodspeed.lm.decoding.lookup) against brute-force references: prompt lookup's
 matches, the suffix trie's substring counts (streamed, added whole, removed), its longest match
-and most frequent continuation, the node-wide cache's eviction under its bound; and the draft
+and most frequent continuation (and the match length each draft carries as its evidence), the
+node-wide cache's eviction under its bound; and the draft
 source names, the hybrid's choice, and its trees (goodspeed.lm.decoding.draft_source): the lookup's branch
 added to a beam tree holds exactly the union of both trees' paths."""
 
@@ -25,12 +26,12 @@ def texts(seed: int, count: int = 40, vocab: int = 4, max_len: int = 40):
     return [[rng.randrange(vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(count)]
 
 
-def brute_ngram(tokens, min_n, max_n, k):
+def brute_ngram(tokens, min_n, max_n, k, with_length=False):
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         for end in range(len(tokens) - 2, n - 2, -1):  # latest earlier occurrence first
             if tokens[end - n + 1 : end + 1] == tokens[-n:]:
-                return tokens[end + 1 : end + 1 + k]
-    return []
+                return (tokens[end + 1 : end + 1 + k], n) if with_length else tokens[end + 1 : end + 1 + k]
+    return ([], 0) if with_length else []
 
 
 def brute_counts(seqs, depth):
@@ -65,6 +66,7 @@ def test_prompt_lookup_streamed_in_pieces_equals_the_brute_force_search(seed):
             done += step
             now = tokens[:done]
             assert index.propose(6) == brute_ngram(now, index.min_n, index.max_n, 6), now
+            assert index.match(6) == brute_ngram(now, index.min_n, index.max_n, 6, with_length=True), now
 
 
 def test_ngram_sizes_are_checked():
@@ -164,6 +166,7 @@ def test_suffix_drafts_from_the_request_and_from_earlier_outputs():
     source.add("b")
     draft = source.draft_chains({"b": [50, 51, 9, 8]}, {"b": 8}, {"b": SamplingParams(temperature=1.0)})["b"]
     assert draft.token_ids == [7, 6] and draft.probs is None and draft.sampled  # the point mass, from the node's cache
+    assert draft.evidence == 2  # "9 8" matched in the cached output
     assert source.draft_chains({"b": [50, 51, 9, 8]}, {"b": 1}, {"b": GREEDY})["b"].token_ids == [7]  # at most S
     assert source.draft_chains({"b": [50, 51]}, {"b": 0}, {"b": GREEDY})["b"].token_ids == []
 
