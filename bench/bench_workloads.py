@@ -19,7 +19,9 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   (``--local-draft SOURCE --local-policy goodput``, or ``chain``, or ``adaserve`` with its trees for
   the sources that draft them: ``model``, ``hybrid``) and one plain (``none``), all pinned to the
   same CPUs, served in turn batch by batch (interleaved); only one works at a time. A batch is one
-  category's tasks, cycled to ``--batch`` requests.
+  category's tasks, cycled to ``--batch`` requests. The whole is run ``--repeats`` times, each on
+  fresh servers (no suffix cache has seen the tasks before); a category's figure is over all its
+  batches (one batch's time swings with the machine).
 * ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
   once (each its share, one at a time), against the same verifier's batched plain decoding of the
   same tasks ``--nodes`` at a time; the figure is the verifier's CPU seconds per generated token
@@ -203,35 +205,37 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
 
 def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
     gs = [sys.executable, "-m", "goodspeed.launch.cli"]
-    ports = {}
-    with Servers(out) as servers:
-        for config in ("plain", *args.sources):
-            ports[config] = free_port()
-            local = ["--local-draft", "ngram", "--local-policy", "none"] if config == "plain" else [
-                "--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
-                "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
-            servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
-                                "--dtype", dtype, "--max-local-requests", str(args.batch), *local], "0-1", 2, f"local-{config}")
-        for port in ports.values():
-            wait_http(port, 900)
-        for port in ports.values():
-            post(port, tasks[0], 8)
-        rows = []
-        categories = sorted({t["category"] for t in tasks}, key=[t["category"] for t in tasks].index)
-        batches = []  # one a category: its tasks cycled to --batch requests
-        for category in categories:
-            mine = [t for t in tasks if t["category"] == category]
-            batches.append([{**mine[i % len(mine)], "id": f"{mine[i % len(mine)]['id']}#{i}"} for i in range(args.batch)])
-        for b, batch in enumerate(batches):
-            for config, port in ports.items():
-                before = counters(port)
-                wall, replies = run_batch(port, batch, args.max_tokens)
-                after = counters(port)
-                for task, reply in zip(batch, replies):  # the batch's time shared by its tokens
-                    rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
-                                 "batch_wall_s": wall, "batch": b, **{k: (after[k] - before[k]) / len(batch) for k in COUNTERS}})
-            print(f"local: {b + 1}/{len(batches)} batches", file=sys.stderr, flush=True)
-    return summarize(rows, list(ports), batched=True)
+    rows = []
+    categories = sorted({t["category"] for t in tasks}, key=[t["category"] for t in tasks].index)
+    for repeat in range(args.repeats):  # fresh servers each time: no suffix cache has seen the tasks before
+        ports = {}
+        with Servers(out) as servers:
+            for config in ("plain", *args.sources):
+                ports[config] = free_port()
+                local = ["--local-draft", "ngram", "--local-policy", "none"] if config == "plain" else [
+                    "--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
+                    "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
+                servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
+                                    "--dtype", dtype, "--max-local-requests", str(args.batch), *local], "0-1", 2,
+                              f"local-{config}-{repeat}")
+            for port in ports.values():
+                wait_http(port, 900)
+            for port in ports.values():
+                post(port, tasks[0], 8)
+            for c, category in enumerate(categories):  # one batch a category: its tasks cycled to --batch requests
+                mine = [t for t in tasks if t["category"] == category]
+                batch = [{**mine[i % len(mine)], "id": f"{mine[i % len(mine)]['id']}#{i}" + (f"@{repeat}" if repeat else "")}
+                         for i in range(args.batch)]
+                b = repeat * len(categories) + c
+                for config, port in ports.items():
+                    before = counters(port)
+                    wall, replies = run_batch(port, batch, args.max_tokens)
+                    after = counters(port)
+                    for task, reply in zip(batch, replies):  # the batch's time shared by its tokens
+                        rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
+                                     "batch_wall_s": wall, "batch": b, **{k: (after[k] - before[k]) / len(batch) for k in COUNTERS}})
+                print(f"local: repeat {repeat + 1}/{args.repeats}, {c + 1}/{len(categories)} batches", file=sys.stderr, flush=True)
+    return summarize(rows, ["plain", *args.sources], batched=True)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -425,7 +429,8 @@ def main(argv=None) -> int:
                                                               "'--rounds async --transit-tokens 2 --transit-alone'")
     parser.add_argument("--nodes", type=int, default=8, help="fleet: edge nodes at once")
     parser.add_argument("--fleet-source", choices=SOURCES, default="suffix", help="fleet: the nodes' draft source")
-    parser.add_argument("--repeats", type=int, default=2, help="fleet: interleaved repeats of both phases")
+    parser.add_argument("--repeats", type=int, default=2, help="fleet: interleaved repeats of both phases; local: "
+                        "runs of every category's batch, each on fresh servers")
     parser.add_argument("--clients", default="1,2,4,8", help="capacity: numbers of clients at once")
     parser.add_argument("--per-client", type=int, default=3, help="capacity: tasks each client sends, one after another")
     parser.add_argument("--tpot-slo-ms", type=float, default=60.0, help="capacity: the TPOT SLO")

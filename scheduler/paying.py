@@ -134,7 +134,7 @@ class PayingLength:
     probe_every: int = 8  # a request at S = 0 drafts one token after this many rounds
     max_probe_every: int = 64  # the longest wait, after rejected probes have doubled it
     draft_s_per_token: float = 0.0
-    _rounds: deque = field(init=False)  # (drafted, round seconds) of the last ``window`` rounds
+    _rounds: deque = field(init=False)  # (drafted, round seconds, longest chain) of the last ``window`` rounds
     _requests: dict = field(default_factory=dict)
     _pooled: _Acceptance = field(default_factory=_Acceptance)  # every request's verdicts, decayed slowly
 
@@ -165,10 +165,7 @@ class PayingLength:
         """``(t_round, t_verify)`` from the recent rounds; None before any."""
         if not self._rounds:
             return None
-        s = np.array([r[0] for r in self._rounds], dtype=np.float64)
-        t = np.array([r[1] for r in self._rounds], dtype=np.float64)
-        usual = t <= OUTLIER_RATIO * float(np.median(t))  # a cold shape's first run, a GC pause, the OS: left out
-        s, t = s[usual], t[usual]
+        s, t, _ = self._samples()
         if (var := float(s.var())) >= 0.5 and len(set(s.tolist())) >= 3:  # least squares, in closed form
             slope = float(((s - s.mean()) * (t - t.mean())).mean()) / var
             intercept = float(t.mean()) - slope * float(s.mean())
@@ -176,6 +173,31 @@ class PayingLength:
                 return float(intercept), float(max(0.0, slope))
         base = float(t.mean()) / (1.0 + self.default_verify_ratio * float(s.mean()))
         return base, self.default_verify_ratio * base
+
+    def batch_costs(self) -> tuple[float, float, float] | None:
+        """``(t_round, t_verify, t_longest)`` for a batch's step, whose time grows with the tokens
+        drafted in all (``t_verify`` each) and with its longest chain (``t_longest`` a token: the
+        attention of the longest row's queries, which the shorter rows' group pads to or splits
+        off): least squares on both over recent rounds once they vary apart (four distinct pairs),
+        else :meth:`round_costs` with ``t_longest = 0``; None before any round."""
+        costs = self.round_costs()
+        if costs is None:
+            return None
+        s, t, longest = self._samples()
+        if len(set(zip(s.tolist(), longest.tolist()))) >= 4:
+            x = np.stack([np.ones_like(s), s, longest], axis=1)
+            coef, _, rank, _ = np.linalg.lstsq(x, t, rcond=None)
+            if rank == 3 and coef[0] > 0 and coef[1] >= 0 and coef[2] >= 0:
+                return float(coef[0]), float(coef[1]), float(coef[2])
+        return costs[0], costs[1], 0.0
+
+    def _samples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The recent rounds' drafted tokens, seconds and longest chains, rounds over
+        :data:`OUTLIER_RATIO` times the median left out (a cold shape's first run, a GC pause, the OS)."""
+        rounds = np.array(self._rounds, dtype=np.float64)
+        s, t, longest = rounds[:, 0], rounds[:, 1], rounds[:, 2]
+        usual = t <= OUTLIER_RATIO * float(np.median(t))
+        return s[usual], t[usual], longest[usual]
 
     def length(self, request: Hashable, allotted: int) -> int:
         """The length to draft for ``request`` this round, at most ``allotted``."""
@@ -198,9 +220,10 @@ class PayingLength:
             state.idle_rounds, state.probing, length = 0, True, 1
         return length
 
-    def observe_round(self, request: Hashable, drafted: int, accepted: int, round_s: float) -> None:
+    def observe_round(self, request: Hashable, drafted: int, accepted: int, round_s: float, longest: int | None = None) -> None:
         """A verdict: ``accepted`` of ``drafted`` tokens taken; ``round_s`` from sending the draft to
-        the verdict."""
+        the verdict. ``longest``: for a batch's step, its longest chain (default: ``drafted``, one
+        chain)."""
         if drafted > 0:
             own = self._state(request)
             if own.probing:
@@ -209,7 +232,7 @@ class PayingLength:
                 state.accepted = decay * state.accepted + accepted
                 state.rejected = decay * state.rejected + (accepted < drafted)
         if math.isfinite(round_s) and round_s > 0:
-            self._rounds.append((drafted, round_s))
+            self._rounds.append((drafted, round_s, drafted if longest is None else longest))
 
     def observe_drafting(self, seconds: float, steps: int) -> None:
         """A drafting call of ``steps`` sequential draft steps (its longest draft) took ``seconds``."""

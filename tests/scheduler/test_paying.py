@@ -189,3 +189,22 @@ def test_a_class_no_request_drafts_is_probed_and_rejected_probes_double_the_wait
     assert [s for s in range(8) if 1 in rule.due_probes([], [1])] == [3, 7]
     rule.due_probes(drafting=[1], idle=[])  # drafted with a paying length: the wait starts over
     assert [s for s in range(4) if 1 in rule.due_probes([], [1])] == [3]
+
+
+def test_a_batchs_step_cost_is_fitted_on_its_drafted_tokens_and_its_longest_chain():
+    """A step's time grows with the tokens drafted in all and, apart from them, with the longest
+    chain: both slopes recovered once the rounds vary them apart; where they never do (one chain a
+    round, as on an edge node) the fit is the tokens' alone."""
+    batch = PayingLength()
+    for drafted, longest in ((0, 0), (1, 1), (6, 1), (6, 6), (8, 1), (12, 6), (3, 2), (48, 6)) * 2:
+        batch.observe_round("batch", drafted, 0, 0.027 + 0.0005 * drafted + 0.0012 * longest, longest=longest)
+    assert batch.batch_costs() == pytest.approx((0.027, 0.0005, 0.0012))
+    chain = PayingLength()
+    for drafted in (0, 2, 4, 6, 8) * 3:
+        chain.observe_round("r", drafted, 0, 0.030 + 0.002 * drafted)
+    assert chain.batch_costs() == pytest.approx((0.030, 0.002, 0.0))
+    assert PayingLength().batch_costs() is None
+    rising = PayingLength()  # a longer chain that costs less would be a negative slope: not taken
+    for drafted, longest in ((0, 0), (4, 1), (4, 4), (8, 2), (8, 8)) * 2:
+        rising.observe_round("batch", drafted, 0, 0.030 + 0.002 * drafted - 0.001 * longest, longest=longest)
+    assert rising.batch_costs()[2] == 0.0

@@ -13,8 +13,9 @@ class GoodputChains(LocalPolicy):
     gives the batch the most expected tokens per second (:func:`goodspeed.scheduler.paying_batch_lengths`),
     from each request's acceptance (its verdicts' accepted tokens and rejections, a new request
     starting from the recent requests': :class:`~goodspeed.scheduler.PayingLength`) and the step's
-    measured costs: a round's time fitted against the tokens it verified, the draft's forward
-    time per drafting step. A request whose
+    measured costs: a round's time fitted against the tokens it verified and its longest chain
+    (:meth:`~goodspeed.scheduler.PayingLength.batch_costs`: one row drafting six costs more than
+    six rows drafting one), the draft's forward time per drafting step. A request whose
     drafts do not pay drafts nothing, and one token after ``probe_every`` steps to hear its
     acceptance again (longer after rejected probes: :meth:`~goodspeed.scheduler.PayingLength.probed`). The first step, with nothing measured, drafts ``k``.
 
@@ -33,7 +34,7 @@ class GoodputChains(LocalPolicy):
         self.evidence = EvidenceAcceptance()
         self._seen: dict[str, tuple[int, int]] = {}  # a request's drafted and accepted totals at its last plan
         self._looked: dict[str, tuple[int, int, int, bool]] = {}  # a lookup's last plan: evidence, forced, kept, probe
-        self._drafted = 0
+        self._drafted = self._longest = 0
         self._drafting_s = 0.0
 
     @staticmethod
@@ -61,16 +62,17 @@ class GoodputChains(LocalPolicy):
                 evidence, forced, kept, probe = looked
                 self.evidence.observe(r.request_id, evidence, kept - forced, max(0, accepted - forced), probe)
             self._seen[r.request_id] = (r.drafted, r.accepted)
-        costs = self.costs.round_costs()
+        costs = self.costs.batch_costs()
         if costs is not None and getattr(s.draft, "free_proposals", False):
             return self._plan_lookups(reqs, costs), None
         if costs is None:
             lengths = {r.request_id: min(cfg.k, r.cap) for r in reqs}
         else:
             acceptance = [self.costs.acceptance(r.request_id) for r in reqs]
-            chosen = paying_batch_lengths(acceptance, cfg.max_k, costs[0], costs[1], s.draft_forward_s)
+            chosen = paying_batch_lengths(acceptance, cfg.max_k, costs[0], costs[1], s.draft_forward_s + costs[2])
             lengths = {r.request_id: min(self.costs.probed(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
         self._drafted = sum(lengths.values())
+        self._longest = max(lengths.values(), default=0)
         started = s.clock.now()
         plans = s.timed_chains(reqs, lengths)
         self._drafting_s = s.clock.now() - started
@@ -78,7 +80,7 @@ class GoodputChains(LocalPolicy):
 
     def observe(self, batch_size, k, emitted, duration_s, prefill_tokens=0):
         if not prefill_tokens:  # a step that prefilled a prompt too says nothing of what drafted tokens cost
-            self.costs.observe_round("batch", self._drafted, 0, duration_s - self._drafting_s)
+            self.costs.observe_round("batch", self._drafted, 0, duration_s - self._drafting_s, longest=self._longest)
 
     def _plan_lookups(self, reqs, costs) -> dict[str, Plan]:
         """Every request's longest lookup (grammar-forced tokens first), then the prefixes that
@@ -92,7 +94,7 @@ class GoodputChains(LocalPolicy):
             d = drafts[r.request_id]
             a = self.evidence.rate(r.request_id, d.evidence or 0)
             paths.append([1.0] * d.forced + [a ** j for j in range(1, len(d.token_ids) - d.forced + 1)])
-        chosen = paying_lengths(paths, costs[0], costs[1], 0.0)
+        chosen = paying_lengths(paths, costs[0], costs[1], costs[2])
         looked = [(r, drafts[r.request_id], n) for r, n in zip(reqs, chosen)]
         due = self.evidence.due_probes([d.evidence or 0 for _, d, n in looked if n > d.forced],
                                        [d.evidence or 0 for _, d, n in looked if n <= d.forced < len(d.token_ids)])
@@ -108,5 +110,6 @@ class GoodputChains(LocalPolicy):
             q = d.q_rows()
             plans[r.request_id] = Plan(d.token_ids[:n], None, q[:n] if q is not None and n else None)
         self._drafted = sum(len(p.token_ids) for p in plans.values())
+        self._longest = max((len(p.token_ids) for p in plans.values()), default=0)
         self._drafting_s = s.clock.now() - started
         return plans
