@@ -98,10 +98,10 @@ def test_sampled_lookup_drafts_under_the_goodput_policy_follow_the_target(target
     its evidence: the cut reads only past verdicts, so the output keeps the target's distribution."""
     sampling = SamplingParams(temperature=1.0)
     prompt = [3, 2, 4, 5, 3, 2]  # the lookups propose 4, 5, ...: the target's 4 has p = 0.39, so drafting pays at times
-    outputs, serving = run_local(target, SOURCES[name](target, None), sampling, "goodput", [prompt] * 800, 3, min_drafted=60)
+    outputs, serving = run_local(target, SOURCES[name](target, None), sampling, "goodput", [prompt] * 1600, 3, min_drafted=40)
     ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, prompt, sampling))
     assert ok, msg
-    assert serving.stats()["accepted"] >= 20
+    assert serving.stats()["accepted"] >= 10
 
 
 def test_sampled_hybrid_drafts_in_local_serving_follow_the_target(target):
