@@ -1,7 +1,7 @@
 """Where a local-serving step's time goes, per draft source: plain decoding against each source
 at batch 8, in one process, interleaved.
 
-    python -m bench.bench_local_steps [--categories open-chat,multi-turn-chat] [--sources ngram,suffix]
+    python -m bench.bench_local_steps [--categories open-chat,multi-turn-chat] [--sources ngram,suffix,ngram/by-request]
                                       [--repeats 2] [--threads 2] [--dtype auto] [--json PATH]
 
 For each category of the per-task benchmark (``bench/workloads/tasks.jsonl``), its tasks cycled
@@ -10,7 +10,9 @@ to 8 greedy requests of up to 96 tokens run through :class:`goodspeed.verifier.l
 ``--repeats`` times. Per run: wall time, tokens/s and its ratio to the same repeat's plain run,
 steps, drafted and accepted tokens, and the time in planning and drafting, in the engine's
 rounds, and in Python's cyclic garbage collector (``gc.callbacks``; collections counted per
-generation), the rest being the steps' own bookkeeping.
+generation), the rest being the steps' own bookkeeping; at the end, each source's median speedup
+per category. A lookup named ``LOOKUP/by-request`` drafts as before the goodput policy kept
+lookups' drafts by their evidence: lengths chosen from each request's one acceptance.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -57,11 +60,18 @@ class GcClock:
 
 
 def run(engine, prompts, source: str, eos: list[int], clock: GcClock) -> dict:
+    """``source``: ``plain``, a source's name, or ``LOOKUP/by-request``: the lookup's drafts cut by
+    each request's one acceptance, as a model's are (its ``free_proposals`` off), not by evidence."""
     if source == "plain":
         config, draft = LocalConfig(policy="none", max_requests=8), DraftSpec.parse("ngram").build(None, engine.vocab_size)
     else:
         config = LocalConfig(policy="goodput", k=6, max_k=6, budget=32, max_requests=8)
-        draft = DraftSpec.parse(source).build(None, engine.vocab_size)
+        name, _, variant = source.partition("/")
+        if variant not in ("", "by-request"):
+            raise ValueError(f"unknown variant {variant!r} of {name}: give by-request or none")
+        draft = DraftSpec.parse(name).build(None, engine.vocab_size)
+        if variant:
+            draft.free_proposals = False
     serving = LocalServing(engine, draft, config)
     for p in prompts:
         serving.submit(p, SamplingParams(temperature=0.0), max_new_tokens=96, eos_token_ids=eos)
@@ -111,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"drafted {r['drafted']:4d} accepted {r['accepted']:4d}  drafting {1e3 * r['drafting_s'] / r['steps']:.2f} "
                       f"ms/step  round {1e3 * r['round_s'] / r['steps']:.2f} ms/step  gc {1e3 * r['gc_s']:.1f} ms "
                       f"{r['gc_collections']}", flush=True)
+    print("\nmedian speedup over the repeats")
+    for category in args.categories.split(","):
+        cells = {source: statistics.median(r["speedup"] for r in results if r["category"] == category and r["source"] == source)
+                 for source in args.sources.split(",")}
+        print(f"{category:18s} " + "  ".join(f"{source} {value:.3f}" for source, value in cells.items()))
     if args.json:
         report = {"command": " ".join(["python -m bench.bench_local_steps", *(argv if argv is not None else sys.argv[1:])]),
                   "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -55,3 +55,14 @@ def test_capacity_is_where_the_slo_first_fails_not_the_largest_cell_that_meets_i
     cells += [{"phase": "edge", "clients": n, "attainment": a} for n, a in ((4, 0.89), (1, 0.9))]
     assert capacity_at_slo(cells) == {"plain": 4, "edge": 1}  # 16's lucky 0.92 does not count past 8's failure
     assert capacity_at_slo(cells, attainment=0.99) == {"plain": 1, "edge": 0}
+
+
+def test_the_evidence_replay_reads_a_replys_text_and_counts_a_proposals_accepted_prefix():
+    """bench.bench_lookup_evidence: a reply's content, or its tool calls' JSON with the arguments
+    as written (even cut short); a proposal's accepted tokens are the prefix the output continues with."""
+    from bench.bench_lookup_evidence import accepted, written
+
+    assert written(json.dumps({"content": "hello", "tool_calls": None})) == "hello"
+    cut = {"content": None, "tool_calls": [{"id": "x", "function": {"name": "get", "arguments": '{"city": "Pa'}}]}
+    assert written(json.dumps(cut)) == '{"name": "get", "arguments": {"city": "Pa}'
+    assert accepted([1, 2, 3], [1, 2, 4, 5]) == 2 and accepted([9], [1]) == 0 and accepted([1, 2], [1]) == 1

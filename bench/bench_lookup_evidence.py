@@ -1,0 +1,104 @@
+"""How often a lookup's draft is taken, by the length of the context it matched (its evidence).
+
+    python -m bench.bench_lookup_evidence [--report docs/benchmarks/workloads-cpu/edge-real-48-final.json]
+                                          [--tokenizer real:smollm2-135m] [--max-tokens 6] [--json PATH]
+
+Replays plain decoding's greedy outputs from a per-task benchmark report (``bench_workloads``'s
+``plain`` rows: each task's chat prompt and the text the target wrote) through ``ngram``
+(:class:`~goodspeed.lm.decoding.lookup.PromptLookup`) and ``suffix``
+(:class:`~goodspeed.lm.decoding.lookup.SuffixDraft`, its node-wide cache filled by the outputs
+replayed before, in the report's order). At every position of every output each lookup proposes up
+to ``--max-tokens`` tokens after the text so far; a proposal's accepted tokens are its prefix the
+output continues with (greedy verification; a tool call's text is its JSON). Per lookup and match length (suffix's above 8
+together): proposals, drafted and accepted tokens, accepted per proposal and per drafted token,
+overall and per category. The outputs are re-tokenized from their text, and every position
+counts (a served request proposes only where its last verification ended), so the figures
+describe the lookups' evidence, not a serving run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench.bench_workloads import load_tasks
+from goodspeed.drafter.prompts import chat_prompt_ids
+from goodspeed.lm.decoding.lookup import PromptLookup, SuffixDraft
+from goodspeed.lm.models.tokenizers import load_tokenizer
+
+REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "workloads-cpu" / "edge-real-48-final.json"
+
+
+def written(output: str) -> str:
+    """A reply's text: its content, or its tool calls as JSON (their arguments as the model wrote
+    them, the call's wrapping aside)."""
+    message = json.loads(output)
+    if message.get("content"):
+        return message["content"]
+    return "\n".join(f'{{"name": {json.dumps(c["function"]["name"])}, "arguments": {c["function"]["arguments"]}}}'
+                     for c in message.get("tool_calls") or [])  # arguments as written: cut at max_tokens, maybe
+
+
+def accepted(proposal: list[int], truth: list[int]) -> int:
+    n = 0
+    for a, b in zip(proposal, truth):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="a lookup's acceptance by its match length")
+    parser.add_argument("--report", type=Path, default=REPORT)
+    parser.add_argument("--tokenizer", default="real:smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=6)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    tokenizer, _ = load_tokenizer(args.tokenizer)
+    tasks = {t["id"]: t for t in load_tasks()}
+    report = json.loads(args.report.read_text())
+    rows = [r for mode in ("edge", "local") if mode in report for r in report[mode]["rows"] if r["config"] == "plain"]
+    if not rows:
+        parser.error(f"{args.report}: no plain rows")
+    vocab = len(tokenizer)
+    sources = {"ngram": PromptLookup(vocab), "suffix": SuffixDraft(vocab)}
+    cells: dict = defaultdict(lambda: [0, 0, 0])  # (source, category, match) -> proposals, drafted, accepted
+    for n, row in enumerate(rows):
+        task = tasks[row["id"].split("#")[0]]
+        prompt = chat_prompt_ids(tokenizer, task["messages"])
+        output = tokenizer(written(row["output"]), add_special_tokens=False)["input_ids"]
+        for name, source in sources.items():
+            key = f"r{n}"
+            source.add(key)
+            for i in range(len(output)):
+                tokens, match = source.proposal(key, prompt + output[:i], args.max_tokens)
+                if tokens:
+                    for category in (task["category"], "all"):
+                        cell = cells[(name, category, min(match, 8))]
+                        cell[0] += 1
+                        cell[1] += len(tokens)
+                        cell[2] += accepted(tokens, output[i:])
+            source.remove(key, prompt + output)
+    table = [{"source": s, "category": c, "match": m, "proposals": p, "drafted": d, "accepted": a,
+              "accepted_per_proposal": round(a / p, 3), "acceptance": round(a / d, 3)}
+             for (s, c, m), (p, d, a) in sorted(cells.items())]
+    for line in table:
+        if line["category"] == "all":
+            print(f"{line['source']:6s} match {line['match']}: {line['proposals']:5d} proposals, accepted "
+                  f"{line['accepted_per_proposal']:.2f} a proposal, {line['acceptance']:.2f} a drafted token")
+    if args.json:
+        out = {"command": " ".join(["python -m bench.bench_lookup_evidence", *(argv if argv is not None else sys.argv[1:])]),
+               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "report": str(args.report),
+               "outputs": len(rows), "max_tokens": args.max_tokens, "cells": table}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
