@@ -62,7 +62,7 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.decoding.proposals import ChainDraft
 from goodspeed.lm.decoding.draft_source import as_draft_source, draft_model, draft_with_forced
 from goodspeed.lm.decoding.lookup import LookupDraft
-from goodspeed.scheduler.paying import PayingLength
+from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength, paying_lengths
 
 MAX_REPAIRS = 3  # session losses one request survives
 DRAFT_LENGTH_RULES = ("goodput", "allotted")  # NodeConfig.draft_length
@@ -122,6 +122,8 @@ class EdgeNode:
         self.node_metrics = DrafterMetrics(self.registry)
         self.drafter = as_draft_source(draft, config.proposal_top_k, config.cuda_graphs, config.torch_compile)
         self.paying = PayingLength()  # the goodput rule's estimates (config.draft_length)
+        self.evidence = EvidenceAcceptance()  # a lookup's acceptance by the context its drafts matched
+        self._looked: dict[str, tuple[int, int, bool]] = {}  # a lookup's last draft: evidence, forced, probe
         self._inline = isinstance(self.drafter, LookupDraft)  # drafted on the event loop, not the drafting thread
         self.adapting = None
         if config.adapt:  # the fine-tuning runtime is loaded only here (a lookup alone imports no torch)
@@ -448,6 +450,8 @@ class EdgeNode:
     async def _free_request(self, req: NodeRequest, reason: str) -> None:
         req.timer.finish(reason)
         self.paying.forget(req.key)
+        self.evidence.forget(req.key)
+        self._looked.pop(req.key, None)
         if req.session is not None:
             if req.in_progress:
                 try:
@@ -466,9 +470,13 @@ class EdgeNode:
 
     async def _round(self, req: NodeRequest) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index
-        if self.config.draft_length == "goodput":
-            length = self.paying.length(req.key, req.length)
-        draft: ChainDraft = await self._draft(req, length)
+        if (self.config.draft_length == "goodput" and self._inline and self.drafter.free_proposals
+                and self.paying.round_costs() is not None):
+            draft = self._paying_lookup(req, await self._draft(req, length))
+        else:
+            if self.config.draft_length == "goodput":
+                length = self.paying.length(req.key, req.length)
+            draft = await self._draft(req, length)
         message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.sampling)
         sent = time.perf_counter()
         try:
@@ -485,8 +493,33 @@ class EdgeNode:
         self.node_metrics.round_trip_seconds.observe(round_s)
         self.node_metrics.draft_length.observe(req.length)  # what the verifier allotted (the draft may be shorter)
         self.paying.observe_round(req.key, len(draft.token_ids), verdict.num_accepted, round_s)
+        if (looked := self._looked.pop(req.key, None)) is not None:
+            evidence, forced, probe = looked
+            self.evidence.observe(req.key, evidence, len(draft.token_ids) - forced, max(0, verdict.num_accepted - forced), probe)
         self.spec.observe(verdict.num_drafted, verdict.num_accepted)
         return verdict
+
+    def _paying_lookup(self, req: NodeRequest, draft: ChainDraft) -> ChainDraft:
+        """A lookup's draft of the whole allotment cut to the prefix that pays: its tokens taken at
+        the acceptance of its evidence (the context it matched), tokens a grammar forced at 1,
+        against the node's round costs (:func:`~goodspeed.scheduler.paying_lengths`); a class no
+        draft keeps is probed with one token now and then (:class:`~goodspeed.scheduler.EvidenceAcceptance`)."""
+        evidence, forced = draft.evidence or 0, draft.forced
+        rate = self.evidence.rate(req.key, evidence)
+        path = [1.0] * forced + [rate ** j for j in range(1, len(draft.token_ids) - forced + 1)]
+        round_s, verify_s = self.paying.round_costs()
+        keep = paying_lengths([path], round_s, verify_s, self.paying.draft_s_per_token)[0]
+        looked = len(draft.token_ids) > forced
+        due = self.evidence.due_probes([evidence] if looked and keep > forced else [],
+                                       [evidence] if looked and keep <= forced else [])
+        probe = looked and keep <= forced and self.evidence.bucket(evidence) in due
+        if probe:
+            keep = forced + 1
+        if keep > forced:
+            self._looked[req.key] = (evidence, forced, probe)
+        if keep == len(draft.token_ids):
+            return draft
+        return ChainDraft(draft.token_ids[:keep], None, draft.token_probs[:keep], draft.sampled, min(forced, keep), draft.evidence)
 
     # ------------------------------------------------------------------ drafting
 

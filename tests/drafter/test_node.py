@@ -316,6 +316,45 @@ def test_a_node_drafting_by_suffix_with_no_model_serves_the_targets_greedy_decod
     assert accepted_second > after_first and accepted_second >= 30  # nearly all of it drafted from the first's output
 
 
+@pytest.mark.parametrize("by_evidence", [True, False])
+def test_a_node_keeps_a_lookups_drafts_by_their_evidence(models, monkeypatch, by_evidence):
+    """A lookup proposing the target's own text after a long match (evidence 6) and wrong tokens
+    after a one-token match (evidence 1), in turn within one request: by evidence the node keeps
+    the first whole and drafts little of the second, so most drafted tokens are taken; by the
+    request's one acceptance (negative control: the lookup's ``free_proposals`` off) most are
+    not. The round costs are fixed (30 ms, 3 ms a drafted token) so the choices follow the verdicts."""
+    from goodspeed.lm.decoding.lookup import PromptLookup
+    from goodspeed.scheduler.paying import PayingLength
+
+    monkeypatch.setattr(PayingLength, "round_costs", lambda self: (0.030, 0.003))
+    target, _, tokenizer = models
+    prompt = "def f(x):"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    text = ids + greedy_reference(target, ids, 60)
+    vocab = target.config.vocab_size
+
+    class Oracle(PromptLookup):
+        def _propose(self, state, max_tokens):
+            done = len(state.tokens)
+            if state.tokens != text[:done]:
+                return [], 0
+            right = text[done : done + max_tokens]
+            return (right, 6) if done % 2 == 0 else ([(t + 1) % vocab for t in right], 1)
+
+    source = Oracle(vocab)
+    source.free_proposals = by_evidence
+    with verifier(models) as server, NodeThread(server.address, source, tokenizer, draft_length="goodput") as edge:
+        out = api_of(edge).completions.create(model="tiny", prompt=prompt, max_tokens=60, **GREEDY)
+        metrics = metric_samples(edge.port)
+    assert out.choices[0].text == reference(models, prompt, 60)
+    drafted = metrics["goodspeed:spec_decode_num_draft_tokens_total[]"]
+    accepted = metrics["goodspeed:spec_decode_num_accepted_tokens_total[]"]
+    if by_evidence:
+        assert accepted >= 0.8 * drafted and accepted >= 20, (drafted, accepted)
+    else:
+        assert accepted < 0.7 * drafted, (drafted, accepted)
+
+
 def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_the_targets(models, monkeypatch):
     """The goodput rule (goodspeed.scheduler.paying): with drafts the target always rejects, a node
     drafting by the rule sends a fraction of the tokens one drafting every allotment sends (its
