@@ -470,6 +470,7 @@ class EdgeNode:
 
     async def _round(self, req: NodeRequest) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index
+        self._looked.pop(req.key, None)  # a round lost with its session is not heard
         if (self.config.draft_length == "goodput" and self._inline and self.drafter.free_proposals
                 and self.paying.round_costs() is not None):
             draft = self._paying_lookup(req, await self._draft(req, length))

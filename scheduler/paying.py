@@ -27,6 +27,12 @@ rounds, so its acceptance is heard again and speculation resumes where it pays a
 that is rejected doubles the wait before the next (up to ``max_probe_every`` rounds), and one that
 is accepted, or a paying length, resets it, so text that never pays costs ever fewer probes.
 
+For a batch (local serving), :meth:`PayingLength.batch_costs` fits the step's time on its longest
+chain as well, and :func:`paying_lengths` picks every request's length from per-position
+acceptance paths. A lookup's drafts are worth what the context it matched says
+(:class:`EvidenceAcceptance`: acceptance kept by match length), so a node or a batch drafting by
+lookup looks the longest draft up first and keeps the prefix that pays.
+
 >>> paying_draft_length(0.8, 8, draft_s_per_token=0.0, round_s=0.030, verify_s_per_token=0.001)
 8
 >>> paying_draft_length(0.3, 8, draft_s_per_token=0.010, round_s=0.030, verify_s_per_token=0.001)
