@@ -10,7 +10,9 @@ to 8 greedy requests of up to 96 tokens run through :class:`goodspeed.verifier.l
 ``--repeats`` times. Per run: wall time, tokens/s and its ratio to the same repeat's plain run,
 steps, drafted and accepted tokens, and the time in planning and drafting, in the engine's
 rounds, and in Python's cyclic garbage collector (``gc.callbacks``; collections counted per
-generation), the rest being the steps' own bookkeeping; at the end, each source's median speedup
+generation), the rest being the steps' own bookkeeping, and the goodput policy's fitted step
+costs at the end (ms: a step, a drafted token, a token of the longest chain:
+:meth:`goodspeed.scheduler.PayingLength.batch_costs`); at the end, each source's median speedup
 per category. A lookup named ``LOOKUP/by-request`` drafts as before the goodput policy kept
 lookups' drafts by their evidence: lengths chosen from each request's one acceptance.
 """
@@ -83,9 +85,11 @@ def run(engine, prompts, source: str, eos: list[int], clock: GcClock) -> dict:
     gc_after, n_after = clock.read()
     totals = serving.totals
     tokens = sum(len(r.generated) for r in serving.finished)
+    costs = serving.policy.costs.batch_costs() if hasattr(serving.policy, "costs") else None
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": totals["steps"], "drafted": totals["drafted"],
             "accepted": totals["accepted"], "drafting_s": totals["drafting_s"], "round_s": totals["round_s"],
-            "gc_s": gc_after - gc_s, "gc_collections": [a - b for a, b in zip(n_after, gc_n)]}
+            "gc_s": gc_after - gc_s, "gc_collections": [a - b for a, b in zip(n_after, gc_n)],
+            "step_costs_ms": None if costs is None else [round(1e3 * c, 3) for c in costs]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{category:18s} {repeat} {source:7s} {r['tok_s']:7.1f} tok/s  x{r['speedup']:.3f}  steps {r['steps']:3d}  "
                       f"drafted {r['drafted']:4d} accepted {r['accepted']:4d}  drafting {1e3 * r['drafting_s'] / r['steps']:.2f} "
                       f"ms/step  round {1e3 * r['round_s'] / r['steps']:.2f} ms/step  gc {1e3 * r['gc_s']:.1f} ms "
-                      f"{r['gc_collections']}", flush=True)
+                      f"{r['gc_collections']}  step costs {r['step_costs_ms']} ms", flush=True)
     print("\nmedian speedup over the repeats")
     for category in args.categories.split(","):
         cells = {source: statistics.median(r["speedup"] for r in results if r["category"] == category and r["source"] == source)

@@ -62,7 +62,7 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.decoding.proposals import ChainDraft
 from goodspeed.lm.decoding.draft_source import as_draft_source, draft_model, draft_with_forced
 from goodspeed.lm.decoding.lookup import LookupDraft
-from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength, paying_lengths
+from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength
 
 MAX_REPAIRS = 3  # session losses one request survives
 DRAFT_LENGTH_RULES = ("goodput", "allotted")  # NodeConfig.draft_length
@@ -472,8 +472,8 @@ class EdgeNode:
         session, length, round_index = req.session, req.length, req.round_index
         self._looked.pop(req.key, None)  # a round lost with its session is not heard
         if (self.config.draft_length == "goodput" and self._inline and self.drafter.free_proposals
-                and self.paying.round_costs() is not None):
-            draft = self._paying_lookup(req, await self._draft(req, length))
+                and (costs := self.paying.round_costs()) is not None):
+            draft = self._paying_lookup(req, await self._draft(req, length), costs)
         else:
             if self.config.draft_length == "goodput":
                 length = self.paying.length(req.key, req.length)
@@ -500,22 +500,14 @@ class EdgeNode:
         self.spec.observe(verdict.num_drafted, verdict.num_accepted)
         return verdict
 
-    def _paying_lookup(self, req: NodeRequest, draft: ChainDraft) -> ChainDraft:
-        """A lookup's draft of the whole allotment cut to the prefix that pays: its tokens taken at
-        the acceptance of its evidence (the context it matched), tokens a grammar forced at 1,
-        against the node's round costs (:func:`~goodspeed.scheduler.paying_lengths`); a class no
-        draft keeps is probed with one token now and then (:class:`~goodspeed.scheduler.EvidenceAcceptance`)."""
+    def _paying_lookup(self, req: NodeRequest, draft: ChainDraft, costs: tuple[float, float]) -> ChainDraft:
+        """A lookup's draft of the whole allotment cut to the prefix that pays at its evidence's
+        acceptance against the node's round costs ``(t_round, t_verify)`` (drafting time a token
+        as the longest chain's), or a one-token probe
+        (:meth:`~goodspeed.scheduler.EvidenceAcceptance.keep`)."""
         evidence, forced = draft.evidence or 0, draft.forced
-        rate = self.evidence.rate(req.key, evidence)
-        path = [1.0] * forced + [rate ** j for j in range(1, len(draft.token_ids) - forced + 1)]
-        round_s, verify_s = self.paying.round_costs()
-        keep = paying_lengths([path], round_s, verify_s, self.paying.draft_s_per_token)[0]
-        looked = len(draft.token_ids) > forced
-        due = self.evidence.due_probes([evidence] if looked and keep > forced else [],
-                                       [evidence] if looked and keep <= forced else [])
-        probe = looked and keep <= forced and self.evidence.bucket(evidence) in due
-        if probe:
-            keep = forced + 1
+        [(keep, probe)] = self.evidence.keep([(req.key, evidence, forced, len(draft.token_ids))], *costs,
+                                             self.paying.draft_s_per_token)
         if keep > forced:
             self._looked[req.key] = (evidence, forced, probe)
         if keep == len(draft.token_ids):

@@ -172,6 +172,9 @@ class PayingLength:
         if not self._rounds:
             return None
         s, t, _ = self._samples()
+        return self._fit_tokens(s, t)
+
+    def _fit_tokens(self, s: np.ndarray, t: np.ndarray) -> tuple[float, float]:
         if (var := float(s.var())) >= 0.5 and len(set(s.tolist())) >= 3:  # least squares, in closed form
             slope = float(((s - s.mean()) * (t - t.mean())).mean()) / var
             intercept = float(t.mean()) - slope * float(s.mean())
@@ -186,8 +189,7 @@ class PayingLength:
         attention of the longest row's queries, which the shorter rows' group pads to or splits
         off): least squares on both over recent rounds once they vary apart (four distinct pairs),
         else :meth:`round_costs` with ``t_longest = 0``; None before any round."""
-        costs = self.round_costs()
-        if costs is None:
+        if not self._rounds:
             return None
         s, t, longest = self._samples()
         if len(set(zip(s.tolist(), longest.tolist()))) >= 4:
@@ -195,7 +197,7 @@ class PayingLength:
             coef, _, rank, _ = np.linalg.lstsq(x, t, rcond=None)
             if rank == 3 and coef[0] > 0 and coef[1] >= 0 and coef[2] >= 0:
                 return float(coef[0]), float(coef[1]), float(coef[2])
-        return costs[0], costs[1], 0.0
+        return (*self._fit_tokens(s, t), 0.0)
 
     def _samples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The recent rounds' drafted tokens, seconds and longest chains, rounds over
@@ -309,6 +311,29 @@ class EvidenceAcceptance:
                 pool.idle_rounds = 0
                 due.add(b)
         return due
+
+    def keep(self, proposals, step_s: float, verify_s_per_token: float, longest_s_per_token: float) -> list[tuple[int, bool]]:
+        """For each proposal ``(request, evidence, forced, length)`` (a lookup's draft of ``length``
+        tokens, its first ``forced`` forced by a grammar): how many of its tokens to keep, and
+        whether that is a probe. The kept prefixes are those with the most expected tokens a
+        second (:func:`paying_lengths`: a looked-up token at its evidence's :meth:`rate`, a forced
+        one at 1; a step costs ``step_s``, ``verify_s_per_token`` a kept token and
+        ``longest_s_per_token`` a token of the longest); a proposal that keeps none of its
+        looked-up tokens keeps one where its class is due a probe (:meth:`due_probes`, one a class)."""
+        paths = [[1.0] * forced + [self.rate(request, evidence) ** j for j in range(1, length - forced + 1)]
+                 for request, evidence, forced, length in proposals]
+        chosen = paying_lengths(paths, step_s, verify_s_per_token, longest_s_per_token)
+        looked = [(evidence, forced, length, n) for (_, evidence, forced, length), n in zip(proposals, chosen)]
+        due = self.due_probes([e for e, f, _, n in looked if n > f],
+                              [e for e, f, length, n in looked if n <= f < length])
+        kept = []
+        for evidence, forced, length, n in looked:
+            probe = n <= forced < length and self.bucket(evidence) in due
+            if probe:
+                due.discard(self.bucket(evidence))
+                n = forced + 1
+            kept.append((n, probe))
+        return kept
 
     def observe(self, request: Hashable, evidence: int, drafted: int, accepted: int, probe: bool = False) -> None:
         """A verdict on ``drafted`` looked-up tokens backed by ``evidence`` (tokens a grammar forced

@@ -35,7 +35,7 @@ def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=(), 
         pass
     assert len(serving.finished) == len(prompts)
     if policy != "none":
-        assert serving.stats()["drafted"] > (len(prompts) if min_drafted is None else min_drafted - 1)
+        assert serving.stats()["drafted"] >= (len(prompts) + 1 if min_drafted is None else min_drafted)
     return [r.generated for r in sorted(serving.finished, key=lambda r: int(r.request_id.split("-")[1]))], serving
 
 

@@ -208,3 +208,16 @@ def test_a_batchs_step_cost_is_fitted_on_its_drafted_tokens_and_its_longest_chai
     for drafted, longest in ((0, 0), (4, 1), (4, 4), (8, 2), (8, 8)) * 2:
         rising.observe_round("batch", drafted, 0, 0.030 + 0.002 * drafted - 0.001 * longest, longest=longest)
     assert rising.batch_costs()[2] == 0.0
+
+
+def test_each_lookup_keeps_what_pays_by_its_evidence_and_one_idle_class_is_probed():
+    """keep(): a strong class's proposal kept whole, a weak one's cut to its forced tokens (those
+    always kept); when the weak class's wait is over, the first of its proposals keeps one
+    looked-up token as a probe, the others none."""
+    rule = EvidenceAcceptance(probe_every=2)
+    for i in range(10):
+        rule.observe(f"q{i}", 1, 3, 0)
+        rule.observe(f"q{i}", 8, 4, 4)
+    proposals = [("a", 8, 0, 4), ("b", 1, 2, 5), ("c", 1, 0, 3)]
+    assert rule.keep(proposals, 0.03, 0.002, 0.0) == [(4, False), (2, False), (0, False)]
+    assert rule.keep(proposals, 0.03, 0.002, 0.0) == [(4, False), (3, True), (0, False)]

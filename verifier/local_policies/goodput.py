@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from goodspeed.scheduler import EvidenceAcceptance, PayingLength, paying_batch_lengths, paying_lengths
+from goodspeed.scheduler import EvidenceAcceptance, PayingLength, paying_batch_lengths
 from goodspeed.verifier.local_policies.base import LocalPolicy, Plan
 
 
@@ -85,30 +85,19 @@ class GoodputChains(LocalPolicy):
     def _plan_lookups(self, reqs, costs) -> dict[str, Plan]:
         """Every request's longest lookup (grammar-forced tokens first), then the prefixes that
         pay, by each proposal's evidence; an evidence class no request drafts is probed now and
-        then (:meth:`~goodspeed.scheduler.EvidenceAcceptance.due_probes`)."""
+        then (:meth:`~goodspeed.scheduler.EvidenceAcceptance.keep`)."""
         s, cfg = self.serving, self.serving.config
         started = s.clock.now()
         drafts = s.draft_chains(reqs, {r.request_id: min(cfg.max_k, r.cap) for r in reqs})
-        paths = []
-        for r in reqs:
-            d = drafts[r.request_id]
-            a = self.evidence.rate(r.request_id, d.evidence or 0)
-            paths.append([1.0] * d.forced + [a ** j for j in range(1, len(d.token_ids) - d.forced + 1)])
-        chosen = paying_lengths(paths, costs[0], costs[1], costs[2])
-        looked = [(r, drafts[r.request_id], n) for r, n in zip(reqs, chosen)]
-        due = self.evidence.due_probes([d.evidence or 0 for _, d, n in looked if n > d.forced],
-                                       [d.evidence or 0 for _, d, n in looked if n <= d.forced < len(d.token_ids)])
+        proposals = [(r.request_id, drafts[r.request_id].evidence or 0, drafts[r.request_id].forced,
+                      len(drafts[r.request_id].token_ids)) for r in reqs]
         plans = {}
-        for r, d, n in looked:
-            probe = n <= d.forced < len(d.token_ids) and self.evidence.bucket(d.evidence or 0) in due
-            if probe:
-                due.discard(self.evidence.bucket(d.evidence or 0))
-                n = d.forced + 1
-            s.totals["forced"] -= max(0, d.forced - n)  # counted as drafted, then cut
-            if n > d.forced:
-                self._looked[r.request_id] = (d.evidence or 0, d.forced, n, probe)
-            q = d.q_rows()
-            plans[r.request_id] = Plan(d.token_ids[:n], None, q[:n] if q is not None and n else None)
+        for (rid, evidence, forced, _), (n, probe) in zip(proposals, self.evidence.keep(proposals, *costs)):
+            s.totals["forced"] -= max(0, forced - n)  # counted as drafted, then cut
+            if n > forced:
+                self._looked[rid] = (evidence, forced, n, probe)
+            d, q = drafts[rid], drafts[rid].q_rows()
+            plans[rid] = Plan(d.token_ids[:n], None, q[:n] if q is not None and n else None)
         self._drafted = sum(len(p.token_ids) for p in plans.values())
         self._longest = max((len(p.token_ids) for p in plans.values()), default=0)
         self._drafting_s = s.clock.now() - started
