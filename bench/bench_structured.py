@@ -1,7 +1,7 @@
 """What a structured output grammar costs the verifier a step.
 
     python -m bench.bench_structured [--rows 8] [--drafted 3] [--tokenizers demo real]
-                                     [--threads 2] [--repeats 30] [--json]
+                                     [--threads 2] [--repeats 30] [--no-mask-slices] [--json]
 
 Times :meth:`goodspeed.verifier.verify_rows.RowVerifier.verify` on random logits ``[rows, drafted
 + 1, V]`` for ``rows`` chains of ``drafted`` tokens, greedy, four ways: no grammar (``plain``), and
@@ -21,6 +21,10 @@ at bind time (what each request gets) against building one afresh, each with its
 ``--acceptance`` serves instead two chat requests on the real pair (SmolLM2-135M and its distilled
 draft; local serving, greedy, 40 tokens at most) under chain and AdaServe, with a JSON schema and
 without one, and prints each run's steps, drafted and accepted tokens, and first reply.
+
+``--no-mask-slices``: llguidance's views built without their slices, as an edge node with no draft
+model builds them (:func:`goodspeed.lm.decoding.structured.use_mask_slices`): what the memory it
+saves costs each mask.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 
 from goodspeed.lm.decoding.history import TokenHistory
 from goodspeed.lm.decoding.params import SamplingParams
-from goodspeed.lm.decoding.structured import Structure
+from goodspeed.lm.decoding.structured import Structure, use_mask_slices
 from goodspeed.verifier.types import Draft
 from goodspeed.verifier.verify_rows import RowInput, RowVerifier
 
@@ -45,8 +49,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "line": {
 # Each grammar and texts it accepts (rows stand inside them).
 GRAMMARS = {
     "json": (Structure("json", json.dumps(SCHEMA)),
-             ['{"name": "decode", "line": 337, "args": ["self", "s", "_w"]}',
-              '{"name": "raw_decode", "line": 343, "args": ["self", "s", "idx"]}']),
+             ['{"name":"decode","line":337,"args":["self","s","_w"]}',  # compact: JSON grammars' default whitespace
+              '{"name":"raw_decode","line":343,"args":["self","s","idx"]}']),
     "regex": (Structure("regex", r"def [a-z_]+\((self|s)(, [a-z_]+)*\):"),
               ["def raw_decode(self, s, idx):", "def decode(self, s, _w):"]),
     "choice": (Structure("choice", json.dumps(["JSONDecodeError", "JSONDecoder", "py_scanstring", "scanstring"])),
@@ -150,11 +154,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-mask-slices", action="store_true", help="llguidance's views without their slices (a node with no draft model)")
     ap.add_argument("--acceptance", action="store_true", help="serve two chat requests on the real pair instead (see above)")
     args = ap.parse_args()
     if min(args.rows, args.repeats, args.drafted) < 1:
         ap.error("--rows, --drafted and --repeats must be >= 1")
     torch.set_num_threads(args.threads)
+    use_mask_slices(not args.no_mask_slices)
     if args.acceptance:
         runs = acceptance()
         if args.json:
@@ -194,7 +200,7 @@ def main() -> int:
             print(f"{name}: indexing the tokenizer once took {index_s:.2f} s; a request's matcher with its first mask: "
                   f"copied {costs['copy_ms']:.3f} ms, built afresh {costs['build_ms']:.3f} ms (40-field schema)")
     if args.json:
-        print(json.dumps({"threads": args.threads, "rows": args.rows, "drafted": args.drafted, "repeats": args.repeats,
+        print(json.dumps({"threads": args.threads, "mask_slices": not args.no_mask_slices, "rows": args.rows, "drafted": args.drafted, "repeats": args.repeats,
                           "llguidance": __import__("importlib.metadata").metadata.version("llguidance"), "results": out},
                          indent=2))
     return 0

@@ -250,6 +250,10 @@ async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, 
         print(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}), file=sys.stderr, flush=True)
 
     draft = load_draft(spec)
+    if draft.model is None:  # a node without a draft model is one short of memory: grammar masks without slices
+        from goodspeed.lm.decoding.structured import use_mask_slices
+
+        use_mask_slices(False)
     config = node_config(spec, verifier, draft.fingerprint, max_concurrency, max_waiting, connect_timeout_s)
     node = EdgeNode(config, draft.drafter, draft.tokenizer)
     await node.start()

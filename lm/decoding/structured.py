@@ -187,22 +187,93 @@ LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # One llguidance tokenizer per Hugging Face tokenizer object (indexing a vocabulary takes ~1 s).
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TOKENIZERS_LOCK = threading.Lock()
+# Whether llguidance's views are built with its slices: token tries over classes of tokens (those a
+# JSON string may hold, ...) that make a mask over a large vocabulary about twice as fast, for ~12 MB
+# on SmolLM2's 49,152 tokens (docs/MEASUREMENTS.md *Memory of a node with no draft model*). A
+# process short of memory turns them off before its first grammar (:func:`use_mask_slices`).
+_SLICES = {"on": True}
+
+
+def use_mask_slices(on: bool) -> None:
+    """Build llguidance's views from now on with its slices (the default) or without: an edge node
+    drafting by lookup alone, on a device where memory is the constraint, goes without."""
+    _SLICES["on"] = on
 
 
 def llguidance_tokenizer(hf_tokenizer):
-    """llguidance's view of ``hf_tokenizer``, built once per tokenizer object."""
-    import llguidance.hf  # imports transformers: only where a tokenizer is at hand
+    """llguidance's view of ``hf_tokenizer``, built once per tokenizer object.
 
+    A byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen's, SmolLM2's) is handed to llguidance as
+    its tokens' bytes and a callback into the tokenizer itself (:func:`shared_view`), so the
+    process holds one Rust tokenizer; any other goes through ``llguidance.hf.from_tokenizer``,
+    which gives llguidance its own copy (about 22 MB more on SmolLM2's: docs/MEASUREMENTS.md
+    *Memory of a node with no draft model*)."""
     with _TOKENIZERS_LOCK:
         cached = _TOKENIZERS.get(hf_tokenizer)
         if cached is None:
-            try:
-                cached = llguidance.hf.from_tokenizer(hf_tokenizer)
-            except ValueError as exc:
-                raise StructureError(f"structured output needs a fast tokenizer: {exc}") from None
+            cached = shared_view(hf_tokenizer)
+            if cached is None:
+                import llguidance.hf  # imports transformers: only where a tokenizer is at hand
+
+                try:
+                    cached = llguidance.hf.from_tokenizer(hf_tokenizer, slices=None if _SLICES["on"] else [])
+                except ValueError as exc:
+                    raise StructureError(f"structured output needs a fast tokenizer: {exc}") from None
             _TOKENIZERS[hf_tokenizer] = cached
-            trim_heap()  # the serialised copy it parsed, freed (goodspeed.lm.runtime.heap)
+            trim_heap()  # what building it freed (goodspeed.lm.runtime.heap)
         return cached
+
+
+def shared_view(hf_tokenizer):
+    """llguidance's tokenizer over ``hf_tokenizer``'s own Rust tokenizer, or None where that is
+    not a byte-level BPE (its tokens' bytes are then not read off here).
+
+    llguidance needs each token's bytes (its token trie, from which masks are computed) and a way
+    to tokenize text (the forced bytes it turns into tokens). The bytes are read as the tokenizer's
+    ByteLevel decoder reads them, added tokens included: each character of a token's string maps
+    back to one byte (GPT-2's byte-to-unicode table), and a token with a character outside that
+    table (an added token's text with a space, say) is its UTF-8; special tokens are named as
+    such. Tokenizing calls the tokenizer
+    with no special tokens added, on valid UTF-8 (llguidance tokenizes any invalid tail greedily
+    itself), as ``from_tokenizer``'s copy does. ``tests/lm/decoding/test_structured.py`` checks
+    both views agree token by token and mask by mask on every tokenizer the project ships."""
+    import tokenizers
+
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if not (isinstance(backend, tokenizers.Tokenizer) and isinstance(backend.model, tokenizers.models.BPE)
+            and isinstance(backend.decoder, tokenizers.decoders.ByteLevel)):
+        return None
+    added = backend.get_added_tokens_decoder()
+    to_byte = _unicode_to_byte()
+    tokens = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        text = backend.id_to_token(i)
+        if text is None:
+            return None  # a hole in the ids: left to llguidance's own reading
+        chars = [to_byte.get(c) for c in text]
+        tokens.append(text.encode() if None in chars else bytes(chars))
+
+    class View:
+        eos_token_id = hf_tokenizer.eos_token_id
+        bos_token_id = hf_tokenizer.bos_token_id
+        special_token_ids = sorted(i for i, t in added.items() if t.special)
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, text: str) -> list[int]:
+            if not isinstance(text, str):  # llguidance then hands over text, never bytes
+                raise TypeError("text only")
+            return backend.encode(text, add_special_tokens=False).ids
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(View()), slices=None if _SLICES["on"] else [])
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level table read backwards: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
 class Constraint:

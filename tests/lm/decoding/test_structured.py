@@ -212,3 +212,87 @@ def test_json_nested_past_the_limit_is_refused_by_name_never_a_recursion_error(t
     schema = '{"type": "object", "properties": {"a": ' * 500 + '{"type": "string"}' + "}}" * 500
     with pytest.raises(StructureError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
         Structure("json", schema).bound(tokenizer)
+
+
+def assert_views_agree(hf_tokenizer, schema: dict, text: str) -> None:
+    """llguidance's view over the tokenizer itself (``shared_view``) and its own copy
+    (``llguidance.hf.from_tokenizer``): the same bytes and special flag for every token, and, along
+    ``text`` under ``schema``, the same mask and the same forced tokens at every prefix."""
+    import llguidance.hf
+
+    from goodspeed.lm.decoding.structured import shared_view
+
+    mine, theirs = shared_view(hf_tokenizer), llguidance.hf.from_tokenizer(hf_tokenizer)
+    assert mine is not None and mine.vocab_size == theirs.vocab_size and mine.eos_tokens == theirs.eos_tokens
+    for i in range(theirs.vocab_size):
+        assert (mine.decode_bytes([i]), mine.is_special_token(i)) == (theirs.decode_bytes([i]), theirs.is_special_token(i)), i
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    a, b = llguidance.LLMatcher(mine, grammar), llguidance.LLMatcher(theirs, grammar)
+    tokens = hf_tokenizer.encode(text, add_special_tokens=False)
+    for token in tokens:
+        assert a.compute_bitmask() == b.compute_bitmask() and a.compute_ff_tokens() == b.compute_ff_tokens()
+        assert a.consume_token(token) and b.consume_token(token)
+    assert a.is_accepting() and b.is_accepting()
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["décor", "ünï"]}}},
+          "required": ["name", "tags"], "additionalProperties": False}
+
+
+def test_llguidance_reads_a_byte_level_tokenizer_without_its_own_copy(tokenizer, monkeypatch):
+    """A byte-level BPE tokenizer (with added tokens, one of them read through the byte table and
+    one not, a special one, and non-ASCII text) is read by llguidance through the tokenizer
+    itself, never through a copy, and that view agrees with llguidance's own."""
+    import copy
+
+    import llguidance.hf
+
+    from goodspeed.lm.decoding.structured import llguidance_tokenizer
+
+    extended = copy.deepcopy(tokenizer)
+    extended.add_tokens(["héllo", "wörld ☃"])
+    extended.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    assert_views_agree(extended, SCHEMA, '{"name":"hello wörld ☃","tags":["décor","ünï"]}')
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", None)  # the copy is never made
+    view = llguidance_tokenizer(extended)
+    assert view is llguidance_tokenizer(extended)  # built once per tokenizer
+    added = extended.convert_tokens_to_ids(["héllo", "wörld ☃", "<|tool|>"])
+    assert [view.decode_bytes([i]) for i in added] == [b"h\xe9llo", "wörld ☃".encode(), b"<|tool|>"]  # as the tokenizer decodes them
+    assert view.is_special_token(added[2]) and not view.is_special_token(added[1])
+
+
+def test_masks_without_llguidances_slices_are_the_same(tokenizer, monkeypatch):
+    """Slices only make masks faster: a view built without them (an edge node with no draft
+    model) masks every position as llguidance's own copy with them does."""
+    from goodspeed.lm.decoding import structured
+
+    monkeypatch.setitem(structured._SLICES, "on", False)
+    assert_views_agree(tokenizer, SCHEMA, '{"name":"a \\"b\\" c","tags":["ünï"]}')
+
+
+def test_a_tokenizer_that_is_not_byte_level_gets_llguidances_own_copy(tokenizer):
+    """Another decoder (Llama 2's SentencePiece-style sequence with byte fallback): its tokens'
+    bytes are not read off by hand; llguidance's own reading is used, and structured output works
+    with it."""
+    import copy
+
+    from tokenizers import decoders
+
+    from goodspeed.lm.decoding.structured import llguidance_tokenizer, shared_view
+
+    other = copy.deepcopy(tokenizer)
+    other.backend_tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    assert shared_view(other) is None
+    assert llguidance_tokenizer(other).vocab_size == len(other)
+    Structure("json", json.dumps(SCHEMA)).bound(other)
+
+
+@pytest.mark.real
+def test_llguidance_reads_the_real_tokenizer_as_its_own_copy_does():
+    from goodspeed.lm.models import real
+    from goodspeed.lm.models.tokenizers import load_tokenizer
+
+    if not real.is_built("smollm2-135m"):
+        pytest.skip("needs the real model: goodspeed models get smollm2-135m")
+    tokenizer, _ = load_tokenizer("real:smollm2-135m")
+    assert_views_agree(tokenizer, SCHEMA, '{"name": "héllo wörld ☃ {x}", "tags": ["décor", "ünï", "décor"]}')
