@@ -6,7 +6,6 @@ refused, rounds going on until the requests in progress finish or the drain time
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -21,7 +20,9 @@ from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.verifier.local import LocalServing
 from goodspeed.verifier.observability import JsonLog, Metrics
 from goodspeed.verifier.server import SERVICE_NAME, ServerConfig, VerifierService, check_transit
-from goodspeed.verifier.tls import is_loopback, server_credentials
+from goodspeed.verifier.tls import ReloadingServerContext, is_loopback, server_credentials
+
+RELOAD_CHECK_S = 2.0  # how often the HTTPS front's certificate files are checked for a renewal
 
 
 class HttpFront(Protocol):
@@ -47,6 +48,7 @@ class VerifierServer:
         self.engine, self.config = engine, config
         self.local, self.tokenizer = local, tokenizer
         self.metrics, self.log = metrics or Metrics(), log or JsonLog()
+        self.metrics.watch_kv(engine)
         # Read now, so a bad token file fails before anything listens.
         self.auth = TokenAuth.from_file(config.auth_tokens) if config.auth_tokens else None
         self.health = health.aio.HealthServicer()
@@ -56,6 +58,7 @@ class VerifierServer:
         self.failed = asyncio.Event()  # set if the round loop dies: the daemon must not look healthy
         self.http = None  # the OpenAI-compatible front, when config.http_port is set
         self.http_port: int | None = None
+        self._https_watch: asyncio.Task | None = None  # re-reads the HTTPS front's certificate files
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -101,12 +104,21 @@ class VerifierServer:
         return port
 
     def _http_tls(self):
-        """HTTPS with the gRPC server's certificate, when it has one."""
+        """HTTPS with the gRPC server's certificate, when it has one, re-read when its files
+        change (:class:`~goodspeed.verifier.tls.ReloadingServerContext`, checked every
+        ``RELOAD_CHECK_S``)."""
         if self.config.tls_cert is None:
             return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
-        return context
+        reloading = ReloadingServerContext(self.config.tls_cert, self.config.tls_key,
+                                           on_reload=lambda what: self.log.event("https_certificates", result=what))
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(RELOAD_CHECK_S)
+                reloading.check()
+
+        self._https_watch = asyncio.create_task(watch())
+        return reloading.context
 
     def _on_rounds_done(self, task: asyncio.Task) -> None:
         """The round loop only ends when stopped; if it raised, no drafter would get another
@@ -128,6 +140,8 @@ class VerifierServer:
             await asyncio.sleep(0.05)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._https_watch is not None:
+            self._https_watch.cancel()
         if self.http is not None:
             await self.http.stop()
         if self.service is not None:  # requests its handlers were freeing

@@ -32,10 +32,20 @@ class Metrics:
         self.batch_size = Gauge(f"{PREFIX}round_batch_drafters", "Drafters verified in the last round", registry=self.registry)
         self.active = Gauge(f"{PREFIX}active_drafters", "Joined drafter sessions", registry=self.registry)
         self.rounds = Counter(f"{PREFIX}rounds", "Verified rounds", registry=self.registry)
+        self.kv_slots = Gauge(f"{PREFIX}kv_slots_used", "Target KV slots held (one per request in progress)",
+                              registry=self.registry)
+        self.kv_positions = Gauge(f"{PREFIX}kv_reserved_positions", "Target KV positions allocated per layer (the KV "
+                                  "cache's memory, in one position's keys and values)", registry=self.registry)
         self.transit_tokens = Counter(f"{PREFIX}transit_tokens", "Tokens decoded while their drafter's draft was in "
                                       "transit (--transit-tokens)", registry=self.registry)
         self.spec = SpecDecodeMetrics(self.registry)
         self.requests = RequestMetrics(self.registry)
+
+    def watch_kv(self, engine) -> None:
+        """Read ``engine``'s KV slots and reserved positions at each scrape (what a leak would
+        leave behind: counted after a chaos run)."""
+        self.kv_slots.set_function(lambda: engine.sessions.kv_usage()[0])
+        self.kv_positions.set_function(lambda: engine.sessions.kv_usage()[1])
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         from goodspeed.verifier.errors import ListenError

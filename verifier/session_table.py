@@ -69,6 +69,12 @@ class SessionTable:
         session.source.leave(session_id)
         del self.by_id[session_id]
 
+    def kv_usage(self) -> tuple[int, int]:
+        """KV slots held and positions reserved per layer; safe to read from another thread (the
+        metrics endpoint's) while the engine runs: it reads snapshots, never a table mid-change."""
+        slots = self.slots
+        return len(slots.keys), slots.cache.reserved_positions
+
     def get(self, session_id: str) -> Session:
         try:
             return self.by_id[session_id]

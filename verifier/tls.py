@@ -1,10 +1,14 @@
-"""TLS for the verifier: server credentials from PEM files, re-read when they change, and the
-loopback test behind refusing plaintext where other machines can reach the daemon."""
+"""TLS for the verifier: server credentials from PEM files, re-read when they change (gRPC's at
+each new handshake, the HTTPS front's every few seconds), and the loopback test behind refusing
+plaintext where other machines can reach the daemon."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -85,3 +89,49 @@ def server_credentials(config: ServerConfig, on_reload=None) -> grpc.ServerCrede
         return None
     certs = _ReloadingCertificates(config, on_reload)
     return grpc.dynamic_ssl_server_credentials(certs.current, certs.fetch, require_client_authentication=bool(config.tls_client_ca))
+
+
+class ReloadingServerContext:
+    """The HTTPS front's :class:`ssl.SSLContext`, its certificate following its files as gRPC's
+    does: :meth:`check` (the daemon runs it every ``RELOAD_CHECK_S``) re-reads them when one
+    changed, and loads a new pair into the live context only once it has loaded, whole and
+    matching, into a scratch one (so a half-written renewal keeps the last good pair; OpenSSL
+    would otherwise be left holding a new certificate with the old key). New handshakes get the new
+    pair; connections already open keep theirs."""
+
+    def __init__(self, cert: str, key: str, on_reload=None) -> None:
+        self.cert, self.key, self.on_reload = cert, key, on_reload
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(cert, key)
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> tuple:
+        out = []
+        for path in (self.cert, self.key):
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def check(self) -> bool:
+        """Reload if the files changed; True when a new pair was loaded."""
+        stamp = self._stamp()
+        if stamp == self.stamp:
+            return False
+        self.stamp = stamp  # a broken pair is reported once per change
+        try:
+            with tempfile.TemporaryDirectory() as tmp:  # one read of each file, loaded twice (mode 0700)
+                cert, key = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+                cert.write_bytes(_read_pem(self.cert))
+                key.write_bytes(_read_pem(self.key))
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+                self.context.load_cert_chain(cert, key)
+        except (ValueError, OSError) as exc:  # ssl.SSLError is an OSError
+            if self.on_reload is not None:
+                self.on_reload(f"kept the previous certificate: {exc}")
+            return False
+        if self.on_reload is not None:
+            self.on_reload("reloaded")
+        return True

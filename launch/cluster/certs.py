@@ -9,7 +9,10 @@
                                     identity on the verifier
 
 and ``goodspeed launch`` makes the same, throwaway, for every run. Keys are ECDSA P-256, written
-0600; nothing is overwritten (an existing file is an error naming it).
+0600; nothing is overwritten (an existing file is an error naming it). :func:`renew_certs`
+reissues the server's and clients' certificates under the same CA, each file replaced whole (a
+reader sees the old file or the new one, never half of one): the verifier serves a renewed
+certificate from its next handshake on, without a restart.
 """
 
 from __future__ import annotations
@@ -111,3 +114,41 @@ def init_certs(out_dir: str | Path, names: tuple[str, ...] = ("client",), hosts:
     for name in names:
         out[name] = issue(name, name, ExtendedKeyUsageOID.CLIENT_AUTH, None)
     return out
+
+
+def renew_certs(out_dir: str | Path, days: int = VALID_DAYS) -> dict[str, Issued]:
+    """New keys and certificates, signed by ``out_dir``'s CA (``ca.pem``, ``ca.key``), for the
+    server (the same hosts) and every client certificate there; each key, then its certificate,
+    replaces the old file atomically. Returns the renewed ``{stem: Issued}``."""
+    out_dir = Path(out_dir)
+    try:
+        ca_cert = x509.load_pem_x509_certificate((out_dir / "ca.pem").read_bytes())
+        ca_key = serialization.load_pem_private_key((out_dir / "ca.key").read_bytes(), password=None)
+    except (OSError, ValueError) as exc:
+        raise CertError(f"cannot read the CA in {out_dir}: {exc}") from None
+    renewed = {}
+    for cert_path in sorted(out_dir.glob("*.pem")):
+        stem = cert_path.stem
+        if stem == "ca" or not (out_dir / f"{stem}.key").exists():
+            continue
+        old = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        common_name = old.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = _builder(common_name, ca_cert.subject, key.public_key(), days)
+        for extension in old.extensions:  # the same constraints, usage and hosts
+            builder = builder.add_extension(extension.value, critical=extension.critical)
+        cert = builder.sign(ca_key, hashes.SHA256())
+        issued = Issued(cert_path, out_dir / f"{stem}.key")
+        _replace(issued.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()), private=True)
+        _replace(issued.cert, cert.public_bytes(serialization.Encoding.PEM), private=False)
+        renewed[stem] = issued
+    return renewed
+
+
+def _replace(path: Path, data: bytes, private: bool) -> None:
+    staging = path.with_name(f".{path.name}.new")
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(staging, path)

@@ -8,7 +8,10 @@ directions (the kernel's token bucket: real queueing, real TCP back-pressure). T
 the veth: every chunk read from either side is released ``rtt/2 + U(-jitter, +jitter)`` later,
 never before the chunk ahead of it (TCP keeps order), and a chunk "lost" with probability
 ``loss`` is released one retransmission timeout later (``max(200 ms, 2 * rtt)``, Linux's minimum
-RTO): over TCP a lost segment costs exactly that stall, not missing bytes.
+RTO): over TCP a lost segment costs exactly that stall, not missing bytes. A link can be
+partitioned (:meth:`EdgeNetwork.partition`) and healed: while cut, nothing crosses it either way
+and a new connection gets no further than the proxy; what was sent meanwhile arrives after the heal,
+as TCP's retransmissions deliver it, unless an end gave the connection up first.
 
 Setup needs root and namespace support; :func:`check_support` says clearly why not otherwise.
 Teardown deletes the namespaces (which deletes the veths and their qdiscs): nothing is left.
@@ -81,7 +84,8 @@ def _run(*cmd: str) -> str:
 
 class DelayProxy:
     """A TCP forwarder adding one-way delay, jitter and loss stalls in both directions; runs on
-    its own event-loop thread. ``port = start()``; ``stop()``."""
+    its own event-loop thread. ``port = start()``; ``stop()``; ``partition()`` and ``heal()``
+    cut and restore the link (nothing is forwarded, no upstream connection opened, while cut)."""
 
     def __init__(self, listen_host: str, upstream: tuple[str, int], link: LinkSpec, seed: int = 0) -> None:
         self.listen_host, self.upstream, self.link = listen_host, upstream, link
@@ -89,10 +93,18 @@ class DelayProxy:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="goodspeed-link-proxy")
         self._server = None
+        self._open: asyncio.Event | None = None  # set while the link is up; made on the loop (start)
         self.stats = {"chunks": 0, "bytes": 0, "lost": 0}
 
     def start(self, port: int = 0) -> int:
         self._thread.start()
+
+        async def make_open() -> asyncio.Event:
+            event = asyncio.Event()
+            event.set()
+            return event
+
+        self._open = asyncio.run_coroutine_threadsafe(make_open(), self.loop).result(10)
         fut = asyncio.run_coroutine_threadsafe(asyncio.start_server(self._handle, self.listen_host, port), self.loop)
         self._server = fut.result(10)
         return self._server.sockets[0].getsockname()[1]
@@ -113,6 +125,24 @@ class DelayProxy:
         self._thread.join(10)
         self.loop.close()
 
+    def partition(self) -> None:
+        """Cut the link: once this returns, nothing crosses it until :meth:`heal`."""
+        self._on_loop(self._open.clear)
+
+    def heal(self) -> None:
+        """Restore the link: what was held is released in order, and held connections proceed."""
+        self._on_loop(self._open.set)
+
+    def _on_loop(self, fn) -> None:
+        async def call() -> None:
+            fn()
+
+        asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
+
+    @property
+    def cut(self) -> bool:
+        return self._open is not None and not self._open.is_set()
+
     def _delay_s(self) -> float:
         link = self.link
         delay = link.rtt_ms / 2000 + self.rng.uniform(-link.jitter_ms, link.jitter_ms) / 1000
@@ -122,6 +152,7 @@ class DelayProxy:
         return max(0.0, delay)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._open.wait()  # a connection opened across a cut link hangs, as its SYNs would
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
@@ -141,6 +172,7 @@ class DelayProxy:
             while (item := await queue.get()) is not None:
                 at, data = item
                 await asyncio.sleep(max(0.0, at - loop.time()))
+                await self._open.wait()  # held while the link is cut
                 writer.write(data)
                 await writer.drain()
             writer.close()
@@ -238,6 +270,13 @@ class EdgeNetwork:
             _remove(edge)
             raise
         return edge
+
+    def partition(self, name: str) -> None:
+        """Cut ``name``'s link to its upstream (its proxy holds everything until :meth:`heal`)."""
+        self.edges[name].proxy.partition()
+
+    def heal(self, name: str) -> None:
+        self.edges[name].proxy.heal()
 
     def start_proxy(self, name: str, upstream: tuple[str, int]) -> None:
         edge = self.edges[name]

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from goodspeed.lm.models.corpus import encode, load_corpus
-from goodspeed.lm.models.model_dirs import ModelLoadError, cache_root, read_manifest
+from goodspeed.lm.models.model_dirs import DemoNotBuiltError, demo_dir, demo_model_path, read_manifest  # noqa: F401 (re-exported)
 from goodspeed.lm.models.train import ModelRecipe, acceptance_against, heldout_cross_entropy, train_model
 
 VOCAB_SIZE = 2048
@@ -33,23 +33,6 @@ RECIPES = (
     ModelRecipe("draft-small", "draft", layers=2, hidden=96, steps=400, seed=3),
     ModelRecipe("draft-distilled", "draft", layers=2, hidden=128, steps=400, seed=4, distill=True),
 )
-
-
-class DemoNotBuiltError(ModelLoadError):
-    """A ``demo:`` model was asked for before ``goodspeed models build-demo``."""
-
-
-def demo_dir() -> Path:
-    return cache_root() / "demo"
-
-
-def demo_model_path(name: str) -> Path:
-    manifest = read_manifest(demo_dir())
-    names = [m["name"] for m in manifest["models"]] if manifest else []
-    if name not in names:
-        hint = f"known: {', '.join(names)}" if names else "run `goodspeed models build-demo` first"
-        raise DemoNotBuiltError(f"no demo model {name!r} ({hint})")
-    return demo_dir() / name
 
 
 # The demo models read and write Python, so a chat turns into comment lines: the role as a comment,

@@ -41,3 +41,22 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+class DemoNotBuiltError(ModelLoadError):
+    """A ``demo:`` model was asked for before ``goodspeed models build-demo``."""
+
+
+def demo_dir() -> Path:
+    return cache_root() / "demo"
+
+
+def demo_model_path(name: str) -> Path:
+    """The directory of ``demo:<name>`` (here, not in :mod:`goodspeed.lm.models.demo`, which
+    imports the trainer and torch: an edge node drafting by lookup resolves its tokenizer with this)."""
+    manifest = read_manifest(demo_dir())
+    names = [m["name"] for m in manifest["models"]] if manifest else []
+    if name not in names:
+        hint = f"known: {', '.join(names)}" if names else "run `goodspeed models build-demo` first"
+        raise DemoNotBuiltError(f"no demo model {name!r} ({hint})")
+    return demo_dir() / name

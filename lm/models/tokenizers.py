@@ -19,7 +19,7 @@ from goodspeed.lm.models.model_dirs import ModelLoadError
 def resolve_model_path(spec: str) -> str:
     """``demo:<name>`` / ``real:<name>`` -> the built model's directory; anything else is passed through."""
     if spec.startswith("demo:"):
-        from goodspeed.lm.models.demo import demo_model_path
+        from goodspeed.lm.models.model_dirs import demo_model_path
 
         return str(demo_model_path(spec.removeprefix("demo:")))
     if spec.startswith("real:"):

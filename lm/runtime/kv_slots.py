@@ -107,9 +107,9 @@ class SlotKVCache:
     def reserved_positions(self) -> int:
         """KV positions allocated per layer (pool rows x capacity + every own buffer): the memory
         the cache holds, in units of one position's keys and values."""
-        pool = next((buf for buf in self.keys if buf is not None), None)
-        rows = pool.shape[0] * pool.shape[2] if pool is not None else 0
-        return rows + sum(own.capacity for own in self._own.values() if any(b is not None for b in own.keys))
+        pool = next((buf for buf in list(self.keys) if buf is not None), None)
+        rows = pool.shape[0] * pool.shape[2] if pool is not None else 0  # list(...): snapshots, read from any thread
+        return rows + sum(own.capacity for own in list(self._own.values()) if any(b is not None for b in list(own.keys)))
 
     @property
     def num_slots(self) -> int:

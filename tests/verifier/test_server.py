@@ -277,6 +277,22 @@ def test_finish_request_frees_the_slot_and_allows_a_new_request(served):
     assert again.round_index >= reply.round_index
 
 
+def test_the_kv_gauges_count_a_requests_slot_until_it_is_freed(served):
+    """``goodspeed:kv_slots_used`` and ``goodspeed:kv_reserved_positions``, read at each scrape:
+    a request holds one slot and its positions; finished, its slot is counted free."""
+    server, stub = served
+
+    def gauge(name: str) -> float:
+        lines = generate_latest(server.server.metrics.registry).decode().splitlines()
+        return float(next(line for line in lines if line.startswith(f"goodspeed:{name} ")).split()[-1])
+
+    before = gauge("kv_slots_used")
+    sid, _ = join(stub)
+    assert gauge("kv_slots_used") == before + 1 and gauge("kv_reserved_positions") > 0
+    stub.FinishRequest(pb.FinishRequestRequest(session_id=sid))
+    assert gauge("kv_slots_used") == before == server.server.engine.cache.num_slots
+
+
 def submit_one(stub):
     """A fresh session with one draft queued (a round will run); its stream, to cancel later."""
     sid, reply = join(stub)

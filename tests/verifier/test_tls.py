@@ -128,3 +128,52 @@ def test_renewed_certificates_are_served_without_a_restart(models, tmp_path, cer
             shutil.copy(tmp_path / "second" / name, live / name)
         assert joins(second) and not joins(first)
         assert server.events("tls_certificates")[-1]["result"] == "reloaded"
+
+
+def test_the_https_front_serves_a_renewed_certificate_without_a_restart(tmp_path, monkeypatch):
+    """The HTTPS front (``--http-port`` with a certificate) follows its files as gRPC does: renewed
+    under the same CA (``renew_certs``), the next handshake gets the new certificate; a
+    half-written renewal keeps the last good pair, and that is logged."""
+    import ssl
+    import time
+
+    from cryptography import x509
+
+    from goodspeed.launch.cluster.certs import renew_certs
+    from goodspeed.verifier import daemon
+    from goodspeed.verifier.local import LocalConfig, LocalServing
+    from modelkit import chat_pair
+
+    monkeypatch.setattr(daemon, "RELOAD_CHECK_S", 0.05)
+    issued = init_certs(tmp_path / "certs", names=("alice",))
+    target, draft, tokenizer = chat_pair()
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4))
+    local = LocalServing(engine, draft, LocalConfig(policy="chain", k=2, budget=8))
+
+    def served_serial(port: int) -> int:
+        pem = ssl.get_server_certificate(("127.0.0.1", port), ca_certs=str(issued["ca"].cert))
+        return x509.load_pem_x509_certificate(pem.encode()).serial_number
+
+    def eventually(predicate) -> bool:
+        for _ in range(400):
+            if predicate():
+                return True
+            time.sleep(0.05)
+        return predicate()
+
+    def on_disk() -> int:
+        return x509.load_pem_x509_certificate(issued["server"].cert.read_bytes()).serial_number
+
+    with ServerThread(engine, local=local, tokenizer=tokenizer, http_port=0, target_name="tiny",
+                      tls_cert=str(issued["server"].cert), tls_key=str(issued["server"].key)) as server:
+        port = server.server.http_port
+        first = served_serial(port)
+        assert first == on_disk()
+        renew_certs(tmp_path / "certs")
+        assert on_disk() != first
+        assert eventually(lambda: served_serial(port) == on_disk())
+        assert server.events("https_certificates")[-1]["result"] == "reloaded"
+        good = on_disk()
+        issued["server"].cert.write_text("-----BEGIN CERTIFICATE-----\ntruncat")  # a half-written renewal
+        assert eventually(lambda: any("kept the previous" in e["result"] for e in server.events("https_certificates")))
+        assert served_serial(port) == good  # still served, with the last good pair

@@ -1,4 +1,5 @@
-"""Edge-link emulation: the userspace proxy adds the configured delay, jitter and loss stalls;
+"""Edge-link emulation: the userspace proxy adds the configured delay, jitter and loss stalls,
+and a partition holds everything until it heals;
 namespaces + veth + tbf cap the bandwidth; setup and teardown leave nothing behind; without root
 the feature is refused with a clear message."""
 
@@ -82,6 +83,41 @@ def test_proxy_loss_stalls_like_a_retransmission():
     # each round trip is two chunks lost with p = 0.3 each: about half the round trips stall
     assert 5 <= len(stalled) <= 25 and len(stalled) <= proxy.stats["lost"], (rtts, proxy.stats)
     assert all(t < 0.1 for t in rtts if t < link.retransmit_s)
+
+
+def test_a_partitioned_link_carries_nothing_until_it_heals():
+    """While cut, an open connection's bytes and a new connection's get no reply (nothing arrives
+    in 0.3 s, however loaded the machine); after the heal both get their echo, in order, with
+    nothing lost."""
+    srv = echo_server()
+    proxy = DelayProxy("127.0.0.1", ("127.0.0.1", srv.getsockname()[1]), LinkSpec(rtt_ms=2), seed=3)
+    port = proxy.start()
+    try:
+        before = socket.create_connection(("127.0.0.1", port))
+        before.sendall(b"up")
+        assert before.recv(16) == b"up"  # the link works
+        proxy.partition()
+        assert proxy.cut
+        before.sendall(b"held-1")
+        before.sendall(b"held-2")
+        during = socket.create_connection(("127.0.0.1", port))  # accepted by the proxy, forwarded nowhere
+        during.sendall(b"new")
+        for sock in (before, during):
+            sock.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                sock.recv(16)
+        proxy.heal()
+        assert not proxy.cut
+        for sock, want in ((before, b"held-1held-2"), (during, b"new")):
+            sock.settimeout(30)
+            got = b""
+            while len(got) < len(want):
+                got += sock.recv(64)
+            assert got == want
+            sock.close()
+    finally:
+        proxy.stop()
+        srv.close()
 
 
 def test_link_spec_validation():

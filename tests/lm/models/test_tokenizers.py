@@ -55,3 +55,21 @@ def test_the_real_targets_tokenizer_loads_as_autotokenizer_loads_it():
     assert type(light) is type(auto) and fingerprint == tokenizer_fingerprint(auto)
     assert (light.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
             == auto.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"])
+
+
+def test_a_demo_models_directory_is_found_without_importing_torch(tmp_path):
+    """``demo:<name>`` resolves (or is refused as not built) without the demo builder's imports,
+    which reach torch: an edge node drafting by lookup with a demo tokenizer stays light. Checked
+    in a fresh interpreter, where nothing else imported torch first."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom goodspeed.lm.models.tokenizers import resolve_model_path\n"
+            "from goodspeed.lm.models.model_dirs import DemoNotBuiltError\n"
+            "try:\n    resolve_model_path('demo:target')\nexcept DemoNotBuiltError as exc:\n    print('refused:', exc)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GOODSPEED_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["refused: no demo model 'target' (run `goodspeed models build-demo` first)", "False"]
