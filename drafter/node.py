@@ -9,7 +9,11 @@ How a node holds several requests at once, and why fairness stays per DEVICE:
   KV slot, one round counter), taken from a pool of at most ``max_concurrency`` sessions that
   the node keeps joined (their acceptance estimates carry over between requests). Requests
   beyond that wait in a bounded queue; beyond it they get 429 with a hint of when to retry
-  (:meth:`EdgeNode.retry_after_s`).
+  (:meth:`EdgeNode.retry_after_s`). With ``admission="slo"`` a request also waits, first in
+  first out, until the node's time per token, fitted on its requests' rounds against how many
+  were in flight (:class:`goodspeed.scheduler.admission.RoundAdmission`), stays within 90% of
+  every request's ``tpot_slo_ms`` with it in flight too: past capacity a request that would
+  slow the others past their SLOs waits, or is refused, instead.
 * Every session of the node joins with the node's name as its ``device``. The verifier's
   GoodSpeed then has ONE utility term per device, ``log X_d`` with ``X_d`` the sum of the
   device's sessions' goodputs (:mod:`goodspeed.scheduler.allotments`): a node serving four
@@ -62,6 +66,7 @@ from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.decoding.proposals import ChainDraft
 from goodspeed.lm.decoding.draft_source import as_draft_source, draft_model, draft_with_forced
 from goodspeed.lm.decoding.lookup import LookupDraft
+from goodspeed.scheduler.admission import ADMISSIONS, RoundAdmission
 from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength
 
 MAX_REPAIRS = 3  # session losses one request survives
@@ -77,6 +82,9 @@ class NodeConfig:
     fingerprint: str = ""
     max_concurrency: int = 4  # verifier sessions (requests generating at once)
     max_waiting: int = 64  # requests queued for a session; more get 429
+    # Which waiting requests start: count (while fewer than max_concurrency generate) or slo (also
+    # only while the node's fitted time per token stays within every request's tpot_slo_ms)
+    admission: str = "count"
     seed: int | None = None  # root of the per-request sampling streams; None: OS entropy
     connect_timeout_s: float = 60.0
     verdict_timeout_s: float = 120.0
@@ -100,6 +108,8 @@ class NodeConfig:
         if self.max_concurrency < 1 or self.max_waiting < 0:
             raise ValueError("max_concurrency must be >= 1 and max_waiting >= 0")
         check_proposal_top_k(self.proposal_top_k)
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if self.draft_length not in DRAFT_LENGTH_RULES:
             raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTH_RULES)}, got {self.draft_length!r}")
         self.adapt_config()  # its checks
@@ -142,6 +152,10 @@ class EdgeNode:
         self._sessions = 0  # joined, free or busy
         self._session_freed = asyncio.Condition()
         self._waiting = 0
+        self.admission = RoundAdmission() if config.admission == "slo" else None
+        self._gate: list[object] = []  # requests waiting for SLO admission, first in first out
+        self._gate_changed = asyncio.Condition()  # a request freed, a round observed, the head left
+        self._admitted_since = 0  # requests admitted since the last round observed
         self._jobs: list[DraftJob] = []
         self._jobs_ready = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -277,6 +291,38 @@ class EdgeNode:
                 self._waiting -= 1
                 self.requests.waiting.set(self._waiting)
 
+    async def _admit_by_slo(self, request: GenerationRequest) -> None:
+        """With ``admission="slo"``: wait, first in first out, until the rule admits ``request``
+        next to the requests in flight (module docstring); 429 while ``max_waiting`` wait."""
+        if self.admission is None:
+            return
+        if self._waiting >= self.config.max_waiting:
+            retry = self.retry_after_s()
+            raise RequestError("overloaded", f"{self._waiting} requests are already waiting on this node; retry in "
+                                             f"about {retry:.2g} s", retry_after_s=retry)
+        slo = request.tpot_slo_ms / 1000 if request.tpot_slo_ms is not None else None
+        ticket = object()
+        self._gate.append(ticket)
+        self._waiting += 1
+        self.requests.waiting.set(self._waiting)
+        try:
+            async with self._gate_changed:
+                await self._gate_changed.wait_for(lambda: self._gate[0] is ticket and self.admission.admits(
+                    [r.request.tpot_slo_ms / 1000 if r.request.tpot_slo_ms is not None else None for r in self._in_flight],
+                    slo, self._admitted_since))
+            self._admitted_since += 1
+        finally:
+            self._gate.remove(ticket)
+            self._waiting -= 1
+            self.requests.waiting.set(self._waiting)
+            await self._gate_moved()
+
+    async def _gate_moved(self) -> None:
+        """Something the SLO admission reads changed: the waiting head looks again."""
+        if self.admission is not None:
+            async with self._gate_changed:
+                self._gate_changed.notify_all()
+
     @property
     def holding(self) -> int:
         """Requests admitted and not yet freed."""
@@ -316,14 +362,16 @@ class EdgeNode:
         ``stats``: filled in as the request's verdicts arrive."""
         if not self.ready():
             raise RequestError("unavailable", "the node's verifier is not serving (unreachable or draining); retry later")
-        if request.tpot_slo_ms is not None:
-            raise RequestError("invalid", "tpot_slo_ms is served by the verifier's local serving, not by an edge node", param="tpot_slo_ms")
+        if request.tpot_slo_ms is not None and self.admission is None:
+            raise RequestError("invalid", "tpot_slo_ms needs a node started with --admission slo (this one admits by count)",
+                               param="tpot_slo_ms")
         if self.adapting is not None:
             await self.adapting.admit()  # a request waits while new weights wait for a moment with none in flight
         generator = None  # a lookup alone draws nothing
         if not self._inline:
             generator = (torch_generator(request.seed, "request", "draft") if request.seed is not None
                          else torch_generator(self.root_seed, "drafter", self.config.name, request.request_id))
+        await self._admit_by_slo(request)
         req = NodeRequest(request, generator, self.requests.track(len(request.prompt_ids)), stats)
         self._in_flight.add(req)  # before the slot exists, so weights never change under a request being admitted
         try:
@@ -401,6 +449,7 @@ class EdgeNode:
                     verdict = await self._round(req)
                 except SessionLost:
                     req.lost()
+                    req.last_verdict_at = None  # the repair's wait is no round's time per token
                     if req.stats.repairs > MAX_REPAIRS:
                         raise RequestError("upstream", f"the verifier dropped this request's session {req.stats.repairs} times") from None
                     session, req.session = req.session, None
@@ -465,6 +514,7 @@ class EdgeNode:
         if req.key in self.drafter.slots:  # a source that learns across requests keeps its text
             await self._call(self.drafter.remove, req.key, list(req.committed))
         self._in_flight.discard(req)
+        await self._gate_moved()
         if self.adapting is not None:
             await self.adapting.finished(req, reason)
 
@@ -498,6 +548,13 @@ class EdgeNode:
             evidence, forced, probe = looked
             self.evidence.observe(req.key, evidence, len(draft.token_ids) - forced, max(0, verdict.num_accepted - forced), probe)
         self.spec.observe(verdict.num_drafted, verdict.num_accepted)
+        if self.admission is not None:  # a time per token at this many in flight
+            now = time.perf_counter()
+            if req.last_verdict_at is not None:
+                self.admission.observe_round(len(self._in_flight), now - req.last_verdict_at, len(verdict.token_ids))
+                self._admitted_since = 0
+                await self._gate_moved()
+            req.last_verdict_at = now
         return verdict
 
     def _paying_lookup(self, req: NodeRequest, draft: ChainDraft, costs: tuple[float, float]) -> ChainDraft:

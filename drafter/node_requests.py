@@ -68,6 +68,7 @@ class NodeRequest(DraftSession):
         self.out: asyncio.Queue = asyncio.Queue()
         self.session: PooledSession | None = None
         self.stop_string = False  # its client's text ended at a stop string: cancelled as finished ("stop")
+        self.last_verdict_at: float | None = None  # when its previous verdict came (SLO admission's rounds)
 
 
 @dataclass

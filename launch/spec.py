@@ -362,6 +362,10 @@ class DrafterSpec(DeclaredSettings):
                                 "drafting and round times, 0 where speculation does not pay (goodspeed.scheduler.paying); "
                                 "allotted: always S_i (through the node: --concurrency > 1, --serve, or a lookup draft "
                                 "source)", to="node.draft_length", choices=("goodput", "allotted"))
+    admission: str = setting("count", "--serve: which waiting requests start: count (while fewer than "
+                             "--max-concurrency generate) or slo (also only while the node's time per token, fitted on "
+                             "its requests' rounds, stays within 90%% of every request's tpot_slo_ms; first in, first "
+                             "out; goodspeed.scheduler.admission)", to="node.admission", choices=("count", "slo"))
     adapt: bool = setting(False, "fine-tune the draft on this node's own traffic between requests, in the background, "
                           "keeping new weights only when they accept more on held-back recent requests "
                           "(goodspeed.lm.models.adapt; drafts through the node; lossless: the verifier verifies any draft)",

@@ -59,7 +59,7 @@ from goodspeed.verifier.engine import VerificationEngine
 from goodspeed.lm.decoding.draft_source import as_draft_source, draft_model, draft_with_forced
 from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.verifier.local_adapt import LocalAdaptation
-from goodspeed.verifier.local_admission import ADMISSIONS, SloAdmission
+from goodspeed.scheduler.admission import ADMISSIONS, SloAdmission
 from goodspeed.verifier.local_policies import LOCAL_POLICIES, LOCAL_POLICY_CLASSES, Plan
 from goodspeed.verifier.local_requests import LocalRequest, LocalWork, StepReport, TokenEvent
 from goodspeed.verifier.types import Draft, RoundResult, SparseProbs
@@ -85,7 +85,7 @@ class LocalConfig:
     iteration_smoothing: float = 0.5  # weight of the newest iteration time in t_spec
     initial_acceptance: float = 0.5  # turbospec: pooled acceptance before any local draft was verified
     seed: int | None = None  # root seed of the local streams; None: the engine's root seed
-    admission: str = "count"  # which waiting requests join the batch: count or slo (goodspeed.verifier.local_admission)
+    admission: str = "count"  # which waiting requests join the batch: count or slo (goodspeed.scheduler.admission)
     adapt: bool = False  # the draft model learns the requests served (goodspeed.verifier.local_adapt)
     adapt_every: int = 16  # finished requests between two fine-tunes
     adapt_dir: str | None = None  # where adopted weights persist across restarts

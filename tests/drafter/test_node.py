@@ -806,10 +806,71 @@ def test_the_verifiers_refusal_reaches_the_application_as_its_http_status(models
         with pytest.raises(openai.RateLimitError) as refused:  # a second session would pass max_drafters
             api.completions.create(model="tiny", prompt="x", max_tokens=4, **GREEDY)
         stream.close()
-        with pytest.raises(openai.BadRequestError) as slo:
+        with pytest.raises(openai.BadRequestError) as slo:  # a node admitting by count has no use for an SLO
             api.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"tpot_slo_ms": 50})
     assert "RESOURCE_EXHAUSTED" in refused.value.body["message"]
-    assert slo.value.body["param"] == "tpot_slo_ms"
+    assert slo.value.body["param"] == "tpot_slo_ms" and "--admission slo" in slo.value.body["message"]
+
+
+@pytest.mark.parametrize("admission", ["slo", "count"])
+def test_slo_admission_holds_requests_the_nodes_time_per_token_cannot_carry(models, monkeypatch, admission):
+    """A node admitting by SLO whose fitted time per token is 10 ms a request in flight (set, so
+    the test does not hang on this machine's speed): six requests with a 25 ms TPOT SLO sent at
+    once run at most two at a time (3 x 10 ms would pass 90% of 25), in the order they came, and
+    every output is the target's greedy decoding. The control, by count: all six at once. Past
+    max_waiting a request is refused with 429 and when to retry."""
+    from goodspeed.drafter import node as node_module
+
+    fitted = node_module.RoundAdmission()
+    for n in (1, 2, 3):
+        fitted.steps.observe(n, 0.01 * n)
+    monkeypatch.setattr(node_module.RoundAdmission, "observe_round", lambda self, *a: None)  # keep the fit as set
+    monkeypatch.setattr(node_module, "RoundAdmission", lambda: fitted)
+    tokenizer = models[2]
+    prompts = ["def f(x):", "class A:", "import os", "for i in", "return {", "if x:"]
+    widest, order = [0], []
+    with verifier(models, max_drafters=16) as server, node(server, models, max_concurrency=8, max_waiting=5,
+                                                            admission=admission) as edge:
+        original = edge.node._admit_by_slo
+
+        async def watched(request):
+            await original(request)
+            order.append(request.prompt_ids)
+            widest[0] = max(widest[0], len(edge.node._in_flight) + 1)
+
+        monkeypatch.setattr(edge.node, "_admit_by_slo", watched)
+
+        async def six():
+            async def one(prompt):
+                ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                request = GenerationRequest(prompt, ids, 12, SamplingParams(), (), tpot_slo_ms=25.0 if admission == "slo" else None)
+                text = []
+                async for delta in await edge.node.open(request):
+                    text += delta.token_ids
+                return text
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        outputs = edge.run(six())
+        if admission == "slo":
+            flooding = [GenerationRequest(f"w{i}", [5, 6], 200, SamplingParams(), (), tpot_slo_ms=25.0) for i in range(8)]
+
+            async def flood():  # two run, five wait, the last are refused; then the clients go away
+                opened = await asyncio.gather(*(edge.node.open(r) for r in flooding), return_exceptions=True)
+                for deltas in opened:
+                    if not isinstance(deltas, Exception):
+                        await deltas.aclose()
+                return opened
+
+            results = edge.run(flood())
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert outputs == [greedy_reference(models[0], i, 12) for i in ids]
+    if admission == "slo":
+        assert widest[0] == 2 and order[:6] == ids
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert refused and all(getattr(r, "kind", None) == "overloaded" and r.retry_after_s > 0 for r in refused)
+    else:
+        assert widest[0] == 6
 
 
 @pytest.mark.parametrize("code, status", [("UNAVAILABLE", 503), ("CANCELLED", 503), ("RESOURCE_EXHAUSTED", 429),

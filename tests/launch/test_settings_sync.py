@@ -184,7 +184,7 @@ DRAFTER_CHANGED = dict(name="edge", draft="demo:other", prompts="/p.jsonl", max_
                        top_p=0.9, device="cuda:1", dtype="bfloat16", seed=42, token_file="/t", tls_ca="/ca", tls_cert="/c",
                        tls_key="/k", tls_server_name="host", proactive=True, concurrency=3, proposal_top_k=64, cuda_graphs=True,
                        torch_compile=True, tokenizer="demo:target", draft_length="allotted", adapt=True,
-                       adapt_every=4, adapt_dir="/adapted")
+                       adapt_every=4, adapt_dir="/adapted", admission="slo")
 
 
 def test_every_drafter_setting_is_a_flag_and_every_other_flag_is_the_nodes_run_time():

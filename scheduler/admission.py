@@ -1,4 +1,6 @@
-"""Which waiting local requests join the batch: by count, or by their TPOT SLOs (``--local-admission``).
+"""Which waiting requests start: by count, or by their TPOT SLOs: local serving's batch
+(``goodspeed verifier --local-admission``, :class:`SloAdmission`) and an edge node's requests
+(``goodspeed drafter --serve --admission``, :class:`RoundAdmission`).
 
 ``count`` (the default) admits while fewer than ``max_requests`` decode. ``slo`` also predicts
 the batch's time per output token with one more request and admits the queue's head only when
@@ -93,3 +95,21 @@ class SloAdmission:
         if predicted is None or n > self.steps.largest + 1:  # past what was measured: one a step
             return admitted_now == 0 and (predicted is None or within)
         return within
+
+
+class RoundAdmission(SloAdmission):
+    """The ``slo`` rule for requests whose rounds run apart, not in shared steps: an edge node's,
+    each verified in its own round trip to the verifier. Each round observed is one request's
+    time per token (the seconds since its previous verdict over the tokens this one gave) with
+    ``n`` requests in flight on the node, fitted as ``TPOT(n) = a + b n`` itself: the verifier
+    splits the node's share of its budget among the node's requests, so a request's tokens a
+    round fall as ``n`` grows, which one gain smoothed over every ``n`` would miss. The rule
+    (:meth:`SloAdmission.admits`) is the same; its ``admitted_now`` counts the requests admitted
+    since the last round observed."""
+
+    def observe_round(self, n: int, seconds: float, gained: int) -> None:
+        if n >= 1 and seconds > 0 and gained >= 1:
+            self.steps.observe(n, seconds / gained)
+
+    def tpot_s(self, n: int) -> float | None:
+        return self.steps.predict(n)
