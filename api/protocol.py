@@ -98,7 +98,7 @@ class _Sampling(BaseModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's
     # vLLM's: the text may not end (EOS, stop_token_ids, stop strings) before this many tokens; at most max_tokens
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    tpot_slo_ms: Annotated[float, Field(gt=0)] | None = None  # AdaServe's per-request SLO (verifier only)
+    tpot_slo_ms: Annotated[float, Field(gt=0)] | None = None  # AdaServe's per-request SLO (an edge node: with --admission slo)
     user: str | None = None  # accepted for logs, as OpenAI's
     presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
