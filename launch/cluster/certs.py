@@ -119,7 +119,9 @@ def init_certs(out_dir: str | Path, names: tuple[str, ...] = ("client",), hosts:
 def renew_certs(out_dir: str | Path, days: int = VALID_DAYS) -> dict[str, Issued]:
     """New keys and certificates, signed by ``out_dir``'s CA (``ca.pem``, ``ca.key``), for the
     server (the same hosts) and every client certificate there; each key, then its certificate,
-    replaces the old file atomically. Returns the renewed ``{stem: Issued}``."""
+    replaces the old file atomically (between the two a reader sees a new key beside the old
+    certificate: the verifier keeps its last good pair until the two match again). Returns the
+    renewed ``{stem: Issued}``."""
     out_dir = Path(out_dir)
     try:
         ca_cert = x509.load_pem_x509_certificate((out_dir / "ca.pem").read_bytes())

@@ -233,10 +233,10 @@ def shared_view(hf_tokenizer):
     ByteLevel decoder reads them, added tokens included: each character of a token's string maps
     back to one byte (GPT-2's byte-to-unicode table), and a token with a character outside that
     table (an added token's text with a space, say) is its UTF-8; special tokens are named as
-    such. Tokenizing calls the tokenizer
-    with no special tokens added, on valid UTF-8 (llguidance tokenizes any invalid tail greedily
-    itself), as ``from_tokenizer``'s copy does. ``tests/lm/decoding/test_structured.py`` checks
-    both views agree token by token and mask by mask on every tokenizer the project ships."""
+    such. Tokenizing calls the tokenizer with no special tokens added, on valid UTF-8 (llguidance
+    tokenizes any invalid tail greedily itself), as ``from_tokenizer``'s copy does.
+    ``tests/lm/decoding/test_structured.py`` checks both views agree token by token and mask by
+    mask on a tokenizer built as the demo's are (with added and special tokens) and on SmolLM2's."""
     import tokenizers
 
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
