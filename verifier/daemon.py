@@ -49,6 +49,8 @@ class VerifierServer:
         self.local, self.tokenizer = local, tokenizer
         self.metrics, self.log = metrics or Metrics(), log or JsonLog()
         self.metrics.watch_kv(engine)
+        if local is not None and local.adapting is not None:
+            self.metrics.watch_local_adapt(local.adapting)
         # Read now, so a bad token file fails before anything listens.
         self.auth = TokenAuth.from_file(config.auth_tokens) if config.auth_tokens else None
         self.health = health.aio.HealthServicer()

@@ -25,6 +25,7 @@ class LocalAdaptation:
         self.log = log or (lambda message: None)
         self.adapter = DraftAdapter(model, config, log=self.log)
         self._thread: threading.Thread | None = None
+        self.failed = 0  # fine-tunes that raised (the draft's weights unchanged)
 
     @property
     def training(self) -> bool:
@@ -45,6 +46,7 @@ class LocalAdaptation:
         try:
             return self.adapter.fine_tune()
         except Exception as exc:  # local serving goes on with the weights it has
+            self.failed += 1
             self.log(f"adapt: a fine-tune failed ({type(exc).__name__}: {exc}); the draft's weights are unchanged")
             return None
 

@@ -47,6 +47,12 @@ class Metrics:
         self.kv_slots.set_function(lambda: engine.sessions.kv_usage()[0])
         self.kv_positions.set_function(lambda: engine.sessions.kv_usage()[1])
 
+    def watch_local_adapt(self, adapting) -> None:
+        """Local serving's ``--local-draft-adapt`` (a :class:`~goodspeed.verifier.local_adapt.LocalAdaptation`),
+        read at each scrape: the edge node's ``goodspeed:drafter_*`` adapt metrics under
+        ``goodspeed:local_draft_*`` (:class:`LocalAdaptCollector`)."""
+        self.registry.register(LocalAdaptCollector(adapting))
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         from goodspeed.verifier.errors import ListenError
 
@@ -66,6 +72,42 @@ class Metrics:
             self.spec.observe(verdict.num_drafted, verdict.num_accepted)
         self.transit_tokens.inc(transit_tokens)
         self.rounds.inc()
+
+
+class LocalAdaptCollector:
+    """``goodspeed:local_draft_version`` (0: as shipped), ``..._adapting`` (1 while a fine-tune
+    runs), ``..._adapt_updates_total{outcome}`` (each fine-tune by the guard's outcome, or
+    ``failed``), ``..._adapt_acceptance{weights}`` (the held-back greedy acceptance the last one
+    measured of the weights live ``before`` it, its ``candidate``, the ``shipped`` ones and those
+    live ``after``) and ``..._adapt_seconds_total``, from the adapter's own record."""
+
+    def __init__(self, adapting) -> None:
+        self.adapting = adapting
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        adapter = self.adapting.adapter
+        updates = list(adapter.updates)
+        yield GaugeMetricFamily(f"{PREFIX}local_draft_version", "Version of the local draft's weights (0: as shipped)",
+                                value=adapter.version)
+        yield GaugeMetricFamily(f"{PREFIX}local_draft_adapting", "1 while a fine-tune of the local draft runs",
+                                value=int(self.adapting.training))
+        outcomes = CounterMetricFamily(f"{PREFIX}local_draft_adapt_updates", "Fine-tunes of the local draft, by the "
+                                       "guard's outcome", labels=["outcome"])
+        for outcome in ("adopted", "reverted", "kept"):
+            outcomes.add_metric([outcome], sum(u.outcome == outcome for u in updates))
+        outcomes.add_metric(["failed"], self.adapting.failed)
+        yield outcomes
+        acceptance = GaugeMetricFamily(f"{PREFIX}local_draft_adapt_acceptance", "Held-back greedy acceptance at the last "
+                                       "fine-tune, of the weights live before it, its candidate, the shipped ones and those "
+                                       "live after it", labels=["weights"])
+        if updates:
+            for weights in ("before", "candidate", "shipped", "after"):
+                acceptance.add_metric([weights], getattr(updates[-1], weights))
+        yield acceptance
+        yield CounterMetricFamily(f"{PREFIX}local_draft_adapt_seconds", "Seconds spent fine-tuning and judging the local draft",
+                                  value=adapter.seconds)
 
 
 class JsonLog:
