@@ -57,6 +57,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.bench_http import free_port
+from bench.bench_soak import rss_mb
 from goodspeed.launch.cluster.certs import init_certs, renew_certs
 from goodspeed.launch.cluster.links import EdgeNetwork, LinkError, LinkSpec, check_support
 from goodspeed.launch.cluster.local import _pinned
@@ -68,18 +70,6 @@ PROMPTS = ["def parse(self, text):\n", "import os\nimport sys\n", "class Reader:
            "    return json.loads(", "if __name__ == '__main__':\n", "def scan(s, idx):\n    ", "raise ValueError("]
 SETTLE_S = 60.0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def gauges(url: str, headers: dict | None = None) -> dict[str, float]:

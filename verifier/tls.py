@@ -34,6 +34,18 @@ def _read_pem(path: str) -> bytes:
         raise ValueError(f"cannot read {path}: {exc}") from None
 
 
+def _stamp(paths) -> tuple:
+    """Each file's (modification time, size), None where it cannot be read: what tells a renewal."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 class _ReloadingCertificates:
     """The PEM files of a TLS config, read again whenever one changes (mtime or size): gRPC asks
     before every new handshake, so a renewed certificate or CA is served without a restart and
@@ -42,18 +54,8 @@ class _ReloadingCertificates:
     def __init__(self, config: ServerConfig, on_reload=None) -> None:
         self.paths = [p for p in (config.tls_cert, config.tls_key, config.tls_client_ca) if p]
         self.config, self.on_reload = config, on_reload
-        self.stamp = self._stamp()
+        self.stamp = _stamp(self.paths)
         self.current = self._load()
-
-    def _stamp(self) -> tuple:
-        out = []
-        for path in self.paths:
-            try:
-                st = os.stat(path)
-                out.append((st.st_mtime_ns, st.st_size))
-            except OSError:
-                out.append(None)
-        return tuple(out)
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         def pem(path: str, kind: bytes) -> bytes:
@@ -67,7 +69,7 @@ class _ReloadingCertificates:
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        stamp = self._stamp()
+        stamp = _stamp(self.paths)
         if stamp == self.stamp:
             return None
         self.stamp = stamp  # a broken set is reported once per change, not at every handshake
@@ -103,21 +105,11 @@ class ReloadingServerContext:
         self.cert, self.key, self.on_reload = cert, key, on_reload
         self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.context.load_cert_chain(cert, key)
-        self.stamp = self._stamp()
-
-    def _stamp(self) -> tuple:
-        out = []
-        for path in (self.cert, self.key):
-            try:
-                st = os.stat(path)
-                out.append((st.st_mtime_ns, st.st_size))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        self.stamp = _stamp((self.cert, self.key))
 
     def check(self) -> bool:
         """Reload if the files changed; True when a new pair was loaded."""
-        stamp = self._stamp()
+        stamp = _stamp((self.cert, self.key))
         if stamp == self.stamp:
             return False
         self.stamp = stamp  # a broken pair is reported once per change
