@@ -58,6 +58,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.bench_http import free_port, wait_http
+from goodspeed.launch.experiments.sim_capacity import capacity_at_slo
 from goodspeed.lm.models.precision import resolve_dtype
 
 TASKS = Path(__file__).resolve().parent / "workloads" / "tasks.jsonl"
@@ -347,19 +348,6 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                           f"TPOT p50 {cells[-1]['tpot_ms_p50']} ms", file=sys.stderr, flush=True)
     return {"cells": cells, "tpot_slo_ms": args.tpot_slo_ms, "capacity_at_slo": capacity_at_slo(cells),
             "source": args.fleet_source, "per_client": args.per_client}
-
-
-def capacity_at_slo(cells: list[dict], attainment: float = 0.9) -> dict[str, int]:
-    """Per server (a cell's ``phase``): the most clients up to which every cell, by clients,
-    meets the SLO at least ``attainment`` of the time; 0 where even the fewest do not."""
-    capacity = {}
-    for phase in dict.fromkeys(c["phase"] for c in cells):
-        capacity[phase] = 0
-        for cell in sorted((c for c in cells if c["phase"] == phase), key=lambda c: c["clients"]):
-            if cell["attainment"] < attainment:
-                break
-            capacity[phase] = cell["clients"]
-    return capacity
 
 
 def run_clients(ports: list[int], work: list[list[dict]], max_tokens: int) -> list[dict]:

@@ -265,7 +265,7 @@ def _add_serving_parsers(sub) -> None:
     si = sub.add_parser("simulate", help="an experiment spec's policies in simulation, calibrated on a real run; any number of drafters")
     si.add_argument("spec", nargs="?", default=None, help="experiment SPEC.toml or a shipped name (table1-4drafters, table1-8drafters)")
     si.add_argument("--profile", default=None,
-                    help="a real run of the spec (`goodspeed experiment --out DIR`) or a profile JSON "
+                    help="a real run of the spec (`goodspeed experiment --out DIR`), a verifier's JSON log, or a profile JSON "
                          "(default: the profile shipped for the spec, measured on this project's runs)")
     si.add_argument("--save-profile", default=None, help="write the profile fitted from --profile DIR to this JSON")
     si.add_argument("--drafters", type=POSITIVE_INT, default=None, help="synthetic drafters drawn from the profiles (default: the spec's own)")
@@ -276,6 +276,11 @@ def _add_serving_parsers(sub) -> None:
     si.add_argument("--rtt-ms", default="2,200", help="--drafters: link round trips drawn log-uniformly from LO,HI ms")
     si.add_argument("--validate", action="append", default=[], metavar="DIR",
                     help="a real run of the spec to compare per-drafter tokens/round and U with (repeatable)")
+    si.add_argument("--capacity", default=None, metavar="N,N,...",
+                    help="instead of comparing policies: capacity at --tpot-slo-ms for these numbers of drafters (the first of "
+                         "--policies, default goodspeed; one seed; --rounds default max(the spec's, 400)) against "
+                         "centralised plain decoding on the same fitted step (goodspeed.launch.experiments.sim_capacity)")
+    si.add_argument("--tpot-slo-ms", type=float, default=None, help="--capacity: the time-per-output-token SLO")
     si.add_argument("--out", default=None, help="results directory (default: goodspeed-simulations/<name>-<timestamp>)")
     si.set_defaults(func=commands.simulate)
 

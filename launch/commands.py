@@ -375,7 +375,7 @@ def simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from goodspeed.launch.experiments.experiment import load_experiment
-    from goodspeed.launch.experiments.sim_profiles import load_profile, parse_range, profile_path
+    from goodspeed.launch.experiments.sim_profiles import SimulationError, load_profile, parse_range, profile_path
     from goodspeed.launch.experiments.simulate import run_simulation
     from goodspeed.launch.spec import spec_path
 
@@ -386,9 +386,54 @@ def simulate(args: argparse.Namespace) -> int:
         Path(args.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
         print(f"profile: {args.save_profile}")
     out = Path(args.out or Path("goodspeed-simulations") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.capacity is not None:
+        return simulate_capacity(args, spec_file, profile, out)
+    if args.tpot_slo_ms is not None:
+        raise SimulationError("--tpot-slo-ms goes with --capacity")
     run_simulation(spec_file, profile, out, drafters=args.drafters, seeds=args.seeds, rounds=args.rounds,
                    policies=tuple(args.policies.split(",")) if args.policies else None, spread=args.spread,
                    rtt_ms=parse_range(args.rtt_ms), validate=[Path(v) for v in args.validate])
+    return 0
+
+
+def simulate_capacity(args: argparse.Namespace, spec_file, profile, out) -> int:
+    """``goodspeed simulate --capacity``: the spec's verifier settings (C per drafter, the longest
+    draft, eta) and its drafters' median ``max_new_tokens``; every profiled drafter drawn round robin."""
+    import json
+    import statistics
+
+    from goodspeed.launch.experiments.experiment import load_experiment
+    from goodspeed.launch.experiments.sim_capacity import capacity_at_slo, capacity_cells, capacity_markdown, capacity_ratio
+    from goodspeed.launch.experiments.sim_profiles import SimulationError, parse_range
+    from goodspeed.scheduler import smoothing_of
+
+    if args.tpot_slo_ms is None or not args.tpot_slo_ms > 0:
+        raise SimulationError("--capacity needs --tpot-slo-ms, a positive number of milliseconds")
+    if args.drafters is not None or args.validate:
+        raise SimulationError("--capacity gives the numbers of drafters itself and validates against nothing: "
+                              "drop --drafters and --validate")
+    clients = list(_int_list("--capacity", args.capacity, 1, "a number of drafters"))
+    exp, spec = load_experiment(spec_file)
+    policy = args.policies.split(",")[0] if args.policies else "goodspeed"
+    drafters = spec.expanded_drafters()
+    max_new_tokens = int(statistics.median(d.max_new_tokens for d in drafters))
+    rounds = args.rounds or max(exp.rounds, 400)
+    cells = capacity_cells(profile, clients, args.tpot_slo_ms / 1000.0, policy=policy,
+                           budget_per_drafter=spec.verifier.budget / len(drafters), max_draft_len=spec.verifier.max_draft_len,
+                           max_new_tokens=max_new_tokens, rounds=rounds, seed=0, spread=args.spread,
+                           rtt_ms=parse_range(args.rtt_ms), smoothing=smoothing_of(policy, spec.verifier.eta, spec.verifier.beta),
+                           progress=True)
+    capacity = capacity_at_slo(cells)
+    title = (f"{exp.name}, policy {policy}, {rounds} rounds, {max_new_tokens} tokens a request, RTT {args.rtt_ms} ms, "
+             f"profile {profile.source or args.profile}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps({"title": title, "tpot_slo_ms": args.tpot_slo_ms, "policy": policy,
+                                                   "rounds": rounds, "max_new_tokens": max_new_tokens, "rtt_ms": args.rtt_ms,
+                                                   "spread": args.spread, "profile": profile.to_dict(), "cells": cells,
+                                                   "capacity_at_slo": capacity, "ratio": capacity_ratio(capacity)}, indent=2))
+    (out / "CAPACITY.md").write_text(capacity_markdown(title, cells, args.tpot_slo_ms, capacity))
+    print(capacity_markdown(title, cells, args.tpot_slo_ms, capacity))
+    print(f"report: {out / 'CAPACITY.md'}")
     return 0
 
 

@@ -154,6 +154,8 @@ def rows_from_log(log_path: Path, policy: str, eta: float | None = None) -> list
                 "mode": record.mode,
                 "closed": record.closed,  # why the step closed (goodspeed.verifier.round_loop)
                 "transit": d.transit,  # of x, tokens decoded while its draft was in transit
+                "finished": d.finished,  # its request ended with this verdict
+                "prefill_tokens": record.prefill_tokens,  # prompt tokens prefilled in the step (in its verify_s)
             })
     return rows
 

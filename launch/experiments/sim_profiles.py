@@ -61,9 +61,14 @@ class RunProfile:
     step: LatencyModel
     send_s: float
     source: str = ""
+    prompt_tokens: float = 0.0  # prompt tokens prefilled per request (0: not measured; profiles before it)
+    # What the step's fit counted: "packed", the tokens a step verifies and prefills (every row's
+    # S + 1); "padded", every row padded to the longest (profiles fitted before packed forwards)
+    step_tokens: str = "padded"
 
     def to_dict(self) -> dict:
         return {"version": PROFILE_VERSION, "source": self.source, "send_s": self.send_s, "step": self.step.to_dict(),
+                "step_tokens": self.step_tokens, "prompt_tokens": self.prompt_tokens,
                 "drafters": [asdict(d) | {"survival": list(d.survival)} for d in self.drafters]}
 
     @classmethod
@@ -71,7 +76,11 @@ class RunProfile:
         if data.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {data.get('version')!r}; this simulator reads version {PROFILE_VERSION}")
         drafters = tuple(DrafterProfile(**(d | {"survival": tuple(d["survival"])})) for d in data["drafters"])
-        return cls(drafters, LatencyModel.from_dict(data["step"]), float(data["send_s"]), data.get("source", ""))
+        step_tokens = data.get("step_tokens", "padded")
+        if step_tokens not in ("packed", "padded"):
+            raise ValueError(f"step_tokens {step_tokens!r}: packed or padded")
+        return cls(drafters, LatencyModel.from_dict(data["step"]), float(data["send_s"]), data.get("source", ""),
+                   float(data.get("prompt_tokens", 0.0)), step_tokens)
 
     def by_name(self) -> dict[str, DrafterProfile]:
         return {d.name: d for d in self.drafters}
@@ -97,8 +106,10 @@ def survival_from_rows(drafted: np.ndarray, accepted: np.ndarray, min_at_risk: i
     return tuple(float(v) for v in p)
 
 
-def fit_profile(rows: list[dict], eta: float = 0.2, source: str = "") -> RunProfile:
-    """Fit every drafter's profile and the step cost from experiment rows (all policies pooled)."""
+def fit_profile(rows: list[dict], eta: float = 0.2, source: str = "", prefill_steps_tokens: int = 0) -> RunProfile:
+    """Fit every drafter's profile and the step cost from experiment rows (all policies pooled).
+    ``prefill_steps_tokens``: prompt tokens prefilled in steps of their own (a verifier log's
+    ``prefill`` events), counted in the prompt tokens per request with those the rows' steps prefilled."""
     by_run: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in rows:
         by_run[(r.get("policy", ""), r["drafter"])].append(r)
@@ -121,11 +132,32 @@ def fit_profile(rows: list[dict], eta: float = 0.2, source: str = "") -> RunProf
     for name in sorted(per_drafter):
         acc = per_drafter[name]
         post = min(1.0, sum(acc["extra"]) / sum(acc["room"])) if sum(acc["room"]) else 0.0
-        base, per_token = _line(acc["recv_S"], acc["recv"])
+        base, per_token = _line(*_usual(acc["recv_S"], acc["recv"]))
         drafters.append(DrafterProfile(name, survival_from_rows(np.array(acc["S"]), np.array(acc["m"])), post,
                                        base, per_token, rows=len(acc["S"])))
     step, send = _fit_step(rows)
-    return RunProfile(tuple(drafters), step, send, source)
+    return RunProfile(tuple(drafters), step, send, source, _prompt_tokens(rows, prefill_steps_tokens), "packed")
+
+
+def _prompt_tokens(rows: list[dict], elsewhere: int = 0) -> float:
+    """Prompt tokens prefilled per finished request: those the rows' steps prefilled and
+    ``elsewhere``, over the requests the rows finished (0 when none did)."""
+    finished = sum(bool(r.get("finished")) for r in rows)
+    prefilled = {(r.get("policy", ""), r["round"]): r.get("prefill_tokens") or 0 for r in rows}
+    return float(sum(prefilled.values()) + elsewhere) / finished if finished else 0.0
+
+
+RECEIVE_OUTLIER_RATIO = 4.0  # receive times over this many times the median at their S stay out of the fit
+
+
+def _usual(s: list, receive: list) -> tuple[list, list]:
+    """The receive samples without those over :data:`RECEIVE_OUTLIER_RATIO` times the median at
+    their ``S``: a round that waited for a drafter between two of its requests (a client's
+    pause, a prompt's prefill) says nothing of its drafting and link, which is what the
+    simulator's drafters model (their next request arrives before the next round)."""
+    median = {v: float(np.median([r for t, r in zip(s, receive) if t == v])) for v in set(s)}
+    kept = [(t, r) for t, r in zip(s, receive) if r <= RECEIVE_OUTLIER_RATIO * median[t]]
+    return [t for t, _ in kept], [r for _, r in kept]
 
 
 def _line(x: list, y: list) -> tuple[float, float]:
@@ -143,7 +175,8 @@ def _fit_step(rows: list[dict]) -> tuple[LatencyModel, float]:
     rounds: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in rows:
         rounds[(r.get("policy", ""), r["round"])].append(r)
-    batched = [len(rs) * (max(r["S"] for r in rs) + 1) for rs in rounds.values()]
+    # A packed step's tokens: every row's S + 1, and the prompt tokens it prefills.
+    batched = [sum(r["S"] + 1 for r in rs) + (rs[0].get("prefill_tokens") or 0) for rs in rounds.values()]
     verify = [rs[0]["verify_s"] for rs in rounds.values()]
     send = float(np.median([rs[0]["send_s"] for rs in rounds.values()]))
     if len(set(batched)) < 2:
@@ -161,6 +194,21 @@ def every_policys_rows(run_dir: Path) -> list[dict]:
     return [r for f in files for r in read_rows(f)]
 
 
+def fit_log(path: Path, eta: float = 0.2) -> RunProfile:
+    """A profile from a verifier's JSON log: its round events with drafters in them, and the
+    prompt tokens of its ``prefill`` events (edge sessions' prompts, prefilled in steps of their own)."""
+    from goodspeed.launch.experiments.experiment import rows_from_log
+
+    rows = rows_from_log(path, "log")
+    if not rows:
+        raise ValueError("no round with a drafter in it")
+    prefilled = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("{") and '"prefill"' in line and (event := json.loads(line)).get("event") == "prefill":
+            prefilled += int(event["tokens"])
+    return fit_profile(rows, eta, source=str(path), prefill_steps_tokens=prefilled)
+
+
 def profile_path(given: str | Path | None, experiment: str) -> Path:
     """``given`` (an experiment directory or a profile JSON), else the profile shipped for the
     experiment (``launch/experiments/profiles/<name>.json``)."""
@@ -175,12 +223,18 @@ def profile_path(given: str | Path | None, experiment: str) -> Path:
 
 
 def load_profile(path: str | Path, eta: float = 0.2) -> RunProfile:
-    """A profile JSON (``--save-profile``), or an experiment directory to fit one from."""
+    """A profile JSON (``--save-profile``), or an experiment directory or a verifier's JSON log
+    (its round events: any deployment's) to fit one from."""
     path = Path(path)
     try:
         if path.is_dir():
             return fit_profile(every_policys_rows(path), eta, source=str(path))
-        return RunProfile.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except ValueError:  # not one JSON document: a log, one event a line
+            return fit_log(path, eta)
+        return RunProfile.from_dict(data)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SimulationError(f"{path}: not a usable profile: {exc}") from None
 

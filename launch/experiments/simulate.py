@@ -18,9 +18,10 @@ policy's rows pooled):
 * **time**: a drafter's receive time (round open -> its draft arrived) is ``base + per_token * S``,
   fitted per drafter by least squares, plus a link round trip for synthetic drafters; the
   verification step is TurboSpec's latency model (arXiv 2406.14066, eq. 3) fitted to the real rounds'
-  verification seconds against the batched tokens ``rows * longest row`` (the engine pads every
-  row to the longest). A synchronous round lasts its
-  slowest drafter's receive time plus the step plus the measured median send time.
+  verification seconds against the tokens each step verifies and prefills: every row's ``S + 1``
+  as the packed forward takes them (profiles fitted before it, the shipped ones: ``rows * longest
+  row``, as the engine padded every row then; :attr:`RunProfile.step_tokens`). A synchronous round
+  lasts its slowest drafter's receive time plus the step plus the measured median send time.
 
 Besides the realised goodput ``x`` each simulated round records ``E[x | S] = 1 + sum_{k <= S}
 p_1 ... p_k``, the allocation's worth without the acceptance draws' noise: its utility curve
@@ -32,8 +33,9 @@ Acceptance draws are independent between rounds: the real drafters' acceptance a
 the text (prompt to prompt), which the simulator does not model; the validation table in
 docs/EXPERIMENT-LOG.md says how much that matters. Drafters take part in every round (the real
 synchronous runs have no missed rounds) and ignore end-of-sequence tokens (requests run to
-``max_new_tokens``). The asynchronous round mode (issue 16) does not exist yet and is not
-simulated.
+``max_new_tokens``). Asynchronous rounds (``--rounds async``) are not simulated: every round
+here waits for its slowest drafter. Each finished request's simulated seconds per token are
+recorded too, which capacity at a TPOT SLO reads (:mod:`goodspeed.launch.experiments.sim_capacity`).
 
 Scaling to ``N`` drafters (``--drafters N``) draws each synthetic drafter from the measured
 profiles (round robin), scales its per-position log-acceptance by a factor drawn log-uniformly
@@ -87,7 +89,8 @@ class SimSettings:
 @dataclass
 class SimResult:
     """Per round and drafter: ``S`` drafted, ``x`` gained and ``E[x | S]``; per round its simulated
-    seconds and the wall seconds the scheduling code took."""
+    seconds and the wall seconds the scheduling code took; per finished request its drafter and
+    simulated seconds per token (its rounds' seconds over its ``max_new_tokens``)."""
 
     names: list[str]
     drafted: np.ndarray  # [rounds, N]
@@ -96,6 +99,8 @@ class SimResult:
     round_s: np.ndarray  # [rounds] simulated
     step_s: np.ndarray  # [rounds] simulated verification step
     schedule_s: np.ndarray  # [rounds] measured: eqs. 3-4 and the policy
+    request_drafter: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [requests finished]
+    request_tpot_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [requests finished]
 
     def metrics(self) -> dict:
         start, u = utility_curve(self.x)
@@ -125,8 +130,11 @@ class SimResult:
 
 
 def simulate(drafters: list[SimDrafter], settings: SimSettings, step: LatencyModel, send_s: float,
-             progress: bool = False) -> SimResult:
-    """Run ``settings.rounds`` synchronous rounds; every drafter takes part in every round."""
+             progress: bool = False, prompt_tokens: float = 0.0, packed: bool = False) -> SimResult:
+    """Run ``settings.rounds`` synchronous rounds; every drafter takes part in every round. A
+    request's prompt (``prompt_tokens``) is prefilled in the step of its first round. ``packed``:
+    a step's cost reads the tokens it verifies (every row's ``S + 1``), else every row padded to
+    the longest (:attr:`~goodspeed.launch.experiments.sim_profiles.RunProfile.step_tokens`)."""
     n, depth = len(drafters), max(1, settings.max_draft_len)
     if n == 0 or settings.rounds < 1:
         raise SimulationError("need at least one drafter and one round")
@@ -140,6 +148,9 @@ def simulate(drafters: list[SimDrafter], settings: SimSettings, step: LatencyMod
     per_token = np.array([d.profile.receive_per_token_s for d in drafters])
     length = np.array([d.max_new_tokens for d in drafters], dtype=np.int64)
     remaining = length.copy()
+    clock, started = 0.0, np.zeros(n)  # simulated seconds; when each drafter's request began
+    done_drafter: list[int] = []
+    done_tpot: list[float] = []
     ids = list(range(n))
     for i in ids:
         book.join(i)
@@ -149,6 +160,7 @@ def simulate(drafters: list[SimDrafter], settings: SimSettings, step: LatencyMod
     gained = np.zeros((settings.rounds, n), dtype=np.int64)
     round_s, step_s, schedule_s = (np.zeros(settings.rounds) for _ in range(3))
     positions = np.arange(depth)
+    starting = n  # requests whose prompts this round's step prefills
     for t in tqdm(range(settings.rounds), desc=f"simulate {getattr(settings.policy, 'name', settings.policy)} N={n}", unit="round", file=sys.stderr,
                   disable=not progress, leave=False):
         s = np.array([book.allotted(i) for i in ids], dtype=np.int64)
@@ -158,10 +170,15 @@ def simulate(drafters: list[SimDrafter], settings: SimSettings, step: LatencyMod
         x = run + 1
         drafted[t], gained[t] = s, x
         remaining -= x
-        longest = int(s.max()) + 1
-        step_s[t] = float(step.predict_s(0, n * longest))
+        verified = int(s.sum()) + n if packed else n * (int(s.max()) + 1)
+        step_s[t] = float(step.predict_s(0, verified + prompt_tokens * starting))
         round_s[t] = float(np.max(base + per_token * s)) + step_s[t] + send_s
+        clock += round_s[t]
         finished = [i for i in ids if remaining[i] <= 0]
+        for i in finished:
+            done_drafter.append(i)
+            done_tpot.append((clock - started[i]) / length[i])
+            started[i] = clock
         t0 = time.perf_counter()
         for i, (si, mi, ei) in enumerate(zip(s.tolist(), run.tolist(), extra.tolist())):
             book.observe(i, [1.0] * (mi + ei) + [0.0] * (si - mi - ei), mi)
@@ -173,8 +190,10 @@ def simulate(drafters: list[SimDrafter], settings: SimSettings, step: LatencyMod
         for i in finished:  # the drafter's next request arrives before the next round
             remaining[i] = length[i]
             book.start(i, int(remaining[i]))
+        starting = len(finished)
     expected_x = gain[np.arange(n)[None, :], drafted]
-    return SimResult([d.name for d in drafters], drafted, gained, expected_x, round_s, step_s, schedule_s)
+    return SimResult([d.name for d in drafters], drafted, gained, expected_x, round_s, step_s, schedule_s,
+                     np.array(done_drafter, dtype=np.int64), np.array(done_tpot))
 
 
 def scaled_drafters(profiles: list[DrafterProfile], max_new_tokens: list[int], n: int, spread: float,
@@ -317,7 +336,8 @@ def run_simulation(spec_file: str | Path, profile: RunProfile, out_dir: Path | N
                                                                  drafters, spread, rtt_ms, seed)
             settings = SimSettings(policy, budget, rounds, smoothing or smoothing_of(policy, spec.verifier.eta, spec.verifier.beta),
                                    spec.verifier.max_draft_len, seed)
-            per_seed.append(simulate(pool, settings, profile.step, profile.send_s, progress=True).metrics())
+            per_seed.append(simulate(pool, settings, profile.step, profile.send_s, progress=True,
+                                     prompt_tokens=profile.prompt_tokens, packed=profile.step_tokens == "packed").metrics())
         results[policy] = summarize(per_seed)
         m = results[policy]
         log(f"{policy}: U {m['utility']:.3f} ± {m['utility_sd']:.3f}, Jain {m['jain_index']:.3f}, "

@@ -48,15 +48,6 @@ def test_the_task_file_covers_each_category_with_chat_requests():
         assert ("tools" in t) == (t["category"] == "tool-calls") and ("response_format" in t) == (t["category"] == "json-extraction")
 
 
-def test_capacity_is_where_the_slo_first_fails_not_the_largest_cell_that_meets_it():
-    from bench.bench_workloads import capacity_at_slo
-
-    cells = [{"phase": "plain", "clients": n, "attainment": a} for n, a in ((1, 1.0), (4, 0.95), (8, 0.5), (16, 0.92))]
-    cells += [{"phase": "edge", "clients": n, "attainment": a} for n, a in ((4, 0.89), (1, 0.9))]
-    assert capacity_at_slo(cells) == {"plain": 4, "edge": 1}  # 16's lucky 0.92 does not count past 8's failure
-    assert capacity_at_slo(cells, attainment=0.99) == {"plain": 1, "edge": 0}
-
-
 def test_the_evidence_replay_reads_a_replys_text_and_counts_a_proposals_accepted_prefix():
     """bench.bench_lookup_evidence: a reply's content, or its tool calls' JSON with the arguments
     as written (even cut short); a proposal's accepted tokens are the prefix the output continues with."""
