@@ -1,9 +1,10 @@
-"""An edge draft that adapts to its device's traffic (``goodspeed drafter --adapt``) against one that does not.
+"""A draft that adapts to the traffic it serves against one that does not: an edge node's
+(``goodspeed drafter --adapt``) or local serving's (``goodspeed verifier --local-draft-adapt``).
 
-    python -m bench.bench_adapt [--pair real|demo] [--requests 200] [--block 25] [--max-tokens 64]
-                                [--adapt-every 16] [--dtype auto] [--json PATH] [--logs DIR]
+    python -m bench.bench_adapt [--where edge|local] [--pair real|demo] [--requests 200] [--block 25]
+                                [--max-tokens 64] [--adapt-every 16] [--dtype auto] [--json PATH] [--logs DIR]
 
-One verifier (``goodspeed verifier``, pinned to CPU 0, one torch thread) and two edge nodes
+``--where edge`` (the default): one verifier (``goodspeed verifier``, pinned to CPU 0, one torch thread) and two edge nodes
 (``goodspeed drafter --serve``, pinned to CPU 1, one torch thread each): ``adapt`` with
 ``--adapt``, ``shipped`` without. The traffic is one domain the shipped draft was not built on:
 chat requests of a cooking assistant (``COOKING``: templates over dishes, in an order fixed by
@@ -12,6 +13,12 @@ turn (shipped, adapt, shipped, ...); after each adapt block the bench waits unti
 runs (``goodspeed:drafter_adapting``), so the other node's block never shares CPU 1 with one.
 Both draft ``--draft-length allotted`` (each round the verifier's ``S_i``), so acceptance is
 measured on the same draft lengths.
+
+``--where local``: two verifiers serving local requests, each drafting with the pair's draft
+model and chain ``k = 4`` (``--local-policy chain``, its default), one request at a time: ``adapt``
+with ``--local-draft-adapt`` (pinned to CPU 1), ``shipped`` without (CPU 0), one torch thread
+each; blocks as above, the wait reading ``goodspeed:local_draft_adapting``. A fine-tune there
+shares the adapting verifier's one core with its requests, as it would on a verifier of one core.
 
 Per block and node: acceptance (accepted / drafted tokens, from the node's
 ``goodspeed:spec_decode_*`` counters) and request latency (median and mean wall seconds); per
@@ -69,6 +76,8 @@ def counter(m: dict[str, float], name: str) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--where", choices=("edge", "local"), default="edge",
+                        help="an edge node's --adapt, or local serving's --local-draft-adapt")
     parser.add_argument("--pair", choices=tuple(PAIRS), default="real")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--block", type=int, default=25)
@@ -90,13 +99,22 @@ def main(argv=None) -> int:
     ports = {"shipped": free_port(), "adapt": free_port()}
     rows, guard = [], []
     started = time.time()
+    adapting, version = ("drafter_adapting", "drafter_draft_version") if args.where == "edge" else (
+        "local_draft_adapting", "local_draft_version")
     with Servers(out) as servers:
-        servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--dtype", dtype], "0", 1, "verifier")
-        for name, port in ports.items():
-            extra = ["--adapt", "--adapt-every", str(args.adapt_every)] if name == "adapt" else []
-            servers.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", draft, "--tokenizer", target,
-                                "--name", name, "--serve", f"127.0.0.1:{port}", "--dtype", dtype, "--no-proactive",
-                                "--max-concurrency", "1", "--draft-length", "allotted", *extra], "1", 1, f"node-{name}")
+        if args.where == "edge":
+            servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--dtype", dtype], "0", 1, "verifier")
+        for cpu, (name, port) in enumerate(ports.items()):
+            if args.where == "edge":
+                extra = ["--adapt", "--adapt-every", str(args.adapt_every)] if name == "adapt" else []
+                servers.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", draft, "--tokenizer", target,
+                                    "--name", name, "--serve", f"127.0.0.1:{port}", "--dtype", dtype, "--no-proactive",
+                                    "--max-concurrency", "1", "--draft-length", "allotted", *extra], "1", 1, f"node-{name}")
+            else:
+                extra = ["--local-draft-adapt", "--local-adapt-every", str(args.adapt_every)] if name == "adapt" else []
+                servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(port),
+                                    "--dtype", dtype, "--local-draft", draft, "--local-policy", "chain", "--local-k", "4",
+                                    "--max-local-requests", "1", *extra], str(cpu), 1, f"local-{name}")
         for port in ports.values():
             wait_http(port, 900)
             post(port, tasks[0], 8)  # warm-up: one-off costs (the adapt node keeps its text: one more request of the domain)
@@ -111,18 +129,18 @@ def main(argv=None) -> int:
                                  "tokens": reply["tokens"], "text": text_of(reply["output"]),
                                  "drafted": counter(after, "spec_decode_num_draft_tokens_total") - counter(before, "spec_decode_num_draft_tokens_total"),
                                  "accepted": counter(after, "spec_decode_num_accepted_tokens_total") - counter(before, "spec_decode_num_accepted_tokens_total"),
-                                 "adapting": counter(after, "drafter_adapting"), "version": counter(after, "drafter_draft_version")})
+                                 "adapting": counter(after, adapting), "version": counter(after, version)})
                 if name == "adapt":  # the other node's next block never shares CPU 1 with a fine-tune
-                    while counter(metrics(port), "drafter_adapting"):
+                    while counter(metrics(port), adapting):
                         time.sleep(0.5)
             print(f"adapt bench: {min(b + args.block, len(tasks))}/{len(tasks)} requests on each node "
                   f"(adapt node's draft version {rows[-1]['version']:.0f})", file=sys.stderr, flush=True)
-        log = (out / "node-adapt.log").read_text(errors="replace")
+        log = (out / ("node-adapt.log" if args.where == "edge" else "local-adapt.log")).read_text(errors="replace")
     for line in log.splitlines():
         if m := re.search(r"adapt: (\w+) \(held-back greedy acceptance: live ([\d.]+), candidate ([\d.]+), shipped ([\d.]+)\) in ([\d.]+) s", line):
             guard.append({"outcome": m[1], "before": float(m[2]), "candidate": float(m[3]), "shipped": float(m[4]), "seconds": float(m[5])})
     result = summarize(rows, args.block)
-    result |= {"pair": args.pair, "dtype": dtype, "requests": args.requests, "block": args.block, "max_tokens": args.max_tokens,
+    result |= {"where": args.where, "pair": args.pair, "dtype": dtype, "requests": args.requests, "block": args.block, "max_tokens": args.max_tokens,
                "adapt_every": args.adapt_every, "seed": args.seed, "guard": guard, "seconds": round(time.time() - started, 1),
                "date": time.strftime("%Y-%m-%d"), "rows": rows}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
