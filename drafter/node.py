@@ -459,7 +459,9 @@ class EdgeNode:
                 # Keep the draft KV of the committed text and the accepted drafts only (a round
                 # drafting nothing, or the text growing past a rejected draft in transit, leaves
                 # rejected drafts cached otherwise)
-                if not self._inline:  # a lookup caches nothing past the committed text
+                # (a lookup caches nothing past the committed text, nor does a model whose round
+                # drafted nothing: its KV ends at or before the text, so no hop to the drafting thread)
+                if not self._inline and req.drafted_last:
                     await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
                 req.timer.tokens(len(verdict.token_ids))
                 if not req.apply(verdict):  # its earlier tokens reached the client: not repaired
@@ -528,6 +530,7 @@ class EdgeNode:
             if self.config.draft_length == "goodput":
                 length = self.paying.length(req.key, req.length)
             draft = await self._draft(req, length)
+        req.drafted_last = len(draft.token_ids)
         message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.sampling)
         sent = time.perf_counter()
         try:
@@ -583,6 +586,8 @@ class EdgeNode:
                                                {key: req.sampling}, {key: req.generator}, {key: req.history})
             self._drafted(time.perf_counter() - started, drafts, forced)
             return drafts[key]
+        if length <= 0:  # nothing to draft, nothing forced (fast-forward drafts within the length): no hop either
+            return ChainDraft([], None, [])
         future = asyncio.get_running_loop().create_future()
         self._jobs.append(DraftJob(req, length, list(req.committed), future))
         self._jobs_ready.set()

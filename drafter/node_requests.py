@@ -69,6 +69,7 @@ class NodeRequest(DraftSession):
         self.session: PooledSession | None = None
         self.stop_string = False  # its client's text ended at a stop string: cancelled as finished ("stop")
         self.last_verdict_at: float | None = None  # when its previous verdict came (SLO admission's rounds)
+        self.drafted_last = 0  # tokens its last round drafted: none, and no draft KV past its text to roll back
 
 
 @dataclass
