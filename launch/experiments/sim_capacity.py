@@ -21,7 +21,8 @@ work per request, context length (the fitted step has no context term), memory, 
 beyond the batch sizes the profile's run measured (the fit is extrapolated linearly), drafters
 that draft less than their allotment (the simulated ones draft exactly ``S_i``), and asynchronous
 rounds (a synchronous round waits for its slowest drafter, so the widest link round trip sets
-every drafter's round).
+every drafter's round). Centralised speculation (the verifier drafting for its own clients) is
+not simulated: the real benchmark measures it at the sizes this machine holds.
 """
 
 from __future__ import annotations
