@@ -4,8 +4,8 @@
     python -m bench.bench_adapt [--where edge|local] [--pair real|demo] [--requests 200] [--block 25]
                                 [--max-tokens 64] [--adapt-every 16] [--dtype auto] [--json PATH] [--logs DIR]
 
-``--where edge`` (the default): one verifier (``goodspeed verifier``, pinned to CPU 0, one torch thread) and two edge nodes
-(``goodspeed drafter --serve``, pinned to CPU 1, one torch thread each): ``adapt`` with
+``--where edge`` (the default): one verifier (``goodspeed verifier``, pinned to CPU 0, one torch
+thread) and two edge nodes (``goodspeed drafter --serve``, pinned to CPU 1, one torch thread each): ``adapt`` with
 ``--adapt``, ``shipped`` without. The traffic is one domain the shipped draft was not built on:
 chat requests of a cooking assistant (``COOKING``: templates over dishes, in an order fixed by
 the seed). Both nodes get the same requests in the same order, in blocks of ``--block`` taken in
