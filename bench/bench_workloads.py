@@ -58,7 +58,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.bench_http import free_port, wait_http
-from goodspeed.launch.experiments.sim_capacity import capacity_at_slo
+from goodspeed.launch.experiments.sim_capacity import capacity_at_slo, nearest_rank
 from goodspeed.lm.models.precision import resolve_dtype
 
 TASKS = Path(__file__).resolve().parent / "workloads" / "tasks.jsonl"
@@ -342,7 +342,7 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                     tpot = [1000 * r["wall_s"] / max(1, r["tokens"]) for r in replies]
                     cells.append({"clients": n, "phase": phase, "requests": len(tpot), "tokens": sum(r["tokens"] for r in replies),
                                   "tpot_ms_p50": round(statistics.median(tpot), 2),
-                                  "tpot_ms_p90": round(sorted(tpot)[max(0, math.ceil(0.9 * len(tpot)) - 1)], 2),
+                                  "tpot_ms_p90": round(nearest_rank(tpot, 0.9), 2),
                                   "attainment": round(sum(t <= args.tpot_slo_ms for t in tpot) / len(tpot), 3)})
                     print(f"capacity: {n} clients, {phase}: attainment {cells[-1]['attainment']}, "
                           f"TPOT p50 {cells[-1]['tpot_ms_p50']} ms", file=sys.stderr, flush=True)

@@ -456,11 +456,10 @@ class EdgeNode:
                     await self._discard(session)
                     await self._start(req)
                     continue
-                # Keep the draft KV of the committed text and the accepted drafts only (a round
-                # drafting nothing, or the text growing past a rejected draft in transit, leaves
-                # rejected drafts cached otherwise)
-                # (a lookup caches nothing past the committed text, nor does a model whose round
-                # drafted nothing: its KV ends at or before the text, so no hop to the drafting thread)
+                # Keep the draft KV of the committed text and the accepted drafts only (the text
+                # growing past a rejected draft in transit leaves rejected drafts cached otherwise).
+                # A lookup caches nothing past the committed text, nor does a model whose round
+                # drafted nothing (its KV ends at or before the text): no hop to the drafting thread.
                 if not self._inline and req.drafted_last:
                     await self._call(self.drafter.rollback, req.key, len(req.committed), verdict.num_accepted)
                 req.timer.tokens(len(verdict.token_ids))

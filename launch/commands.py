@@ -380,14 +380,14 @@ def simulate(args: argparse.Namespace) -> int:
     from goodspeed.launch.spec import spec_path
 
     spec_file = spec_path(args.spec)
-    settings, _ = load_experiment(spec_file)
+    settings, spec = load_experiment(spec_file)
     profile = load_profile(profile_path(args.profile, settings.name))
     if args.save_profile:
         Path(args.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
         print(f"profile: {args.save_profile}")
     out = Path(args.out or Path("goodspeed-simulations") / f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.capacity is not None:
-        return simulate_capacity(args, spec_file, profile, out)
+        return simulate_capacity(args, settings, spec, profile, out)
     if args.tpot_slo_ms is not None:
         raise SimulationError("--tpot-slo-ms goes with --capacity")
     run_simulation(spec_file, profile, out, drafters=args.drafters, seeds=args.seeds, rounds=args.rounds,
@@ -396,13 +396,12 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def simulate_capacity(args: argparse.Namespace, spec_file, profile, out) -> int:
+def simulate_capacity(args: argparse.Namespace, exp, spec, profile, out) -> int:
     """``goodspeed simulate --capacity``: the spec's verifier settings (C per drafter, the longest
     draft, eta) and its drafters' median ``max_new_tokens``; every profiled drafter drawn round robin."""
     import json
     import statistics
 
-    from goodspeed.launch.experiments.experiment import load_experiment
     from goodspeed.launch.experiments.sim_capacity import capacity_at_slo, capacity_cells, capacity_markdown, capacity_ratio
     from goodspeed.launch.experiments.sim_profiles import SimulationError, parse_range
     from goodspeed.scheduler import smoothing_of
@@ -413,7 +412,6 @@ def simulate_capacity(args: argparse.Namespace, spec_file, profile, out) -> int:
         raise SimulationError("--capacity gives the numbers of drafters itself and validates against nothing: "
                               "drop --drafters and --validate")
     clients = list(_int_list("--capacity", args.capacity, 1, "a number of drafters"))
-    exp, spec = load_experiment(spec_file)
     policy = args.policies.split(",")[0] if args.policies else "goodspeed"
     drafters = spec.expanded_drafters()
     max_new_tokens = int(statistics.median(d.max_new_tokens for d in drafters))
@@ -431,8 +429,9 @@ def simulate_capacity(args: argparse.Namespace, spec_file, profile, out) -> int:
                                                    "rounds": rounds, "max_new_tokens": max_new_tokens, "rtt_ms": args.rtt_ms,
                                                    "spread": args.spread, "profile": profile.to_dict(), "cells": cells,
                                                    "capacity_at_slo": capacity, "ratio": capacity_ratio(capacity)}, indent=2))
-    (out / "CAPACITY.md").write_text(capacity_markdown(title, cells, args.tpot_slo_ms, capacity))
-    print(capacity_markdown(title, cells, args.tpot_slo_ms, capacity))
+    report = capacity_markdown(title, cells, args.tpot_slo_ms, capacity)
+    (out / "CAPACITY.md").write_text(report)
+    print(report)
     print(f"report: {out / 'CAPACITY.md'}")
     return 0
 
