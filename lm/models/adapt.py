@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from goodspeed.lm.models.adapt_config import HELD_BACK_EVERY, AdaptConfig
+from goodspeed.lm.models.draft_head import off_head_to_ignore
 
 
 @dataclass
@@ -141,6 +142,7 @@ class DraftAdapter:
                 return None
             step_started = time.perf_counter()
             x, labels = (t.to(device) for t in self._batch(train))
+            labels = off_head_to_ignore(work, labels)  # a pruned head cannot learn tokens off it
             loss = F.cross_entropy(work(input_ids=x).logits[:, :-1].reshape(-1, work.config.vocab_size),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
             optimiser.zero_grad(set_to_none=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -48,9 +49,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from goodspeed.lm.models.corpus import encode, load_corpus, prompt_snippets, stdlib_files
+from goodspeed.lm.models.draft_head import prune_head, write_head_file
 from goodspeed.lm.models.model_dirs import save_model_dir
 from goodspeed.lm.models.precision import cpu_has_native_bf16
-from goodspeed.lm.models.train import intermediate_size, optimize
+from goodspeed.lm.models.train import intermediate_size, optimize, save_atomically
+from goodspeed.lm.models.transcript_prompts import large_chat_requests
 
 
 @dataclass(frozen=True)
@@ -73,13 +76,28 @@ class DraftRecipe:
     new_tokens: int = 128  # per transcript
     corpus_bytes: int = 8_000_000
     seed: int = 0
+    # Fields added with the large recipe; at these defaults a recipe's digest is what it was before them.
+    head_tokens: int = 0  # > 0: a pruned output head over the target's most frequent tokens (draft_head)
+    extra_chat: bool = False  # also answer transcript_prompts.large_chat_requests
+    held_code_prompts: int = 0  # held-out code prompts (0: code_prompts // 8)
+
+
+_FIRST_FIELDS = 18  # the recipe's fields before head_tokens
 
 
 DRAFT_RECIPE = DraftRecipe()
+# The stronger recipe (`goodspeed models get smollm2-135m --recipe large`): twice the width, a head
+# over the 8,192 tokens the target writes most, six times the transcripts, more of every phase.
+LARGE_RECIPE = DraftRecipe(hidden=256, layers=4, lr=2e-3, pretrain_steps=3000, distill_steps=1500, teacher_windows=2048,
+                           generated_share=0.6, code_prompts=768, head_tokens=8192, extra_chat=True, held_code_prompts=32)
+RECIPES = {"default": DRAFT_RECIPE, "large": LARGE_RECIPE}
+CHECKPOINT_EVERY = 200  # training steps between a build's checkpoints
 
 
 def recipe_digest(recipe: DraftRecipe) -> str:
-    return hashlib.sha256(repr(dataclasses.astuple(recipe)).encode()).hexdigest()
+    values = dataclasses.astuple(recipe)
+    added = tuple((f.name, v) for f, v in zip(dataclasses.fields(recipe)[_FIRST_FIELDS:], values[_FIRST_FIELDS:]) if v != f.default)
+    return hashlib.sha256(repr(values[:_FIRST_FIELDS] + added).encode()).hexdigest()
 
 
 # Chat-style requests the target answers to make its own training transcripts. Disjoint from the
@@ -190,12 +208,13 @@ def build_precision() -> torch.dtype:
 
 
 def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: int, rng: np.random.Generator,
-                         dtype: torch.dtype = torch.float32):
+                         dtype: torch.dtype = torch.float32, exact: bool = False):
     """Log-probabilities of the draft at every position but the last, normalised over the
-    candidate set (``must`` plus random negatives); returns (log_probs, sorted candidates).
+    candidate set (``must`` plus random negatives; ``exact``: ``must`` alone, already sorted and
+    unique, such as a pruned head's tokens); returns (log_probs, sorted candidates).
     ``dtype``: bfloat16 runs the forward under autocast."""
     vocab = draft.config.vocab_size
-    cand = torch.unique(torch.cat([must.flatten(), torch.from_numpy(rng.integers(0, vocab, negatives))]))
+    cand = must if exact else torch.unique(torch.cat([must.flatten(), torch.from_numpy(rng.integers(0, vocab, negatives))]))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         h = draft.model(input_ids=x).last_hidden_state[:, :-1]
         logits = h @ draft.model.embed_tokens.weight[cand].T
@@ -203,10 +222,11 @@ def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: 
 
 
 @torch.inference_mode()
-def _teacher_topk(target, x: torch.Tensor, k: int, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def _teacher_topk(target, x: torch.Tensor, k: int, batch: int = 16, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.empty(x.shape[0], x.shape[1] - 1, k)
     index = torch.empty(x.shape[0], x.shape[1] - 1, k, dtype=torch.int64)
-    for i in range(0, x.shape[0], batch):
+    for i in tqdm(range(0, x.shape[0], batch), desc="target labels windows", disable=not progress, unit="batch",
+                  mininterval=0.1 if sys.stderr.isatty() else 10.0):
         logp = torch.log_softmax(target(input_ids=x[i : i + batch]).logits[:, :-1].float(), -1)
         top = logp.topk(k, -1)
         p = top.values.exp()
@@ -229,12 +249,102 @@ def held_out_acceptance(target, draft, transcripts: list[tuple[int, np.ndarray]]
     return {"greedy": round(greedy / n, 4), "t0.8": round(t08 / n, 4), "t1": round(t1 / n, 4)}
 
 
+_ALSO_A_BENCHMARK_TASK = frozenset({"Why is the sky blue?"})  # an open-chat task of bench/workloads: the large recipe skips it
+
+
+def _transcripts_staged(teacher, tokenizer, prompts: list[list[int]], recipe: DraftRecipe, work: Path, progress: bool,
+                        chunk: int = 256) -> list[np.ndarray]:
+    """:func:`target_transcripts` of ``prompts`` in chunks, each saved under ``work`` as it completes
+    and reused by a later run (the longest stage of a large build)."""
+    out: list[np.ndarray] = []
+    folder = work / "transcripts"
+    folder.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(prompts), desc="target writes transcripts", disable=not progress, unit="prompt",
+               mininterval=0.1 if sys.stderr.isatty() else 10.0)
+    for i in range(0, len(prompts), chunk):
+        path = folder / f"{i // chunk:05d}.npz"
+        if path.exists():
+            saved = np.load(path)
+            part = np.split(saved["ids"], np.cumsum(saved["lengths"])[:-1])
+        else:
+            part = target_transcripts(teacher, tokenizer, prompts[i : i + chunk], recipe.new_tokens, progress=False)
+            staging = path.with_name(path.stem + ".partial.npz")
+            np.savez(staging, ids=np.concatenate(part), lengths=np.array([t.size for t in part]))
+            staging.replace(path)
+        out += part
+        bar.update(len(part))
+    bar.close()
+    return out
+
+
+def frequent_tokens(generated: np.ndarray, corpus_ids: np.ndarray, vocab: int, count: int, always: list[int]) -> list[int]:
+    """The ``count`` tokens the target writes most (its transcripts' frequencies, plus a quarter
+    weight of the corpus's), and ``always`` (special tokens), sorted."""
+    score = np.bincount(generated, minlength=vocab) / max(1, generated.size)
+    score = score + 0.25 * np.bincount(corpus_ids, minlength=vocab) / max(1, corpus_ids.size)
+    top = np.argsort(-score, kind="stable")[:count]
+    return sorted(set(int(t) for t in top) | set(int(t) for t in always if 0 <= t < vocab))
+
+
+def _coverage(tokens: list[int], transcripts: list[tuple[int, np.ndarray]]) -> float:
+    """The share of the target's generated tokens in ``transcripts`` that lie in ``tokens``."""
+    generated = np.concatenate([ids[start:] for start, ids in transcripts])
+    return round(float(np.isin(generated, np.asarray(tokens)).mean()), 4)
+
+
+def _work_dir(out: Path, recipe: DraftRecipe, log) -> Path:
+    """Where a build keeps its finished stages until the draft is saved: ``<out>.build``, emptied
+    when it holds another recipe's stages."""
+    work = out.with_name(out.name + ".build")
+    stamp = work / "recipe"
+    if work.exists() and (not stamp.exists() or stamp.read_text() != recipe_digest(recipe)):
+        shutil.rmtree(work)
+    if work.exists():
+        log(f"resuming from the stages done in {work}")
+    work.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(recipe_digest(recipe))
+    return work
+
+
+def _losses(draft, recipe: DraftRecipe, rng: np.random.Generator, precision: torch.dtype, head: torch.Tensor | None):
+    """The two phases' losses over the candidate softmax: (next-token loss of a window batch,
+    distillation loss of teacher rows). With a pruned ``head`` the candidates are its tokens (what
+    the draft computes when serving) and targets off it are left out."""
+
+    def candidates(x: torch.Tensor, must: torch.Tensor):
+        if head is None:
+            return _candidate_log_probs(draft, x, must, recipe.negatives, rng, precision)
+        return _candidate_log_probs(draft, x, head, 0, rng, precision, exact=True)
+
+    def positions(cand: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        at = torch.searchsorted(cand, tokens.contiguous()).clamp(max=cand.numel() - 1)
+        return at, cand[at] == tokens
+
+    def next_token(x: torch.Tensor) -> torch.Tensor:
+        logp, cand = candidates(x, x)
+        at, inside = positions(cand, x[:, 1:])
+        return F.nll_loss(logp.reshape(-1, cand.numel()), torch.where(inside, at, -100).reshape(-1), ignore_index=-100)
+
+    def distil(x: torch.Tensor, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        logp, cand = candidates(x, index)
+        at, inside = positions(cand, index)
+        return -(probs * inside * logp.gather(-1, at)).sum(-1).mean()
+
+    return next_token, distil
+
+
 def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE, progress: bool = True, log=print) -> dict:
     """Distil a draft for the target in ``target_dir`` into ``out`` (atomically); returns the
-    measured figures (parameters and held-out acceptance on code and on chat)."""
+    measured figures (parameters and held-out acceptance on code and on chat).
+
+    Stages (the target's transcripts, chunk by chunk; each training phase, every
+    ``checkpoint_every`` steps; the teacher's labels) are kept in ``<out>.build`` as they finish,
+    and a run interrupted anywhere resumes from the last of them with the same result; the folder
+    is removed once the draft is saved."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     started = time.perf_counter()
+    work = _work_dir(out, recipe, log)
     torch.manual_seed(recipe.seed)
     rng = np.random.default_rng(recipe.seed)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -250,57 +360,96 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
         return [tokenizer(s, add_special_tokens=False)["input_ids"]
                 for s in prompt_snippets(text, count, recipe.code_prompt_chars, seed=recipe.seed)]
 
+    def chat_ids(requests: list[str]) -> list[list[int]]:
+        return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)["input_ids"] for r in requests]
+
     # Code prompts to continue: from the training text, and (held out) from the held-out files.
-    code, code_held = snippets(corpus.train_text, recipe.code_prompts), snippets(corpus.heldout_text, recipe.code_prompts // 8)
-    chat = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False, add_generation_prompt=True),
-                      add_special_tokens=False)["input_ids"] for r in chat_requests(recipe.seed)]
-    chat, chat_held = [c for i, c in enumerate(chat) if i % 8 != 7], [c for i, c in enumerate(chat) if i % 8 == 7]
-    prompts = chat + code + chat_held + code_held
-    transcripts = target_transcripts(teacher, tokenizer, prompts, recipe.new_tokens, progress=progress)
-    train = transcripts[: len(chat) + len(code)]
-    pairs = [(len(p), t) for p, t in zip(prompts, transcripts)][len(train):]
-    held = {"chat": pairs[: len(chat_held)], "code": pairs[len(chat_held):]}
+    code = snippets(corpus.train_text, recipe.code_prompts)
+    code_held = snippets(corpus.heldout_text, recipe.held_code_prompts or recipe.code_prompts // 8)
+    requests = chat_requests(recipe.seed)
+    chat_train, chat_held = [r for i, r in enumerate(requests) if i % 8 != 7], [r for i, r in enumerate(requests) if i % 8 == 7]
+    extra_train, extra_held = [], []
+    if recipe.extra_chat:
+        chat_train = [r for r in chat_train if r not in _ALSO_A_BENCHMARK_TASK]
+        modules = sorted({p.stem for p in stdlib_files() if not p.stem.startswith("_")})
+        extra = large_chat_requests(recipe.seed, corpus.train_text, modules, _TASKS)
+        extra_train, extra_held = [r for i, r in enumerate(extra) if i % 8 != 7], [r for i, r in enumerate(extra) if i % 8 == 7]
+    groups = {"train": chat_ids(chat_train + extra_train) + code, "chat": chat_ids(chat_held), "code": code_held,
+              "tasks": chat_ids(extra_held)}
+    prompts = [p for g in groups.values() for p in g]
+    log(f"stage 1/4: the target answers {len(prompts):,} prompts ({len(groups['train']):,} to train on, the rest held out)")
+    transcripts = _transcripts_staged(teacher, tokenizer, prompts, recipe, work, progress)
+    held, at = {}, 0
+    for name, group in groups.items():
+        held[name] = [(len(p), t) for p, t in zip(group, transcripts[at : at + len(group)])]
+        at += len(group)
+    train = [t for _, t in held.pop("train")]
     generated = np.concatenate(train)
     log(f"corpus: {corpus_ids.size:,} stdlib tokens and {generated.size:,} tokens of {len(train)} target transcripts")
 
+    head = None
+    if recipe.head_tokens:
+        head = torch.tensor(frequent_tokens(generated, corpus_ids, teacher.config.vocab_size, recipe.head_tokens,
+                                            tokenizer.all_special_ids))
     draft = LlamaForCausalLM(draft_config(recipe, teacher.config))
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(_pca_embedding(teacher.model.embed_tokens.weight, recipe.hidden, recipe.seed))
     windows = _Windows(corpus_ids, generated, recipe, rng)
+    next_token, distil = _losses(draft, recipe, rng, precision, head)
+    log("stage 2/4: next-token training")
+    optimize(draft, recipe.pretrain_steps, recipe.lr, lambda: next_token(windows.sample(recipe.batch)), "draft: next-token",
+             progress, checkpoint=work / "pretrain.pt", every=CHECKPOINT_EVERY, rng=rng)
 
-    def next_token_loss():
-        x = windows.sample(recipe.batch)
-        logp, cand = _candidate_log_probs(draft, x, x, recipe.negatives, rng, precision)
-        return F.nll_loss(logp.reshape(-1, cand.numel()), torch.searchsorted(cand, x[:, 1:].contiguous()).reshape(-1))
-
-    optimize(draft, recipe.pretrain_steps, recipe.lr, next_token_loss, "draft: next-token", progress)
-
-    x_teacher = windows.sample(recipe.teacher_windows)
-    log(f"labelling {x_teacher.numel():,} tokens with the target's top-{recipe.top_k}")
-    t_probs, t_index = _teacher_topk(teacher, x_teacher, recipe.top_k)
+    labels = work / "labels.pt"
+    if labels.exists():
+        saved = torch.load(labels, weights_only=False)
+        x_teacher, t_probs, t_index = saved["x"], saved["probs"], saved["index"]
+        rng.bit_generator.state = saved["rng"]
+    else:
+        x_teacher = windows.sample(recipe.teacher_windows)
+        log(f"stage 3/4: labelling {x_teacher.numel():,} tokens with the target's top-{recipe.top_k}")
+        t_probs, t_index = _teacher_topk(teacher, x_teacher, recipe.top_k, progress=progress)
+        save_atomically({"x": x_teacher, "probs": t_probs, "index": t_index, "rng": rng.bit_generator.state}, labels)
 
     def distill_loss():
         rows = torch.from_numpy(rng.integers(0, x_teacher.shape[0], recipe.batch))
-        logp, cand = _candidate_log_probs(draft, x_teacher[rows], t_index[rows], recipe.negatives, rng, precision)
-        return -(t_probs[rows] * logp.gather(-1, torch.searchsorted(cand, t_index[rows].contiguous()))).sum(-1).mean()
+        return distil(x_teacher[rows], t_probs[rows], t_index[rows])
 
-    optimize(draft, recipe.distill_steps, recipe.lr / 2, distill_loss, "draft: distil", progress)
+    log("stage 4/4: distillation on the target's distributions")
+    optimize(draft, recipe.distill_steps, recipe.lr / 2, distill_loss, "draft: distil", progress,
+             checkpoint=work / "distill.pt", every=CHECKPOINT_EVERY, rng=rng)
 
     del teacher
+    if head is not None:
+        prune_head(draft, head)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    code_acc, chat_acc = held_out_acceptance(target, draft, held["code"]), held_out_acceptance(target, draft, held["chat"])
-    log(f"held-out acceptance on the target's code continuations: {code_acc}; on its chat answers: {chat_acc}")
+    measured = {name: held_out_acceptance(target, draft, pairs) for name, pairs in held.items() if pairs}
+    log(f"held-out acceptance on the target's code continuations: {measured['code']}; on its chat answers: {measured['chat']}"
+        + (f"; on the recipe's held-out requests: {measured['tasks']}" if "tasks" in measured else ""))
+    acceptance = {
+        "greedy_acceptance": measured["code"]["greedy"], "acceptance_t08": measured["code"]["t0.8"], "acceptance": measured["code"]["t1"],
+        "chat_greedy_acceptance": measured["chat"]["greedy"], "chat_acceptance_t08": measured["chat"]["t0.8"],
+        "chat_acceptance": measured["chat"]["t1"],
+    }
+    if "tasks" in measured:
+        acceptance.update({"tasks_greedy_acceptance": measured["tasks"]["greedy"], "tasks_acceptance_t08": measured["tasks"]["t0.8"],
+                           "tasks_acceptance": measured["tasks"]["t1"]})
+    report = {}
+    if head is not None:
+        report["head"] = {"tokens": head.numel(), "coverage": {name: _coverage(head.tolist(), pairs) for name, pairs in held.items() if pairs}}
+        log(f"pruned head: {head.numel():,} tokens cover {report['head']['coverage']} of the held-out generated tokens")
 
-    save_model_dir(draft, tokenizer, out)
+    save_model_dir(draft, tokenizer, out, extra=None if head is None else
+                   (lambda folder: write_head_file(folder, head.tolist(), coverage=report["head"]["coverage"])))
+    shutil.rmtree(work, ignore_errors=True)
     return {
         "target_params": int(sum(p.numel() for p in target.parameters())),
         "target_layers": target.config.num_hidden_layers,
         "target_hidden": target.config.hidden_size,
         "draft_params": int(sum(p.numel() for p in draft.parameters())),
-        "acceptance": {
-            "greedy_acceptance": code_acc["greedy"], "acceptance_t08": code_acc["t0.8"], "acceptance": code_acc["t1"],
-            "chat_greedy_acceptance": chat_acc["greedy"], "chat_acceptance_t08": chat_acc["t0.8"], "chat_acceptance": chat_acc["t1"],
-        },
+        "acceptance": acceptance,
         "seconds": round(time.perf_counter() - started, 1),
         "precision": str(precision).removeprefix("torch."),
+        **report,
     }

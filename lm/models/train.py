@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -69,13 +70,27 @@ def lr_at(step: int, total: int, peak: float) -> float:
 
 
 def optimize(model: torch.nn.Module, steps: int, peak_lr: float, loss_fn, desc: str, progress: bool = True,
-             weight_decay: float = 0.0) -> torch.nn.Module:
+             weight_decay: float = 0.0, checkpoint: Path | None = None, every: int = 100,
+             rng: np.random.Generator | None = None) -> torch.nn.Module:
     """``steps`` AdamW steps on ``loss_fn()`` (which draws its own batch) with :func:`lr_at`'s
-    schedule and gradient clipping at 1; returns the model in eval mode."""
+    schedule and gradient clipping at 1; returns the model in eval mode.
+
+    With ``checkpoint``, the model, the optimiser, the step and ``rng``'s state (the generator
+    ``loss_fn`` draws its batches from) are saved there every ``every`` steps and at the end, and
+    a run that finds the file resumes from it: an interrupted run, resumed, ends with the weights
+    an uninterrupted one would have (same machine, same threads)."""
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=weight_decay)
+    start = 0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+        if rng is not None:
+            rng.bit_generator.state = state["rng"]
     # On a terminal the bar redraws in place; in logs (CI, pipes) a line every 10 s is enough.
     interval = 0.1 if sys.stderr.isatty() else 10.0
-    bar = tqdm(range(steps), desc=desc, disable=not progress, unit="step", mininterval=interval)
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=desc, disable=not progress, unit="step", mininterval=interval)
     model.train()
     for step in bar:
         for group in opt.param_groups:
@@ -87,7 +102,18 @@ def optimize(model: torch.nn.Module, steps: int, peak_lr: float, loss_fn, desc: 
         opt.zero_grad(set_to_none=True)
         if step % 25 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        if checkpoint is not None and ((step + 1) % every == 0 or step + 1 == steps):
+            save_atomically({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                             "rng": rng.bit_generator.state if rng is not None else None}, checkpoint)
     return model.eval()
+
+
+def save_atomically(obj, path: Path) -> None:
+    """``torch.save`` to ``path`` through a temporary file and a rename: a kill mid-write leaves the
+    previous file (or none), never a torn one."""
+    staging = path.with_name(path.name + ".partial")
+    torch.save(obj, staging)
+    staging.replace(path)
 
 
 def train_model(

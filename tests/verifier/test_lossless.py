@@ -23,7 +23,7 @@ from goodspeed.lm.decoding.params import SamplingParams
 from goodspeed.verifier import rejection
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from goodspeed.verifier.types import Draft
-from modelkit import perturbed, tiny_llama
+from modelkit import copy_of, perturbed, tiny_llama
 from goodspeed.lm.runtime import kv_slots
 from statkit import Z_POWER, chi2_critical, chi2_stat, count_first_two, exact_first_two, exact_marginal, fits
 
@@ -174,6 +174,19 @@ def test_draft_with_zero_mass_where_the_target_has_some(target, bad_draft):
     banned = int(exact_first_two(target, PROMPT, sampling)[:, :V].sum(1).argmax())  # the target's likeliest first token
     outputs, _ = run_chains(target, MaskedDraft(bad_draft, banned), {"T1": sampling}, per_setting=800)
     assert sum(o[0] == banned for o in outputs["T1"]) > 100  # the residual restores the banned token
+    assert_follows(target, outputs["T1"], sampling)
+
+
+def test_a_draft_with_a_pruned_head_follows_the_target(target, bad_draft):
+    """A pruned head (goodspeed.lm.models.draft_head) gives q zero mass off its tokens; here it
+    leaves out the target's likeliest first token and one more, which the residual restores."""
+    from goodspeed.lm.models.draft_head import prune_head
+
+    sampling = SETTINGS["T1"]
+    likeliest = int(exact_first_two(target, PROMPT, sampling)[:, :V].sum(1).argmax())
+    keep = [t for t in range(V) if t not in (likeliest, (likeliest + 1) % V)]
+    outputs, _ = run_chains(target, prune_head(copy_of(bad_draft), keep), {"T1": sampling}, per_setting=800)
+    assert sum(o[0] == likeliest for o in outputs["T1"]) > 100
     assert_follows(target, outputs["T1"], sampling)
 
 

