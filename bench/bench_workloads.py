@@ -1,6 +1,7 @@
 """Speculation per task: tokens/s of each draft source against plain decoding, by task category.
 
     python -m bench.bench_workloads [--pair real|demo] [--modes edge,local,fleet,capacity] [--sources model,ngram,suffix,hybrid]
+                                    (a source may be model@MODEL or hybrid@MODEL: another draft than the pair's)
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
                                     [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
 
@@ -44,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -72,7 +74,16 @@ def load_tasks(path: Path = TASKS) -> list[dict]:
 
 
 def source_name(source: str, draft: str) -> str:
+    """What a node or a verifier is given for ``source``; ``model@SPEC`` and ``hybrid@SPEC`` draft
+    with the model SPEC instead of the pair's (``model@real:smollm2-135m-draft-large``)."""
+    source, _, other = source.partition("@")
+    draft = other or draft
     return {"model": draft, "ngram": "ngram", "suffix": "suffix", "hybrid": f"suffix+{draft}"}[source]
+
+
+def _label(config: str) -> str:
+    """``config`` as a process and log name (letters, digits and dashes)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", config).strip("-")
 
 
 def start(cmd: list[str], cpus: str, threads: int, log: Path) -> subprocess.Popen:
@@ -185,9 +196,9 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                 config = source if rule == args.draft_lengths[0] else f"{source}/{rule}"
                 ports[config] = free_port()
                 servers.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", source_name(source, draft),
-                                    "--tokenizer", target, "--name", f"edge-{config.replace('/', '-')}", "--serve",
+                                    "--tokenizer", target, "--name", f"edge-{_label(config)}", "--serve",
                                     f"127.0.0.1:{ports[config]}", "--dtype", dtype, "--no-proactive", "--max-concurrency", "1",
-                                    "--draft-length", rule], "1", 1, f"node-{config.replace('/', '-')}")
+                                    "--draft-length", rule], "1", 1, f"node-{_label(config)}")
         for port in ports.values():
             wait_http(port, 600)
         for port in ports.values():  # warm-up: the first request of each pays one-off costs
@@ -218,7 +229,7 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                     "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
                 servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
                                     "--dtype", dtype, "--max-local-requests", str(args.batch), *local], "0-1", 2,
-                              f"local-{config}-{repeat}")
+                              f"local-{_label(config)}-{repeat}")
             for port in ports.values():
                 wait_http(port, 900)
             for port in ports.values():
@@ -433,8 +444,9 @@ def main(argv=None) -> int:
     args.draft_lengths = [r for r in args.draft_lengths.split(",") if r]
     if unknown := [r for r in args.draft_lengths if r not in ("goodput", "allotted")]:
         parser.error(f"--draft-lengths: unknown {unknown}; known: goodput, allotted")
-    if unknown := [s for s in args.sources if s not in SOURCES]:
-        parser.error(f"--sources: unknown {unknown}; known: {', '.join(SOURCES)}")
+    if unknown := [s for s in args.sources if s.partition("@")[0] not in SOURCES or (s.partition("@")[2] and
+                                                                                   s.partition("@")[0] not in ("model", "hybrid"))]:
+        parser.error(f"--sources: unknown {unknown}; known: {', '.join(SOURCES)}, and model@MODEL or hybrid@MODEL for another draft")
     if args.local_policy == "adaserve" and "local" in args.modes and (chains := [s for s in args.sources if s in ("ngram", "suffix")]):
         parser.error(f"--local-policy adaserve drafts trees, which {', '.join(chains)} cannot: give --sources model,hybrid")
     modes = [m for m in args.modes.split(",") if m]

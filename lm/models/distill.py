@@ -20,12 +20,17 @@ The draft is a small Llama on the target's own tokenizer. What makes it trainabl
   sampling (AdaServe section 4.2 cites distilled drafts).
 
 Seeds and step counts are fixed (never wall time), so a build is reproducible on the same corpus
-and the same kind of CPU. The teacher's transcripts and labels, and the draft's training forwards,
+and the same kind of CPU. A build runs on a GPU when torch sees one (:func:`build_device`), in
+bfloat16 there; on a CPU the teacher's transcripts and labels, and the draft's training forwards,
 run in bfloat16 where the CPU computes it natively (x86 ``avx512_bf16`` or ``amx_bf16``, Arm
 ``bf16``; 2-3x faster than float32 there), else in float32 (:func:`build_precision`). On a CPU
 without it torch emulates bfloat16: on an AVX2-only EPYC a training step took 5.72 s in bfloat16
 against 0.54 s in float32, and the teacher's generation 3.6x as long (``python -m
 bench.bench_build_precision``). The manifest records the precision a build used.
+Recipes (:data:`RECIPES`): ``default``, above, and ``large``: twice the width, a pruned output
+head (:mod:`goodspeed.lm.models.draft_head`), many more of the target's transcripts
+(:mod:`goodspeed.lm.models.transcript_prompts`) and more steps of both phases. Every stage is kept
+as it finishes and an interrupted build resumes from it (:func:`build_draft`).
 Acceptance is measured against the float32 target on what speculation meets in serving: the
 target's own continuations of held-out code prompts and its answers to held-out chat requests
 (every 8th of each, never trained on). Reported per position: the greedy rate
@@ -146,8 +151,9 @@ def target_transcripts(target, tokenizer, prompts: list[list[int]], max_new_toke
     for i in range(0, len(prompts), batch):
         encoded = prompts[i : i + batch]
         width = max(map(len, encoded))
-        ids = torch.tensor([[eos] * (width - len(e)) + e for e in encoded])
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        device = next(target.parameters()).device
+        ids = torch.tensor([[eos] * (width - len(e)) + e for e in encoded], device=device)
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
         gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
         for e, row in zip(encoded, gen[:, width:].tolist()):
             answer = row[: row.index(eos) + 1] if eos in row else row
@@ -202,9 +208,16 @@ class _Windows:
         return ids[s : s + self.recipe.seq_len]
 
 
-def build_precision() -> torch.dtype:
-    """The dtype the build computes in on this CPU (module docstring)."""
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+def build_device() -> torch.device:
+    """Where the build computes: the first CUDA device when torch sees one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_precision(device: torch.device | None = None) -> torch.dtype:
+    """The dtype the build computes in: bfloat16 on a GPU and on a CPU that computes it natively
+    (module docstring), else float32."""
+    native = (device or build_device()).type == "cuda" or cpu_has_native_bf16()
+    return torch.bfloat16 if native else torch.float32
 
 
 def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: int, rng: np.random.Generator,
@@ -213,9 +226,9 @@ def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: 
     candidate set (``must`` plus random negatives; ``exact``: ``must`` alone, already sorted and
     unique, such as a pruned head's tokens); returns (log_probs, sorted candidates).
     ``dtype``: bfloat16 runs the forward under autocast."""
-    vocab = draft.config.vocab_size
-    cand = must if exact else torch.unique(torch.cat([must.flatten(), torch.from_numpy(rng.integers(0, vocab, negatives))]))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+    vocab, device = draft.config.vocab_size, x.device
+    cand = must if exact else torch.unique(torch.cat([must.flatten(), torch.from_numpy(rng.integers(0, vocab, negatives)).to(device)]))
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         h = draft.model(input_ids=x).last_hidden_state[:, :-1]
         logits = h @ draft.model.embed_tokens.weight[cand].T
     return torch.log_softmax(logits.float(), -1), cand
@@ -223,14 +236,17 @@ def _candidate_log_probs(draft, x: torch.Tensor, must: torch.Tensor, negatives: 
 
 @torch.inference_mode()
 def _teacher_topk(target, x: torch.Tensor, k: int, batch: int = 16, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-``k`` next-token distributions (renormalised) at every position of ``x``
+    but the last, on the CPU whatever the target's device."""
     probs = torch.empty(x.shape[0], x.shape[1] - 1, k)
     index = torch.empty(x.shape[0], x.shape[1] - 1, k, dtype=torch.int64)
+    device = next(target.parameters()).device
     for i in tqdm(range(0, x.shape[0], batch), desc="target labels windows", disable=not progress, unit="batch",
                   mininterval=0.1 if sys.stderr.isatty() else 10.0):
-        logp = torch.log_softmax(target(input_ids=x[i : i + batch]).logits[:, :-1].float(), -1)
+        logp = torch.log_softmax(target(input_ids=x[i : i + batch].to(device)).logits[:, :-1].float(), -1)
         top = logp.topk(k, -1)
         p = top.values.exp()
-        probs[i : i + batch], index[i : i + batch] = p / p.sum(-1, keepdim=True), top.indices
+        probs[i : i + batch], index[i : i + batch] = (p / p.sum(-1, keepdim=True)).cpu(), top.indices.cpu()
     return probs, index
 
 
@@ -239,8 +255,9 @@ def held_out_acceptance(target, draft, transcripts: list[tuple[int, np.ndarray]]
     """Greedy agreement and ``E[sum min(p, q)]`` at T = 0.8 and 1 at every generated position of
     ``transcripts`` (``(prompt length, ids)`` pairs)."""
     greedy, t08, t1, n = 0.0, 0.0, 0.0, 0
+    device = next(target.parameters()).device
     for start, ids in transcripts:
-        x = torch.from_numpy(ids)
+        x = torch.from_numpy(ids).to(device)
         lp, lq = (m(input_ids=x[None]).logits[0, start - 1 : -1].double() for m in (target, draft))
         greedy += float((lp.argmax(-1) == lq.argmax(-1)).sum())
         t08 += float(torch.minimum(torch.softmax(lp / 0.8, -1), torch.softmax(lq / 0.8, -1)).sum())
@@ -254,11 +271,18 @@ _ALSO_A_BENCHMARK_TASK = frozenset({"Why is the sky blue?"})  # an open-chat tas
 
 def _transcripts_staged(teacher, tokenizer, prompts: list[list[int]], recipe: DraftRecipe, work: Path, progress: bool,
                         chunk: int = 256) -> list[np.ndarray]:
-    """:func:`target_transcripts` of ``prompts`` in chunks, each saved under ``work`` as it completes
-    and reused by a later run (the longest stage of a large build)."""
+    """:func:`target_transcripts` of ``prompts`` in chunks, each saved under ``work/transcripts`` as
+    it completes and reused by a later run (the longest stage of a large build). The folder is
+    stamped with what the transcripts depend on (the prompts, the answers' length, the teacher's
+    precision), so a recipe that changes only its training reuses them, and any other change
+    writes them again."""
     out: list[np.ndarray] = []
     folder = work / "transcripts"
+    stamp = hashlib.sha256(repr((prompts, recipe.new_tokens, str(next(teacher.parameters()).dtype))).encode()).hexdigest()
+    if folder.exists() and (not (folder / "stamp").exists() or (folder / "stamp").read_text() != stamp):
+        shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "stamp").write_text(stamp)
     bar = tqdm(total=len(prompts), desc="target writes transcripts", disable=not progress, unit="prompt",
                mininterval=0.1 if sys.stderr.isatty() else 10.0)
     for i in range(0, len(prompts), chunk):
@@ -293,23 +317,33 @@ def _coverage(tokens: list[int], transcripts: list[tuple[int, np.ndarray]]) -> f
 
 
 def _work_dir(out: Path, recipe: DraftRecipe, log) -> Path:
-    """Where a build keeps its finished stages until the draft is saved: ``<out>.build``, emptied
-    when it holds another recipe's stages."""
+    """Where a build keeps its finished stages: ``<out>.build``. Training stages of another recipe
+    are removed; the transcripts keep their own stamp (:func:`_transcripts_staged`)."""
     work = out.with_name(out.name + ".build")
     stamp = work / "recipe"
     if work.exists() and (not stamp.exists() or stamp.read_text() != recipe_digest(recipe)):
-        shutil.rmtree(work)
-    if work.exists():
+        _remove_training_stages(work)
+    if any(work.glob("*")):
         log(f"resuming from the stages done in {work}")
     work.mkdir(parents=True, exist_ok=True)
     stamp.write_text(recipe_digest(recipe))
     return work
 
 
+def _remove_training_stages(work: Path) -> None:
+    """Everything in ``work`` but the transcripts (a few MB, reused by a recipe that differs in
+    training only): the checkpoints and the teacher's labels (about 100 MB for the large recipe)."""
+    for path in work.iterdir():
+        if path.name != "transcripts":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def _losses(draft, recipe: DraftRecipe, rng: np.random.Generator, precision: torch.dtype, head: torch.Tensor | None):
     """The two phases' losses over the candidate softmax: (next-token loss of a window batch,
     distillation loss of teacher rows). With a pruned ``head`` the candidates are its tokens (what
     the draft computes when serving) and targets off it are left out."""
+
+    device = next(draft.parameters()).device
 
     def candidates(x: torch.Tensor, must: torch.Tensor):
         if head is None:
@@ -321,11 +355,13 @@ def _losses(draft, recipe: DraftRecipe, rng: np.random.Generator, precision: tor
         return at, cand[at] == tokens
 
     def next_token(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(device)
         logp, cand = candidates(x, x)
         at, inside = positions(cand, x[:, 1:])
         return F.nll_loss(logp.reshape(-1, cand.numel()), torch.where(inside, at, -100).reshape(-1), ignore_index=-100)
 
     def distil(x: torch.Tensor, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        x, probs, index = x.to(device), probs.to(device), index.to(device)
         logp, cand = candidates(x, index)
         at, inside = positions(cand, index)
         return -(probs * inside * logp.gather(-1, at)).sum(-1).mean()
@@ -333,14 +369,17 @@ def _losses(draft, recipe: DraftRecipe, rng: np.random.Generator, precision: tor
     return next_token, distil
 
 
-def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE, progress: bool = True, log=print) -> dict:
+def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE, progress: bool = True, log=print,
+                device: str | torch.device | None = None) -> dict:
     """Distil a draft for the target in ``target_dir`` into ``out`` (atomically); returns the
     measured figures (parameters and held-out acceptance on code and on chat).
 
     Stages (the target's transcripts, chunk by chunk; each training phase, every
-    ``checkpoint_every`` steps; the teacher's labels) are kept in ``<out>.build`` as they finish,
-    and a run interrupted anywhere resumes from the last of them with the same result; the folder
-    is removed once the draft is saved."""
+    :data:`CHECKPOINT_EVERY` steps; the teacher's labels) are kept in ``<out>.build`` as they
+    finish, and a run interrupted anywhere resumes from the last of them with the same result.
+    Once the draft is saved only the transcripts stay there, for a later recipe that differs in
+    its training alone. ``device``: where to compute (default :func:`build_device`: a GPU when
+    torch sees one); the saved draft and the figures are the same on either, up to numerics."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     started = time.perf_counter()
@@ -349,10 +388,11 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
     rng = np.random.default_rng(recipe.seed)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     # The teacher's answers and labels in the build's precision; acceptance is measured in fp32.
-    precision = build_precision()
-    log(f"computing in {str(precision).removeprefix('torch.')} (this CPU {'has' if precision == torch.bfloat16 else 'lacks'} "
-        "native bfloat16)")
-    teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=precision).eval()
+    device = torch.device(device) if device is not None else build_device()
+    precision = build_precision(device)
+    log(f"computing in {str(precision).removeprefix('torch.')} on {device}" + ("" if device.type == "cuda" else
+        f" (this CPU {'has' if precision == torch.bfloat16 else 'lacks'} native bfloat16)"))
+    teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=precision).to(device).eval()
     corpus = load_corpus(recipe.corpus_bytes)
     corpus_ids = encode(tokenizer, corpus.train_text)
 
@@ -391,10 +431,11 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
     head = None
     if recipe.head_tokens:
         head = torch.tensor(frequent_tokens(generated, corpus_ids, teacher.config.vocab_size, recipe.head_tokens,
-                                            tokenizer.all_special_ids))
+                                            tokenizer.all_special_ids), device=device)
     draft = LlamaForCausalLM(draft_config(recipe, teacher.config))
     with torch.no_grad():
-        draft.model.embed_tokens.weight.copy_(_pca_embedding(teacher.model.embed_tokens.weight, recipe.hidden, recipe.seed))
+        draft.model.embed_tokens.weight.copy_(_pca_embedding(teacher.model.embed_tokens.weight.cpu(), recipe.hidden, recipe.seed))
+    draft.to(device)
     windows = _Windows(corpus_ids, generated, recipe, rng)
     next_token, distil = _losses(draft, recipe, rng, precision, head)
     log("stage 2/4: next-token training")
@@ -423,7 +464,7 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
     del teacher
     if head is not None:
         prune_head(draft, head)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     measured = {name: held_out_acceptance(target, draft, pairs) for name, pairs in held.items() if pairs}
     log(f"held-out acceptance on the target's code continuations: {measured['code']}; on its chat answers: {measured['chat']}"
         + (f"; on the recipe's held-out requests: {measured['tasks']}" if "tasks" in measured else ""))
@@ -440,9 +481,9 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
         report["head"] = {"tokens": head.numel(), "coverage": {name: _coverage(head.tolist(), pairs) for name, pairs in held.items() if pairs}}
         log(f"pruned head: {head.numel():,} tokens cover {report['head']['coverage']} of the held-out generated tokens")
 
-    save_model_dir(draft, tokenizer, out, extra=None if head is None else
+    save_model_dir(draft.cpu(), tokenizer, out, extra=None if head is None else
                    (lambda folder: write_head_file(folder, head.tolist(), coverage=report["head"]["coverage"])))
-    shutil.rmtree(work, ignore_errors=True)
+    _remove_training_stages(work)
     return {
         "target_params": int(sum(p.numel() for p in target.parameters())),
         "target_layers": target.config.num_hidden_layers,
@@ -451,5 +492,6 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
         "acceptance": acceptance,
         "seconds": round(time.perf_counter() - started, 1),
         "precision": str(precision).removeprefix("torch."),
+        "device": device.type,
         **report,
     }

@@ -42,14 +42,32 @@ class PrunedHead(torch.nn.Linear):
     def _rows(self) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return self.weight[self.keep]  # training (a fine-tune on the device): gradients reach the weight
-        w = self.weight
         try:
-            key = (w.data_ptr(), w._version, w.dtype, w.device)
+            key = self._key()
         except RuntimeError:  # an inference tensor has no version counter: gather every call
-            return w[self.keep]
-        if getattr(self, "_cache_key", None) != key:
-            self._cache, self._cache_key = w[self.keep].detach(), key
+            return self.weight[self.keep]
+        if self._cache_key != key:
+            self.refresh()
         return self._cache
+
+    def _key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, w.dtype, w.device)
+
+    def refresh(self) -> None:
+        """Gather the kept rows again, into the same tensor where it still fits (a CUDA graph that
+        captured the head reads that memory: it sees new weights after a load without a capture)."""
+        with torch.inference_mode(False), torch.no_grad():
+            rows = self.weight[self.keep]
+            cache = getattr(self, "_cache", None)
+            if cache is not None and cache.shape == rows.shape and cache.dtype == rows.dtype and cache.device == rows.device:
+                cache.copy_(rows)
+            else:
+                self._cache = rows
+        try:
+            self._cache_key = self._key()
+        except RuntimeError:
+            self._cache_key = None
 
 
 def prune_head(model: torch.nn.Module, tokens: list[int] | torch.Tensor) -> torch.nn.Module:
@@ -61,7 +79,9 @@ def prune_head(model: torch.nn.Module, tokens: list[int] | torch.Tensor) -> torc
                          f"from {int(keep[0]) if keep.numel() else None} to {int(keep[-1]) if keep.numel() else None}")
     head.__class__ = PrunedHead
     head.register_buffer("keep", keep.to(head.weight.device), persistent=False)
-    head._cache_key = None
+    head._cache, head._cache_key = None, None
+    # Loading weights (an adopted fine-tune: DraftAdapter.swap) refreshes the kept rows in place at once.
+    head.register_load_state_dict_post_hook(lambda module, _keys: module.refresh())
     return model
 
 

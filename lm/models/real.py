@@ -232,6 +232,7 @@ def _get_default(source: RealSource, root: Path, target_dir: Path, draft_dir: Pa
                    "description": source.description},
         "draft_recipe": recipe_digest(DRAFT_RECIPE),
         "build_precision": report["precision"],
+        "build_device": report["device"],
         "build_seconds": round(time.perf_counter() - started, 1),
         "models": [
             {"name": source.name, "role": "target", "params": report["target_params"], "layers": report["target_layers"],
@@ -262,7 +263,8 @@ def _get_recipe(source: RealSource, root: Path, manifest: dict, recipe: str, for
     report = build_draft(root / "target", root / role, spec, progress=progress, log=log)
     entry = {"name": f"{source.name}-{role}", "role": role, "recipe": recipe, "recipe_digest": recipe_digest(spec),
              "params": report["draft_params"], "layers": spec.layers, "hidden": spec.hidden,
-             "build_seconds": report["seconds"], "build_precision": report["precision"], **report["acceptance"]}
+             "build_seconds": report["seconds"], "build_precision": report["precision"], "build_device": report["device"],
+             **report["acceptance"]}
     if "head" in report:
         entry["head_tokens"], entry["head_coverage"] = report["head"]["tokens"], report["head"]["coverage"]
     manifest = {**manifest, "models": [m for m in manifest["models"] if m["role"] != role] + [entry]}

@@ -82,7 +82,7 @@ def optimize(model: torch.nn.Module, steps: int, peak_lr: float, loss_fn, desc: 
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=weight_decay)
     start = 0
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=False, map_location=next(model.parameters()).device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = state["step"]

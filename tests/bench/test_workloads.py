@@ -57,3 +57,14 @@ def test_the_evidence_replay_reads_a_replys_text_and_counts_a_proposals_accepted
     cut = {"content": None, "tool_calls": [{"id": "x", "function": {"name": "get", "arguments": '{"city": "Pa'}}]}
     assert written(json.dumps(cut)) == '{"name": "get", "arguments": {"city": "Pa}'
     assert accepted([1, 2, 3], [1, 2, 4, 5]) == 2 and accepted([9], [1]) == 0 and accepted([1, 2], [1]) == 1
+
+
+def test_a_source_may_name_another_model_draft():
+    from bench import bench_workloads
+
+    assert bench_workloads.source_name("model", "real:a-draft") == "real:a-draft"
+    assert bench_workloads.source_name("model@real:a-draft-large", "real:a-draft") == "real:a-draft-large"
+    assert bench_workloads.source_name("hybrid@real:a-draft-large", "real:a-draft") == "suffix+real:a-draft-large"
+    assert bench_workloads._label("model@real:a-draft-large/allotted") == "model-real-a-draft-large-allotted"
+    with pytest.raises(SystemExit):
+        bench_workloads.main(["--sources", "suffix@real:a-draft", "--summarize", ""])  # a lookup takes no model

@@ -65,6 +65,7 @@ def test_build_writes_a_draft_on_the_targets_tokenizer(target_dir, tmp_path):
         assert 0.0 <= report["acceptance"][key] <= 1.0, key
     assert distill.recipe_digest(TOY) != distill.recipe_digest(distill.DRAFT_RECIPE)
     assert report["precision"] == str(distill.build_precision()).removeprefix("torch.")
+    assert report["device"] == distill.build_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_held_out_acceptance_counts_generated_positions_only():
@@ -94,7 +95,7 @@ def test_a_recipe_with_a_head_writes_a_pruned_draft(target_dir, tmp_path):
     assert set(report["head"]["coverage"]) == {"chat", "code"} and all(0 < c <= 1 for c in report["head"]["coverage"].values())
     loaded = load_causal_lm(str(tmp_path / "draft"))
     assert head_tokens(loaded.model).tolist() == head["tokens"]
-    assert not (tmp_path / "draft.build").exists()  # the stages are gone once the draft is saved
+    assert [p.name for p in (tmp_path / "draft.build").iterdir()] == ["transcripts"]  # kept for a recipe changing its training only
 
 
 def test_frequent_tokens_are_the_transcripts_first_and_the_special_ones():
@@ -132,17 +133,24 @@ def test_an_interrupted_build_resumes_and_writes_the_same_draft(target_dir, tmp_
     monkeypatch.setattr(distill, "target_transcripts", lambda *a, **k: pytest.fail("the transcripts were written again"))
     logged = []
     resumed = distill.build_draft(target_dir, tmp_path / "resumed", recipe, progress=False, log=logged.append)
-    assert any("resuming" in line for line in logged) and not work.exists()
+    assert any("resuming" in line for line in logged) and [p.name for p in work.iterdir()] == ["transcripts"]
     assert again == [recipe.batch] * (recipe.pretrain_steps - 2) + [recipe.teacher_windows]  # steps 3 to 6, then the labels' windows
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["acceptance"] == whole["acceptance"]
 
 
-def test_stages_of_another_recipe_are_not_reused(target_dir, tmp_path):
+def test_stages_of_another_recipe_are_not_reused_and_its_transcripts_only_where_they_match(target_dir, tmp_path, monkeypatch):
     work = tmp_path / "draft.build"
     (work / "transcripts").mkdir(parents=True)
     (work / "recipe").write_text("another recipe's digest")
     (work / "transcripts" / "00000.npz").write_bytes(b"not an npz file")  # reusing it would fail the build
-    distill.build_draft(target_dir, tmp_path / "draft", TOY, progress=False, log=lambda *_: None)
+    torch.save({"model": {}, "step": 3}, work / "pretrain.pt")  # another recipe's checkpoint: loading it would fail
+    quiet = dict(progress=False, log=lambda *_: None)
+    distill.build_draft(target_dir, tmp_path / "draft", TOY, **quiet)
     assert (tmp_path / "draft" / "config.json").exists()
+    # A recipe that changes its training only reuses the transcripts; one that changes them writes them again
+    monkeypatch.setattr(distill, "target_transcripts", lambda *a, **k: pytest.fail("the transcripts were written again"))
+    distill.build_draft(target_dir, tmp_path / "draft", dataclasses.replace(TOY, distill_steps=6), **quiet)
+    with pytest.raises(pytest.fail.Exception, match="written again"):
+        distill.build_draft(target_dir, tmp_path / "draft", dataclasses.replace(TOY, new_tokens=7), **quiet)

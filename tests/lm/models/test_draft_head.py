@@ -46,8 +46,11 @@ def test_it_trains_and_follows_in_place_weight_updates():
     x = torch.randint(0, VOCAB, (1, 5))
     with torch.inference_mode():
         before = model(input_ids=x).logits.clone()
+    cached = model.lm_head._cache.data_ptr()
     new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    model.load_state_dict(new)  # what an adopted fine-tune does (DraftAdapter.swap): the cached rows must go
+    model.load_state_dict(new)  # what an adopted fine-tune does (DraftAdapter.swap): the cached rows must follow
+    assert model.lm_head._cache.data_ptr() == cached  # refreshed in place: a captured CUDA graph reads the new rows
+    torch.testing.assert_close(model.lm_head._cache, new["lm_head.weight"][sorted(set(KEEP))])
     with torch.inference_mode():
         after = model(input_ids=x).logits
     reference = prune_head(tiny_llama(1, vocab=VOCAB, dtype=torch.float32), KEEP)

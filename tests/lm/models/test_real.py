@@ -79,7 +79,7 @@ def test_a_recipe_draft_is_built_beside_the_default_and_listed(cache, monkeypatc
         built.append((Path(out).name, recipe))
         out.mkdir(exist_ok=True)
         (out / "config.json").write_text("{}")
-        return {"draft_params": 5, "target_params": 10, "target_layers": 1, "target_hidden": 8, "seconds": 1.5, "precision": "float32",
+        return {"draft_params": 5, "target_params": 10, "target_layers": 1, "target_hidden": 8, "seconds": 1.5, "precision": "float32", "device": "cpu",
                 "acceptance": {"greedy_acceptance": 0.7, "chat_greedy_acceptance": 0.6}, "head": {"tokens": 8192, "coverage": {"chat": 0.99}}}
 
     monkeypatch.setattr(distill, "build_draft", fake_build)
