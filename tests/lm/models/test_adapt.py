@@ -36,6 +36,28 @@ def test_fine_tuning_on_the_traffic_raises_held_back_acceptance(pair):
     assert len(held) == 8  # one request in four judges
 
 
+def test_a_draft_with_a_pruned_head_adapts_and_stays_pruned(pair):
+    """A draft with a pruned head (goodspeed.lm.models.draft_head), one token of the traffic off it,
+    still learns the traffic, and after the swap the live draft keeps its head and its constant
+    logit off it (that labels off the head leave the loss: test_draft_head)."""
+    from goodspeed.lm.models.draft_head import head_tokens, prune_head
+
+    target, shipped = pair
+    traffic = domain_traffic(target, 32, NEW)
+    seen = sorted({t for p, ids in traffic for t in ids[p:]})
+    keep = [t for t in range(VOCAB) if t != seen[0]]  # one token the target writes is off the head
+    draft = prune_head(copy_of(shipped), keep)
+    adapter = DraftAdapter(draft, AdaptConfig(every=16, steps=30, lr=3e-3, cpu_share=1.0))
+    for p, ids in traffic:
+        adapter.record(p, ids)
+    update = adapter.fine_tune()
+    assert update.outcome == "adopted" and update.candidate > update.before + 0.1, update
+    assert adapter.swap() and head_tokens(draft).tolist() == keep
+    with torch.inference_mode():
+        logits = draft(input_ids=torch.tensor([traffic[0][1]])).logits
+    assert torch.isfinite(logits).all() and (logits[..., seen[0]] == logits[..., seen[0]].min()).all()
+
+
 def test_the_guard_refuses_a_worse_candidate_and_reverts_to_better_shipped_weights(pair):
     target = pair[0]
     shipped = perturbed(target, 0.05, 7)  # a good draft: a wild fine-tune can only lose
