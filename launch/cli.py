@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("--force", action="store_true", help="rebuild the demo models / the real model's draft even if current")
     get.add_argument("--recipe", choices=("default", "large"), default="default",
                      help="the real model's draft recipe: default (~11 min on 2 cores, real:NAME-draft) or large, a "
-                          "stronger draft built as well (real:NAME-draft-large; about an hour, resumable)")
+                          "stronger draft built as well (real:NAME-draft-large; ~80 min on 2 cores, resumable)")
     get.add_argument("--quiet", action="store_true", help="no progress output")
     get.set_defaults(func=commands.models_get)
     listing = models.add_parser("list", help="list built models (demo and real) with their measured acceptance")

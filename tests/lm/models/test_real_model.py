@@ -100,6 +100,29 @@ def serve_local(pair, prompts, policy, graphs=False):
     return [by_id[rid] for rid in ids], serving
 
 
+@pytest.mark.skipif(not real.is_built("smollm2-135m-draft-large"),
+                    reason="the large recipe's draft is not built: `goodspeed models get smollm2-135m --recipe large` (~80 min)")
+@pytest.mark.parametrize("where", ["edge", "local-chain", "local-adaserve"])
+def test_the_large_recipes_pruned_draft_matches_target_greedy(pair, prompts, reference, where):
+    """``real:smollm2-135m-draft-large`` loads with its pruned head, and speculation with it (on
+    chains and AdaServe's trees) is the target's own greedy decoding. (These references hold no
+    token off its head; tokens off a pruned head: tests/lm/models/test_draft_head.py.)"""
+    from goodspeed.lm.models.draft_head import head_tokens
+
+    target, _ = pair
+    large = load_causal_lm("real:smollm2-135m-draft-large")
+    assert large.fingerprint == target.fingerprint and 8000 < head_tokens(large.model).numel() < 9000
+    if where == "edge":
+        engine = VerificationEngine(target.model, EngineConfig(budget=12, policy="goodspeed", max_draft_len=8, seed=0))
+        drafters = [InProcessDrafter("all", DraftRunner(large.model), prompts, max_new_tokens=NEW)]
+        run_inprocess(engine, drafters)
+        outputs = drafters[0].outputs
+    else:
+        outputs, _ = serve_local((target, large), prompts, where.removeprefix("local-"))
+    for out, prompt in zip(outputs, prompts):
+        assert out == reference[tuple(prompt)], (where, prompt)
+
+
 @pytest.mark.parametrize("policy", ["none", "chain", "tetris", "adaserve", "turbospec", "nightjar"])
 def test_local_serving_every_policy_matches_target_greedy(pair, prompts, reference, policy):
     outputs, _ = serve_local(pair, prompts, policy)
