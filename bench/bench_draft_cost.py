@@ -19,6 +19,7 @@ import dataclasses
 import json
 import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     rows = [{"hidden": h, "layers": n, "head": k or VOCAB, "params": sum(p.numel() for p in models[(h, n, k)].parameters()),
              "ms_per_token": round(statistics.median(runs[(h, n, k)]), 3), "passes": [round(x, 3) for x in runs[(h, n, k)]]}
             for h, n, k in cells]
-    report = {"command": "python -m bench.bench_draft_cost " + " ".join(argv or []), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    report = {"command": " ".join(["python -m bench.bench_draft_cost", *(argv if argv is not None else sys.argv[1:])]), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.processor() or platform.machine(), "native_bf16": cpu_has_native_bf16(), "dtype": args.dtype,
               "threads": args.threads, "context": args.context, "rows": rows}
     if args.json:

@@ -81,6 +81,12 @@ def source_name(source: str, draft: str) -> str:
     return {"model": draft, "ngram": "ngram", "suffix": "suffix", "hybrid": f"suffix+{draft}"}[source]
 
 
+def _known_source(source: str) -> bool:
+    """A source of :data:`SOURCES`, or ``model@MODEL`` / ``hybrid@MODEL`` (a lookup takes no model)."""
+    base, _, model = source.partition("@")
+    return base in SOURCES and (not model or base in ("model", "hybrid"))
+
+
 def _label(config: str) -> str:
     """``config`` as a process and log name (letters, digits and dashes)."""
     return re.sub(r"[^A-Za-z0-9]+", "-", config).strip("-")
@@ -444,8 +450,7 @@ def main(argv=None) -> int:
     args.draft_lengths = [r for r in args.draft_lengths.split(",") if r]
     if unknown := [r for r in args.draft_lengths if r not in ("goodput", "allotted")]:
         parser.error(f"--draft-lengths: unknown {unknown}; known: goodput, allotted")
-    if unknown := [s for s in args.sources if s.partition("@")[0] not in SOURCES or (s.partition("@")[2] and
-                                                                                   s.partition("@")[0] not in ("model", "hybrid"))]:
+    if unknown := [s for s in args.sources if not _known_source(s)]:
         parser.error(f"--sources: unknown {unknown}; known: {', '.join(SOURCES)}, and model@MODEL or hybrid@MODEL for another draft")
     if args.local_policy == "adaserve" and "local" in args.modes and (chains := [s for s in args.sources if s in ("ngram", "suffix")]):
         parser.error(f"--local-policy adaserve drafts trees, which {', '.join(chains)} cannot: give --sources model,hybrid")

@@ -42,17 +42,20 @@ class PrunedHead(torch.nn.Linear):
     def _rows(self) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return self.weight[self.keep]  # training (a fine-tune on the device): gradients reach the weight
-        try:
-            key = self._key()
-        except RuntimeError:  # an inference tensor has no version counter: gather every call
+        key = self._key()
+        if key is None:
             return self.weight[self.keep]
         if self._cache_key != key:
             self.refresh()
         return self._cache
 
-    def _key(self) -> tuple:
+    def _key(self) -> tuple | None:
+        """What the cached rows were gathered from; None for an inference tensor (no version counter)."""
         w = self.weight
-        return (w.data_ptr(), w._version, w.dtype, w.device)
+        try:
+            return (w.data_ptr(), w._version, w.dtype, w.device)
+        except RuntimeError:
+            return None
 
     def refresh(self) -> None:
         """Gather the kept rows again, into the same tensor where it still fits (a CUDA graph that
@@ -64,10 +67,7 @@ class PrunedHead(torch.nn.Linear):
                 cache.copy_(rows)
             else:
                 self._cache = rows
-        try:
-            self._cache_key = self._key()
-        except RuntimeError:
-            self._cache_key = None
+        self._cache_key = self._key()
 
 
 def prune_head(model: torch.nn.Module, tokens: list[int] | torch.Tensor) -> torch.nn.Module:

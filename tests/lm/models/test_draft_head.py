@@ -38,6 +38,11 @@ def test_the_head_computes_its_tokens_exactly_and_nothing_else():
     q = torch.softmax(b.double() / 0.7, -1)  # a distribution over the whole vocabulary, zero off the head
     torch.testing.assert_close(q.sum(-1), torch.ones(2, 7, dtype=torch.float64))
     assert (q[..., off] == 0).all() and (q[..., keep] > 0).all()
+    # A grammar that allows only tokens off the head (its mask: -inf elsewhere): q is uniform over them
+    allowed = torch.nonzero(off).flatten()[:3]
+    masked = torch.full_like(b, -torch.inf)
+    masked[..., allowed] = b[..., allowed]
+    torch.testing.assert_close(torch.softmax(masked.double(), -1)[..., allowed], torch.full((2, 7, 3), 1 / 3, dtype=torch.float64))
     assert set(pruned.state_dict()) == set(full.state_dict())  # the weight keeps its name: state dicts interchange
 
 
