@@ -55,12 +55,14 @@ from goodspeed.drafter.client import backoff, say_waiting
 from goodspeed.drafter.credentials import ClientTLS, bearer_metadata, open_aio_channel
 from goodspeed.lm.models.adapt_config import AdaptConfig
 from goodspeed.drafter.node_requests import DraftJob, NodeRequest, PooledSession
-from goodspeed.drafter.serde import DraftOutput, draft_to_pb, logprobs_from_pb, refusal, unapplied_setting, verdict_logprobs
+from goodspeed.drafter.serde import (
+    DraftOutput, applied_features, draft_to_pb, logprobs_from_pb, refusal, unapplied_setting, verdict_logprobs,
+)
 from goodspeed.drafter.session import DrafterError, RequestStats, SessionLost
 from goodspeed.serving.sampling_wire import request_to_pb
 from goodspeed.lm.decoding.seeding import resolve_root_seed, torch_generator
 from goodspeed.lm.decoding.params import PROPOSAL_TOP_K, check_proposal_top_k
-from goodspeed.proto import PROTOCOL_VERSION
+from goodspeed.proto import MAX_DECODE_AHEAD, PROTOCOL_VERSION
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.lm.decoding.proposals import ChainDraft
@@ -433,6 +435,7 @@ class EdgeNode:
                 await self._discard(session)
                 continue
             req.started(reply.draft_length, reply.round_index)
+            req.decode_ahead = "decode_ahead" in applied_features(reply)
             if (why := unapplied_setting(req.sampling, reply)) is not None:
                 raise RequestError("upstream", f"{why}: this request needs it; upgrade the verifier or leave it out")
             if start.prompt_logprobs is not None and not reply.prompt_logprobs:
@@ -522,15 +525,26 @@ class EdgeNode:
     async def _round(self, req: NodeRequest) -> pb.Verdict:
         session, length, round_index = req.session, req.length, req.round_index
         self._looked.pop(req.key, None)  # a round lost with its session is not heard
+        if req.ahead > 0:  # the verifier decodes this round by itself: nothing to draft or send
+            req.ahead -= 1
+            req.drafted_last = 0
+            verdict = await session.verdict(round_index, self.config.verdict_timeout_s)
+            await self._heard(req, verdict)
+            return verdict
+        ahead = 0
         if (self.config.draft_length == "goodput" and self._inline and self.drafter.free_proposals
                 and (costs := self.paying.round_costs()) is not None):
             draft = self._paying_lookup(req, await self._draft(req, length), costs)
         else:
             if self.config.draft_length == "goodput":
                 length = self.paying.length(req.key, req.length)
+                if length == 0 < req.length and req.decode_ahead:  # drafts do not pay: no round trip a token
+                    ahead = min(self.paying.idle_run(req.key) - 1, MAX_DECODE_AHEAD)
             draft = await self._draft(req, length)
         req.drafted_last = len(draft.token_ids)
         message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.sampling)
+        if ahead and not draft.token_ids:  # nothing forced by a grammar was drafted either
+            message.decode_ahead, req.ahead = ahead, ahead
         sent = time.perf_counter()
         try:
             reply = await self.stub.SubmitDraft(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
@@ -549,6 +563,11 @@ class EdgeNode:
         if (looked := self._looked.pop(req.key, None)) is not None:
             evidence, forced, probe = looked
             self.evidence.observe(req.key, evidence, len(draft.token_ids) - forced, max(0, verdict.num_accepted - forced), probe)
+        await self._heard(req, verdict)
+        return verdict
+
+    async def _heard(self, req: NodeRequest, verdict: pb.Verdict) -> None:
+        """What every verdict tells the node's metrics and its SLO admission."""
         self.spec.observe(verdict.num_drafted, verdict.num_accepted)
         if self.admission is not None:  # a time per token at this many in flight
             now = time.perf_counter()
@@ -557,7 +576,6 @@ class EdgeNode:
                 self._admitted_since = 0
                 await self._gate_moved()
             req.last_verdict_at = now
-        return verdict
 
     def _paying_lookup(self, req: NodeRequest, draft: ChainDraft, costs: tuple[float, float]) -> ChainDraft:
         """A lookup's draft of the whole allotment cut to the prefix that pays at its evidence's

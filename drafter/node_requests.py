@@ -70,6 +70,12 @@ class NodeRequest(DraftSession):
         self.stop_string = False  # its client's text ended at a stop string: cancelled as finished ("stop")
         self.last_verdict_at: float | None = None  # when its previous verdict came (SLO admission's rounds)
         self.drafted_last = 0  # tokens its last round drafted: none, and no draft KV past its text to roll back
+        self.decode_ahead = False  # its verifier decodes rounds ahead of an empty draft (StartRequestReply.features)
+        self.ahead = 0  # rounds the verifier is decoding by itself before this node drafts again
+
+    def lost(self) -> None:
+        super().lost()
+        self.ahead = 0  # the new session decodes nothing ahead until asked
 
 
 @dataclass

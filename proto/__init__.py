@@ -2,3 +2,5 @@
 
 # What a drafter says in Join and a verifier requires; raised when a message changes meaning
 PROTOCOL_VERSION = 1
+# The most rounds a DraftRequest may ask the verifier to decode by itself (its decode_ahead)
+MAX_DECODE_AHEAD = 256

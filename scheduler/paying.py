@@ -228,6 +228,21 @@ class PayingLength:
             state.idle_rounds, state.probing, length = 0, True, 1
         return length
 
+    def idle_run(self, request: Hashable) -> int:
+        """After :meth:`length` gave ``request`` 0: how many rounds in a row, this one included,
+        it drafts nothing before its probe is due; they are counted as idle now (a drafter that
+        lets the verifier decode them by itself, ``decode_ahead``, drafts its probe right after).
+
+        >>> p = PayingLength(probe_every=8)
+        >>> [p.probed("r", 0) for _ in range(3)], p.idle_run("r"), p.probed("r", 0)
+        ([0, 0, 0], 5, 1)
+        """
+        state = self._state(request)
+        wait = min(self.probe_every << min(state.misses, 30), self.max_probe_every)
+        run = max(1, wait - state.idle_rounds)
+        state.idle_rounds += run - 1
+        return run
+
     def observe_round(self, request: Hashable, drafted: int, accepted: int, round_s: float, longest: int | None = None) -> None:
         """A verdict: ``accepted`` of ``drafted`` tokens taken; ``round_s`` from sending the draft to
         the verdict. ``longest``: for a batch's step, its longest chain (default: ``drafted``, one

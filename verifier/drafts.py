@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from goodspeed.proto import MAX_DECODE_AHEAD
 from goodspeed.verifier.errors import (
     DraftTooLongError,
     InvalidProbabilityError,
@@ -29,6 +30,10 @@ PROB_SUM_TOLERANCE = 1e-3
 def validate_draft(draft: Draft, vocab_size: int, allotted: int, needs_probs: bool) -> None:
     """Check a draft's shape, token ids, tree structure and probabilities."""
     n = draft.num_tokens
+    if not 0 <= draft.decode_ahead <= MAX_DECODE_AHEAD:
+        raise MalformedDraftError(f"decode_ahead must lie in 0..{MAX_DECODE_AHEAD}, got {draft.decode_ahead}")
+    if draft.decode_ahead and n:
+        raise MalformedDraftError("decode_ahead goes with an empty draft only (the verifier decodes those rounds itself)")
     if n > allotted:
         raise DraftTooLongError(f"drafted {n} tokens but the allocation for this round is {allotted}")
     ids = np.asarray(draft.token_ids, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)

@@ -17,6 +17,14 @@ allocation*, *A round costs O(new tokens)*) is a composition of stages, each in 
    smoothed acceptance and goodput update (eqs. 3-4), the policy sizes next round's drafts under the
    budget ``C``, and each draft gets its verdict.
 
+**Decoding ahead.** A drafter whose drafts do not pay sends an empty draft with
+``decode_ahead = m`` (:class:`~goodspeed.verifier.types.Draft`): the engine then queues the
+session's next ``m`` rounds itself, each an empty draft (plain decoding: the target's own
+token, sampled as any round's bonus token), so the drafter skips a round trip a token while it
+drafts nothing; it drafts again for the round after them (sooner if the request ends). Each
+round is a round as any other (its verdict, the allocation, the budget), so the output's
+distribution and the fairness bookkeeping are unchanged.
+
 Requests arrive whole (:class:`~goodspeed.serving.generation.GenerationRequest`, built once at each
 door) and are checked by :mod:`~goodspeed.verifier.admission` before any state changes; misuse
 raises a specific :mod:`goodspeed.verifier.errors` exception.
@@ -200,10 +208,12 @@ class VerificationEngine:
     def resync(self, session_id: str) -> tuple[list[int], int, int]:
         """For a drafter that drifted: the committed tokens, the round its next draft must carry
         and its allotment, read together. Its next draft is drafted from exactly these tokens, so
-        tokens decoded in transit so far are no longer ahead of it."""
+        tokens decoded in transit so far are no longer ahead of it, and a draft queued for the
+        round (its own, or one the engine queued to decode ahead) is dropped."""
         committed = self.committed(session_id)
         session = self.sessions.get(session_id)
         session.decoded, session.decoded_logprobs = [], []
+        session.pending = None
         return committed, session.round_index, session.source.allotted(session_id)
 
     def allotment(self, session_id: str) -> int:
@@ -234,6 +244,19 @@ class VerificationEngine:
         check_draft(session, draft, self.vocab_size)
         session.pending = draft
         return None
+
+    def _decode_ahead(self, rows, verdicts: dict[str, Verdict]) -> tuple[str, ...]:
+        """Queue the next round of each session whose verified draft asked the engine to decode
+        ahead (an empty draft carrying one round fewer), unless its request ended; returns them."""
+        queued = []
+        for row in rows:
+            ahead, session = row.draft.decode_ahead, row.session
+            verdict = verdicts.get(row.input.key)
+            if (ahead and not row.transit and verdict is not None and not verdict.finished and session.request is not None
+                    and session.pending is None):
+                session.pending = Draft(session.round_index, [], decode_ahead=ahead - 1)
+                queued.append(row.input.key)
+        return tuple(queued)
 
     def run_round(self, uniforms: dict[str, np.ndarray] | None = None, periods: dict[str, float] | None = None,
                   prefill: bool = True) -> RoundResult:
@@ -267,6 +290,7 @@ class VerificationEngine:
             if periods and row.input.key in periods and not row.transit:
                 row.session.source.observe_period(row.input.key, row.draft.num_tokens, periods[row.input.key] + (t3 - t0))
         verdicts = apply.schedule(outcomes, self.sessions, self.round_index)
+        ahead = self._decode_ahead(plan.rows, verdicts)
         started = self.sessions.start_drafting(prefilled)  # after scheduling: a new request gets what the others leave of C
         t4 = time.perf_counter()
         self.round_index += 1
@@ -281,4 +305,5 @@ class VerificationEngine:
             prefill_tokens=plan.prefill_tokens,
             started=started,
             transit_tokens=sum(r.transit for r in plan.rows),
+            ahead=ahead,
         )

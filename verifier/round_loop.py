@@ -389,6 +389,7 @@ class RoundLoop:
     async def _close(self, closed: str, local: bool = False, prefill: bool = True) -> None:
         receive_s = time.perf_counter() - self._round_opened
         report = None
+        waiting = set(self._queued)  # every draft queued before the step is verified by it
         try:
             if local:
                 report = await self.call(self._local_step, self._periods())
@@ -418,6 +419,14 @@ class RoundLoop:
                 if verdict.finished:
                     self.registry.end_request(drafter, finished_reason(verdict.finish_reason))
                 drafter.verdicts.put_nowait(verdict_to_pb(verdict))
+        # Queued before the step and not answered: no draft of theirs was left in the engine (a
+        # request that ended between the step and its next round decoded ahead): not waited for.
+        self._queued -= waiting - result.verdicts.keys()
+        for session_id in result.ahead:  # the engine queued their next round itself (decoding ahead)
+            drafter = self.drafters.get(session_id)
+            if drafter is not None and drafter.in_request:  # else its request ended meanwhile: the engine dropped it too
+                drafter.last_seen = time.monotonic()
+                self._queued.add(session_id)
         send_s = time.perf_counter() - sent
         self._round_opened = time.perf_counter()
         if not local and self.config.rounds == "sync":

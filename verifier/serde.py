@@ -39,7 +39,8 @@ def draft_from_pb(msg: pb.DraftRequest, vocab_size: int) -> Draft:
         dense = values.reshape(len(tokens), vocab_size)
     elif kind == "sparse":
         sparse = [SparseProbs(list(row.token_ids), list(row.probs)) for row in msg.sparse.rows]
-    return Draft(int(msg.round_index), tokens, parents=parents, dense_probs=dense, sparse_probs=sparse)
+    return Draft(int(msg.round_index), tokens, parents=parents, dense_probs=dense, sparse_probs=sparse,
+                 decode_ahead=int(msg.decode_ahead))
 
 
 def verdict_to_pb(v: Verdict) -> pb.Verdict:

@@ -324,6 +324,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         await self._owned(request.session_id, context)
         sid = request.session_id
         committed, round_index, draft_length = await self.call(self.engine.resync, sid)
+        self.rounds.forget(sid)  # a draft queued for the round (one decoding ahead) was dropped
         return pb.ResyncReply(committed_ids=committed, round_index=round_index, draft_length=draft_length)
 
     @_rpc

@@ -28,6 +28,10 @@ class Draft:
     The draft distribution ``q`` is either ``dense_probs [S, V]`` or ``sparse_probs`` (one
     :class:`SparseProbs` per token). Greedy sessions send neither: their ``q`` is the point mass.
     A tree without ``q`` holds deterministic candidates (e.g. beam search).
+
+    ``decode_ahead`` (an empty draft only): after this round the verifier decodes that many more
+    rounds of the request by itself, one token a round, each with its verdict, before the
+    drafter's next draft (:mod:`goodspeed.verifier.engine`, *Decoding ahead*).
     """
 
     round_index: int
@@ -35,6 +39,7 @@ class Draft:
     parents: Sequence[int] | None = None
     dense_probs: np.ndarray | None = None
     sparse_probs: Sequence[SparseProbs] | None = None
+    decode_ahead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +94,7 @@ class RoundResult:
     prefill_tokens: int = 0  # prompt tokens of chunked prefill packed into this step's forward
     started: dict[str, int] = field(default_factory=dict)  # sessions whose prefill completed -> first draft length
     transit_tokens: int = 0  # tokens decoded in transit this step (one per transit row)
+    ahead: tuple[str, ...] = ()  # sessions whose next round the engine queued itself (Draft.decode_ahead)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ FEATURES = {
     "structured_output": "structured output",
     "structured_after": "structured output after the reasoning",
     "bad_words": "bad_words",
+    # Not a sampling option: the round protocol's DraftRequest.decode_ahead (a drafter uses it
+    # only with a verifier that lists it).
+    "decode_ahead": "decoding ahead of an empty draft",
 }
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 32

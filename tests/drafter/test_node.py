@@ -386,6 +386,34 @@ def test_a_node_drafts_less_where_its_drafts_are_rejected_and_its_output_stays_t
     assert drafted["goodput"][0] < drafted["allotted"][0] / 3
 
 
+def test_a_node_whose_drafts_do_not_pay_lets_the_verifier_decode_ahead(models, monkeypatch):
+    """A model draft whose drafts never pay (the goodput rule held at 0 but for its probes): the
+    node sends one empty draft with ``decode_ahead`` up to its next probe and the verifier decodes
+    those rounds by itself, so round trips are a fraction of the rounds; against a verifier that
+    does not list the feature (negative control) every round is a round trip. Greedy text is the
+    target's, and a seeded sampled request's text is the same token for token either way (the
+    rounds draw the same uniforms)."""
+    from goodspeed.scheduler.paying import PayingLength
+
+    monkeypatch.setattr(PayingLength, "length", lambda self, request, allotted: self.probed(request, 0))
+    prompt, seen = "def f(x):", {}
+    for decodes_ahead in (True, False):
+        if not decodes_ahead:
+            older_verifier(monkeypatch, "decode_ahead")
+        with verifier(models) as server, node(server, models, draft_length="goodput") as edge:
+            api = api_of(edge)
+            out = api.completions.create(model="tiny", prompt=prompt, max_tokens=40, **GREEDY)
+            metrics = metric_samples(edge.port)
+            sampled = api.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=1.0, seed=7,
+                                             extra_body={"ignore_eos": True})
+        assert out.choices[0].text == reference(models, prompt, 40)
+        seen[decodes_ahead] = (metrics["goodspeed:drafter_round_trip_seconds_count[]"],
+                               metrics["goodspeed:spec_decode_num_drafts_total[]"], sampled.choices[0].text)
+    (trips, probes, text), (old_trips, old_probes, old_text) = seen[True], seen[False]
+    assert probes >= 2 and trips <= 2 * probes + 1 and trips < 40 / 3, seen
+    assert old_trips >= 40 - old_probes and text == old_text, seen
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models, n):
     """Every choice's request, when the response had several."""

@@ -9,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
+from goodspeed.proto import MAX_DECODE_AHEAD
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2 as pb
 from goodspeed.proto.goodspeed.v1 import goodspeed_pb2_grpc as pb_grpc
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -91,6 +92,8 @@ BAD = [
     ("more than allotted", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1] * 9, dense=dense([1] * 9)), grpc.StatusCode.INVALID_ARGUMENT),
     ("wrong dense shape", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1], dense=pb.DenseProbs(probs=[1.0])), grpc.StatusCode.INVALID_ARGUMENT),
     ("future round", lambda sid: pb.DraftRequest(session_id=sid, round_index=5, token_ids=[1], dense=dense([1])), grpc.StatusCode.INVALID_ARGUMENT),
+    ("decode ahead of drafted tokens", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1], dense=dense([1]), decode_ahead=2), grpc.StatusCode.INVALID_ARGUMENT),
+    ("decode ahead too far", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, decode_ahead=MAX_DECODE_AHEAD + 1), grpc.StatusCode.INVALID_ARGUMENT),
     ("unknown session", lambda sid: pb.DraftRequest(session_id="nobody", round_index=0, token_ids=[]), grpc.StatusCode.FAILED_PRECONDITION),
     ("oversized message", lambda sid: pb.DraftRequest(session_id=sid, round_index=0, token_ids=[1] * 4, dense=pb.DenseProbs(probs=[0.0] * 40000)), grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
@@ -262,6 +265,44 @@ def test_a_start_request_abandoned_mid_prefill_frees_its_request_and_stop_waits_
     assert started.cancelled()
     assert engine.sessions.by_id[sid].request is None  # ended on the engine
     assert set(service.usage.kv_tokens.values()) == {0}  # its KV tokens released
+
+
+@pytest.mark.parametrize("rounds", ["sync", "async"])
+def test_a_drafter_decoded_ahead_hears_every_round_without_sending_a_draft(models, rounds):
+    """One empty draft with ``decode_ahead``: its rounds' verdicts stream in order with nothing sent
+    between them, in sync rounds too (a round the verifier queued counts as submitted), beside a
+    drafter that drafts. A resync in the middle of a run drops the round queued ahead (the
+    drafter's own draft for it is taken, not refused as stale); the text is the target's."""
+    target = models[0]
+    engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4, max_seq_len=64, seed=2))
+    with ServerThread(engine, rounds=rounds, round_deadline_ms=2000) as server:
+        others = {}
+        other = threading.Thread(target=lambda: others.update(run_clients(server.address, [models[1][0]], [PROMPTS[:2]], 12)))
+        other.start()
+        stub = pb_grpc.VerifierStub(grpc.insecure_channel(server.address))
+        sid = stub.Join(pb.JoinRequest(drafter_name="ahead", protocol_version=1)).session_id
+        stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
+        reply = stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=PROMPTS[2], max_new_tokens=20))
+        assert "decode_ahead" in reply.features
+        stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, decode_ahead=5))
+        run = [next(stream) for _ in range(6)]
+        assert [v.round_index for v in run] == list(range(reply.round_index, reply.round_index + 6))
+        stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=run[-1].round_index + 1, decode_ahead=8))
+        next(stream)
+        resync = stub.Resync(pb.ResyncRequest(session_id=sid))
+        assert stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=resync.round_index, decode_ahead=MAX_DECODE_AHEAD)).queued
+        rest = []
+        while not rest or not rest[-1].finished:
+            verdict = next(stream)
+            if verdict.round_index >= resync.round_index:  # those before it are in the resync's text
+                rest.append(verdict)
+        stream.cancel()
+        other.join()
+    assert all(v.num_drafted == 0 for v in run + rest) and rest[0].round_index == resync.round_index
+    tokens = list(resync.committed_ids) + [t for v in rest for t in v.token_ids]
+    assert tokens == PROMPTS[2] + greedy_reference(target, PROMPTS[2], 20) and rest[-1].finish_reason == "length"
+    assert [t for v in run for t in v.token_ids] == tokens[len(PROMPTS[2]):][:6]
+    assert others[0] == [greedy_reference(target, p, 12) for p in PROMPTS[:2]]
 
 
 def test_finish_request_frees_the_slot_and_allows_a_new_request(served):
