@@ -4,6 +4,7 @@
                                     (a source may be model@MODEL or hybrid@MODEL: another draft than the pair's)
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
                                     [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
+                                    [--local-load closed|steady] [--waves 3]
 
 The tasks are ``bench/workloads/tasks.jsonl``, written for this project: code completion, code
 editing, summary and extraction from a given passage, question answering over a given context,
@@ -22,7 +23,14 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   same CPUs, served in turn batch by batch (interleaved); only one works at a time. A batch is one
   category's tasks, cycled to ``--batch`` requests. The whole is run ``--repeats`` times, each on
   fresh servers (no suffix cache has seen the tasks before); a category's figure is over all its
-  batches (one batch's time swings with the machine).
+  batches (one batch's time swings with the machine). With ``--local-load closed`` (the default) a
+  batch's figure is its tokens over its wall time, the tail included (the last requests running
+  on after the others ended: one long output sets it, and in bf16 a source's outputs may be
+  longer or shorter than plain decoding's). With ``--local-load steady`` a batch is ``--waves``
+  times ``--batch`` requests sent by ``--batch`` senders, each sending its next as its reply
+  comes, so the server holds ``--batch`` requests until the queue runs dry; the figure is the
+  tokens the server generated (its ``generation_tokens_total``) over the window from the first
+  reply to the last request's sending, the tail left out.
 * ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
   once (each its share, one at a time), against the same verifier's batched plain decoding of the
   same tasks ``--nodes`` at a time; the figure is the verifier's CPU seconds per generated token
@@ -134,10 +142,10 @@ def text_of(output: str) -> str:
     return json.dumps({"content": message.get("content"), "calls": calls}, sort_keys=True)
 
 
-def counters(port: int) -> dict[str, float]:
+def counters(port: int, names=COUNTERS) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
+    out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name.startswith("goodspeed:") and name.split(":", 1)[1] in out:
@@ -162,6 +170,44 @@ def run_batch(port: int, tasks: list[dict], max_tokens: int, width: int | None =
     for t in threads:
         t.join()
     return time.perf_counter() - started, replies
+
+
+def run_steady(port: int, tasks: list[dict], max_tokens: int, width: int) -> tuple[float, list[dict], tuple[float, float]]:
+    """``tasks`` through ``width`` senders, each sending the next as its reply comes (the server
+    holds ``width`` requests until the queue runs dry): the wall time, each reply, and the steady
+    window, from the first reply to the last task's sending: the tokens the server generated in
+    it (its ``generation_tokens_total``) and its seconds."""
+    if len(tasks) < 2 * width:
+        raise ValueError(f"a steady window needs at least two waves of {width} requests, got {len(tasks)}")
+    replies: list[dict | None] = [None] * len(tasks)
+    lock, taken, marks = threading.Lock(), [0], {}
+
+    def mark(name: str) -> None:
+        marks[name] = (time.perf_counter(), counters(port, ("generation_tokens_total",))["generation_tokens_total"])
+
+    def sender() -> None:
+        while True:
+            with lock:
+                k, taken[0] = taken[0], taken[0] + 1
+                if k == len(tasks) - 1:
+                    mark("end")
+            if k >= len(tasks):
+                return
+            replies[k] = post(port, tasks[k], max_tokens)
+            with lock:
+                if "start" not in marks:
+                    mark("start")
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=sender) for _ in range(width)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (t0, n0), (t1, n1) = marks["start"], marks["end"]
+    if t1 <= t0:
+        raise RuntimeError("the queue ran dry before the first reply: no steady window (send more waves)")
+    return time.perf_counter() - started, replies, (n1 - n0, t1 - t0)
 
 
 class Servers:
@@ -240,18 +286,25 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                 wait_http(port, 900)
             for port in ports.values():
                 post(port, tasks[0], 8)
-            for c, category in enumerate(categories):  # one batch a category: its tasks cycled to --batch requests
+            waves = args.waves if args.local_load == "steady" else 1
+            for c, category in enumerate(categories):  # one batch a category: its tasks cycled to --batch requests (a wave)
                 mine = [t for t in tasks if t["category"] == category]
                 batch = [{**mine[i % len(mine)], "id": f"{mine[i % len(mine)]['id']}#{i}" + (f"@{repeat}" if repeat else "")}
-                         for i in range(args.batch)]
+                         for i in range(args.batch * waves)]
                 b = repeat * len(categories) + c
                 for config, port in ports.items():
                     before = counters(port)
-                    wall, replies = run_batch(port, batch, args.max_tokens)
+                    window = {}
+                    if args.local_load == "steady":
+                        wall, replies, (tokens, seconds) = run_steady(port, batch, args.max_tokens, args.batch)
+                        window = {"window_tokens": tokens, "window_s": seconds}
+                    else:
+                        wall, replies = run_batch(port, batch, args.max_tokens)
                     after = counters(port)
                     for task, reply in zip(batch, replies):  # the batch's time shared by its tokens
                         rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
-                                     "batch_wall_s": wall, "batch": b, **{k: (after[k] - before[k]) / len(batch) for k in COUNTERS}})
+                                     "batch_wall_s": wall, "batch": b, **window,
+                                     **{k: (after[k] - before[k]) / len(batch) for k in COUNTERS}})
                 print(f"local: repeat {repeat + 1}/{args.repeats}, {c + 1}/{len(categories)} batches", file=sys.stderr, flush=True)
     return summarize(rows, ["plain", *args.sources], batched=True)
 
@@ -391,12 +444,15 @@ def summarize(rows: list[dict], configs: list[str], batched: bool = False) -> di
     for category in categories + ["all"]:
         for config in configs:
             mine = [r for r in rows if r["config"] == config and category in (r["category"], "all")]
-            if batched:  # a batch's wall time, shared among its requests by their tokens
+            tokens = sum(r["tokens"] for r in mine)
+            if batched and mine and all("window_s" in r for r in mine):  # steady load: each batch's window
+                windows = {r["batch"]: (r["window_tokens"], r["window_s"]) for r in mine}
+                tokens, seconds = sum(n for n, _ in windows.values()), sum(s for _, s in windows.values())
+            elif batched:  # a batch's wall time, shared among its requests by their tokens
                 seconds = sum(r["batch_wall_s"] * r["tokens"] / max(1, sum(x["tokens"] for x in rows if x["config"] == config
                                                                           and x["batch"] == r["batch"])) for r in mine)
             else:
                 seconds = sum(r["wall_s"] for r in mine)
-            tokens = sum(r["tokens"] for r in mine)
             drafts, drafted, accepted = (sum(r[k] for r in mine) for k in COUNTERS)
             table[category][config] = {
                 "requests": len(mine), "tokens": tokens, "seconds": round(seconds, 4),
@@ -428,6 +484,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local-k", type=int, default=6, help="local: chain's k, goodput's longest length")
     parser.add_argument("--local-policy", choices=("chain", "goodput", "adaserve"), default="goodput")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--local-load", choices=("closed", "steady"), default="closed",
+                        help="local: one batch of --batch requests (closed), or --waves of them through --batch senders (steady)")
+    parser.add_argument("--waves", type=int, default=3, help="local, steady load: requests per category, in --batch's")
     parser.add_argument("--tasks", type=Path, default=TASKS)
     parser.add_argument("--categories", default=None, help="only these task categories (comma-separated; default: all)")
     parser.add_argument("--verifier-flags", default="", help="edge: more flags for the verifier, e.g. "
@@ -485,7 +544,8 @@ def main(argv=None) -> int:
             continue
         report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths, "verifier_flags": args.verifier_flags}
                                     if mode == "edge"
-                                    else {"batch": args.batch, "local_k": args.local_k, "local_policy": args.local_policy})
+                                    else {"batch": args.batch, "local_k": args.local_k, "local_policy": args.local_policy,
+                                          "local_load": args.local_load, "waves": args.waves if args.local_load == "steady" else 1})
         print_table(mode, report[mode])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

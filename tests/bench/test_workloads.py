@@ -35,6 +35,34 @@ def test_speedups_acceptance_and_equality_per_category():
     assert out["by_category"]["all"]["src"]["speedup"] == pytest.approx((30 / 3.0) / (30 / 3.0))
 
 
+def test_a_steady_batch_counts_its_window_and_a_closed_batch_its_wall_time():
+    """Local serving: a closed batch's time is its wall time, shared among its requests by their
+    tokens, the tail included; under steady load a batch counts only its window (the tokens the
+    server generated from the first reply to the last sending), whatever its requests' lengths."""
+    from bench.bench_workloads import summarize
+
+    text = json.dumps({"content": "x", "tool_calls": None})
+
+    def batch(config, b, wall, tokens, window=None):
+        return [{**row(config, "a", f"{b}.{i}", 0.0, n, text), "batch": b, "batch_wall_s": wall, **(window or {})}
+                for i, n in enumerate(tokens)]
+
+    closed = batch("plain", 0, 4.0, [40, 40]) + batch("src", 0, 4.0, [40, 10])  # src's outputs are shorter: a tail-free loss
+    out = summarize(closed, ["plain", "src"], batched=True)["by_category"]["a"]
+    assert (out["plain"]["tok_s"], out["src"]["tok_s"], out["src"]["speedup"]) == (20.0, 12.5, 0.625)
+    steady = (batch("plain", 0, 9.0, [40, 40, 40], {"window_tokens": 60, "window_s": 3.0})
+              + batch("src", 0, 9.0, [40, 10, 40], {"window_tokens": 66, "window_s": 3.0}))
+    out = summarize(steady, ["plain", "src"], batched=True)["by_category"]["a"]
+    assert (out["plain"]["tok_s"], out["src"]["tok_s"], out["src"]["speedup"]) == (20.0, 22.0, 1.1)
+
+
+def test_a_steady_run_needs_two_waves():
+    from bench.bench_workloads import run_steady
+
+    with pytest.raises(ValueError, match="two waves"):
+        run_steady(0, [{}] * 15, 8, 8)
+
+
 def test_the_task_file_covers_each_category_with_chat_requests():
     from bench.bench_workloads import load_tasks
 
