@@ -20,6 +20,7 @@ lookups' drafts by their evidence: lengths chosen from each request's one accept
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -61,20 +62,31 @@ class GcClock:
         return self.seconds, list(self.collections)
 
 
-def run(engine, prompts, source: str, eos: list[int], clock: GcClock) -> dict:
-    """``source``: ``plain``, a source's name, or ``LOOKUP/by-request``: the lookup's drafts cut by
-    each request's one acceptance, as a model's are (its ``free_proposals`` off), not by evidence."""
+@functools.lru_cache(maxsize=None)
+def draft_model(name: str, dtype: str) -> torch.nn.Module:
+    """A model source's draft, loaded once a run."""
+    return load_causal_lm(name, dtype=dtype).model
+
+
+def run(engine, prompts, source: str, eos: list[int], clock: GcClock, dtype: str = "auto") -> dict:
+    """``source``: ``plain``, a source's name (a model's or a hybrid's draft in ``dtype``),
+    ``LOOKUP/by-request``: the lookup's drafts cut by each request's one acceptance, as a model's
+    are (its ``free_proposals`` off), not by evidence, or ``SOURCE/unaligned``: each request
+    probing on its own cadence, not in the batch's common probe steps."""
     if source == "plain":
         config, draft = LocalConfig(policy="none", max_requests=8), DraftSpec.parse("ngram").build(None, engine.vocab_size)
     else:
         config = LocalConfig(policy="goodput", k=6, max_k=6, budget=32, max_requests=8)
         name, _, variant = source.partition("/")
-        if variant not in ("", "by-request"):
-            raise ValueError(f"unknown variant {variant!r} of {name}: give by-request or none")
-        draft = DraftSpec.parse(name).build(None, engine.vocab_size)
-        if variant:
+        if variant not in ("", "by-request", "unaligned"):
+            raise ValueError(f"unknown variant {variant!r} of {name}: give by-request, unaligned or none")
+        spec = DraftSpec.parse(name)
+        draft = spec.build(draft_model(spec.model, dtype) if spec.needs_model else None, engine.vocab_size)
+        if variant == "by-request":
             draft.free_proposals = False
     serving = LocalServing(engine, draft, config)
+    if source.endswith("/unaligned"):
+        serving.policy.align_probes = False
     for p in prompts:
         serving.submit(p, SamplingParams(temperature=0.0), max_new_tokens=96, eos_token_ids=eos)
     gc_s, gc_n = clock.read()
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [chat_prompt_ids(tok, mine[i % len(mine)]["messages"]) for i in range(8)]
         run(engine, prompts[:2], "plain", eos, clock)  # warm-up
         for repeat in range(args.repeats):
-            runs = {source: run(engine, prompts, source, eos, clock) for source in ["plain", *args.sources.split(",")]}
+            runs = {source: run(engine, prompts, source, eos, clock, args.dtype) for source in ["plain", *args.sources.split(",")]}
             for source, r in runs.items():
                 r.update(category=category, repeat=repeat, source=source, speedup=r["tok_s"] / runs["plain"]["tok_s"])
                 results.append(r)
