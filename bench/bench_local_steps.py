@@ -69,24 +69,21 @@ def draft_model(name: str, dtype: str) -> torch.nn.Module:
 
 
 def run(engine, prompts, source: str, eos: list[int], clock: GcClock, dtype: str = "auto") -> dict:
-    """``source``: ``plain``, a source's name (a model's or a hybrid's draft in ``dtype``),
+    """``source``: ``plain``, a source's name (a model's or a hybrid's draft in ``dtype``), or
     ``LOOKUP/by-request``: the lookup's drafts cut by each request's one acceptance, as a model's
-    are (its ``free_proposals`` off), not by evidence, or ``SOURCE/unaligned``: each request
-    probing on its own cadence, not in the batch's common probe steps."""
+    are (its ``free_proposals`` off), not by evidence."""
     if source == "plain":
         config, draft = LocalConfig(policy="none", max_requests=8), DraftSpec.parse("ngram").build(None, engine.vocab_size)
     else:
         config = LocalConfig(policy="goodput", k=6, max_k=6, budget=32, max_requests=8)
         name, _, variant = source.partition("/")
-        if variant not in ("", "by-request", "unaligned"):
-            raise ValueError(f"unknown variant {variant!r} of {name}: give by-request, unaligned or none")
+        if variant not in ("", "by-request"):
+            raise ValueError(f"unknown variant {variant!r} of {name}: give by-request or none")
         spec = DraftSpec.parse(name)
         draft = spec.build(draft_model(spec.model, dtype) if spec.needs_model else None, engine.vocab_size)
-        if variant == "by-request":
+        if variant:
             draft.free_proposals = False
     serving = LocalServing(engine, draft, config)
-    if source.endswith("/unaligned"):
-        serving.policy.align_probes = False
     for p in prompts:
         serving.submit(p, SamplingParams(temperature=0.0), max_new_tokens=96, eos_token_ids=eos)
     gc_s, gc_n = clock.read()

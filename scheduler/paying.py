@@ -215,25 +215,16 @@ class PayingLength:
         best = paying_draft_length(self.acceptance(request), allotted, self.draft_s_per_token, costs[0], costs[1])
         return self.probed(request, best)
 
-    def probed(self, request: Hashable, length: int, step: int | None = None) -> int:
+    def probed(self, request: Hashable, length: int) -> int:
         """``length``, or 1 where the request has drafted nothing for its probe wait:
         ``probe_every`` rounds, doubled for each rejected probe in a row, at most
-        ``max_probe_every``. ``step`` (a batch's step counter): the probe waits further, for a
-        step that is a multiple of ``probe_every``, so a batch's idle requests probe in the same
-        steps (one draft forward and one step's extra tokens for all of them) instead of one
-        request or another probing in nearly every step, each such step paying a draft forward.
-
-        >>> p = PayingLength(probe_every=4)
-        >>> [s for s in range(1, 13) if p.probed("a", 0, step=s)], [s for s in range(3, 15) if p.probed("b", 0, step=s)]
-        ([4, 8, 12], [8, 12])
-        """
+        ``max_probe_every``."""
         state = self._state(request)
         if length:
             state.idle_rounds = state.misses = 0
             return length
         state.idle_rounds += 1
-        wait = min(self.probe_every << min(state.misses, 30), self.max_probe_every)
-        if state.idle_rounds >= wait and (step is None or step % self.probe_every == 0):
+        if state.idle_rounds >= min(self.probe_every << min(state.misses, 30), self.max_probe_every):
             state.idle_rounds, state.probing, length = 0, True, 1
         return length
 

@@ -229,36 +229,6 @@ def test_speculation_switches_off_where_it_cannot_pay_and_on_where_it_does(model
     assert off > 0.8 and on > 0.8, (off, on, ks)
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "own-cadence"])
-def test_a_batchs_idle_requests_probe_in_the_same_steps(models, aligned):
-    """The goodput policy with a draft the target rejects: requests that started at different
-    steps each probe once their wait is over, all in steps that are multiples of it, so the
-    steps between draft nothing (no draft forward); each probing on its own cadence (negative
-    control) drafts in more steps than that, off those multiples. The output is the target's."""
-    target, _ = models
-    serving = serve(target, tiny_llama(99), "goodput", max_requests=8, k=4, max_k=4)
-    serving.policy.align_probes = aligned
-    prompts = [PROMPTS[i % 6] for i in range(8)]
-    ids = [serving.submit(p, max_new_tokens=60) for p in prompts[:4]]
-    drafting = []
-    for step in range(1, 10_000):
-        if step in (2, 4, 6, 8):  # later requests: their idle stretches start at other steps
-            ids.append(serving.submit(prompts[len(ids)], max_new_tokens=60))
-        report = serving.step()
-        if report is None:
-            break
-        if report.drafted:
-            drafting.append(serving.policy._steps)
-    late = [s for s in drafting if s > 24]  # past the first steps, which draft k and learn the acceptance
-    done = {r.request_id: r.generated for r in serving.finished}
-    assert [done[i] for i in ids] == [greedy_reference(target, p, 60) for p in prompts]
-    assert late, drafting
-    if aligned:
-        assert all(s % serving.policy.costs.probe_every == 0 for s in late), late
-    else:
-        assert any(s % serving.policy.costs.probe_every for s in late), late
-
-
 class OracleLookup(LookupDraft):
     """A lookup that knows each prompt's greedy continuation: after a text of even length it
     proposes it, backed by a long match (evidence 6); after an odd one, the wrong tokens, backed by

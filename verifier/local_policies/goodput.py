@@ -17,11 +17,7 @@ class GoodputChains(LocalPolicy):
     (:meth:`~goodspeed.scheduler.PayingLength.batch_costs`: one row drafting six costs more than
     six rows drafting one), the draft's forward time per drafting step. A request whose
     drafts do not pay drafts nothing, and one token after ``probe_every`` steps to hear its
-    acceptance again (longer after rejected probes: :meth:`~goodspeed.scheduler.PayingLength.probed`),
-    in steps that are multiples of ``probe_every``, so the batch's idle requests probe together: a
-    probe step pays one draft forward for all of them, and the steps between pay none (probing
-    each request on its own cadence made nearly every step of a batch of 8 a drafting step).
-    The first step, with nothing measured, drafts ``k``.
+    acceptance again (longer after rejected probes: :meth:`~goodspeed.scheduler.PayingLength.probed`). The first step, with nothing measured, drafts ``k``.
 
     A draft source that proposes at no cost (a lookup: ``free_proposals``) is asked for every
     request's longest chain first, and each keeps the prefix that pays
@@ -40,8 +36,6 @@ class GoodputChains(LocalPolicy):
         self._looked: dict[str, tuple[int, int, int, bool]] = {}  # a lookup's last plan: evidence, forced, kept, probe
         self._drafted = self._longest = 0
         self._drafting_s = 0.0
-        self._steps = 0  # plans made: the step counter that aligns the requests' probes
-        self.align_probes = True  # False: each request probes on its own cadence (a benchmark's control)
 
     @staticmethod
     def check(config):
@@ -54,7 +48,6 @@ class GoodputChains(LocalPolicy):
 
     def plan(self, reqs):
         s, cfg = self.serving, self.serving.config
-        self._steps += 1
         current = {r.request_id for r in reqs}
         for gone in [key for key in self._seen if key not in current]:  # finished (or prefilling again): forgotten
             del self._seen[gone]
@@ -77,8 +70,7 @@ class GoodputChains(LocalPolicy):
         else:
             acceptance = [self.costs.acceptance(r.request_id) for r in reqs]
             chosen = paying_batch_lengths(acceptance, cfg.max_k, costs[0], costs[1], s.draft_forward_s + costs[2])
-            step = self._steps if self.align_probes else None
-            lengths = {r.request_id: min(self.costs.probed(r.request_id, n, step), r.cap) for r, n in zip(reqs, chosen)}
+            lengths = {r.request_id: min(self.costs.probed(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
         self._drafted = sum(lengths.values())
         self._longest = max(lengths.values(), default=0)
         started = s.clock.now()
