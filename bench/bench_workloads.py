@@ -509,6 +509,8 @@ def main(argv=None) -> int:
     args.draft_lengths = [r for r in args.draft_lengths.split(",") if r]
     if unknown := [r for r in args.draft_lengths if r not in ("goodput", "allotted")]:
         parser.error(f"--draft-lengths: unknown {unknown}; known: goodput, allotted")
+    if args.local_load == "steady" and args.waves < 2:
+        parser.error("--local-load steady needs --waves >= 2 (its window runs from the first reply to the last sending)")
     if unknown := [s for s in args.sources if not _known_source(s)]:
         parser.error(f"--sources: unknown {unknown}; known: {', '.join(SOURCES)}, and model@MODEL or hybrid@MODEL for another draft")
     if args.local_policy == "adaserve" and "local" in args.modes and (chains := [s for s in args.sources if s in ("ngram", "suffix")]):

@@ -111,6 +111,12 @@ def paying_lengths(paths, step_s: float, verify_s_per_token: float, draft_s_per_
     return best
 
 
+def probe_wait(misses: int, probe_every: int, max_probe_every: int) -> int:
+    """Rounds at S = 0 before a probe: ``probe_every``, doubled for each rejected probe in a row
+    (``misses``), at most ``max_probe_every``."""
+    return min(probe_every << min(misses, 30), max_probe_every)
+
+
 OUTLIER_RATIO = 4.0  # rounds slower than this many times the window's median stay out of the round-time fit
 PRIOR_WEIGHT = 2.0  # verdicts' worth of the pooled acceptance a new request starts with
 POOLED_DECAY = 0.95  # the pooled counts' decay a verdict (its memory: some 20 verdicts)
@@ -224,7 +230,7 @@ class PayingLength:
             state.idle_rounds = state.misses = 0
             return length
         state.idle_rounds += 1
-        if state.idle_rounds >= min(self.probe_every << min(state.misses, 30), self.max_probe_every):
+        if state.idle_rounds >= probe_wait(state.misses, self.probe_every, self.max_probe_every):
             state.idle_rounds, state.probing, length = 0, True, 1
         return length
 
@@ -238,8 +244,7 @@ class PayingLength:
         ([0, 0, 0], 5, 1)
         """
         state = self._state(request)
-        wait = min(self.probe_every << min(state.misses, 30), self.max_probe_every)
-        run = max(1, wait - state.idle_rounds)
+        run = max(1, probe_wait(state.misses, self.probe_every, self.max_probe_every) - state.idle_rounds)
         state.idle_rounds += run - 1
         return run
 
@@ -322,7 +327,7 @@ class EvidenceAcceptance:
         for b in {self.bucket(e) for e in idle} - drafting:
             pool = self._pool(b)
             pool.idle_rounds += 1
-            if pool.idle_rounds >= min(self.probe_every << min(pool.misses, 30), self.max_probe_every):
+            if pool.idle_rounds >= probe_wait(pool.misses, self.probe_every, self.max_probe_every):
                 pool.idle_rounds = 0
                 due.add(b)
         return due

@@ -251,9 +251,10 @@ class VerificationEngine:
         queued = []
         for row in rows:
             ahead, session = row.draft.decode_ahead, row.session
+            if not ahead or row.transit:
+                continue
             verdict = verdicts.get(row.input.key)
-            if (ahead and not row.transit and verdict is not None and not verdict.finished and session.request is not None
-                    and session.pending is None):
+            if verdict is not None and not verdict.finished and session.request is not None and session.pending is None:
                 session.pending = Draft(session.round_index, [], decode_ahead=ahead - 1)
                 queued.append(row.input.key)
         return tuple(queued)
