@@ -4,7 +4,7 @@
                                     (a source may be model@MODEL or hybrid@MODEL: another draft than the pair's)
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
                                     [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
-                                    [--local-load closed|steady] [--waves 3]
+                                    [--local-load closed|steady] [--waves 3] [--device cuda]
 
 The tasks are ``bench/workloads/tasks.jsonl``, written for this project: code completion, code
 editing, summary and extraction from a given passage, question answering over a given context,
@@ -40,6 +40,11 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   (local serving with ``--fleet-source``, goodput policy) and N edge nodes with
   ``--fleet-source``; per cell the share of requests whose wall time per token meets
   ``--tpot-slo-ms``, and per server the most clients up to which every cell has 90% attainment.
+
+``--device`` puts every verifier on that device (``cuda``: a GPU; ``--verifier-flags=--cuda-graphs``
+replays its steps as CUDA graphs); the edge nodes stay on the CPU they are pinned
+to, as an edge device's drafter would be on a machine of its own. ``--verifier-flags`` reach every
+verifier of every mode.
 
 Per category and source: tokens/s and the speedup against plain decoding (its tokens/s in the
 same run), accepted tokens per verified draft and the acceptance rate (the server's
@@ -98,6 +103,12 @@ def _known_source(source: str) -> bool:
 def _label(config: str) -> str:
     """``config`` as a process and log name (letters, digits and dashes)."""
     return re.sub(r"[^A-Za-z0-9]+", "-", config).strip("-")
+
+
+def verifier_flags(args) -> list[str]:
+    """What every verifier of every mode is given besides its mode's own flags: ``--device`` and
+    ``--verifier-flags``."""
+    return ["--device", args.device, *shlex.split(args.verifier_flags)]
 
 
 def start(cmd: list[str], cpus: str, threads: int, log: Path) -> subprocess.Popen:
@@ -210,6 +221,17 @@ def run_steady(port: int, tasks: list[dict], max_tokens: int, width: int) -> tup
     return time.perf_counter() - started, replies, (n1 - n0, t1 - t0)
 
 
+def keep_partial(args, mode: str, configs: list[str], rows: list[dict]) -> None:
+    """With ``--json PATH``: the rows of the mode running now in ``PATH.partial``, replaced as rows
+    come (``PATH`` holds the modes done): a run cut short keeps them, and ``--summarize
+    PATH.partial`` makes their tables."""
+    if args.json:
+        partial = Path(args.json + ".partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"command": " ".join(sys.argv), "partial": True,
+                                       mode: {"geomean_speedup": dict.fromkeys(configs), "rows": rows}}) + "\n")
+
+
 class Servers:
     """The processes of one mode; stopped (SIGTERM, then SIGKILL) on exit."""
 
@@ -241,7 +263,7 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
         servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--http-port", str(plain_port),
                             "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype,
                             "--max-draft-len", str(args.max_draft_len), "--budget", str(args.budget),
-                            *shlex.split(args.verifier_flags)], "0", 1, "verifier")
+                            *verifier_flags(args)], "0", 1, "verifier")
         wait_http(plain_port, 600)
         for source in args.sources:
             for rule in args.draft_lengths:
@@ -263,6 +285,7 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                 after = counters(port)
                 rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
                              **{k: after[k] - before[k] for k in COUNTERS}})
+            keep_partial(args, "edge", list(ports), rows)
             print(f"edge: {i + 1}/{len(tasks)} tasks", file=sys.stderr, flush=True)
     return summarize(rows, list(ports))
 
@@ -280,7 +303,7 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                     "--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
                     "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
                 servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
-                                    "--dtype", dtype, "--max-local-requests", str(args.batch), *local], "0-1", 2,
+                                    "--dtype", dtype, "--max-local-requests", str(args.batch), *local, *verifier_flags(args)], "0-1", 2,
                               f"local-{_label(config)}-{repeat}")
             for port in ports.values():
                 wait_http(port, 900)
@@ -305,6 +328,7 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                         rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
                                      "batch_wall_s": wall, "batch": b, **window,
                                      **{k: (after[k] - before[k]) / len(batch) for k in COUNTERS}})
+                keep_partial(args, "local", ["plain", *args.sources], rows)
                 print(f"local: repeat {repeat + 1}/{args.repeats}, {c + 1}/{len(categories)} batches", file=sys.stderr, flush=True)
     return summarize(rows, ["plain", *args.sources], batched=True)
 
@@ -325,7 +349,7 @@ def fleet_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
         servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--http-port", str(plain_port),
                             "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype, "--max-local-requests",
                             str(args.nodes), "--max-drafters", str(4 * args.nodes), "--budget", str(args.budget),
-                            "--max-draft-len", str(args.max_draft_len)], "0", 1, "verifier")
+                            "--max-draft-len", str(args.max_draft_len), *verifier_flags(args)], "0", 1, "verifier")
         wait_http(plain_port, 600)
         verifier_pid = servers.procs[0].pid
         for i in range(args.nodes):
@@ -389,7 +413,7 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
         servers.spawn(gs + ["verifier", "--target", target, "--port", str(grpc_port), "--http-port", str(plain_port),
                             "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype, "--max-local-requests",
                             str(max(clients)), "--max-drafters", str(4 * max(clients)), "--budget", str(args.budget),
-                            "--max-draft-len", str(args.max_draft_len)], "0", 1, "capacity-verifier")
+                            "--max-draft-len", str(args.max_draft_len), *verifier_flags(args)], "0", 1, "capacity-verifier")
         wait_http(plain_port, 600)
         post(plain_port, tasks[0], 8)
         for n in clients:
@@ -398,8 +422,8 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                 spec_port = free_port()
                 fresh.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(spec_port),
                                   "--local-draft", source, "--local-policy", "goodput", "--local-k", str(args.local_k),
-                                  "--local-max-k", str(args.local_k), "--dtype", dtype, "--max-local-requests", str(n)],
-                            "0", 1, f"capacity-local-{n}")
+                                  "--local-max-k", str(args.local_k), "--dtype", dtype, "--max-local-requests", str(n),
+                                  *verifier_flags(args)], "0", 1, f"capacity-local-{n}")
                 node_ports = [free_port() for _ in range(n)]
                 for i, port in enumerate(node_ports):
                     fresh.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", source, "--tokenizer", target,
@@ -476,6 +500,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="edge,local")
     parser.add_argument("--sources", default=",".join(SOURCES))
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="the verifiers' device (cpu, cuda, cuda:N); edge nodes stay on the CPU")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-draft-len", type=int, default=8)
     parser.add_argument("--budget", type=int, default=32, help="the verifier's budget C; local adaserve: its tree budget B")
@@ -489,8 +514,9 @@ def main(argv=None) -> int:
     parser.add_argument("--waves", type=int, default=3, help="local, steady load: requests per category, in --batch's")
     parser.add_argument("--tasks", type=Path, default=TASKS)
     parser.add_argument("--categories", default=None, help="only these task categories (comma-separated; default: all)")
-    parser.add_argument("--verifier-flags", default="", help="edge: more flags for the verifier, e.g. "
-                                                              "'--rounds async --transit-tokens 2 --transit-alone'")
+    parser.add_argument("--verifier-flags", default="", help="more flags for every verifier, e.g. "
+                                                              "'--rounds async --transit-tokens 2 --transit-alone', or --verifier-flags=--cuda-graphs "
+                                                              "(one flag alone needs the '=')")
     parser.add_argument("--nodes", type=int, default=8, help="fleet: edge nodes at once")
     parser.add_argument("--fleet-source", choices=SOURCES, default="suffix", help="fleet: the nodes' draft source")
     parser.add_argument("--repeats", type=int, default=2, help="fleet: interleaved repeats of both phases; local: "
@@ -531,28 +557,51 @@ def main(argv=None) -> int:
             parser.error(f"--categories: no tasks of {', '.join(unknown)}")
         tasks = [t for t in tasks if t["category"] in wanted]
     report = {"command": " ".join(["python -m bench.bench_workloads", *(argv if argv is not None else sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())},
-              "pair": {"target": target, "draft": draft}, "dtype": args.dtype, "resolved_dtype": resolve_dtype(args.dtype),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(args.device),
+              "pair": {"target": target, "draft": draft}, "dtype": args.dtype, "device": args.device,
+              "resolved_dtype": resolve_dtype(args.dtype, args.device), "node_resolved_dtype": resolve_dtype(args.dtype),
               "max_tokens": args.max_tokens, "max_draft_len": args.max_draft_len, "tasks": len(tasks)}
     for mode in modes:
         report[mode] = MODES[mode](args, tasks, target, draft, args.dtype, out)
+        if mode in ("edge", "local"):
+            report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths, "verifier_flags": args.verifier_flags}
+                                        if mode == "edge"
+                                        else {"batch": args.batch, "local_k": args.local_k, "local_policy": args.local_policy,
+                                              "local_load": args.local_load, "waves": args.waves if args.local_load == "steady" else 1,
+                                              "verifier_flags": args.verifier_flags})
+        write_report(args, report)
         if mode == "fleet":
             print(f"\nfleet: verifier CPU s per token {report[mode]['verifier_cpu_s_per_token']}, "
                   f"fleet / plain {report[mode]['fleet_over_plain']}")
-            continue
-        if mode == "capacity":
+        elif mode == "capacity":
             print(f"\ncapacity: clients served at TPOT <= {args.tpot_slo_ms:g} ms with 90% attainment: "
                   f"{report[mode]['capacity_at_slo']}")
-            continue
-        report[mode]["settings"] = ({"batch": 1, "draft_lengths": args.draft_lengths, "verifier_flags": args.verifier_flags}
-                                    if mode == "edge"
-                                    else {"batch": args.batch, "local_k": args.local_k, "local_policy": args.local_policy,
-                                          "local_load": args.local_load, "waves": args.waves if args.local_load == "steady" else 1})
-        print_table(mode, report[mode])
+        else:
+            print_table(mode, report[mode])
+    return 0
+
+
+def write_report(args, report: dict) -> None:
+    """``--json PATH``: the modes done so far (rewritten after each), and no more partial rows."""
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+        Path(args.json + ".partial").unlink(missing_ok=True)
+
+
+def machine(device: str) -> dict:
+    """Where the run ran: CPUs, kernel, CPU model, torch and transformers, and the GPU's name for a
+    CUDA ``device``."""
+    import torch
+    import transformers
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    out = {"cpus": os.cpu_count(), "uname": " ".join(os.uname()), "cpu_model": model, "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    if device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return out
 
 
 def resummarize(path: Path) -> int:

@@ -96,3 +96,22 @@ def test_a_source_may_name_another_model_draft():
     assert bench_workloads._label("model@real:a-draft-large/allotted") == "model-real-a-draft-large-allotted"
     with pytest.raises(SystemExit):
         bench_workloads.main(["--sources", "suffix@real:a-draft", "--summarize", ""])  # a lookup takes no model
+
+
+def test_every_verifier_takes_the_device_and_the_flags_and_a_cut_run_keeps_its_rows(tmp_path):
+    """``--device`` and ``--verifier-flags`` reach every verifier; with ``--json PATH`` the rows of
+    the mode running are kept in ``PATH.partial`` and summarised from there, and writing the report
+    removes them."""
+    import argparse
+
+    from bench.bench_workloads import keep_partial, resummarize, verifier_flags, write_report
+
+    args = argparse.Namespace(device="cuda", verifier_flags="--cuda-graphs --rounds async", json=str(tmp_path / "r.json"))
+    assert verifier_flags(args) == ["--device", "cuda", "--cuda-graphs", "--rounds", "async"]
+    text = json.dumps({"content": "x", "tool_calls": None})
+    keep_partial(args, "edge", ["plain", "src"], [row("plain", "a", "1", 2.0, 20, text), row("src", "a", "1", 1.0, 20, text, 4, 16, 8)])
+    partial = tmp_path / "r.json.partial"
+    assert resummarize(partial) == 0
+    assert json.loads(partial.read_text())["edge"]["by_category"]["a"]["src"]["speedup"] == 2.0
+    write_report(args, {"edge": {}})
+    assert not partial.exists() and json.loads((tmp_path / "r.json").read_text()) == {"edge": {}}
