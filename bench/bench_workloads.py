@@ -236,13 +236,32 @@ class Servers:
     """The processes of one mode; stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.procs = out, []
+        self.out, self.procs, self.logs = out, [], []
 
     def __enter__(self) -> "Servers":
         return self
 
     def spawn(self, cmd: list[str], cpus: str, threads: int, name: str) -> None:
-        self.procs.append(start(cmd, cpus, threads, self.out / f"{name}.log"))
+        self.logs.append(self.out / f"{name}.log")
+        self.procs.append(start(cmd, cpus, threads, self.logs[-1]))
+
+    def wait_http(self, port: int, timeout_s: float) -> None:
+        """Until ``port`` answers its health check; a server of these that exits first fails the
+        wait at once, with the end of its log (a missing package, a bad flag), rather than after
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for proc, log in zip(self.procs, self.logs):
+                if proc.poll() is not None:
+                    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                    raise RuntimeError(f"{log.stem} exited with {proc.returncode} before port {port} served; "
+                                       f"the end of {log}:\n{tail}")
+            try:
+                wait_http(port, min(2.0, max(0.1, deadline - time.monotonic())))
+                return
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"nothing serves on port {port} after {timeout_s} s") from None
 
     def __exit__(self, *exc) -> None:
         for p in self.procs:
@@ -264,7 +283,7 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                             "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype,
                             "--max-draft-len", str(args.max_draft_len), "--budget", str(args.budget),
                             *verifier_flags(args)], "0", 1, "verifier")
-        wait_http(plain_port, 600)
+        servers.wait_http(plain_port, 600)
         for source in args.sources:
             for rule in args.draft_lengths:
                 config = source if rule == args.draft_lengths[0] else f"{source}/{rule}"
@@ -274,7 +293,7 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                     f"127.0.0.1:{ports[config]}", "--dtype", dtype, "--no-proactive", "--max-concurrency", "1",
                                     "--draft-length", rule], "1", 1, f"node-{_label(config)}")
         for port in ports.values():
-            wait_http(port, 600)
+            servers.wait_http(port, 600)
         for port in ports.values():  # warm-up: the first request of each pays one-off costs
             post(port, tasks[0], 8)
         rows = []
@@ -306,7 +325,7 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                     "--dtype", dtype, "--max-local-requests", str(args.batch), *local, *verifier_flags(args)], "0-1", 2,
                               f"local-{_label(config)}-{repeat}")
             for port in ports.values():
-                wait_http(port, 900)
+                servers.wait_http(port, 900)
             for port in ports.values():
                 post(port, tasks[0], 8)
             waves = args.waves if args.local_load == "steady" else 1
@@ -350,7 +369,7 @@ def fleet_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                             "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype, "--max-local-requests",
                             str(args.nodes), "--max-drafters", str(4 * args.nodes), "--budget", str(args.budget),
                             "--max-draft-len", str(args.max_draft_len), *verifier_flags(args)], "0", 1, "verifier")
-        wait_http(plain_port, 600)
+        servers.wait_http(plain_port, 600)
         verifier_pid = servers.procs[0].pid
         for i in range(args.nodes):
             node_ports.append(free_port())
@@ -358,7 +377,7 @@ def fleet_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                 "--tokenizer", target, "--name", f"edge-{i}", "--serve", f"127.0.0.1:{node_ports[-1]}",
                                 "--dtype", dtype, "--no-proactive", "--max-concurrency", "1"], "1", 1, f"fleet-node-{i}")
         for port in [plain_port, *node_ports]:
-            wait_http(port, 600)
+            servers.wait_http(port, 600)
             post(port, tasks[0], 8)
         phases = []
         for repeat in range(args.repeats):
@@ -414,7 +433,7 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                             "--local-draft", "ngram", "--local-policy", "none", "--dtype", dtype, "--max-local-requests",
                             str(max(clients)), "--max-drafters", str(4 * max(clients)), "--budget", str(args.budget),
                             "--max-draft-len", str(args.max_draft_len), *verifier_flags(args)], "0", 1, "capacity-verifier")
-        wait_http(plain_port, 600)
+        servers.wait_http(plain_port, 600)
         post(plain_port, tasks[0], 8)
         for n in clients:
             work = [[tasks[(i + n * c) % len(tasks)] for c in range(args.per_client)] for i in range(n)]
@@ -430,7 +449,7 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                       "--name", f"edge-{i}", "--serve", f"127.0.0.1:{port}", "--dtype", dtype, "--no-proactive",
                                       "--max-concurrency", "1"], "1", 1, f"capacity-node-{n}-{i}")
                 for port in [spec_port, *node_ports]:
-                    wait_http(port, 600)
+                    fresh.wait_http(port, 600)
                 for phase, ports in (("plain", [plain_port] * n), ("local-spec", [spec_port] * n), ("edge", node_ports)):
                     replies = run_clients(ports, work, args.max_tokens)
                     tpot = [1000 * r["wall_s"] / max(1, r["tokens"]) for r in replies]
