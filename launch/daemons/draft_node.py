@@ -245,6 +245,7 @@ async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, 
                       tool_parser=None, reasoning_parser=None) -> int:
     from goodspeed.api.server import OpenAIServer
     from goodspeed.drafter.node import EdgeNode
+    from goodspeed.launch.daemons.heap import freeze_startup_heap
 
     def log(event: str, **fields) -> None:
         print(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}), file=sys.stderr, flush=True)
@@ -268,6 +269,7 @@ async def _serve_node(spec, verifier, host, port, max_concurrency, max_waiting, 
         raise ListenError(f"cannot serve the OpenAI API on {host}:{port}: {exc.strerror or exc}") from None
     log("serving", http=f"{host}:{bound}", verifier=verifier, model=node.model_ids[0], device=spec.name,
         max_concurrency=max_concurrency, seed=node.root_seed)
+    log("heap_frozen", **freeze_startup_heap())  # full collections no longer walk the draft, tokenizer and servers
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

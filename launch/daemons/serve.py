@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from goodspeed.api.server import OpenAIServer, check_parsers
+from goodspeed.launch.daemons.heap import freeze_startup_heap
 from goodspeed.launch.spec import SpecError, VerifierSpec
 from goodspeed.lm.runtime.attention import varlen_missing
 from goodspeed.lm.decoding.draft_source import DraftSpec
@@ -151,6 +152,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     server = make_server(engine, replace(config, target_name=target.name), metrics=metrics, log=log,
                          local=local, tokenizer=target.tokenizer, http_front=make_http_front)
     await server.start()
+    log.event("heap_frozen", **freeze_startup_heap())  # full collections no longer walk the models and servers
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

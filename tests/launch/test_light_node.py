@@ -2,7 +2,8 @@
 --serve` as its own process, serving a chat completion and a JSON-schema one through a verifier
 process. Checked in the node's memory map (``/proc/PID/maps``: torch's library is mapped once
 anything imports torch); the verifier's own map, which must show it, is the control that the
-check sees torch where it is loaded."""
+check sees torch where it is loaded. Both processes, once serving, freeze their start-up heap
+for the cyclic collector (their ``heap_frozen`` event, after ``serving``)."""
 
 import json
 import subprocess
@@ -58,3 +59,8 @@ def test_a_node_drafting_by_suffix_serves_without_loading_torch(tmp_path):
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    for log in logs:
+        events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        names = [e["event"] for e in events]
+        assert names.index("heap_frozen") > names.index("serving"), log.name
+        assert next(e for e in events if e["event"] == "heap_frozen")["objects"] > 10_000, log.name
