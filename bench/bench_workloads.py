@@ -228,7 +228,7 @@ def keep_partial(args, mode: str, configs: list[str], rows: list[dict]) -> None:
     if args.json:
         partial = Path(args.json + ".partial")
         partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"command": " ".join(sys.argv), "partial": True,
+        partial.write_text(json.dumps({"command": " ".join(["python -m bench.bench_workloads", *sys.argv[1:]]), "partial": True,
                                        mode: {"geomean_speedup": dict.fromkeys(configs), "rows": rows}}) + "\n")
 
 
