@@ -3,7 +3,7 @@
 Everything a daemon builds before it serves (the models and their modules, the tokenizer, the
 compiled grammars' vocabulary, the KV pool's bookkeeping, the servers) lives as long as the
 process, yet each of Python's full cyclic collections walks all of it: on the real pair's verifier
-some 406,000 objects and 198 ms a collection, in the thread that runs the event loop and holding
+some 406,000 objects and 182 ms a collection, in the thread that runs the event loop and holding
 the GIL the engine's thread needs (docs/MEASUREMENTS.md, *A full collection's pause*). Moved to
 the permanent generation once the daemon serves, they are no longer walked; reference counting
 still frees any of them dropped later, and only a reference cycle among them would stay

@@ -119,9 +119,9 @@ def test_every_verifier_takes_the_device_and_the_flags_and_a_cut_run_keeps_its_r
 
 def test_a_server_that_exits_fails_the_wait_at_once_with_its_log(tmp_path):
     """A verifier or node that dies while starting (a missing package, a bad flag) fails the wait
-    for its port with its exit code and the end of its log, not after the wait's timeout."""
+    for its port with its exit code and the end of its log, not after the wait's timeout: the wait
+    is given a day, so only the exit can end it within the suite's per-test timeout."""
     import sys
-    import time
 
     from bench.bench_http import free_port
     from bench.bench_workloads import Servers
@@ -129,7 +129,5 @@ def test_a_server_that_exits_fails_the_wait_at_once_with_its_log(tmp_path):
     with Servers(tmp_path) as servers:
         servers.spawn([sys.executable, "-c", "import sys; print('no module named boom', file=sys.stderr); sys.exit(3)"],
                       "0", 1, "verifier")
-        started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"(?s)verifier exited with 3 .*no module named boom"):
-            servers.wait_http(free_port(), 300)
-    assert time.monotonic() - started < 60  # an event, not a margin: the 300 s timeout was never reached
+            servers.wait_http(free_port(), 86_400)
