@@ -14,6 +14,13 @@ together): proposals, drafted and accepted tokens, accepted per proposal and per
 overall and per category. The outputs are re-tokenized from their text, and every position
 counts (a served request proposes only where its last verification ended), so the figures
 describe the lookups' evidence, not a serving run.
+
+Then round by round, as a served request would go with every proposal drafted whole (no goodput
+rule): each round proposes after the text so far, takes the accepted prefix and the target's
+next token. Per category: the rounds each source needs for the outputs, the rounds it proposed
+nothing, and tokens a round; beside ``ngram`` (sizes 1..5) the same with its former sizes 2..5
+(``ngram-2``), and an oracle that copies the longest continuation found anywhere in the text so
+far, whatever precedes it: the most any lookup of this text could take.
 """
 
 from __future__ import annotations
@@ -52,6 +59,47 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
     return n
 
 
+def longest_copy(text: list[int], truth: list[int], max_tokens: int) -> int:
+    """The oracle: the longest prefix of ``truth`` (at most ``max_tokens``) that starts anywhere in ``text``."""
+    best, first = 0, truth[:1]
+    for start in range(len(text)):
+        if text[start : start + 1] == first:
+            best = max(best, accepted(text[start : start + max_tokens], truth[:max_tokens]))
+    return best
+
+
+def replay_rounds(rows, tasks, tokenizer, max_tokens: int) -> list[dict]:
+    """Rounds each source needs to write the outputs, every proposal drafted whole (module docstring)."""
+    vocab = len(tokenizer)
+    cells: dict = defaultdict(lambda: [0, 0, 0])  # (source, category) -> rounds, empty rounds, tokens
+    for n, row in enumerate(rows):
+        task = tasks[row["id"].split("#")[0]]
+        prompt = chat_prompt_ids(tokenizer, task["messages"])
+        output = tokenizer(written(row["output"]), add_special_tokens=False)["input_ids"]
+        for name in ("ngram", "ngram-2", "oracle"):
+            source = {"ngram": PromptLookup(vocab), "ngram-2": PromptLookup(vocab, min_n=2)}.get(name)
+            if source is not None:
+                source.add("r")
+            i = 0
+            while i < len(output):
+                text, truth = prompt + output[:i], output[i:]
+                if source is None:
+                    took = longest_copy(text, truth, max_tokens)
+                    empty = took == 0
+                else:
+                    proposal = source.propose("r", text, max_tokens)
+                    took, empty = accepted(proposal, truth), not proposal
+                for category in (task["category"], "all"):
+                    cell = cells[(name, category)]
+                    cell[0] += 1
+                    cell[1] += empty
+                i += took + 1
+            for category in (task["category"], "all"):
+                cells[(name, category)][2] += len(output)
+    return [{"source": s, "category": c, "rounds": r, "empty": e, "tokens": t, "tokens_per_round": round(t / r, 3)}
+            for (s, c), (r, e, t) in sorted(cells.items())]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="a lookup's acceptance by its match length")
     parser.add_argument("--report", type=Path, default=REPORT)
@@ -84,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                         cell[1] += len(tokens)
                         cell[2] += accepted(tokens, output[i:])
             source.remove(key, prompt + output)
+    rounds = replay_rounds(rows, tasks, tokenizer, args.max_tokens)
+    for line in rounds:
+        if line["category"] == "all":
+            print(f"{line['source']:8s} {line['rounds']:5d} rounds for {line['tokens']} tokens "
+                  f"({line['tokens_per_round']:.2f} a round), {line['empty']} proposing nothing")
     table = [{"source": s, "category": c, "match": m, "proposals": p, "drafted": d, "accepted": a,
               "accepted_per_proposal": round(a / p, 3), "acceptance": round(a / d, 3)}
              for (s, c, m), (p, d, a) in sorted(cells.items())]
@@ -94,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = {"command": " ".join(["python -m bench.bench_lookup_evidence", *(argv if argv is not None else sys.argv[1:])]),
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "report": str(args.report),
-               "outputs": len(rows), "max_tokens": args.max_tokens, "cells": table}
+               "outputs": len(rows), "max_tokens": args.max_tokens, "cells": table, "rounds": rounds}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -87,6 +87,36 @@ def test_the_evidence_replay_reads_a_replys_text_and_counts_a_proposals_accepted
     assert accepted([1, 2, 3], [1, 2, 4, 5]) == 2 and accepted([9], [1]) == 0 and accepted([1, 2], [1]) == 1
 
 
+def test_the_round_replay_counts_rounds_against_a_brute_force_oracle():
+    """The oracle takes the longest continuation that starts anywhere in the text (whatever
+    precedes it); a replay advances by the accepted tokens and the target's one, so an output
+    copied whole from its prompt takes fewer rounds than its length, and the oracle never more
+    than a lookup."""
+    from bench.bench_lookup_evidence import longest_copy, replay_rounds
+
+    assert longest_copy([5, 1, 2, 3, 1, 2, 9], [1, 2, 9, 4], 8) == 3  # the later "1 2" continues with 9
+    assert longest_copy([5, 1, 2], [1, 2, 3], 2) == 2 and longest_copy([5, 6], [7], 8) == 0
+
+    class Words:  # a tokenizer of single characters, its chat template the last message's text
+        chat_template = "x"
+
+        def __len__(self):
+            return 256
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return messages[-1]["content"]
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [ord(c) for c in text]}
+
+    tasks = {"t": {"category": "copy", "messages": [{"role": "user", "content": "the cat sat on the mat"}]}}
+    rows = [{"id": "t", "output": json.dumps({"content": "cat sat on the mat", "tool_calls": None})}]
+    got = {(r["source"], r["category"]): r for r in replay_rounds(rows, tasks, Words(), 4)}
+    assert got[("oracle", "copy")]["tokens"] == 18 and got[("oracle", "copy")]["rounds"] < 18
+    assert {**got[("oracle", "all")], "category": "copy"} == got[("oracle", "copy")]
+    assert got[("oracle", "copy")]["rounds"] <= got[("ngram", "copy")]["rounds"] <= got[("ngram-2", "copy")]["rounds"]
+
+
 def test_a_source_may_name_another_model_draft():
     from bench import bench_workloads
 

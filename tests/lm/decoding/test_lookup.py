@@ -69,6 +69,18 @@ def test_prompt_lookup_streamed_in_pieces_equals_the_brute_force_search(seed):
             assert index.match(6) == brute_ngram(now, index.min_n, index.max_n, 6, with_length=True), now
 
 
+def test_prompt_lookup_proposes_after_one_matched_token_by_default():
+    """The default sizes are 1..5: a text whose last two tokens never occurred before is still
+    drafted from its last token's latest earlier occurrence (evidence 1, which the goodput rule
+    prices apart); from two tokens up, as before, nothing."""
+    text = [3, 4, 5, 9, 4]
+    one, two = PromptLookup(20), PromptLookup(20, min_n=2)
+    for lookup in (one, two):
+        lookup.add("r")
+    assert one.proposal("r", text, 3) == ([5, 9, 4], 1)
+    assert two.proposal("r", text, 3) == ([], 0)
+
+
 def test_ngram_sizes_are_checked():
     with pytest.raises(ValueError, match="min_n"):
         PromptLookup(10, min_n=3, max_n=2)
