@@ -4,7 +4,7 @@
                                     (a source may be model@MODEL or hybrid@MODEL: another draft than the pair's)
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
                                     [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
-                                    [--local-load closed|steady] [--waves 3] [--device cuda]
+                                    [--local-load closed|steady] [--waves 3] [--local-control] [--device cuda]
 
 The tasks are ``bench/workloads/tasks.jsonl``, written for this project: code completion, code
 editing, summary and extraction from a given passage, question answering over a given context,
@@ -30,7 +30,10 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   times ``--batch`` requests sent by ``--batch`` senders, each sending its next as its reply
   comes, so the server holds ``--batch`` requests until the queue runs dry; the figure is the
   tokens the server generated (its ``generation_tokens_total``) over the window from the first
-  reply to the last request's sending, the tail left out.
+  reply to the last request's sending, the tail left out. With ``--local-control`` a second
+  plain-decoding server (``plain-2``) runs as the others do: two identical servers' figures part
+  by several percent within a run (each process's own speed), which bounds what a source's
+  ratio can say.
 * ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
   once (each its share, one at a time), against the same verifier's batched plain decoding of the
   same tasks ``--nodes`` at a time; the figure is the verifier's CPU seconds per generated token
@@ -309,21 +312,28 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
     return summarize(rows, list(ports))
 
 
+def local_flags(args, config: str, draft: str) -> list[str]:
+    """A local-serving verifier's flags for ``config``: plain decoding (``plain``, and its control
+    ``plain-2``) or a source under ``--local-policy``."""
+    if config in ("plain", "plain-2"):
+        return ["--local-draft", "ngram", "--local-policy", "none"]
+    return ["--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
+            "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
+
+
 def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
     gs = [sys.executable, "-m", "goodspeed.launch.cli"]
     rows = []
     categories = sorted({t["category"] for t in tasks}, key=[t["category"] for t in tasks].index)
+    configs = ["plain", *(["plain-2"] if args.local_control else []), *args.sources]
     for repeat in range(args.repeats):  # fresh servers each time: no suffix cache has seen the tasks before
         ports = {}
         with Servers(out) as servers:
-            for config in ("plain", *args.sources):
+            for config in configs:
                 ports[config] = free_port()
-                local = ["--local-draft", "ngram", "--local-policy", "none"] if config == "plain" else [
-                    "--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
-                    "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
                 servers.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(ports[config]),
-                                    "--dtype", dtype, "--max-local-requests", str(args.batch), *local, *verifier_flags(args)], "0-1", 2,
-                              f"local-{_label(config)}-{repeat}")
+                                    "--dtype", dtype, "--max-local-requests", str(args.batch), *local_flags(args, config, draft),
+                                    *verifier_flags(args)], "0-1", 2, f"local-{_label(config)}-{repeat}")
             for port in ports.values():
                 servers.wait_http(port, 900)
             for port in ports.values():
@@ -347,9 +357,9 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                         rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
                                      "batch_wall_s": wall, "batch": b, **window,
                                      **{k: (after[k] - before[k]) / len(batch) for k in COUNTERS}})
-                keep_partial(args, "local", ["plain", *args.sources], rows)
+                keep_partial(args, "local", configs, rows)
                 print(f"local: repeat {repeat + 1}/{args.repeats}, {c + 1}/{len(categories)} batches", file=sys.stderr, flush=True)
-    return summarize(rows, ["plain", *args.sources], batched=True)
+    return summarize(rows, configs, batched=True)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -528,6 +538,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local-k", type=int, default=6, help="local: chain's k, goodput's longest length")
     parser.add_argument("--local-policy", choices=("chain", "goodput", "adaserve"), default="goodput")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--local-control", action="store_true",
+                        help="local: a second plain-decoding server (plain-2), run as the others: how far two "
+                             "identical servers part within the run")
     parser.add_argument("--local-load", choices=("closed", "steady"), default="closed",
                         help="local: one batch of --batch requests (closed), or --waves of them through --batch senders (steady)")
     parser.add_argument("--waves", type=int, default=3, help="local, steady load: requests per category, in --batch's")

@@ -117,6 +117,20 @@ def test_the_round_replay_counts_rounds_against_a_brute_force_oracle():
     assert got[("oracle", "copy")]["rounds"] <= got[("ngram", "copy")]["rounds"] <= got[("ngram-2", "copy")]["rounds"]
 
 
+def test_the_local_control_is_a_second_plain_server():
+    """``--local-control`` adds ``plain-2``, served as plain decoding is (no drafting policy); a
+    source gets its draft and the policy's flags."""
+    import argparse
+
+    from bench.bench_workloads import local_flags
+
+    args = argparse.Namespace(local_policy="goodput", local_k=6, budget=32)
+    assert local_flags(args, "plain-2", "real:d") == local_flags(args, "plain", "real:d")
+    assert local_flags(args, "plain-2", "real:d")[-2:] == ["--local-policy", "none"]
+    ngram = local_flags(args, "ngram", "real:d")
+    assert ngram[:4] == ["--local-draft", "ngram", "--local-policy", "goodput"] and "--local-k" in ngram
+
+
 def test_a_source_may_name_another_model_draft():
     from bench import bench_workloads
 
