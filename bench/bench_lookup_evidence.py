@@ -18,9 +18,10 @@ describe the lookups' evidence, not a serving run.
 Then round by round, as a served request would go with every proposal drafted whole (no goodput
 rule): each round proposes after the text so far, takes the accepted prefix and the target's
 next token. Per category: the rounds each source needs for the outputs, the rounds it proposed
-nothing, and tokens a round; beside ``ngram`` (sizes 1..5) the same with its former sizes 2..5
-(``ngram-2``), and an oracle that copies the longest continuation found anywhere in the text so
-far, whatever precedes it: the most any lookup of this text could take.
+nothing, and tokens a round; beside ``ngram`` (sizes 1..5) its former sizes 2..5 (``ngram-2``),
+beside ``suffix`` (drafts up to the match's length) drafts up to four times it (``suffix-4``),
+and an oracle that copies the longest continuation found anywhere in the
+text so far, whatever precedes it: the most any lookup of this text could take.
 """
 
 from __future__ import annotations
@@ -71,13 +72,14 @@ def longest_copy(text: list[int], truth: list[int], max_tokens: int) -> int:
 def replay_rounds(rows, tasks, tokenizer, max_tokens: int) -> list[dict]:
     """Rounds each source needs to write the outputs, every proposal drafted whole (module docstring)."""
     vocab = len(tokenizer)
+    sources = {"ngram": PromptLookup(vocab), "ngram-2": PromptLookup(vocab, min_n=2), "suffix": SuffixDraft(vocab),
+               "suffix-4": SuffixDraft(vocab, max_spec_factor=4.0), "oracle": None}  # suffix's cache fills as the rows go
     cells: dict = defaultdict(lambda: [0, 0, 0])  # (source, category) -> rounds, empty rounds, tokens
-    for n, row in enumerate(rows):
+    for row in rows:
         task = tasks[row["id"].split("#")[0]]
         prompt = chat_prompt_ids(tokenizer, task["messages"])
         output = tokenizer(written(row["output"]), add_special_tokens=False)["input_ids"]
-        for name in ("ngram", "ngram-2", "oracle"):
-            source = {"ngram": PromptLookup(vocab), "ngram-2": PromptLookup(vocab, min_n=2)}.get(name)
+        for name, source in sources.items():
             if source is not None:
                 source.add("r")
             i = 0
@@ -94,6 +96,8 @@ def replay_rounds(rows, tasks, tokenizer, max_tokens: int) -> list[dict]:
                     cell[0] += 1
                     cell[1] += empty
                 i += took + 1
+            if source is not None:
+                source.remove("r", prompt + output)
             for category in (task["category"], "all"):
                 cells[(name, category)][2] += len(output)
     return [{"source": s, "category": c, "rounds": r, "empty": e, "tokens": t, "tokens_per_round": round(t / r, 3)}

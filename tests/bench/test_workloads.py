@@ -115,6 +115,7 @@ def test_the_round_replay_counts_rounds_against_a_brute_force_oracle():
     assert got[("oracle", "copy")]["tokens"] == 18 and got[("oracle", "copy")]["rounds"] < 18
     assert {**got[("oracle", "all")], "category": "copy"} == got[("oracle", "copy")]
     assert got[("oracle", "copy")]["rounds"] <= got[("ngram", "copy")]["rounds"] <= got[("ngram-2", "copy")]["rounds"]
+    assert got[("oracle", "copy")]["rounds"] <= min(got[("suffix", "copy")]["rounds"], got[("suffix-4", "copy")]["rounds"])
 
 
 def test_the_local_control_is_a_second_plain_server():
