@@ -20,8 +20,8 @@ rule): each round proposes after the text so far, takes the accepted prefix and 
 next token. Per category: the rounds each source needs for the outputs, the rounds it proposed
 nothing, and tokens a round; beside ``ngram`` (sizes 1..5) its former sizes 2..5 (``ngram-2``),
 beside ``suffix`` (drafts up to the match's length) drafts up to four times it (``suffix-4``),
-and an oracle that copies the longest continuation found anywhere in the
-text so far, whatever precedes it: the most any lookup of this text could take.
+and an oracle that copies the longest continuation found anywhere in the text so far, whatever
+precedes it: the most any lookup of this text could take.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ over a given document, multi-turn chat, agent loops) can be drafted by lookup at
   ``min_n..max_n`` tokens (1..5) that occurred before, and the tokens that followed its latest
   earlier occurrence. A match of one token is weak evidence, but the goodput rule prices each
   match length by its own measured acceptance, so proposing after one token costs nothing where
-  it does not pay: through an edge node it raised the per-task benchmark's geometric mean from
-  1.54x to 1.62x against matches of two or more (docs/MEASUREMENTS.md).
+  it does not pay: through an edge node it raised the per-task benchmark's geometric mean to
+  1.52x and 1.62x from 1.42x and 1.54x with matches of two or more, in the same two runs
+  (docs/MEASUREMENTS.md, *Prompt lookup from one matched token*).
 * ``suffix`` (:class:`SuffixDraft`): SuffixDecoding (Oliaro et al., "SuffixDecoding: Extreme
   Speculative Decoding for Emerging AI Applications", NeurIPS 2025, arXiv 2411.04975): a suffix
   trie of bounded depth over the request's prompt and output, and one over the recent outputs of
