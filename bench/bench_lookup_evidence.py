@@ -21,7 +21,11 @@ next token. Per category: the rounds each source needs for the outputs, the roun
 nothing, and tokens a round; beside ``ngram`` (sizes 1..5) its former sizes 2..5 (``ngram-2``),
 beside ``suffix`` (drafts up to the match's length) drafts up to four times it (``suffix-4``),
 and an oracle that copies the longest continuation found anywhere in the text so far, whatever
-precedes it: the most any lookup of this text could take.
+precedes it: the most any lookup of this text could take. And lookup trees, as a verifier of trees
+would take them (``ngram-tree-K``, :func:`lookup_tree`): up to K distinct continuations of the
+text's matched suffixes, the longest suffix's latest occurrence first, as branches of one tree;
+a round takes its longest accepted branch. Each row also counts the tokens drafted (a tree's
+nodes), the verification's width.
 """
 
 from __future__ import annotations
@@ -69,39 +73,69 @@ def longest_copy(text: list[int], truth: list[int], max_tokens: int) -> int:
     return best
 
 
+def lookup_tree(text: list[int], branches: int, max_tokens: int, min_n: int = 1, max_n: int = 5) -> list[list[int]]:
+    """Up to ``branches`` distinct continuations (at most ``max_tokens`` each) that follow an
+    earlier occurrence of a suffix of ``text`` of ``max_n`` down to ``min_n`` tokens: the longest
+    suffix first and, for each, its latest occurrence first. The first is ``ngram``'s chain."""
+    found: list[list[int]] = []
+    for n in range(min(max_n, len(text) - 1), min_n - 1, -1):
+        suffix = text[-n:]
+        for end in range(len(text) - 2, n - 2, -1):  # an occurrence ending at ``end`` with a successor
+            if text[end - n + 1 : end + 1] == suffix:
+                branch = text[end + 1 : end + 1 + max_tokens]
+                if branch not in found:
+                    found.append(branch)
+                    if len(found) == branches:
+                        return found
+    return found
+
+
+def tree_nodes(branches: list[list[int]]) -> int:
+    """The tokens a tree of these branches drafts: their distinct prefixes."""
+    return len({tuple(b[:i]) for b in branches for i in range(1, len(b) + 1)})
+
+
+TREE_BRANCHES = (2, 4, 8)
+
+
 def replay_rounds(rows, tasks, tokenizer, max_tokens: int) -> list[dict]:
     """Rounds each source needs to write the outputs, every proposal drafted whole (module docstring)."""
     vocab = len(tokenizer)
     sources = {"ngram": PromptLookup(vocab), "ngram-2": PromptLookup(vocab, min_n=2), "suffix": SuffixDraft(vocab),
-               "suffix-4": SuffixDraft(vocab, max_spec_factor=4.0), "oracle": None}  # suffix's cache fills as the rows go
-    cells: dict = defaultdict(lambda: [0, 0, 0])  # (source, category) -> rounds, empty rounds, tokens
+               "suffix-4": SuffixDraft(vocab, max_spec_factor=4.0), "oracle": None,
+               **{f"ngram-tree-{k}": k for k in TREE_BRANCHES}}  # suffix's cache fills as the rows go
+    cells: dict = defaultdict(lambda: [0, 0, 0, 0])  # (source, category) -> rounds, empty rounds, tokens, drafted
     for row in rows:
         task = tasks[row["id"].split("#")[0]]
         prompt = chat_prompt_ids(tokenizer, task["messages"])
         output = tokenizer(written(row["output"]), add_special_tokens=False)["input_ids"]
         for name, source in sources.items():
-            if source is not None:
+            lookup = source is not None and not isinstance(source, int)
+            if lookup:
                 source.add("r")
             i = 0
             while i < len(output):
                 text, truth = prompt + output[:i], output[i:]
                 if source is None:
-                    took = longest_copy(text, truth, max_tokens)
-                    empty = took == 0
+                    took = drafted = longest_copy(text, truth, max_tokens)  # the oracle drafts only what it copies
+                elif isinstance(source, int):
+                    tree = lookup_tree(text, source, max_tokens)
+                    took, drafted = max((accepted(b, truth) for b in tree), default=0), tree_nodes(tree)
                 else:
                     proposal = source.propose("r", text, max_tokens)
-                    took, empty = accepted(proposal, truth), not proposal
+                    took, drafted = accepted(proposal, truth), len(proposal)
                 for category in (task["category"], "all"):
                     cell = cells[(name, category)]
                     cell[0] += 1
-                    cell[1] += empty
+                    cell[1] += drafted == 0
+                    cell[3] += drafted
                 i += took + 1
-            if source is not None:
+            if lookup:
                 source.remove("r", prompt + output)
             for category in (task["category"], "all"):
                 cells[(name, category)][2] += len(output)
-    return [{"source": s, "category": c, "rounds": r, "empty": e, "tokens": t, "tokens_per_round": round(t / r, 3)}
-            for (s, c), (r, e, t) in sorted(cells.items())]
+    return [{"source": s, "category": c, "rounds": r, "empty": e, "tokens": t, "tokens_per_round": round(t / r, 3),
+             "drafted_per_round": round(d / r, 2)} for (s, c), (r, e, t, d) in sorted(cells.items())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = replay_rounds(rows, tasks, tokenizer, args.max_tokens)
     for line in rounds:
         if line["category"] == "all":
-            print(f"{line['source']:8s} {line['rounds']:5d} rounds for {line['tokens']} tokens "
-                  f"({line['tokens_per_round']:.2f} a round), {line['empty']} proposing nothing")
+            print(f"{line['source']:13s} {line['rounds']:5d} rounds for {line['tokens']} tokens "
+                  f"({line['tokens_per_round']:.2f} a round, {line['drafted_per_round']:.1f} drafted), {line['empty']} proposing nothing")
     table = [{"source": s, "category": c, "match": m, "proposals": p, "drafted": d, "accepted": a,
               "accepted_per_proposal": round(a / p, 3), "acceptance": round(a / d, 3)}
              for (s, c, m), (p, d, a) in sorted(cells.items())]

@@ -116,6 +116,35 @@ def test_the_round_replay_counts_rounds_against_a_brute_force_oracle():
     assert {**got[("oracle", "all")], "category": "copy"} == got[("oracle", "copy")]
     assert got[("oracle", "copy")]["rounds"] <= got[("ngram", "copy")]["rounds"] <= got[("ngram-2", "copy")]["rounds"]
     assert got[("oracle", "copy")]["rounds"] <= min(got[("suffix", "copy")]["rounds"], got[("suffix-4", "copy")]["rounds"])
+    assert got[("ngram-tree-8", "copy")]["drafted_per_round"] >= got[("ngram", "copy")]["drafted_per_round"] > 0
+
+
+def test_a_lookup_tree_branches_on_distinct_continuations_and_starts_with_ngrams_chain():
+    """bench.bench_lookup_evidence.lookup_tree: its first branch is ``ngram``'s chain (PromptLookup,
+    checked on random texts), every branch follows an earlier occurrence of a suffix of the text,
+    no two are equal, longer suffixes come first; a tree's drafted tokens are its distinct prefixes."""
+    import random
+
+    from bench.bench_lookup_evidence import lookup_tree, tree_nodes
+    from goodspeed.lm.decoding.lookup import PromptLookup
+
+    text = [7, 1, 2, 3, 9, 2, 4, 1, 2, 5, 8, 1, 2]
+    # "1 2" occurs ending at 8 (then 5 8 1 2) and 2 (then 3 9 2 4); "2" also ends at 5 (then 4 1 2 5)
+    assert lookup_tree(text, 8, 4) == [[5, 8, 1, 2], [3, 9, 2, 4], [4, 1, 2, 5]]
+    assert lookup_tree(text, 2, 4) == [[5, 8, 1, 2], [3, 9, 2, 4]] and lookup_tree([1, 2, 3], 4, 4) == []
+    assert tree_nodes([[1, 2, 3], [1, 2, 4], [5]]) == 5 and tree_nodes([]) == 0
+    rng = random.Random(0)
+    lookup = PromptLookup(6)
+    for trial in range(300):
+        text = [rng.randrange(6) for _ in range(rng.randrange(2, 40))]
+        tree = lookup_tree(text, 4, 5)
+        lookup.add("t")
+        assert (tree[0] if tree else []) == lookup.propose("t", text, 5), text
+        lookup.remove("t")
+        assert len(tree) <= 4 and len({tuple(b) for b in tree}) == len(tree)
+        for branch in tree:
+            assert any(text[end + 1 : end + 1 + 5] == branch and text[end - n + 1 : end + 1] == text[-n:]
+                       for n in range(1, 6) for end in range(n - 1, len(text) - 1)), (text, branch)
 
 
 def test_the_local_control_is_a_second_plain_server():
