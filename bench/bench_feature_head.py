@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from goodspeed.drafter.prompts import chat_prompt_ids
 from goodspeed.lm.models.corpus import encode, load_corpus, prompt_snippets, stdlib_files
 from goodspeed.lm.models.distill import _ALSO_A_BENCHMARK_TASK, _TASKS, LARGE_RECIPE, chat_requests, target_transcripts
 from goodspeed.lm.models.draft_head import HEAD_FILE, apply_head_file
@@ -132,13 +133,12 @@ def _transcripts(work: Path, target, tokenizer, extra_chat: int, log) -> None:
     recipe = LARGE_RECIPE
     corpus = load_corpus(recipe.corpus_bytes)
 
-    def snippets(text: str, count: int) -> list[list[int]]:
+    def snippets(text: str, count: int) -> list[list[int]]:  # the recipe's code prompts, as distill.build_draft cuts them
         return [tokenizer(s, add_special_tokens=False)["input_ids"]
                 for s in prompt_snippets(text, count, recipe.code_prompt_chars, seed=recipe.seed)]
 
     def chat_ids(requests: list[str]) -> list[list[int]]:
-        return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False)["input_ids"] for r in requests]
+        return [chat_prompt_ids(tokenizer, [{"role": "user", "content": r}]) for r in requests]
 
     requests = chat_requests(recipe.seed)
     chat_train = [r for i, r in enumerate(requests) if i % 8 != 7 and r not in _ALSO_A_BENCHMARK_TASK]
@@ -232,7 +232,9 @@ def _train(target, keep: torch.Tensor, seqs, feats, steps: int, peak: float, dep
 
 @torch.inference_mode()
 def _evaluate(work: Path, target32, draft_fn, label: str) -> dict:
-    """``draft_fn(ids, hs, t, j_tokens)``: the draft's greedy tokens; see :func:`_head_drafts`."""
+    """The first-token agreement and the chains of module docstring's stage 5 on each held-out
+    group; ``draft_fn`` is a :class:`_HeadDrafts` or a :class:`_ModelDrafts` (``first``: the
+    draft's token after every position; ``chain``: its ``S`` greedy tokens after position ``t + 1``)."""
     weight = target32.lm_head.weight
     out = {}
     for name in ("chat", "tasks", "code"):

@@ -101,37 +101,47 @@ TREE_BRANCHES = (2, 4, 8)
 def replay_rounds(rows, tasks, tokenizer, max_tokens: int) -> list[dict]:
     """Rounds each source needs to write the outputs, every proposal drafted whole (module docstring)."""
     vocab = len(tokenizer)
-    sources = {"ngram": PromptLookup(vocab), "ngram-2": PromptLookup(vocab, min_n=2), "suffix": SuffixDraft(vocab),
-               "suffix-4": SuffixDraft(vocab, max_spec_factor=4.0), "oracle": None,
-               **{f"ngram-tree-{k}": k for k in TREE_BRANCHES}}  # suffix's cache fills as the rows go
+    lookups = {"ngram": PromptLookup(vocab), "ngram-2": PromptLookup(vocab, min_n=2), "suffix": SuffixDraft(vocab),
+               "suffix-4": SuffixDraft(vocab, max_spec_factor=4.0)}  # suffix's cache fills as the rows go
+
+    def chain(lookup):
+        def draft(text, truth):
+            proposal = lookup.propose("r", text, max_tokens)
+            return accepted(proposal, truth), len(proposal)
+        return draft
+
+    def tree(branches):
+        def draft(text, truth):
+            found = lookup_tree(text, branches, max_tokens)
+            return max((accepted(b, truth) for b in found), default=0), tree_nodes(found)
+        return draft
+
+    def oracle(text, truth):
+        took = longest_copy(text, truth, max_tokens)
+        return took, took  # it drafts only what it copies
+
+    # each source: (text so far, the output's rest) -> (tokens accepted, tokens drafted)
+    sources = {**{name: chain(lookup) for name, lookup in lookups.items()}, "oracle": oracle,
+               **{f"ngram-tree-{k}": tree(k) for k in TREE_BRANCHES}}
     cells: dict = defaultdict(lambda: [0, 0, 0, 0])  # (source, category) -> rounds, empty rounds, tokens, drafted
     for row in rows:
         task = tasks[row["id"].split("#")[0]]
         prompt = chat_prompt_ids(tokenizer, task["messages"])
         output = tokenizer(written(row["output"]), add_special_tokens=False)["input_ids"]
-        for name, source in sources.items():
-            lookup = source is not None and not isinstance(source, int)
-            if lookup:
-                source.add("r")
+        for name, draft in sources.items():
+            if name in lookups:
+                lookups[name].add("r")
             i = 0
             while i < len(output):
-                text, truth = prompt + output[:i], output[i:]
-                if source is None:
-                    took = drafted = longest_copy(text, truth, max_tokens)  # the oracle drafts only what it copies
-                elif isinstance(source, int):
-                    tree = lookup_tree(text, source, max_tokens)
-                    took, drafted = max((accepted(b, truth) for b in tree), default=0), tree_nodes(tree)
-                else:
-                    proposal = source.propose("r", text, max_tokens)
-                    took, drafted = accepted(proposal, truth), len(proposal)
+                took, drafted = draft(prompt + output[:i], output[i:])
                 for category in (task["category"], "all"):
                     cell = cells[(name, category)]
                     cell[0] += 1
                     cell[1] += drafted == 0
                     cell[3] += drafted
                 i += took + 1
-            if lookup:
-                source.remove("r", prompt + output)
+            if name in lookups:
+                lookups[name].remove("r", prompt + output)
             for category in (task["category"], "all"):
                 cells[(name, category)][2] += len(output)
     return [{"source": s, "category": c, "rounds": r, "empty": e, "tokens": t, "tokens_per_round": round(t / r, 3),

@@ -23,10 +23,11 @@ def run_edge(target, draft, sampling, prompts, max_new_tokens, transit=False, dr
     return [out for d in ds for out in d.outputs], results
 
 
-def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=(), min_drafted=None):
+def run_local(target, draft, sampling, policy, prompts, max_new_tokens, eos=(), min_drafted=None, seed=None):
     """``prompts`` through local serving under ``policy``; outputs in prompt order, and the serving.
-    ``min_drafted``: the fewest tokens it must have drafted (default: more than one a prompt)."""
-    engine = VerificationEngine(target, EngineConfig())
+    ``min_drafted``: the fewest tokens it must have drafted (default: more than one a prompt).
+    ``seed``: the engine's root seed (default: fresh entropy), for a run whose counts must repeat."""
+    engine = VerificationEngine(target, EngineConfig(seed=seed))
     config = LocalConfig(policy=policy, k=2, extra=2, budget=24, max_requests=8, max_waiting=len(prompts))
     serving = LocalServing(engine, draft, config, SimulatedClock(TARGET_COST, DRAFT_COST))
     for i, prompt in enumerate(prompts):

@@ -95,10 +95,14 @@ def test_sampled_lookup_drafts_on_edge_drafters_follow_the_target(target, name):
 @pytest.mark.parametrize("name", ["ngram", "suffix"])
 def test_sampled_lookup_drafts_under_the_goodput_policy_follow_the_target(target, name):
     """The goodput policy looks a lookup's longest draft up, then verifies the prefix that pays by
-    its evidence: the cut reads only past verdicts, so the output keeps the target's distribution."""
+    its evidence: the cut reads only past verdicts, so the output keeps the target's distribution.
+    The run has a fixed root seed: how much the policy drafts feeds back on its first verdicts
+    (unseeded, accepted tokens ranged 9-79 over 16 runs), and the power check below needs the
+    same run every time."""
     sampling = SamplingParams(temperature=1.0)
     prompt = [3, 2, 4, 5, 3, 2]  # the lookups propose 4, 5, ...: the target's 4 has p = 0.39, so drafting pays at times
-    outputs, serving = run_local(target, SOURCES[name](target, None), sampling, "goodput", [prompt] * 1600, 3, min_drafted=40)
+    outputs, serving = run_local(target, SOURCES[name](target, None), sampling, "goodput", [prompt] * 1600, 3, min_drafted=40,
+                                 seed=0)
     ok, msg = fits(count_first_two(outputs, V), exact_first_two(target, prompt, sampling))
     assert ok, msg
     assert serving.stats()["accepted"] >= 10
