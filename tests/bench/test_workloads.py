@@ -205,3 +205,19 @@ def test_a_server_that_exits_fails_the_wait_at_once_with_its_log(tmp_path):
                       "0", 1, "verifier")
         with pytest.raises(RuntimeError, match=r"(?s)verifier exited with 3 .*no module named boom"):
             servers.wait_http(free_port(), 86_400)
+
+
+def test_relative_capacity_sets_the_slo_at_twice_plain_decodings_own_tpot_at_one_client():
+    from bench.bench_workloads import relative_capacity
+
+    def cell(n, phase, tpots):
+        return {"clients": n, "phase": phase, "tpot_ms": tpots, "tpot_ms_p50": sorted(tpots)[len(tpots) // 2]}
+
+    cells = [cell(1, "plain", [40.0, 50.0, 60.0]), cell(1, "edge", [20.0, 20.0, 20.0]),
+             cell(2, "plain", [90.0, 99.0, 101.0]), cell(2, "edge", [30.0, 100.0, 100.0]),
+             cell(4, "plain", [150.0, 150.0, 150.0]), cell(4, "edge", [100.0, 100.0, 100.0])]
+    report = relative_capacity(cells)
+    assert report["relative_tpot_slo_ms"] == 100.0  # twice the one-client plain p50 of 50 ms
+    # plain's 101 ms at 2 clients misses (2 of 3 < 0.9); the edge meets it up to 4 (100 <= 100)
+    assert report["capacity_at_relative_slo"] == {"plain": 1, "edge": 4}
+    assert relative_capacity([c for c in cells if c["clients"] != 1]) == {}
