@@ -479,9 +479,9 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
 
 def relative_capacity(cells: list[dict], factor: float = 2.0) -> dict:
     """Capacity at an SLO of ``factor`` times plain decoding's own TPOT p50 at one client in the
-    same run (how the fixed 60 ms was first chosen, on mixed tasks): the fixed SLO's meaning
-    moves with the machine's speed and the tasks' prompts, this one does not. Empty when the
-    run has no one-client plain cell."""
+    same run (how the fixed 60 ms was first chosen, on mixed tasks): a fixed SLO means more or
+    less room for batching as the machine's speed and the tasks' prompts move, this one scales
+    with them. Empty when the run has no one-client plain cell."""
     alone = [c for c in cells if c["clients"] == 1 and c["phase"] == "plain"]
     if not alone:
         return {}
