@@ -468,7 +468,9 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                   "tpot_ms_p50": round(statistics.median(tpot), 2),
                                   "tpot_ms_p90": round(nearest_rank(tpot, 0.9), 2),
                                   "attainment": round(sum(t <= args.tpot_slo_ms for t in tpot) / len(tpot), 3),
-                                  "tpot_ms": sorted(round(t, 2) for t in tpot)})
+                                  "tpot_ms": sorted(round(t, 2) for t in tpot),
+                                  "by_request": [[task["id"], r["tokens"], round(t, 2)]  # run_clients' order: work's
+                                                 for task, r, t in zip((t for mine in work for t in mine), replies, tpot)]})
                     print(f"capacity: {n} clients, {phase}: attainment {cells[-1]['attainment']}, "
                           f"TPOT p50 {cells[-1]['tpot_ms_p50']} ms", file=sys.stderr, flush=True)
     report = {"cells": cells, "tpot_slo_ms": args.tpot_slo_ms, "capacity_at_slo": capacity_at_slo(cells),

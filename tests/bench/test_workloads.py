@@ -221,3 +221,14 @@ def test_relative_capacity_sets_the_slo_at_twice_plain_decodings_own_tpot_at_one
     # plain's 101 ms at 2 clients misses (2 of 3 < 0.9); the edge meets it up to 4 (100 <= 100)
     assert report["capacity_at_relative_slo"] == {"plain": 1, "edge": 4}
     assert relative_capacity([c for c in cells if c["clients"] != 1]) == {}
+
+
+def test_run_clients_returns_replies_in_the_order_of_its_work(monkeypatch):
+    """capacity_mode names each reply by zipping run_clients' replies with its work, flattened."""
+    import bench.bench_workloads as bw
+
+    monkeypatch.setattr(bw, "post", lambda port, task, max_tokens: {"port": port, "id": task["id"]})
+    work = [[{"id": f"c{i}t{c}"} for c in range(3)] for i in range(4)]
+    replies = bw.run_clients([100 + i for i in range(4)], work, 8)
+    assert [r["id"] for r in replies] == [t["id"] for mine in work for t in mine]
+    assert [r["port"] for r in replies] == [100 + i for i in range(4) for _ in range(3)]
