@@ -51,6 +51,7 @@ import random
 import statistics
 import sys
 import time
+from typing import NamedTuple
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -178,6 +179,29 @@ def _features(work: Path, target, tokenizer, corpus_tokens: int, log) -> tuple[l
     return seqs, feats
 
 
+def windows(seqs, feats, length: int):
+    """Endless training batches: ``BATCH`` windows of ``length`` tokens (and their features), each
+    from a sequence drawn by its length and a start drawn in it (seed 0, the same draws whatever
+    ``length`` up to ``SEQ + 1``)."""
+    lengths = np.array([len(s) for s in seqs])
+    usable = np.where(lengths > SEQ + 2)[0]
+    weights = lengths[usable] / lengths[usable].sum()
+    rng = np.random.default_rng(0)
+    while True:
+        xs, fs = [], []
+        for r in rng.choice(usable, BATCH, p=weights):
+            s = int(rng.integers(0, lengths[r] - SEQ - 1))
+            xs.append(torch.from_numpy(seqs[r][s : s + length]))
+            fs.append(feats[r][s : s + length])
+        yield torch.stack(xs), torch.stack(fs)
+
+
+def set_lr(opt: torch.optim.Optimizer, peak: float, step: int, steps: int, warmup: int) -> None:
+    """A linear warm-up over ``warmup`` steps, then a cosine decay to 0 at ``steps``."""
+    for group in opt.param_groups:
+        group["lr"] = peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
 def _train(target, keep: torch.Tensor, seqs, feats, steps: int, peak: float, depth: int, start: dict | None, desc: str) -> tuple[dict, list]:
     torch.manual_seed(0)
     head = FeatureHead(target)
@@ -186,23 +210,13 @@ def _train(target, keep: torch.Tensor, seqs, feats, steps: int, peak: float, dep
     params = [p for n, p in head.named_parameters() if not n.startswith("embed.")]
     opt = torch.optim.AdamW(params, lr=peak, weight_decay=0.0)
     head_rows = target.lm_head.weight.detach()[keep].float()
-    lengths = np.array([len(s) for s in seqs])
-    usable = np.where(lengths > SEQ + 2)[0]
-    weights = lengths[usable] / lengths[usable].sum()
-    rng = np.random.default_rng(0)
     masks = {s: chain_mask(SEQ, s) for s in range(2, depth + 1)}
     curve = []
     started = time.perf_counter()
+    batches = windows(seqs, feats, SEQ + 1)
     for step in tqdm(range(steps), desc=desc, unit="step", mininterval=0.1 if sys.stderr.isatty() else 10.0):
-        for group in opt.param_groups:
-            group["lr"] = peak * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        rows = rng.choice(usable, BATCH, p=weights)
-        fs, xs = [], []
-        for r in rows:
-            s = int(rng.integers(0, lengths[r] - SEQ - 1))
-            fs.append(feats[r][s : s + SEQ + 1])
-            xs.append(torch.from_numpy(seqs[r][s : s + SEQ + 1]))
-        f, x = torch.stack(fs), torch.stack(xs)
+        set_lr(opt, peak, step, steps, warmup=50)
+        x, f = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if depth == 1:
                 pred = head(f[:, :-1], x[:, 1:])
@@ -231,10 +245,11 @@ def _train(target, keep: torch.Tensor, seqs, feats, steps: int, peak: float, dep
 
 
 @torch.inference_mode()
-def _evaluate(work: Path, target32, draft_fn, label: str) -> dict:
-    """The first-token agreement and the chains of module docstring's stage 5 on each held-out
-    group; ``draft_fn`` is a :class:`_HeadDrafts` or a :class:`_ModelDrafts` (``first``: the
-    draft's token after every position; ``chain``: its ``S`` greedy tokens after position ``t + 1``)."""
+def _evaluate(work: Path, target32, draft_fn, label: str, chains: bool = True) -> dict:
+    """The first-token agreement and (with ``chains``) the chains of module docstring's stage 5 on
+    each held-out group; ``draft_fn`` is a :class:`_HeadDrafts` or a :class:`_ModelDrafts`
+    (``first``: the draft's token after every position; ``chain``: its ``S`` greedy tokens after
+    position ``t + 1``)."""
     weight = target32.lm_head.weight
     out = {}
     for name in ("chat", "tasks", "code"):
@@ -249,15 +264,15 @@ def _evaluate(work: Path, target32, draft_fn, label: str) -> dict:
             first = draft_fn.first(x, hs)  # first[t]: the draft's token for position t + 1, from the text up to t
             hit = first[start - 1 : len(ids) - 1] == greedy[start - 1 : len(ids) - 1]
             agree, total = agree + int(hit.sum()), total + hit.numel()
-            for t in range(start - 1, len(ids) - 2, 4):  # known: the text up to t + 1 (t + 1: the round's bonus token)
+            for t in range(start - 1, len(ids) - 2, 4) if chains else ():  # known: the text up to t + 1 (t + 1: the round's bonus token)
                 drafted = draft_fn.chain(x, hs, t)
                 k = 0
                 while k < S and t + 2 + k < len(ids) and int(drafted[k]) == int(greedy[t + 1 + k]):
                     k += 1
                 chain[k] += 1
-        rounds = sum(chain)
-        out[name] = {"first_token_greedy": round(agree / total, 4), "positions": total,
-                     "chain_accepted_mean": round(sum(i * c for i, c in enumerate(chain)) / rounds, 3), "chain_histogram": chain}
+        out[name] = {"first_token_greedy": round(agree / total, 4), "positions": total}
+        if chains:
+            out[name].update(chain_accepted_mean=round(sum(i * c for i, c in enumerate(chain)) / sum(chain), 3), chain_histogram=chain)
     return out
 
 
@@ -310,32 +325,71 @@ def _step_ms(fn, repeats: int = 200) -> float:
     return round(statistics.median(times), 3)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="an EAGLE-style head's held-out acceptance on the real pair")
-    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "goodspeed" / "bench" / "feature-head")
+def stage_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of stages 1-2, which bench_truncated_draft shares (it reuses their folder)."""
+    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "goodspeed" / "bench" / "feature-head",
+                        help="where the stages are kept and reused")
     parser.add_argument("--extra-chat", type=int, default=480, help="the large recipe's extra chat requests to train on")
     parser.add_argument("--corpus-tokens", type=int, default=300_000)
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--ttt-steps", type=int, default=500)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+
+class Stages(NamedTuple):
+    """Stages 1-2, made or reused: the work folder, the models' folders, the pruned head's tokens,
+    the bf16 target, and the training sequences with the target's features over them."""
+
+    work: Path
+    target_dir: Path
+    large_dir: Path
+    keep: torch.Tensor
+    target: torch.nn.Module
+    seqs: list
+    feats: list
+
+
+def prepare_stages(parser: argparse.ArgumentParser, args: argparse.Namespace, log) -> Stages:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
     target_dir, large_dir = real_model_path("smollm2-135m"), real_model_path("smollm2-135m-draft-large")
     if not (large_dir / HEAD_FILE).exists():
-        parser.error("the head's vocabulary is the large recipe's pruned head: run `goodspeed models get smollm2-135m --recipe large` first")
+        parser.error("the vocabulary is the large recipe's pruned head: run `goodspeed models get smollm2-135m --recipe large` first")
     work = args.work / f"extra{args.extra_chat}"
     work.mkdir(parents=True, exist_ok=True)
-    log = lambda message: print(message, flush=True)  # noqa: E731
     keep = torch.tensor(json.loads((large_dir / HEAD_FILE).read_text())["tokens"])
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
     _transcripts(work, target, tokenizer, args.extra_chat, log)
     seqs, feats = _features(work, target, tokenizer, args.corpus_tokens, log)
-    report: dict = {"command": " ".join(["python -m bench.bench_feature_head", *(argv if argv is not None else sys.argv[1:])]),
-                    "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.processor() or platform.machine(),
-                    "train_tokens": int(sum(len(s) for s in seqs)), "curves": {}, "eval": {}}
+    return Stages(work, target_dir, large_dir, keep, target, seqs, feats)
+
+
+def report_header(module: str, argv: list[str] | None, seqs) -> dict:
+    return {"command": " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])]),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.processor() or platform.machine(),
+            "train_tokens": int(sum(len(s) for s in seqs))}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def write_json(path: Path | None, report: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="an EAGLE-style head's held-out acceptance on the real pair")
+    stage_arguments(parser)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--ttt-steps", type=int, default=500)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    work, target_dir, large_dir, keep, target, seqs, feats = prepare_stages(parser, args, log)
+    report = {**report_header("bench.bench_feature_head", argv, seqs), "curves": {}, "eval": {}}
     heads = {}
     for name, steps, peak, depth, start in (("head", args.steps, 1e-3, 1, None), ("head+ttt", args.ttt_steps, 5e-4, DEPTH, "head")):
         path = work / (f"{name}-{args.corpus_tokens}-{args.steps}" + (f"-{args.ttt_steps}" if start else "") + ".pt")
@@ -365,9 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     report["step_ms"] = {"head": _step_ms(lambda: head(feature, token) @ rows.T),
                          "draft-large": _step_ms(lambda: large16(input_ids=token).logits)}
     log(f"one draft step (ms, one thread, bf16, no cache): {report['step_ms']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0
 
 

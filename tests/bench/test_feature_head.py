@@ -59,3 +59,19 @@ def test_one_forward_over_three_streams_equals_drafting_step_by_step(bench):
     # negative control: the same streams under a plain causal mask see other chains' steps
     causal = head(torch.cat([f, f1, f2], 1), x.repeat(1, 3), torch.arange(length).repeat(3))
     assert not torch.allclose(causal[0, 2 * length + length - 1], all3[0, 2 * length + length - 1], atol=1e-3)
+
+
+def test_training_windows_draw_the_same_starts_at_either_length(bench):
+    """The head trains on windows of SEQ + 1 tokens and the truncated draft on SEQ: both read the
+    same draws, so a window of SEQ is the head's window less its last token."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 100, int(n)) for n in rng.integers(50, 700, 40)]
+    feats = [torch.randn(len(s), 3) for s in seqs]
+    short, long = bench.windows(seqs, feats, bench.SEQ), bench.windows(seqs, feats, bench.SEQ + 1)
+    for _ in range(4):
+        (x, f), (x1, f1) = next(short), next(long)
+        assert x.shape == (bench.BATCH, bench.SEQ) and x1.shape == (bench.BATCH, bench.SEQ + 1)
+        assert torch.equal(x, x1[:, :-1]) and torch.equal(f, f1[:, :-1])
+    assert not torch.equal(next(short)[0], x)  # later batches are new draws
