@@ -5,6 +5,7 @@
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
                                     [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
                                     [--local-load closed|steady] [--waves 3] [--local-control] [--device cuda]
+                                    [--local-floors 0.97,0] [--capacity-phases local,edge]
 
 The tasks are ``bench/workloads/tasks.jsonl``, written for this project: code completion, code
 editing, summary and extraction from a given passage, question answering over a given context,
@@ -33,7 +34,10 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   reply to the last request's sending, the tail left out. With ``--local-control`` a second
   plain-decoding server (``plain-2``) runs as the others do: two identical servers' figures part
   by several percent within a run (each process's own speed), which bounds what a source's
-  ratio can say.
+  ratio can say. ``--local-floors 0.97,0`` serves each source at each ``--local-floor``
+  (configs ``SOURCE:floor=F``). Each cell also gives its slowest request's TPOT over plain
+  decoding's for the same request (``tpot_over_plain_max``) and how many ran over 1/0.97 of it
+  (``slower_than_097``).
 * ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
   once (each its share, one at a time), against the same verifier's batched plain decoding of the
   same tasks ``--nodes`` at a time; the figure is the verifier's CPU seconds per generated token
@@ -43,7 +47,10 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   (local serving with ``--fleet-source``, goodput policy) and N edge nodes with
   ``--fleet-source``; per cell the share of requests whose wall time per token meets
   ``--tpot-slo-ms``, and per server the most clients up to which every cell has 90% attainment;
-  with 1 among ``--clients``, the same at twice plain decoding's own TPOT at one client.
+  with 1 among ``--clients``, the same at twice plain decoding's own TPOT at one client. Each cell
+  keeps its requests' TPOTs (``by_request``, in the order sent) and each over plain decoding's for
+  the same request (``tpot_over_plain``); ``--local-floors`` runs centralised speculation at each
+  floor, ``--capacity-phases`` leaves out the edge nodes or centralised speculation.
 
 ``--device`` puts every verifier on that device (``cuda``: a GPU; ``--verifier-flags=--cuda-graphs``
 replays its steps as CUDA graphs); the edge nodes stay on the CPU they are pinned
@@ -92,8 +99,9 @@ def load_tasks(path: Path = TASKS) -> list[dict]:
 
 def source_name(source: str, draft: str) -> str:
     """What a node or a verifier is given for ``source``; ``model@SPEC`` and ``hybrid@SPEC`` draft
-    with the model SPEC instead of the pair's (``model@real:smollm2-135m-draft-large``)."""
-    source, _, other = source.partition("@")
+    with the model SPEC instead of the pair's (``model@real:smollm2-135m-draft-large``); a local
+    config's ``:floor=F`` (:func:`floor_configs`) is the verifier's flag, not the source's."""
+    source, _, other = source.partition(":floor=")[0].partition("@")
     draft = other or draft
     return {"model": draft, "ngram": "ngram", "suffix": "suffix", "hybrid": f"suffix+{draft}"}[source]
 
@@ -102,6 +110,34 @@ def _known_source(source: str) -> bool:
     """A source of :data:`SOURCES`, or ``model@MODEL`` / ``hybrid@MODEL`` (a lookup takes no model)."""
     base, _, model = source.partition("@")
     return base in SOURCES and (not model or base in ("model", "hybrid"))
+
+
+def floor_configs(sources: list[str], floors: list[str]) -> list[str]:
+    """Local serving's configs: each source at each of ``--local-floors`` (``SOURCE:floor=F``,
+    served with ``--local-floor F``), or each source at the verifier's default floor.
+
+    >>> floor_configs(["ngram"], ["0.97", "0"]), floor_configs(["ngram"], [])
+    (['ngram:floor=0.97', 'ngram:floor=0'], ['ngram'])
+    """
+    return [f"{s}:floor={f}" for s in sources for f in floors] if floors else list(sources)
+
+
+def _floor_flags(config: str) -> list[str]:
+    """``--local-floor F`` for a ``SOURCE:floor=F`` config, nothing for the others."""
+    _, found, floor = config.partition(":floor=")
+    return ["--local-floor", floor] if found else []
+
+
+def tpot_over_plain(replies: list[dict], plain: list[dict]) -> list[float]:
+    """Each request's time per output token (wall time over tokens) over plain decoding's for the
+    same request, in order: how much faster (< 1) or slower (> 1) speculation made each one
+    (a request plain decoding timed at 0 s, as hand-made rows may, left out).
+
+    >>> tpot_over_plain([{"wall_s": 1.0, "tokens": 10}, {"wall_s": 3.0, "tokens": 10}], [{"wall_s": 2.0, "tokens": 10}] * 2)
+    [0.5, 1.5]
+    """
+    return [round((r["wall_s"] / max(1, r["tokens"])) / (p["wall_s"] / max(1, p["tokens"])), 4)
+            for r, p in zip(replies, plain) if p["wall_s"] > 0]
 
 
 def _label(config: str) -> str:
@@ -319,14 +355,14 @@ def local_flags(args, config: str, draft: str) -> list[str]:
     if config in ("plain", "plain-2"):
         return ["--local-draft", "ngram", "--local-policy", "none"]
     return ["--local-draft", source_name(config, draft), "--local-policy", args.local_policy, "--local-k", str(args.local_k),
-            "--local-max-k", str(args.local_k), "--local-budget", str(args.budget)]
+            "--local-max-k", str(args.local_k), "--local-budget", str(args.budget), *_floor_flags(config)]
 
 
 def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
     gs = [sys.executable, "-m", "goodspeed.launch.cli"]
     rows = []
     categories = sorted({t["category"] for t in tasks}, key=[t["category"] for t in tasks].index)
-    configs = ["plain", *(["plain-2"] if args.local_control else []), *args.sources]
+    configs = ["plain", *(["plain-2"] if args.local_control else []), *floor_configs(args.sources, args.local_floors)]
     for repeat in range(args.repeats):  # fresh servers each time: no suffix cache has seen the tasks before
         ports = {}
         with Servers(out) as servers:
@@ -433,7 +469,9 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
     ``--fleet-source`` against the first verifier, one client each. A request's TPOT is its wall
     time over its tokens (time to first token included: an upper estimate). The speculating
     servers and nodes start fresh for each N, so no suffix cache has seen the tasks before; the
-    verifiers are pinned to CPU 0 and run one at a time, the nodes to CPU 1."""
+    verifiers are pinned to CPU 0 and run one at a time, the nodes to CPU 1. ``--local-floors``:
+    one centralised server a floor (``local-spec:floor=F``); ``--capacity-phases``: which of (2)
+    and (3) run."""
     gs = [sys.executable, "-m", "goodspeed.launch.cli"]
     clients = [int(n) for n in args.clients.split(",")]
     source = source_name(args.fleet_source, draft)
@@ -449,20 +487,28 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
         for n in clients:
             work = [[tasks[(i + n * c) % len(tasks)] for c in range(args.per_client)] for i in range(n)]
             with Servers(out) as fresh:
-                spec_port = free_port()
-                fresh.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(spec_port),
-                                  "--local-draft", source, "--local-policy", "goodput", "--local-k", str(args.local_k),
-                                  "--local-max-k", str(args.local_k), "--dtype", dtype, "--max-local-requests", str(n),
-                                  *verifier_flags(args)], "0", 1, f"capacity-local-{n}")
-                node_ports = [free_port() for _ in range(n)]
-                for i, port in enumerate(node_ports):
-                    fresh.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", source, "--tokenizer", target,
-                                      "--name", f"edge-{i}", "--serve", f"127.0.0.1:{port}", "--dtype", dtype, "--no-proactive",
-                                      "--max-concurrency", "1"], "1", 1, f"capacity-node-{n}-{i}")
-                for port in [spec_port, *node_ports]:
-                    fresh.wait_http(port, 600)
-                for phase, ports in (("plain", [plain_port] * n), ("local-spec", [spec_port] * n), ("edge", node_ports)):
+                phases = [("plain", [plain_port] * n)]
+                for config in floor_configs(["local-spec"], args.local_floors) if "local" in args.capacity_phases else []:
+                    spec_port = free_port()
+                    fresh.spawn(gs + ["verifier", "--target", target, "--port", str(free_port()), "--http-port", str(spec_port),
+                                      "--local-draft", source, "--local-policy", "goodput", "--local-k", str(args.local_k),
+                                      "--local-max-k", str(args.local_k), "--dtype", dtype, "--max-local-requests", str(n),
+                                      *_floor_flags(config), *verifier_flags(args)], "0", 1, f"capacity-{_label(config)}-{n}")
+                    phases.append((config, [spec_port] * n))
+                if "edge" in args.capacity_phases:
+                    node_ports = [free_port() for _ in range(n)]
+                    for i, port in enumerate(node_ports):
+                        fresh.spawn(gs + ["drafter", "--verifier", f"127.0.0.1:{grpc_port}", "--draft", source, "--tokenizer", target,
+                                          "--name", f"edge-{i}", "--serve", f"127.0.0.1:{port}", "--dtype", dtype, "--no-proactive",
+                                          "--max-concurrency", "1"], "1", 1, f"capacity-node-{n}-{i}")
+                    phases.append(("edge", node_ports))
+                for _, ports in phases[1:]:
+                    for port in dict.fromkeys(ports):
+                        fresh.wait_http(port, 600)
+                plain = []
+                for phase, ports in phases:
                     replies = run_clients(ports, work, args.max_tokens)
+                    plain = plain or replies
                     tpot = [1000 * r["wall_s"] / max(1, r["tokens"]) for r in replies]
                     cells.append({"clients": n, "phase": phase, "requests": len(tpot), "tokens": sum(r["tokens"] for r in replies),
                                   "tpot_ms_p50": round(statistics.median(tpot), 2),
@@ -470,7 +516,8 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                   "attainment": round(sum(t <= args.tpot_slo_ms for t in tpot) / len(tpot), 3),
                                   "tpot_ms": sorted(round(t, 2) for t in tpot),
                                   "by_request": [[task["id"], r["tokens"], round(t, 2)]  # run_clients' order: work's
-                                                 for task, r, t in zip((t for mine in work for t in mine), replies, tpot)]})
+                                                 for task, r, t in zip((t for mine in work for t in mine), replies, tpot)],
+                                  "tpot_over_plain": tpot_over_plain(replies, plain)})  # by_request's order
                     print(f"capacity: {n} clients, {phase}: attainment {cells[-1]['attainment']}, "
                           f"TPOT p50 {cells[-1]['tpot_ms_p50']} ms", file=sys.stderr, flush=True)
     report = {"cells": cells, "tpot_slo_ms": args.tpot_slo_ms, "capacity_at_slo": capacity_at_slo(cells),
@@ -511,6 +558,7 @@ def run_clients(ports: list[int], work: list[list[dict]], max_tokens: int) -> li
 def summarize(rows: list[dict], configs: list[str], batched: bool = False) -> dict:
     """Per category and config: tokens, seconds, tokens/s, speedup against plain, acceptance."""
     plain = {r["id"]: text_of(r["output"]) for r in rows if r["config"] == "plain"}
+    plain_rows = {r["id"]: r for r in rows if r["config"] == "plain"}
     table: dict = defaultdict(dict)
     categories = sorted({r["category"] for r in rows}, key=[r["category"] for r in rows].index)
     for category in categories + ["all"]:
@@ -533,6 +581,10 @@ def summarize(rows: list[dict], configs: list[str], batched: bool = False) -> di
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "equal_to_plain": sum(text_of(r["output"]) == plain[r["id"]] for r in mine),
             }
+            if batched:  # each request's TPOT over plain decoding's of the same request: the slowest, and how many lost 3%
+                ratios = tpot_over_plain(mine, [plain_rows[r["id"]] for r in mine])
+                table[category][config].update(tpot_over_plain_max=max(ratios, default=None),
+                                               slower_than_097=sum(x > 1 / 0.97 for x in ratios))
         base = table[category]["plain"]["tok_s"]
         for config in configs:
             cell = table[category][config]
@@ -575,6 +627,10 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", default="1,2,4,8", help="capacity: numbers of clients at once")
     parser.add_argument("--per-client", type=int, default=3, help="capacity: tasks each client sends, one after another")
     parser.add_argument("--tpot-slo-ms", type=float, default=60.0, help="capacity: the TPOT SLO")
+    parser.add_argument("--capacity-phases", default="local,edge", help="capacity: besides plain decoding, centralised "
+                        "speculation (local) and edge nodes (edge)")
+    parser.add_argument("--local-floors", default="", help="local and capacity's centralised speculation: serve each source "
+                        "at each of these --local-floor values (comma-separated; default: the verifier's own)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--summarize", default=None, metavar="REPORT",
                         help="recompute a written report's tables from its raw rows (no run) and write it back")
@@ -584,6 +640,15 @@ def main(argv=None) -> int:
         return resummarize(Path(args.summarize))
     args.sources = [s for s in args.sources.split(",") if s]
     args.draft_lengths = [r for r in args.draft_lengths.split(",") if r]
+    args.local_floors = [f for f in args.local_floors.split(",") if f]
+    args.capacity_phases = [p for p in args.capacity_phases.split(",") if p]
+    if unknown := [p for p in args.capacity_phases if p not in ("local", "edge")]:
+        parser.error(f"--capacity-phases: unknown {unknown}; known: local, edge")
+    try:
+        if any(not 0 <= float(f) <= 1 for f in args.local_floors):
+            parser.error("--local-floors: each a fraction in [0, 1]")
+    except ValueError:
+        parser.error(f"--local-floors: not numbers: {args.local_floors}")
     if unknown := [r for r in args.draft_lengths if r not in ("goodput", "allotted")]:
         parser.error(f"--draft-lengths: unknown {unknown}; known: goodput, allotted")
     if args.local_load == "steady" and args.waves < 2:

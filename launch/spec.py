@@ -232,6 +232,10 @@ class VerifierSpec(DeclaredSettings):
     local_max_depth: int = setting(6, "adaserve: D_max", to="local.max_depth")
     local_max_width: int = setting(3, "adaserve: W_max", to="local.max_width")
     local_max_k: int = setting(6, "turbospec / nightjar: largest k", to="local.max_k")
+    local_floor: float = setting(0.0, "goodput: keep every local request at least this fraction of plain decoding's pace "
+                                      "over its life, by what other requests' drafts may add to its steps (0, the default: "
+                                      "off, the batch's most tokens a second alone; on a CPU 0.97 cost more than it "
+                                      "protected: docs/MEASUREMENTS.md)", to="local.floor")
     latency_profile: str | None = setting(None, "turbospec: the JSON `goodspeed profile` wrote")
     max_local_requests: int = setting(32, "local requests decoded together; later ones wait", to="local.max_requests")
     max_local_waiting: int = setting(256, "local requests queued behind those; more are refused (RESOURCE_EXHAUSTED)",

@@ -28,7 +28,15 @@ from goodspeed.scheduler.goodspeed import (
     expected_goodput,
 )
 from goodspeed.scheduler.nightjar import NightjarBandit
-from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength, paying_batch_lengths, paying_draft_length, paying_lengths
+from goodspeed.scheduler.paying import (
+    EvidenceAcceptance,
+    PayingLength,
+    acceptance_paths,
+    paying_batch_lengths,
+    paying_draft_length,
+    paying_lengths,
+    plain_steps,
+)
 from goodspeed.scheduler.policy import AllocationInputs, DraftLengthPolicy, default_eta, make_policy, POLICIES, smoothing_of
 from goodspeed.scheduler.allotments import DraftAllotments, OwnerSizedAllotments
 from goodspeed.scheduler.tetris import presample_scores, select_by_scores, select_tokens, verification_success_rate
@@ -57,9 +65,11 @@ __all__ = [
     "fit_latency_model",
     "fixed_draft_lengths",
     "make_policy",
+    "acceptance_paths",
     "paying_batch_lengths",
     "paying_draft_length",
     "paying_lengths",
+    "plain_steps",
     "random_draft_lengths",
     "select_tokens",
     "presample_scores",

@@ -29,7 +29,9 @@ is accepted, or a paying length, resets it, so text that never pays costs ever f
 
 For a batch (local serving), :meth:`PayingLength.batch_costs` fits the step's time on its longest
 chain as well, and :func:`paying_lengths` picks every request's length from per-position
-acceptance paths. A lookup's drafts are worth what the context it matched says
+acceptance paths; given a ``floor``, only among lengths that keep each request at that fraction of
+plain decoding's pace over its life (the batch's most tokens a second can otherwise slow a
+request whose own drafts do not pay). A lookup's drafts are worth what the context it matched says
 (:class:`EvidenceAcceptance`: acceptance kept by match length), so a node or a batch drafting by
 lookup looks the longest draft up first and keeps the prefix that pays.
 
@@ -63,10 +65,10 @@ def paying_draft_length(acceptance: float, allotted: int, draft_s_per_token: flo
 
 
 def paying_batch_lengths(acceptance, allotted: int, step_s: float, verify_s_per_token: float,
-                         draft_s_per_step: float) -> list[int]:
+                         draft_s_per_step: float, credit=None, floor: float = 0.0) -> list[int]:
     """A batch's draft lengths with the most expected tokens per second: each request ``i`` with
     acceptance ``a_i`` drafts ``S_i <= allotted``, its ``s``-th token accepted with probability
-    ``a_i^s`` (:func:`paying_lengths` with those paths).
+    ``a_i^s`` (:func:`paying_lengths` with those paths, ``credit`` and ``floor``).
 
     >>> paying_batch_lengths([0.9, 0.1], 4, step_s=0.03, verify_s_per_token=0.002, draft_s_per_step=0.0)
     [4, 0]
@@ -74,10 +76,16 @@ def paying_batch_lengths(acceptance, allotted: int, step_s: float, verify_s_per_
     a = [float(x) for x in acceptance]
     if any(not 0.0 <= x <= 1.0 for x in a) or allotted < 0:
         raise ValueError("need acceptances in [0, 1] and allotted >= 0")
-    return paying_lengths([[x ** s for s in range(1, allotted + 1)] for x in a], step_s, verify_s_per_token, draft_s_per_step)
+    return paying_lengths(acceptance_paths(a, allotted), step_s, verify_s_per_token, draft_s_per_step, credit, floor)
 
 
-def paying_lengths(paths, step_s: float, verify_s_per_token: float, draft_s_per_step: float) -> list[int]:
+def acceptance_paths(acceptance, allotted: int) -> list[list[float]]:
+    """Each request's chance of its ``s``-th drafted token being taken, ``a^s`` for ``s <= allotted``."""
+    return [[float(x) ** s for s in range(1, allotted + 1)] for x in acceptance]
+
+
+def paying_lengths(paths, step_s: float, verify_s_per_token: float, draft_s_per_step: float,
+                   credit=None, floor: float = 0.0) -> list[int]:
     """A batch's draft lengths with the most expected tokens per second, where request ``i`` may
     draft up to ``len(paths[i])`` tokens, its ``s``-th accepted (with the ones before it) with
     probability ``paths[i][s-1]`` (non-increasing in ``s``): a lookup's proposal at its evidence's
@@ -89,19 +97,46 @@ def paying_lengths(paths, step_s: float, verify_s_per_token: float, draft_s_per_
     read off all of them; the best ``m`` wins (ties: the shorter). ``S = 0`` for all where nothing
     pays.
 
+    ``floor > 0`` keeps every request at least that fraction of plain decoding's pace (one token a
+    ``step_s``) over its life: ``credit[i]`` is how many tokens request ``i`` is ahead of it so
+    far (the tokens it got, less ``floor`` times the steps it waited on, each in
+    :func:`plain_steps`), and a set of lengths is taken only if every request is expected to stay
+    ahead after this step, ``credit[i] + 1 + g_i >= floor * cost / step_s`` with ``g_i`` its
+    expected accepted tokens: another request's drafts may slow a request that drafts little only
+    by what it has gained before (or ``1 - floor`` of a step a step). Among the same candidates
+    as above (exact where the best of all keeps every request ahead, or where the request held
+    back cannot gain from drafting itself), the best that keeps every request ahead wins; where
+    none does, nothing is drafted (a request behind after a step that lost regains ``1 - floor``
+    a plain step).
+
     >>> paying_lengths([[1.0, 1.0, 0.2], [0.9, 0.8], []], step_s=0.03, verify_s_per_token=0.002, draft_s_per_step=0.0)
     [2, 2, 0]
+    >>> paying_lengths([[1.0, 1.0, 0.2], [0.9, 0.8], []], 0.03, 0.002, 0.0, credit=[0, 0, 0.25], floor=1.0)
+    [2, 1, 0]
     """
     p = [[float(x) for x in path] for path in paths]
     if (any(not 0.0 <= x <= 1.0 for path in p for x in path) or any(b > a for path in p for a, b in zip(path, path[1:]))
             or step_s <= 0 or verify_s_per_token < 0 or draft_s_per_step < 0):
         raise ValueError("need paths of non-increasing probabilities in [0, 1], step_s > 0 and non-negative per-token times")
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"floor must lie in [0, 1], got {floor}")
+    ahead = None
+    if floor > 0:
+        ahead = np.zeros(len(p)) if credit is None else np.asarray(credit, dtype=np.float64)
+        if ahead.shape != (len(p),) or not np.isfinite(ahead).all():
+            raise ValueError("credit needs one finite number a path")
     best, best_rate = [0] * len(p), len(p) / step_s
     for longest in range(1, max(map(len, p), default=0) + 1):
         units = sorted(((g, i) for i, path in enumerate(p) for g in path[:longest]), key=lambda u: (-u[0], u[1]))
         gains = np.cumsum([g for g, _ in units])
         counts = np.arange(1, len(units) + 1)
-        rates = (len(p) + gains) / (step_s + draft_s_per_step * longest + verify_s_per_token * counts)
+        costs = step_s + draft_s_per_step * longest + verify_s_per_token * counts
+        rates = (len(p) + gains) / costs
+        if ahead is not None:  # each request's expected tokens after each prefix of the units, against the floor
+            mine = np.zeros((len(units), len(p)))
+            mine[np.arange(len(units)), [i for _, i in units]] = [g for g, _ in units]
+            kept = (ahead + 1.0 + np.cumsum(mine, axis=0) >= floor * costs[:, None] / step_s - 1e-12).all(axis=1)
+            rates = np.where(kept, rates, -np.inf)
         n = int(np.argmax(rates)) + 1
         if rates[n - 1] > best_rate:
             lengths = [0] * len(p)
@@ -109,6 +144,17 @@ def paying_lengths(paths, step_s: float, verify_s_per_token: float, draft_s_per_
                 lengths[i] += 1
             best, best_rate = lengths, float(rates[n - 1])
     return best
+
+
+def plain_steps(lengths, step_s: float, verify_s_per_token: float, draft_s_per_step: float) -> float:
+    """A step drafting ``lengths`` in steps of plain decoding (``step_s``, nothing drafted): what
+    it costs each request waiting on it, against which :func:`paying_lengths`' ``floor`` weighs
+    the tokens it brings.
+
+    >>> plain_steps([2, 0], 0.03, 0.003, 0.0)
+    1.2
+    """
+    return (step_s + verify_s_per_token * sum(lengths) + draft_s_per_step * max(lengths, default=0)) / step_s
 
 
 def probe_wait(misses: int, probe_every: int, max_probe_every: int) -> int:
@@ -332,17 +378,23 @@ class EvidenceAcceptance:
                 due.add(b)
         return due
 
-    def keep(self, proposals, step_s: float, verify_s_per_token: float, longest_s_per_token: float) -> list[tuple[int, bool]]:
+    def paths(self, proposals) -> list[list[float]]:
+        """For each proposal ``(request, evidence, forced, length)``, the chance of each of its
+        tokens being taken: 1 for the ``forced`` ones a grammar forces, then its evidence's
+        :meth:`rate` to the power of each looked-up token's place."""
+        return [[1.0] * forced + [self.rate(request, evidence) ** j for j in range(1, length - forced + 1)]
+                for request, evidence, forced, length in proposals]
+
+    def keep(self, proposals, step_s: float, verify_s_per_token: float, longest_s_per_token: float,
+             credit=None, floor: float = 0.0) -> list[tuple[int, bool]]:
         """For each proposal ``(request, evidence, forced, length)`` (a lookup's draft of ``length``
         tokens, its first ``forced`` forced by a grammar): how many of its tokens to keep, and
         whether that is a probe. The kept prefixes are those with the most expected tokens a
-        second (:func:`paying_lengths`: a looked-up token at its evidence's :meth:`rate`, a forced
-        one at 1; a step costs ``step_s``, ``verify_s_per_token`` a kept token and
-        ``longest_s_per_token`` a token of the longest); a proposal that keeps none of its
+        second (:func:`paying_lengths` over :meth:`paths`, with its ``credit`` and ``floor``; a
+        step costs ``step_s``, ``verify_s_per_token`` a kept token and ``longest_s_per_token`` a
+        token of the longest); a proposal that keeps none of its
         looked-up tokens keeps one where its class is due a probe (:meth:`due_probes`, one a class)."""
-        paths = [[1.0] * forced + [self.rate(request, evidence) ** j for j in range(1, length - forced + 1)]
-                 for request, evidence, forced, length in proposals]
-        chosen = paying_lengths(paths, step_s, verify_s_per_token, longest_s_per_token)
+        chosen = paying_lengths(self.paths(proposals), step_s, verify_s_per_token, longest_s_per_token, credit, floor)
         looked = [(evidence, forced, length, n) for (_, evidence, forced, length), n in zip(proposals, chosen)]
         due = self.due_probes([e for e, f, _, n in looked if n > f],
                               [e for e, f, length, n in looked if n <= f < length])

@@ -86,6 +86,7 @@ class LocalConfig:
     initial_acceptance: float = 0.5  # turbospec: pooled acceptance before any local draft was verified
     seed: int | None = None  # root seed of the local streams; None: the engine's root seed
     admission: str = "count"  # which waiting requests join the batch: count or slo (goodspeed.scheduler.admission)
+    floor: float = 0.0  # goodput: each request's least pace over its life, a fraction of plain decoding's (0: off)
     adapt: bool = False  # the draft model learns the requests served (goodspeed.verifier.local_adapt)
     adapt_every: int = 16  # finished requests between two fine-tunes
     adapt_dir: str | None = None  # where adopted weights persist across restarts
@@ -100,6 +101,8 @@ class LocalConfig:
         if self.budget < 1 or self.max_depth < 1 or self.max_width < 1 or self.max_slo_tree_size < 1:
             raise ValueError("budget, max_depth, max_width and max_slo_tree_size must be >= 1")
         LOCAL_POLICY_CLASSES[self.policy].check(self)
+        if not 0.0 <= self.floor <= 1.0 or (self.floor and self.policy != "goodput"):
+            raise ValueError(f"floor is the goodput policy's, a fraction in [0, 1]; got {self.floor} with policy {self.policy!r}")
         if not 0 < self.iteration_smoothing <= 1:
             raise ValueError("iteration_smoothing must lie in (0, 1]")
         if self.admission not in ADMISSIONS:
@@ -377,7 +380,8 @@ class LocalServing:
             self.admission.observe(len(reqs), emitted, duration)
         w = self.config.iteration_smoothing
         self.t_spec_s = duration if self.totals["steps"] == 0 else w * duration + (1 - w) * self.t_spec_s
-        self.policy.observe(len(reqs), k, emitted, duration, prefill_tokens=result.prefill_tokens)
+        # the policy learns what planning and the round cost, not the whole prompts admitted before them
+        self.policy.observe(len(reqs), k, emitted, now - work.planning, prefill_tokens=result.prefill_tokens)
         self.retry_hint_s = self.retry_after_s()
         for key, value in (("steps", 1), ("drafted", drafted), ("accepted", accepted), ("emitted", emitted),
                            ("drafting_s", work.planned - work.planning), ("round_s", now - work.planned)):

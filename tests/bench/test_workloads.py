@@ -56,6 +56,19 @@ def test_a_steady_batch_counts_its_window_and_a_closed_batch_its_wall_time():
     assert (out["plain"]["tok_s"], out["src"]["tok_s"], out["src"]["speedup"]) == (20.0, 22.0, 1.1)
 
 
+def test_each_local_request_is_timed_against_plain_decodings_of_the_same_request():
+    """Local serving: per category and config, the slowest request's TPOT over plain decoding's of
+    the same request, and how many ran more than 3% slower (the never-slower floor), from each
+    reply's own wall time: a batch whose total is faster can still hold a slower request."""
+    from bench.bench_workloads import summarize
+
+    text = json.dumps({"content": "x", "tool_calls": None})
+    rows = [{**row(config, "a", str(i), wall, 10, text), "batch": 0, "batch_wall_s": 4.0}
+            for config, walls in (("plain", (1.0, 1.0, 1.0)), ("src", (0.5, 1.02, 1.2))) for i, wall in enumerate(walls)]
+    out = summarize(rows, ["plain", "src"], batched=True)["by_category"]["a"]["src"]
+    assert (out["tpot_over_plain_max"], out["slower_than_097"]) == (1.2, 1)
+
+
 def test_a_steady_run_needs_two_waves():
     from bench.bench_workloads import run_steady
 
@@ -159,6 +172,21 @@ def test_the_local_control_is_a_second_plain_server():
     assert local_flags(args, "plain-2", "real:d")[-2:] == ["--local-policy", "none"]
     ngram = local_flags(args, "ngram", "real:d")
     assert ngram[:4] == ["--local-draft", "ngram", "--local-policy", "goodput"] and "--local-k" in ngram
+    assert "--local-floor" not in ngram
+
+
+def test_local_floors_serve_each_source_at_each_floor():
+    """``--local-floors 0.97,0``: each source twice, its config naming the floor its verifier gets."""
+    import argparse
+
+    from bench.bench_workloads import floor_configs, local_flags, source_name
+
+    args = argparse.Namespace(local_policy="goodput", local_k=6, budget=32)
+    configs = floor_configs(["ngram", "model"], ["0.97", "0"])
+    assert configs == ["ngram:floor=0.97", "ngram:floor=0", "model:floor=0.97", "model:floor=0"]
+    assert local_flags(args, "ngram:floor=0", "real:d")[:2] == ["--local-draft", "ngram"]
+    assert local_flags(args, "ngram:floor=0", "real:d")[-2:] == ["--local-floor", "0"]
+    assert source_name("model:floor=0.97", "real:d") == "real:d"
 
 
 def test_a_source_may_name_another_model_draft():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from goodspeed.scheduler.goodspeed import expected_goodput
-from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength, paying_batch_lengths, paying_draft_length, paying_lengths
+from goodspeed.scheduler.paying import (EvidenceAcceptance, PayingLength, paying_batch_lengths, paying_draft_length, paying_lengths,
+                                        plain_steps)
 
 
 @pytest.mark.parametrize("a, draft, rnd, verify", list(itertools.product(
@@ -113,14 +114,12 @@ def test_a_batch_drafts_for_the_requests_that_pay_and_nothing_where_none_does():
     assert paying_batch_lengths([0.05] * 8, 6, 0.2, 0.004, 0.003) == [0] * 8
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_lengths_over_per_position_paths_have_the_most_tokens_per_second(seed):
-    """Each request's own non-increasing path (forced tokens at 1, then a lookup's falling
-    probabilities), capped by its length, against every combination."""
-    rng = np.random.default_rng(seed)
+def random_batch(rng, most_forced: int = 2):
+    """Three requests' paths (up to ``most_forced`` forced tokens at 1, then a lookup's falling
+    probabilities, up to three) and a step's costs, drawn from ``rng``."""
     paths = []
     for _ in range(3):
-        forced = int(rng.integers(0, 3))
+        forced = int(rng.integers(0, most_forced + 1))
         a = float(rng.choice([0.0, 0.2, 0.5, 0.8, 1.0]))
         paths.append([1.0] * forced + [a ** j for j in range(1, int(rng.integers(0, 4)) + 1)])
     step, verify, draft = rng.choice([0.01, 0.05]), rng.choice([0.0, 0.001, 0.01]), rng.choice([0.0, 0.002, 0.02])
@@ -129,9 +128,58 @@ def test_lengths_over_per_position_paths_have_the_most_tokens_per_second(seed):
         tokens = sum(1 + sum(path[:s]) for path, s in zip(paths, lengths))
         return tokens / (step + verify * sum(lengths) + draft * max(lengths))
 
+    return paths, (step, verify, draft), rate
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lengths_over_per_position_paths_have_the_most_tokens_per_second(seed):
+    """Each request's own non-increasing path (forced tokens at 1, then a lookup's falling
+    probabilities), capped by its length, against every combination."""
+    paths, (step, verify, draft), rate = random_batch(np.random.default_rng(seed))
+
     best = max(rate(s) for s in itertools.product(*(range(len(p) + 1) for p in paths)))
     got = paying_lengths(paths, step, verify, draft)
     assert rate(got) == pytest.approx(best) and all(0 <= s <= len(p) for s, p in zip(got, paths))
+
+
+def test_a_request_with_no_credit_and_nothing_to_draft_holds_the_others_drafts():
+    """Under a floor, a request that drafts nothing may be slowed by the others' drafts only by
+    its credit: none, then the floor's slack, then two tokens' worth. Negative control: without
+    a floor the batch's most tokens a second drafts the paying request's whole path."""
+    paths, costs = [[0.9] * 4, []], (0.03, 0.003, 0.0)
+    assert paying_lengths(paths, *costs) == [4, 0]
+    assert paying_lengths(paths, *costs, credit=[0.0, 0.0], floor=1.0) == [0, 0]
+    assert paying_lengths(paths, *costs, credit=[0.0, 0.0], floor=0.9) == [1, 0]  # 1 >= 0.9 * 1.1
+    assert paying_lengths(paths, *costs, credit=[0.0, 0.2], floor=1.0) == [2, 0]  # 1.2 >= 1.2
+    assert paying_lengths(paths, *costs, credit=[0.0, 5.0], floor=1.0) == [4, 0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lengths_under_a_floor_keep_every_request_ahead_and_are_the_best_where_the_floor_does_not_bind(seed):
+    """Against every combination: the lengths chosen under a floor leave every request's expected
+    credit non-negative (or draft nothing), and where the best lengths of all do so too, they are
+    chosen; a floor of 0 changes nothing."""
+    rng = np.random.default_rng(seed)
+    paths, (step, verify, draft), rate = random_batch(rng, most_forced=1)
+    credit, floor = list(rng.choice([0.0, 0.05, 0.2, 1.0], size=3)), float(rng.choice([0.9, 0.97, 1.0]))
+
+    def ahead(lengths):
+        cost = plain_steps(lengths, step, verify, draft)
+        return all(c + 1 + sum(path[:s]) >= floor * cost - 1e-9 for c, path, s in zip(credit, paths, lengths))
+
+    every = list(itertools.product(*(range(len(p) + 1) for p in paths)))
+    best = max(every, key=rate)
+    got = paying_lengths(paths, step, verify, draft, credit, floor)
+    assert ahead(got) or got == [0, 0, 0]
+    if ahead(best):
+        assert rate(got) == pytest.approx(rate(best))
+    assert paying_lengths(paths, step, verify, draft, credit, 0.0) == paying_lengths(paths, step, verify, draft)
+
+
+def test_a_floor_is_a_fraction_and_credit_one_number_a_request():
+    for floor, credit in ((1.5, None), (-0.1, None), (0.9, [0.0]), (0.9, [0.0, float("nan")])):
+        with pytest.raises(ValueError):
+            paying_lengths([[0.5], [0.5]], 0.03, 0.001, 0.0, credit, floor)
 
 
 def test_paths_must_be_probabilities_that_do_not_rise():

@@ -281,6 +281,71 @@ def test_the_goodput_policy_keeps_a_lookups_drafts_by_their_evidence(models, by_
         assert accepted < 0.6 * drafted, (drafted, accepted)
 
 
+class SplitLookup(OracleLookup):
+    """A lookup that knows the greedy continuation of some prompts (``good``: proposed, backed by a
+    long match) and proposes wrong tokens for the others (backed by one matched token)."""
+
+    name = "split"
+
+    def __init__(self, vocab_size, truth, good):
+        super().__init__(vocab_size, truth)
+        self.good = good
+
+    def _propose(self, state, max_tokens):
+        prompt = next(p for p in self.truth if tuple(state[: len(p)]) == p)
+        done = len(state) - len(prompt)
+        tokens = self.truth[prompt][done : done + max_tokens]
+        if prompt in self.good:
+            return tokens, 6
+        return [(t + 1) % self.vocab_size for t in tokens], 1
+
+
+def _split_batch(target, policy, **kw):
+    """Three requests whose lookups are always right beside three whose are always wrong, under the
+    simulated clock (each drafted token adds 2% to a step): each request's decoding time a token."""
+    prompts = [tuple(p) for p in PROMPTS]
+    truth = {p: greedy_reference(target, list(p), 96) for p in prompts}
+    source = SplitLookup(target.config.vocab_size, truth, good=set(prompts[:3]))
+    source.free_proposals = True
+    serving = serve(target, source, policy, max_requests=6, k=4, max_k=4, **kw)
+    for i, p in enumerate(prompts):
+        serving.submit(list(p), max_new_tokens=96 if i < 3 else 32)
+    drain(serving)
+    done = {tuple(r.prompt_ids): r for r in serving.finished}
+    assert all(done[p].generated == truth[p][: len(done[p].generated)] for p in prompts)
+    return [done[p].tpot_s for p in prompts], serving.stats()
+
+
+def test_the_goodput_floor_keeps_a_request_whose_drafts_do_not_pay_at_plain_decodings_pace(models):
+    """A floor of 0.97: the requests whose lookups never pay decode at least 0.97x as fast as
+    under plain decoding in the same batch (TPOT in modelled time: deterministic), their first
+    steps' losses (drafts of their own, taken at the lookup's prior acceptance) paid back by the
+    others drafting less, while the others still draft and run faster. Negative control: with
+    the floor off (the default), the batch's most tokens a second has the paying requests draft
+    all they can, and the others run more than 5% slower than plain decoding."""
+    target, _ = models
+    plain, _ = _split_batch(target, "none")
+    floored, stats = _split_batch(target, "goodput", floor=0.97)
+    free, free_stats = _split_batch(target, "goodput")
+    assert all(f <= p / 0.97 for f, p in zip(floored[3:], plain[3:])), (floored, plain)
+    assert all(f < 0.6 * p for f, p in zip(floored[:3], plain[:3])) and stats["accepted"] > 0
+    assert all(f > 1.05 * p for f, p in zip(free[3:], plain[3:])), (free, plain)
+    assert free_stats["drafted"] > stats["drafted"]
+
+
+def test_the_policy_learns_a_steps_cost_without_the_prompts_prefilled_at_admission(models):
+    """Prompts prefilled whole as they are admitted (no chunking) run before the step's planning;
+    the goodput policy's fitted step cost leaves them out (modelled time: a step of six requests
+    costs about 11 ms here, the six prefills some 65 ms more)."""
+    target, draft = models
+    serving = serve(target, draft, "goodput", max_requests=6, k=2, max_k=2)
+    for p in PROMPTS:
+        serving.submit(p, max_new_tokens=8)
+    report = serving.step()
+    step_s = serving.policy.costs.batch_costs()[0]
+    assert report.duration_s > 0.05 and step_s < 0.02, (report.duration_s, step_s)
+    drain(serving)
+
 def test_the_wait_queue_is_bounded(models):
     """1,000 queued Generate requests used to be accepted (+130 MB); past max_waiting they are refused."""
     target, draft = models
