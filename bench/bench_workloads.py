@@ -5,7 +5,7 @@
                                     [--draft-lengths goodput,allotted] [--dtype auto] [--max-tokens 96] [--batch 8]
                                     [--categories A,B] [--verifier-flags '--rounds async ...'] [--json PATH]
                                     [--local-load closed|steady] [--waves 3] [--local-control] [--device cuda]
-                                    [--local-floors 0.97,0] [--capacity-phases local,edge]
+                                    [--local-floors 0.97,0] [--capacity-phases local,edge,control]
 
 The tasks are ``bench/workloads/tasks.jsonl``, written for this project: code completion, code
 editing, summary and extraction from a given passage, question answering over a given context,
@@ -50,7 +50,9 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   with 1 among ``--clients``, the same at twice plain decoding's own TPOT at one client. Each cell
   keeps its requests' TPOTs (``by_request``, in the order sent) and each over plain decoding's for
   the same request (``tpot_over_plain``); ``--local-floors`` runs centralised speculation at each
-  floor, ``--capacity-phases`` leaves out the edge nodes or centralised speculation.
+  floor, ``--capacity-phases`` leaves out the edge nodes or centralised speculation, or adds a
+  second pass of plain decoding (``control``: ``plain-2``) to show how far a request's TPOT moves
+  between two runs of the same server.
 
 ``--device`` puts every verifier on that device (``cuda``: a GPU; ``--verifier-flags=--cuda-graphs``
 replays its steps as CUDA graphs); the edge nodes stay on the CPU they are pinned
@@ -471,7 +473,8 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
     servers and nodes start fresh for each N, so no suffix cache has seen the tasks before; the
     verifiers are pinned to CPU 0 and run one at a time, the nodes to CPU 1. ``--local-floors``:
     one centralised server a floor (``local-spec:floor=F``); ``--capacity-phases``: which of (2)
-    and (3) run."""
+    and (3) run, and ``control``: (1) again after them (``plain-2``), whose ``tpot_over_plain``
+    is how far the same request moves between two runs of the same server."""
     gs = [sys.executable, "-m", "goodspeed.launch.cli"]
     clients = [int(n) for n in args.clients.split(",")]
     source = source_name(args.fleet_source, draft)
@@ -502,6 +505,8 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                                           "--name", f"edge-{i}", "--serve", f"127.0.0.1:{port}", "--dtype", dtype, "--no-proactive",
                                           "--max-concurrency", "1"], "1", 1, f"capacity-node-{n}-{i}")
                     phases.append(("edge", node_ports))
+                if "control" in args.capacity_phases:  # plain decoding again, last: how far a request moves between two runs
+                    phases.append(("plain-2", [plain_port] * n))
                 for _, ports in phases[1:]:
                     for port in dict.fromkeys(ports):
                         fresh.wait_http(port, 600)
@@ -628,7 +633,7 @@ def main(argv=None) -> int:
     parser.add_argument("--per-client", type=int, default=3, help="capacity: tasks each client sends, one after another")
     parser.add_argument("--tpot-slo-ms", type=float, default=60.0, help="capacity: the TPOT SLO")
     parser.add_argument("--capacity-phases", default="local,edge", help="capacity: besides plain decoding, centralised "
-                        "speculation (local) and edge nodes (edge)")
+                        "speculation (local), edge nodes (edge) and plain decoding once more, last (control: plain-2)")
     parser.add_argument("--local-floors", default="", help="local and capacity's centralised speculation: serve each source "
                         "at each of these --local-floor values (comma-separated; default: the verifier's own)")
     parser.add_argument("--json", default=None, help="write the report here")
@@ -642,8 +647,8 @@ def main(argv=None) -> int:
     args.draft_lengths = [r for r in args.draft_lengths.split(",") if r]
     args.local_floors = [f for f in args.local_floors.split(",") if f]
     args.capacity_phases = [p for p in args.capacity_phases.split(",") if p]
-    if unknown := [p for p in args.capacity_phases if p not in ("local", "edge")]:
-        parser.error(f"--capacity-phases: unknown {unknown}; known: local, edge")
+    if unknown := [p for p in args.capacity_phases if p not in ("local", "edge", "control")]:
+        parser.error(f"--capacity-phases: unknown {unknown}; known: local, edge, control")
     try:
         if any(not 0 <= float(f) <= 1 for f in args.local_floors):
             parser.error("--local-floors: each a fraction in [0, 1]")

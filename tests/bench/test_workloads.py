@@ -260,3 +260,49 @@ def test_run_clients_returns_replies_in_the_order_of_its_work(monkeypatch):
     replies = bw.run_clients([100 + i for i in range(4)], work, 8)
     assert [r["id"] for r in replies] == [t["id"] for mine in work for t in mine]
     assert [r["port"] for r in replies] == [100 + i for i in range(4) for _ in range(3)]
+
+
+def test_capacity_runs_plain_decoding_each_floor_the_edge_nodes_and_the_control_in_turn(monkeypatch, tmp_path):
+    """``--local-floors 0.97,0 --capacity-phases local,edge,control``: per number of clients,
+    plain decoding, a centralised server a floor (given its ``--local-floor``), the edge nodes,
+    then plain decoding again (``plain-2``); each cell's ``tpot_over_plain`` is against that
+    number's plain cell, request by request."""
+    import argparse
+
+    import bench.bench_workloads as bw
+
+    spawned, ports = [], iter(range(20_000, 20_100))
+    speed = {}  # port -> seconds a token
+
+    class FakeServers:
+        def __init__(self, out):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def spawn(self, cmd, cpus, threads, name):
+            spawned.append((name, cmd))
+            port = int(cmd[cmd.index("--http-port") + 1]) if "--http-port" in cmd else int(cmd[cmd.index("--serve") + 1].split(":")[1])
+            speed[port] = 0.01 if "--local-floor" in cmd and cmd[cmd.index("--local-floor") + 1] == "0" else 0.02
+
+        def wait_http(self, port, timeout_s):
+            pass
+
+    monkeypatch.setattr(bw, "Servers", FakeServers)
+    monkeypatch.setattr(bw, "free_port", lambda: next(ports))
+    monkeypatch.setattr(bw, "post", lambda port, task, max_tokens: {"wall_s": 10 * speed.get(port, 0.02), "tokens": 10})
+    args = argparse.Namespace(clients="2", per_client=2, fleet_source="suffix", budget=32, max_draft_len=8, local_k=6,
+                              max_tokens=10, tpot_slo_ms=60.0, device="cpu", verifier_flags="",
+                              local_floors=["0.97", "0"], capacity_phases=["local", "edge", "control"])
+    tasks = [{"id": f"t{i}", "messages": []} for i in range(4)]
+    report = bw.capacity_mode(args, tasks, "real:t", "real:d", "auto", tmp_path)
+    assert [c["phase"] for c in report["cells"]] == ["plain", "local-spec:floor=0.97", "local-spec:floor=0", "edge", "plain-2"]
+    floors = [cmd[cmd.index("--local-floor") + 1] for name, cmd in spawned if "--local-floor" in cmd]
+    assert floors == ["0.97", "0"]
+    ratios = {c["phase"]: c["tpot_over_plain"] for c in report["cells"]}
+    assert ratios["local-spec:floor=0"] == [0.5] * 4 and ratios["plain-2"] == ratios["plain"] == [1.0] * 4
+
