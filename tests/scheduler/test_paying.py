@@ -176,6 +176,24 @@ def test_lengths_under_a_floor_keep_every_request_ahead_and_are_the_best_where_t
     assert paying_lengths(paths, step, verify, draft, credit, 0.0) == paying_lengths(paths, step, verify, draft)
 
 
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lengths_under_a_floor_are_the_best_where_only_a_request_that_cannot_draft_holds_them(seed):
+    """A request with nothing to draft and little credit bounds the step's cost, the others'
+    credit ample: against every combination, the lengths chosen are the best of those it allows."""
+    rng = np.random.default_rng(seed)
+    paths = [[a ** j for j in range(1, int(rng.integers(1, 4)) + 1)] for a in rng.choice([0.2, 0.5, 0.8, 1.0], size=2)] + [[]]
+    step, verify, draft = rng.choice([0.01, 0.05]), rng.choice([0.0, 0.001, 0.01]), rng.choice([0.0, 0.002, 0.02])
+    credit, floor = [100.0, 100.0, float(rng.choice([0.0, 0.05, 0.2, 0.5]))], float(rng.choice([0.9, 0.97, 1.0]))
+
+    def rate(lengths):
+        return sum(1 + sum(path[:s]) for path, s in zip(paths, lengths)) / (step + verify * sum(lengths) + draft * max(lengths))
+
+    allowed = [lengths for lengths in itertools.product(*(range(len(p) + 1) for p in paths))
+               if credit[2] + 1 >= floor * plain_steps(lengths, step, verify, draft) - 1e-9]
+    got = paying_lengths(paths, step, verify, draft, credit, floor)
+    assert tuple(got) in allowed and rate(got) == pytest.approx(max(map(rate, allowed)))
+
 def test_a_floor_is_a_fraction_and_credit_one_number_a_request():
     for floor, credit in ((1.5, None), (-0.1, None), (0.9, [0.0]), (0.9, [0.0, float("nan")])):
         with pytest.raises(ValueError):
