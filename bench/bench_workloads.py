@@ -37,7 +37,7 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   ratio can say. ``--local-floors 0.97,0`` serves each source at each ``--local-floor``
   (configs ``SOURCE:floor=F``). Each cell also gives its slowest request's TPOT over plain
   decoding's for the same request (``tpot_over_plain_max``) and how many ran over 1/0.97 of it
-  (``slower_than_097``).
+  (``slower_than_097``), among the requests whose outputs have plain decoding's length.
 * ``fleet`` (capacity): ``--nodes`` edge nodes drafting with ``--fleet-source`` send the tasks at
   once (each its share, one at a time), against the same verifier's batched plain decoding of the
   same tasks ``--nodes`` at a time; the figure is the verifier's CPU seconds per generated token
@@ -49,10 +49,11 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
   ``--tpot-slo-ms``, and per server the most clients up to which every cell has 90% attainment;
   with 1 among ``--clients``, the same at twice plain decoding's own TPOT at one client. Each cell
   keeps its requests' TPOTs (``by_request``, in the order sent) and each over plain decoding's for
-  the same request (``tpot_over_plain``); ``--local-floors`` runs centralised speculation at each
-  floor, ``--capacity-phases`` leaves out the edge nodes or centralised speculation, or adds a
-  second pass of plain decoding (``control``: ``plain-2``) to show how far a request's TPOT moves
-  between two runs of the same server.
+  the same request (``tpot_over_plain``, None where the outputs differ in length);
+  ``--local-floors`` runs centralised speculation at each floor, ``--capacity-phases`` leaves out
+  the edge nodes or centralised speculation, or adds a second pass of plain decoding
+  (``control``: ``plain-2``) to show how far a request's TPOT moves between two runs of the same
+  server.
 
 ``--device`` puts every verifier on that device (``cuda``: a GPU; ``--verifier-flags=--cuda-graphs``
 replays its steps as CUDA graphs); the edge nodes stay on the CPU they are pinned
@@ -130,16 +131,20 @@ def _floor_flags(config: str) -> list[str]:
     return ["--local-floor", floor] if found else []
 
 
-def tpot_over_plain(replies: list[dict], plain: list[dict]) -> list[float]:
+def tpot_over_plain(replies: list[dict], plain: list[dict]) -> list[float | None]:
     """Each request's time per output token (wall time over tokens) over plain decoding's for the
-    same request, in order: how much faster (< 1) or slower (> 1) speculation made each one
-    (a request plain decoding timed at 0 s, as hand-made rows may, left out).
+    same request, in order: how much faster (< 1) or slower (> 1) speculation made each one.
+    None where the two outputs differ in length (in bf16 a batch shape can tip a near tie: a
+    shorter answer spreads its time to first token over fewer tokens, which is not the same
+    request's pace) or plain decoding's took no time (hand-made rows).
 
-    >>> tpot_over_plain([{"wall_s": 1.0, "tokens": 10}, {"wall_s": 3.0, "tokens": 10}], [{"wall_s": 2.0, "tokens": 10}] * 2)
-    [0.5, 1.5]
+    >>> tpot_over_plain([{"wall_s": 1.0, "tokens": 10}, {"wall_s": 3.0, "tokens": 10}, {"wall_s": 1.0, "tokens": 4}],
+    ...                 [{"wall_s": 2.0, "tokens": 10}] * 3)
+    [0.5, 1.5, None]
     """
-    return [round((r["wall_s"] / max(1, r["tokens"])) / (p["wall_s"] / max(1, p["tokens"])), 4)
-            for r, p in zip(replies, plain) if p["wall_s"] > 0]
+    return [round((r["wall_s"] / r["tokens"]) / (p["wall_s"] / p["tokens"]), 4)
+            if r["tokens"] == p["tokens"] and r["tokens"] > 0 and p["wall_s"] > 0 else None
+            for r, p in zip(replies, plain)]
 
 
 def _label(config: str) -> str:
@@ -587,7 +592,7 @@ def summarize(rows: list[dict], configs: list[str], batched: bool = False) -> di
                 "equal_to_plain": sum(text_of(r["output"]) == plain[r["id"]] for r in mine),
             }
             if batched:  # each request's TPOT over plain decoding's of the same request: the slowest, and how many lost 3%
-                ratios = tpot_over_plain(mine, [plain_rows[r["id"]] for r in mine])
+                ratios = [x for x in tpot_over_plain(mine, [plain_rows[r["id"]] for r in mine]) if x is not None]
                 table[category][config].update(tpot_over_plain_max=max(ratios, default=None),
                                                slower_than_097=sum(x > 1 / 0.97 for x in ratios))
         base = table[category]["plain"]["tok_s"]
