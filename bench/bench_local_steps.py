@@ -2,11 +2,12 @@
 at batch 8, in one process, interleaved.
 
     python -m bench.bench_local_steps [--categories open-chat,multi-turn-chat] [--sources ngram,suffix,ngram/by-request]
-                                      [--repeats 2] [--threads 2] [--dtype auto] [--json PATH]
+                                      [--max-k 6[,12,...]] [--repeats 2] [--threads 2] [--dtype auto] [--json PATH]
 
 For each category of the per-task benchmark (``bench/workloads/tasks.jsonl``), its tasks cycled
 to 8 greedy requests of up to 96 tokens run through :class:`goodspeed.verifier.local.LocalServing`
-(the goodput policy, ``k = max_k = 6``; plain decoding: policy ``none``), every source in turn,
+(the goodput policy, ``k = max_k = 6``, or each ``--max-k`` in turn, a run then named
+``SOURCE@K``; plain decoding: policy ``none``), every source in turn,
 ``--repeats`` times. Per run: wall time, tokens/s and its ratio to the same repeat's plain run,
 steps, drafted and accepted tokens, and the time in planning and drafting, in the engine's
 rounds, and in Python's cyclic garbage collector (``gc.callbacks``; collections counted per
@@ -68,14 +69,14 @@ def draft_model(name: str, dtype: str) -> torch.nn.Module:
     return load_causal_lm(name, dtype=dtype).model
 
 
-def run(engine, prompts, source: str, eos: list[int], clock: GcClock, dtype: str = "auto") -> dict:
+def run(engine, prompts, source: str, eos: list[int], clock: GcClock, dtype: str = "auto", max_k: int = 6) -> dict:
     """``source``: ``plain``, a source's name (a model's or a hybrid's draft in ``dtype``), or
     ``LOOKUP/by-request``: the lookup's drafts cut by each request's one acceptance, as a model's
-    are (its ``free_proposals`` off), not by evidence."""
+    are (its ``free_proposals`` off), not by evidence. ``max_k``: the longest draft a request may have."""
     if source == "plain":
         config, draft = LocalConfig(policy="none", max_requests=8), DraftSpec.parse("ngram").build(None, engine.vocab_size)
     else:
-        config = LocalConfig(policy="goodput", k=6, max_k=6, budget=32, max_requests=8)
+        config = LocalConfig(policy="goodput", k=max_k, max_k=max_k, budget=32, max_requests=8)
         name, _, variant = source.partition("/")
         if variant not in ("", "by-request"):
             raise ValueError(f"unknown variant {variant!r} of {name}: give by-request or none")
@@ -101,16 +102,37 @@ def run(engine, prompts, source: str, eos: list[int], clock: GcClock, dtype: str
             "step_costs_ms": None if costs is None else [round(1e3 * c, 3) for c in costs]}
 
 
+def runs_of(sources: list[str], max_k: str) -> dict[str, tuple[str, int]]:
+    """Each run's label and ``(source, longest draft)``: every source at every length of
+    ``max_k`` (comma-separated, each >= 1), labelled ``SOURCE@K`` where there are several.
+
+    >>> runs_of(["ngram", "suffix"], "6")
+    {'ngram': ('ngram', 6), 'suffix': ('suffix', 6)}
+    >>> runs_of(["ngram"], "6,12")
+    {'ngram@6': ('ngram', 6), 'ngram@12': ('ngram', 12)}
+    """
+    lengths = [k.strip() for k in max_k.split(",")]
+    if not all(k.isdigit() and int(k) >= 1 for k in lengths):
+        raise ValueError(f"--max-k {max_k!r}: give whole numbers >= 1, comma-separated")
+    several = len(lengths) > 1
+    return {f"{source}@{k}" if several else source: (source, int(k)) for source in sources for k in lengths}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="local serving at batch 8: where a step's time goes, per source")
     parser.add_argument("--target", default="real:smollm2-135m")
     parser.add_argument("--categories", default="open-chat,multi-turn-chat")
     parser.add_argument("--sources", default="ngram,suffix")
+    parser.add_argument("--max-k", default="6", help="the goodput policy's longest draft; several (6,12): each source at each")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    try:
+        variants = runs_of(args.sources.split(","), args.max_k)
+    except ValueError as e:  # before the target loads
+        parser.error(str(e))
     torch.set_num_threads(args.threads)
     target = load_causal_lm(args.target, dtype=args.dtype)
     tok = target.tokenizer
@@ -126,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [chat_prompt_ids(tok, mine[i % len(mine)]["messages"]) for i in range(8)]
         run(engine, prompts[:2], "plain", eos, clock)  # warm-up
         for repeat in range(args.repeats):
-            runs = {source: run(engine, prompts, source, eos, clock, args.dtype) for source in ["plain", *args.sources.split(",")]}
+            runs = {"plain": run(engine, prompts, "plain", eos, clock)}
+            for label, (source, max_k) in variants.items():
+                runs[label] = run(engine, prompts, source, eos, clock, args.dtype, max_k)
             for source, r in runs.items():
                 r.update(category=category, repeat=repeat, source=source, speedup=r["tok_s"] / runs["plain"]["tok_s"])
                 results.append(r)
@@ -137,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nmedian speedup over the repeats")
     for category in args.categories.split(","):
         cells = {source: statistics.median(r["speedup"] for r in results if r["category"] == category and r["source"] == source)
-                 for source in args.sources.split(",")}
+                 for source in variants}
         print(f"{category:18s} " + "  ".join(f"{source} {value:.3f}" for source, value in cells.items()))
     if args.json:
         report = {"command": " ".join(["python -m bench.bench_local_steps", *(argv if argv is not None else sys.argv[1:])]),
