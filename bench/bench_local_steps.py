@@ -1,5 +1,5 @@
 """Where a local-serving step's time goes, per draft source: plain decoding against each source
-at batch 8, in one process, interleaved.
+at batch 8, in one process, interleaved (every other repeat in the reverse order).
 
     python -m bench.bench_local_steps [--categories open-chat,multi-turn-chat] [--sources ngram,suffix,ngram/by-request]
                                       [--max-k 6[,12,...]] [--repeats 2] [--threads 2] [--dtype auto] [--json PATH]
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_workloads import load_tasks
+from bench.bench_workloads import in_turn, load_tasks
 from goodspeed.drafter.prompts import chat_prompt_ids
 from goodspeed.lm.decoding.draft_source import DraftSpec
 from goodspeed.lm.decoding.params import SamplingParams
@@ -148,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [chat_prompt_ids(tok, mine[i % len(mine)]["messages"]) for i in range(8)]
         run(engine, prompts[:2], "plain", eos, clock)  # warm-up
         for repeat in range(args.repeats):
-            runs = {"plain": run(engine, prompts, "plain", eos, clock)}
-            for label, (source, max_k) in variants.items():
+            runs = {}
+            for label in in_turn(["plain", *variants], repeat):  # a drifting machine weighs on each run alike
+                source, max_k = variants.get(label, ("plain", 0))
                 runs[label] = run(engine, prompts, source, eos, clock, args.dtype, max_k)
+            runs = {label: runs[label] for label in ["plain", *variants]}
             for source, r in runs.items():
                 r.update(category=category, repeat=repeat, source=source, speedup=r["tok_s"] / runs["plain"]["tok_s"])
                 results.append(r)

@@ -15,13 +15,15 @@ required``) and open-ended chat, three each, sent as chat completions (greedy).
 * ``edge`` (batch 1 through an edge node over loopback): one verifier (``goodspeed verifier``,
   pinned to CPU 0, one torch thread) serves plain decoding on its own OpenAI front (``--local-policy
   none``) and the gRPC of one edge node per source and ``--draft-length`` rule (``goodspeed drafter
-  --serve``, pinned to CPU 1, one torch thread). Each task goes to plain decoding, then to each node, one request at a time:
-  the ratios are measured interleaved, in one run. ``--verifier-flags`` adds flags to that
+  --serve``, pinned to CPU 1, one torch thread). Each task goes to plain decoding and to each node, one request at a time,
+  every other task in the reverse order (:func:`in_turn`): the ratios are measured interleaved, in one run, and a
+  machine slowing or speeding up over a category weighs on plain decoding as on the nodes. ``--verifier-flags`` adds flags to that
   verifier (its round mode, transit decoding), so plain decoding and the nodes share them.
 * ``local`` (local serving, ``--batch`` requests at once): one verifier process per source
   (``--local-draft SOURCE --local-policy goodput``, or ``chain``, or ``adaserve`` with its trees for
   the sources that draft them: ``model``, ``hybrid``) and one plain (``none``), all pinned to the
-  same CPUs, served in turn batch by batch (interleaved); only one works at a time. A batch is one
+  same CPUs, served in turn batch by batch (interleaved, every other batch in the reverse order:
+  :func:`in_turn`); only one works at a time. A batch is one
   category's tasks, cycled to ``--batch`` requests. The whole is run ``--repeats`` times, each on
   fresh servers (no suffix cache has seen the tasks before); a category's figure is over all its
   batches (one batch's time swings with the machine). With ``--local-load closed`` (the default) a
@@ -145,6 +147,17 @@ def tpot_over_plain(replies: list[dict], plain: list[dict]) -> list[float | None
     return [round((r["wall_s"] / r["tokens"]) / (p["wall_s"] / p["tokens"]), 4)
             if r["tokens"] == p["tokens"] and r["tokens"] > 0 and p["wall_s"] > 0 else None
             for r, p in zip(replies, plain)]
+
+
+def in_turn(configs: list, i: int) -> list:
+    """The order the configs serve their ``i``-th task or batch in: as given, reversed for odd ``i``,
+    so a machine drifting over a run (these machines' speed moves by up to 2x between hours, and
+    by a third within minutes) weighs on every config alike instead of on the last ones most.
+
+    >>> in_turn(["plain", "ngram", "suffix"], 0), in_turn(["plain", "ngram", "suffix"], 1)
+    (['plain', 'ngram', 'suffix'], ['suffix', 'ngram', 'plain'])
+    """
+    return list(configs) if i % 2 == 0 else list(reversed(configs))
 
 
 def _label(config: str) -> str:
@@ -345,7 +358,8 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
             post(port, tasks[0], 8)
         rows = []
         for i, task in enumerate(tasks):
-            for config, port in ports.items():
+            for config in in_turn(list(ports), i):
+                port = ports[config]
                 before = counters(port)
                 reply = post(port, task, args.max_tokens)
                 after = counters(port)
@@ -388,7 +402,8 @@ def local_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                 batch = [{**mine[i % len(mine)], "id": f"{mine[i % len(mine)]['id']}#{i}" + (f"@{repeat}" if repeat else "")}
                          for i in range(args.batch * waves)]
                 b = repeat * len(categories) + c
-                for config, port in ports.items():
+                for config in in_turn(list(ports), repeat + c):  # a category's batches alternate orders over the repeats
+                    port = ports[config]
                     before = counters(port)
                     window = {}
                     if args.local_load == "steady":

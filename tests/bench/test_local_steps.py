@@ -2,6 +2,7 @@
 ``--max-k`` refused before any model loads."""
 
 import doctest
+import json
 import sys
 from pathlib import Path
 
@@ -25,3 +26,30 @@ def test_a_bad_longest_draft_is_refused_before_the_target_loads(max_k, capsys):
     with pytest.raises(SystemExit) as done:
         bench.main(["--target", "no-such-model", "--max-k", max_k])
     assert done.value.code == 2 and "--max-k" in capsys.readouterr().err
+
+
+def test_every_other_repeat_runs_the_sources_in_reverse_order_and_each_is_timed_against_its_repeats_plain_run(monkeypatch,
+                                                                                                              tmp_path):
+    """A drifting machine weighs on plain decoding as on each source: repeat 0 runs plain first,
+    repeat 1 last, and each speedup is over the same repeat's plain run."""
+    from types import SimpleNamespace
+
+    order = []
+
+    def run(engine, prompts, source, eos, clock, dtype="auto", max_k=6):
+        order.append((source, max_k))
+        return {"tok_s": 100.0 if source == "plain" else 150.0, "steps": 1, "drafted": 0, "accepted": 0, "drafting_s": 0.0,
+                "round_s": 0.0, "gc_s": 0.0, "gc_collections": [0, 0, 0], "step_costs_ms": None}
+
+    tokenizer = SimpleNamespace(eos_token_id=0)
+    monkeypatch.setattr(bench, "load_causal_lm", lambda name, dtype: SimpleNamespace(tokenizer=tokenizer, model=None))
+    monkeypatch.setattr(bench, "VerificationEngine", lambda model, config: None)
+    monkeypatch.setattr(bench, "chat_prompt_ids", lambda tok, messages: [1, 2, 3])
+    monkeypatch.setattr(bench, "run", run)
+    out = tmp_path / "steps.json"
+    assert bench.main(["--categories", "open-chat", "--sources", "ngram", "--max-k", "6,12", "--repeats", "2",
+                       "--json", str(out)]) == 0
+    assert order[1:] == [("plain", 0), ("ngram", 6), ("ngram", 12), ("ngram", 12), ("ngram", 6), ("plain", 0)]  # [0]: warm-up
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["repeat"], r["source"], r["speedup"]) for r in runs] == [
+        (0, "plain", 1.0), (0, "ngram@6", 1.5), (0, "ngram@12", 1.5), (1, "plain", 1.0), (1, "ngram@6", 1.5), (1, "ngram@12", 1.5)]

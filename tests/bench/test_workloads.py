@@ -310,3 +310,79 @@ def test_capacity_runs_plain_decoding_each_floor_the_edge_nodes_and_the_control_
     ratios = {c["phase"]: c["tpot_over_plain"] for c in report["cells"]}
     assert ratios["local-spec:floor=0"] == [0.5] * 4 and ratios["plain-2"] == ratios["plain"] == [1.0] * 4
 
+
+
+def _record_requests(monkeypatch, bw):
+    """Fake servers and requests: each request's port in the order sent (warm-ups included)."""
+    sent, ports = [], iter(range(21_000, 21_100))
+
+    class FakeServers:
+        def __init__(self, out):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def spawn(self, cmd, cpus, threads, name):
+            pass
+
+        def wait_http(self, port, timeout_s):
+            pass
+
+    def post(port, task, max_tokens):
+        sent.append((port, task["id"]))
+        return {"wall_s": 1.0, "tokens": 4, "output": json.dumps({"content": "x"})}
+
+    monkeypatch.setattr(bw, "Servers", FakeServers)
+    monkeypatch.setattr(bw, "free_port", lambda: next(ports))
+    monkeypatch.setattr(bw, "post", post)
+    monkeypatch.setattr(bw, "counters", lambda port, names=None: dict.fromkeys(bw.COUNTERS, 0.0))
+    monkeypatch.setattr(bw, "keep_partial", lambda *a, **kw: None)
+    return sent
+
+
+def test_the_edge_benchmark_sends_every_other_task_to_the_configs_in_reverse_order(monkeypatch, tmp_path):
+    """A machine drifting over a run weighs on plain decoding as on the nodes: task 0 goes to plain,
+    then each node; task 1 to the nodes in reverse, plain last; and so on."""
+    import argparse
+
+    import bench.bench_workloads as bw
+
+    sent = _record_requests(monkeypatch, bw)
+    args = argparse.Namespace(sources=["ngram", "suffix"], draft_lengths=["goodput"], max_draft_len=8, budget=16,
+                              max_tokens=4, device="cpu", verifier_flags="")
+    tasks = [{"id": f"t{i}", "category": "c", "messages": []} for i in range(3)]
+    report = bw.edge_mode(args, tasks, "real:t", "real:d", "auto", tmp_path)
+    plain, ngram, suffix = 21_001, 21_002, 21_003  # 21_000: the verifier's gRPC port
+    assert sent[3:] == [(plain, "t0"), (ngram, "t0"), (suffix, "t0"), (suffix, "t1"), (ngram, "t1"), (plain, "t1"),
+                        (plain, "t2"), (ngram, "t2"), (suffix, "t2")]
+    assert report["by_category"]["c"]["suffix"]["speedup"] == 1.0
+
+
+def test_the_local_benchmark_alternates_its_configs_order_over_categories_and_repeats(monkeypatch, tmp_path):
+    """Each batch goes to every server in turn; the order reverses from one category to the next
+    and, for one category, from one repeat to the next."""
+    import argparse
+
+    import bench.bench_workloads as bw
+
+    sent = _record_requests(monkeypatch, bw)
+
+    def run_batch(port, batch, max_tokens):
+        sent.append((port, batch[0]["category"]))
+        return 1.0, [{"wall_s": 1.0, "tokens": 4, "output": "{}"}] * len(batch)
+
+    monkeypatch.setattr(bw, "run_batch", run_batch)
+    args = argparse.Namespace(sources=["ngram"], local_floors=[], local_control=True, repeats=2, batch=2, local_load="closed",
+                              waves=1, max_tokens=4, local_policy="goodput", local_k=6, budget=32, device="cpu",
+                              verifier_flags="")
+    tasks = [{"id": f"{c}{i}", "category": c, "messages": []} for c in "ab" for i in range(2)]
+    bw.local_mode(args, tasks, "real:t", "real:d", "auto", tmp_path)
+    batches = [(port, category) for port, category in sent if category in ("a", "b")]
+    # repeat 0: plain 21_000, plain-2 21_002, ngram 21_004 (each server's gRPC port after its HTTP port)
+    first, second = [21_000, 21_002, 21_004], [21_006, 21_008, 21_010]
+    assert batches == ([(p, "a") for p in first] + [(p, "b") for p in reversed(first)]
+                       + [(p, "a") for p in reversed(second)] + [(p, "b") for p in second])
