@@ -152,7 +152,7 @@ def tpot_over_plain(replies: list[dict], plain: list[dict]) -> list[float | None
 def in_turn(configs: list, i: int) -> list:
     """The order the configs serve their ``i``-th task or batch in: as given, reversed for odd ``i``,
     so a machine drifting over a run (these machines' speed moves by up to 2x between hours, and
-    by a third within minutes) weighs on every config alike instead of on the last ones most.
+    by half within minutes on some days) weighs on every config alike instead of on the last ones most.
 
     >>> in_turn(["plain", "ngram", "suffix"], 0), in_turn(["plain", "ngram", "suffix"], 1)
     (['plain', 'ngram', 'suffix'], ['suffix', 'ngram', 'plain'])
