@@ -311,7 +311,6 @@ def test_capacity_runs_plain_decoding_each_floor_the_edge_nodes_and_the_control_
     assert ratios["local-spec:floor=0"] == [0.5] * 4 and ratios["plain-2"] == ratios["plain"] == [1.0] * 4
 
 
-
 def _record_requests(monkeypatch, bw):
     """Fake servers and requests: each request's port in the order sent (warm-ups included)."""
     sent, ports = [], iter(range(21_000, 21_100))
