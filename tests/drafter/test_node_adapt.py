@@ -25,7 +25,11 @@ def pair():
 
 def test_through_a_node_weights_change_only_between_requests_and_outputs_stay_exact(pair):
     """Greedy requests one after another through a node that fine-tunes every 2: each output is
-    the target's greedy decoding, across weight updates; every swap ran with no request admitted."""
+    the target's greedy decoding, across weight updates; every swap ran with no request admitted.
+    Each fine-tune overlaps the request after the one that set it off; the next request waits for
+    it to end, so none is skipped for running into another (a toy request is far quicker than a
+    fine-tune: otherwise how many run, and so whether one is adopted, would be a race; CI lost it
+    once). Each fine-tune is long enough (60 steps) for the guard to see a gain on held-back text."""
     target, shipped = pair
     engine = VerificationEngine(target, EngineConfig(budget=8, max_draft_len=4, seed=3))
     prompts = domain_prompts(10, seed=1)
@@ -33,7 +37,7 @@ def test_through_a_node_weights_change_only_between_requests_and_outputs_stay_ex
     with ServerThread(engine, round_deadline_ms=500, target_name="tiny") as server, \
             NodeThread(server.address, copy_of(shipped), None, adapt=True, adapt_every=2) as edge:
         node = edge.node
-        node.adapting.adapter.config = AdaptConfig(every=2, steps=20, lr=3e-3, cpu_share=1.0)
+        node.adapting.adapter.config = AdaptConfig(every=2, steps=60, lr=1e-2, cpu_share=1.0)
         swap = node.adapting.adapter.swap
 
         def watched():
@@ -48,17 +52,28 @@ def test_through_a_node_weights_change_only_between_requests_and_outputs_stay_ex
                 tokens += delta.token_ids
             return tokens
 
+        async def settled(recorded):  # on the node's loop, where a request is recorded and its fine-tune set off at once
+            return node.adapting.adapter.kept_requests >= recorded and node.adapting._training is None
+
+        def fine_tunes_done(recorded):
+            """Wait until ``recorded`` requests are kept and no fine-tune runs (bounded: its steps are few)."""
+            for _ in range(600):
+                if edge.run(settled(recorded)):
+                    return
+                time.sleep(0.05)
+            raise AssertionError("a fine-tune did not end within 30 s")
+
         outputs = []
         for i, prompt in enumerate(prompts):
+            if i % 2 == 1 and i > 1:  # the fine-tune set off two requests ago, which the last one overlapped, has ended
+                fine_tunes_done(i)
             outputs.append(edge.run(generate(i, prompt)))
-        for _ in range(600):  # the last fine-tune, if one runs, ends (bounded: its steps are few)
-            if node.adapting._training is None:
-                break
-            time.sleep(0.05)
+        fine_tunes_done(len(prompts))
         edge.run(asyncio.sleep(0))
         updates = node.adapting.adapter.updates
     assert outputs == [greedy_reference(target, p, NEW) for p in prompts]
-    assert updates and any(u.outcome == "adopted" for u in updates), updates
+    assert [u.requests for u in updates] == [4, 6, 8, 10], updates  # at 2 nothing is held back yet to judge by
+    assert any(u.outcome == "adopted" and u.candidate > u.before for u in updates), updates
     assert swaps and all(held == (0, []) for held in swaps), swaps
 
 
