@@ -533,7 +533,8 @@ def capacity_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
                 plain = []
                 for phase, ports in phases:
                     replies = run_clients(ports, work, args.max_tokens)
-                    plain = plain or replies
+                    if phase == "plain":  # the phases after it are timed against it, request by request
+                        plain = replies
                     tpot = [1000 * r["wall_s"] / max(1, r["tokens"]) for r in replies]
                     cells.append({"clients": n, "phase": phase, "requests": len(tpot), "tokens": sum(r["tokens"] for r in replies),
                                   "tpot_ms_p50": round(statistics.median(tpot), 2),

@@ -31,7 +31,6 @@ from goodspeed.scheduler.nightjar import NightjarBandit
 from goodspeed.scheduler.paying import (
     EvidenceAcceptance,
     PayingLength,
-    acceptance_paths,
     paying_batch_lengths,
     paying_draft_length,
     paying_lengths,
@@ -65,7 +64,6 @@ __all__ = [
     "fit_latency_model",
     "fixed_draft_lengths",
     "make_policy",
-    "acceptance_paths",
     "paying_batch_lengths",
     "paying_draft_length",
     "paying_lengths",

@@ -266,17 +266,9 @@ def test_run_clients_returns_replies_in_the_order_of_its_work(monkeypatch):
     assert [r["port"] for r in replies] == [100 + i for i in range(4) for _ in range(3)]
 
 
-def test_capacity_runs_plain_decoding_each_floor_the_edge_nodes_and_the_control_in_turn(monkeypatch, tmp_path):
-    """``--local-floors 0.97,0 --capacity-phases local,edge,control``: per number of clients,
-    plain decoding, a centralised server a floor (given its ``--local-floor``), the edge nodes,
-    then plain decoding again (``plain-2``); each cell's ``tpot_over_plain`` is against that
-    number's plain cell, request by request."""
-    import argparse
-
-    import bench.bench_workloads as bw
-
-    spawned, ports = [], iter(range(20_000, 20_100))
-    speed = {}  # port -> seconds a token
+def fake_servers(on_spawn=lambda cmd, name: None):
+    """A stand-in for ``bench_workloads.Servers`` that starts nothing: each spawn's command line
+    and name go to ``on_spawn``, and every server is up at once."""
 
     class FakeServers:
         def __init__(self, out):
@@ -289,14 +281,32 @@ def test_capacity_runs_plain_decoding_each_floor_the_edge_nodes_and_the_control_
             return False
 
         def spawn(self, cmd, cpus, threads, name):
-            spawned.append((name, cmd))
-            port = int(cmd[cmd.index("--http-port") + 1]) if "--http-port" in cmd else int(cmd[cmd.index("--serve") + 1].split(":")[1])
-            speed[port] = 0.01 if "--local-floor" in cmd and cmd[cmd.index("--local-floor") + 1] == "0" else 0.02
+            on_spawn(cmd, name)
 
         def wait_http(self, port, timeout_s):
             pass
 
-    monkeypatch.setattr(bw, "Servers", FakeServers)
+    return FakeServers
+
+
+def test_capacity_runs_plain_decoding_each_floor_the_edge_nodes_and_the_control_in_turn(monkeypatch, tmp_path):
+    """``--local-floors 0.97,0 --capacity-phases local,edge,control``: per number of clients,
+    plain decoding, a centralised server a floor (given its ``--local-floor``), the edge nodes,
+    then plain decoding again (``plain-2``); each cell's ``tpot_over_plain`` is against that
+    number's plain cell, request by request."""
+    import argparse
+
+    import bench.bench_workloads as bw
+
+    spawned, ports = [], iter(range(20_000, 20_100))
+    speed = {}  # port -> seconds a token
+
+    def spawn(cmd, name):
+        spawned.append((name, cmd))
+        port = int(cmd[cmd.index("--http-port") + 1]) if "--http-port" in cmd else int(cmd[cmd.index("--serve") + 1].split(":")[1])
+        speed[port] = 0.01 if "--local-floor" in cmd and cmd[cmd.index("--local-floor") + 1] == "0" else 0.02
+
+    monkeypatch.setattr(bw, "Servers", fake_servers(spawn))
     monkeypatch.setattr(bw, "free_port", lambda: next(ports))
     monkeypatch.setattr(bw, "post", lambda port, task, max_tokens: {"wall_s": 10 * speed.get(port, 0.02), "tokens": 10})
     args = argparse.Namespace(clients="2", per_client=2, fleet_source="suffix", budget=32, max_draft_len=8, local_k=6,
@@ -315,27 +325,11 @@ def _record_requests(monkeypatch, bw):
     """Fake servers and requests: each request's port in the order sent (warm-ups included)."""
     sent, ports = [], iter(range(21_000, 21_100))
 
-    class FakeServers:
-        def __init__(self, out):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def spawn(self, cmd, cpus, threads, name):
-            pass
-
-        def wait_http(self, port, timeout_s):
-            pass
-
     def post(port, task, max_tokens):
         sent.append((port, task["id"]))
         return {"wall_s": 1.0, "tokens": 4, "output": json.dumps({"content": "x"})}
 
-    monkeypatch.setattr(bw, "Servers", FakeServers)
+    monkeypatch.setattr(bw, "Servers", fake_servers())
     monkeypatch.setattr(bw, "free_port", lambda: next(ports))
     monkeypatch.setattr(bw, "post", post)
     monkeypatch.setattr(bw, "counters", lambda port, names=None: dict.fromkeys(bw.COUNTERS, 0.0))

@@ -176,7 +176,6 @@ def test_lengths_under_a_floor_keep_every_request_ahead_and_are_the_best_where_t
     assert paying_lengths(paths, step, verify, draft, credit, 0.0) == paying_lengths(paths, step, verify, draft)
 
 
-
 @pytest.mark.parametrize("seed", range(20))
 def test_lengths_under_a_floor_are_the_best_where_only_a_request_that_cannot_draft_holds_them(seed):
     """A request with nothing to draft and little credit bounds the step's cost, the others'
@@ -193,6 +192,7 @@ def test_lengths_under_a_floor_are_the_best_where_only_a_request_that_cannot_dra
                if credit[2] + 1 >= floor * plain_steps(lengths, step, verify, draft) - 1e-9]
     got = paying_lengths(paths, step, verify, draft, credit, floor)
     assert tuple(got) in allowed and rate(got) == pytest.approx(max(map(rate, allowed)))
+
 
 def test_a_floor_is_a_fraction_and_credit_one_number_a_request():
     for floor, credit in ((1.5, None), (-0.1, None), (0.9, [0.0]), (0.9, [0.0, float("nan")])):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
-from goodspeed.scheduler import EvidenceAcceptance, PayingLength, acceptance_paths, paying_lengths, plain_steps
+from goodspeed.scheduler import EvidenceAcceptance, PayingLength, paying_batch_lengths, plain_steps
 from goodspeed.verifier.local_policies.base import LocalPolicy, Plan
 
 
 class GoodputChains(LocalPolicy):
     """``goodput``: each request drafts the length (at most ``max_k``) that, with the others',
-    gives the batch the most expected tokens per second (:func:`goodspeed.scheduler.paying_lengths`),
+    gives the batch the most expected tokens per second (:func:`goodspeed.scheduler.paying_batch_lengths`),
     from each request's acceptance (its verdicts' accepted tokens and rejections, a new request
     starting from the recent requests': :class:`~goodspeed.scheduler.PayingLength`) and the step's
     measured costs: a round's time fitted against the tokens it verified and its longest chain
@@ -94,9 +94,9 @@ class GoodputChains(LocalPolicy):
         if costs is None:  # nothing measured: k, or nothing where a floor must not be risked on a guess
             lengths = {r.request_id: 0 if self.floor else min(cfg.k, r.cap) for r in reqs}
         else:
-            paths = acceptance_paths([self.costs.acceptance(r.request_id) for r in reqs], cfg.max_k)
+            acceptance = [self.costs.acceptance(r.request_id) for r in reqs]
             costs = (costs[0], costs[1], s.draft_forward_s + costs[2])
-            chosen = paying_lengths(paths, *costs, *self._floor(reqs))
+            chosen = paying_batch_lengths(acceptance, cfg.max_k, *costs, *self._floor(reqs))
             lengths = {r.request_id: min(self.costs.probed(r.request_id, n), r.cap) for r, n in zip(reqs, chosen)}
             self._planned([lengths[r.request_id] for r in reqs], costs)
         self._drafted = sum(lengths.values())
