@@ -195,6 +195,10 @@ class VerifierSpec(DeclaredSettings):
                                          "of seconds each on a CPU, compiled in the verifier's warm-up); any device; with --cuda-graphs the graphs "
                                          "record the compiled kernels (not yet run on a GPU)",
                                   to="engine.torch_compile")
+    batch_invariant: bool = setting(False, "run the target's linear layers in runs of at most 32 rows, so a token's logits are "
+                                           "the same bit for bit in any step and greedy output in bf16 equals plain decoding's "
+                                           "at any batch (without it: one request at a time); bf16 on a CPU only; a forward of "
+                                           "over 32 tokens costs more in its linear layers (goodspeed.lm.runtime.invariant)", to="engine.batch_invariant")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)
     seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and name "

@@ -21,6 +21,7 @@ import torch
 
 from goodspeed.lm.runtime.attention import PACKED, flash_varlen_kernel, keep_logits, model_varlen_missing, use_gqa_attention, with_cache
 from goodspeed.lm.runtime.graphs import StepGraphs
+from goodspeed.lm.runtime.invariant import batch_invariance_missing, make_batch_invariant
 from goodspeed.lm.runtime.kv_slots import SlotKVCache
 from goodspeed.lm.runtime.packing import build_attention, group_overhead
 from goodspeed.verifier.sessions import EngineConfig, Request, Row
@@ -37,6 +38,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(int(model.config.num_hidden_layers))
+        if config.batch_invariant:
+            if (missing := batch_invariance_missing(self.device, self.dtype)) is not None:
+                raise ValueError(f"batch_invariant: {missing}")
+            make_batch_invariant(self.model)
         # Packed forwards' chains attend through a varlen kernel where there is one (CUDA, fp16 /
         # bf16, a torch whose flash op takes per-sequence key lengths) unless the config says
         # "masked"; "varlen" insists on it (EngineConfig.attention).

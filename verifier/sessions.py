@@ -65,6 +65,12 @@ class EngineConfig:
     # (LocalServing.warm_up) before it serves. Off by default: a CPU needs a C++ compiler for it, and
     # it is not yet run with CUDA graphs on a GPU (docs/MEASUREMENTS.md).
     torch_compile: bool = False
+    # Batch invariance (goodspeed.lm.runtime.invariant): every linear layer of the target runs its
+    # rows in runs of at most 32, so a token's logits are the same bit for bit whatever else its
+    # step holds, and greedy output in bf16 equals plain decoding's at any batch (without it: one
+    # request at a time; docs/DESIGN.md, *Lossless in bf16*). bf16 on a CPU only (the runner
+    # refuses others); off by default: a forward of over 32 tokens costs more in its linear layers.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.budget < 0 or self.max_drafters < 1 or self.max_draft_len < 0:
@@ -83,6 +89,8 @@ class EngineConfig:
             raise ValueError("pad_rows needs packed forwards (padded ones pad every row already)")
         if self.cuda_graphs and not self.packed:
             raise ValueError("cuda_graphs needs packed forwards")
+        if self.batch_invariant and (self.cuda_graphs or self.torch_compile):
+            raise ValueError("batch_invariant runs the target's layers eagerly: not with cuda_graphs or torch_compile")
         if self.torch_compile and not self.packed:
             raise ValueError("torch_compile needs packed forwards")
         make_policy(self.policy)  # unknown names fail here, not on the first round

@@ -4,6 +4,19 @@ and depths; the varlen kernel's chains; one shared masked group). :func:`pack` l
 :func:`pack_static` at fixed shapes for a CUDA graph; each also sets the cache's write plan for the
 forward it lays out (where each new token's keys go), which the cache's ``update`` follows. The
 masks are additive 4-D (0 / finfo.min): a bool 4-D mask is silently wrong under eager attention.
+
+**Keys in whole runs** (:data:`KEY_ALIGN`, :func:`key_span`): a masked group reads its keys up to
+a multiple of ``KEY_ALIGN`` positions (masked past each row's own), as far as the buffer holds
+them. Torch's CPU attention kernel sums a row's softmax over the keys it is given in vectors, with
+a remainder loop for the last few; given a number of keys that depends on the other queries of the
+call (a draft's length, another row's prefix), the same query's output could differ in its last
+bit between a one-token step and a verification step. Padded to whole runs of 16, the masked keys
+add exact zeros in whole vectors: measured on this project's CPUs, a query's output is then the
+same bit for bit whatever else its call holds, one query alone or a draft's, other rows beside it,
+a prompt chunk of a thousand (``tests/lm/runtime/test_packing.py``). That makes greedy speculative
+output in bf16 equal plain decoding's one request at a time; at any batch it takes linear layers
+that are batch invariant too (:mod:`goodspeed.lm.runtime.invariant`; docs/DESIGN.md, *Lossless in
+bf16*).
 """
 
 from __future__ import annotations
@@ -19,6 +32,20 @@ from goodspeed.lm.runtime.attention import VarlenRows, aligned_mask
 
 if TYPE_CHECKING:
     from goodspeed.lm.runtime.kv_slots import SlotKVCache
+
+KEY_ALIGN = 16  # a masked group's keys, in whole runs of this many positions (the module docstring)
+
+
+def key_span(kv_len: int, room: int) -> int:
+    """The keys a masked group reads for ``kv_len`` real ones: rounded up to a multiple of
+    :data:`KEY_ALIGN` where its buffer has ``room`` for them (the positions past ``kv_len`` hold
+    zeros or rolled-back entries, finite either way, and the mask hides them), else ``kv_len``.
+
+    >>> key_span(80, 256), key_span(96, 256), key_span(250, 256), key_span(250, 250)
+    (80, 96, 256, 250)
+    """
+    aligned = -(-kv_len // KEY_ALIGN) * KEY_ALIGN
+    return aligned if aligned <= room else kv_len
 
 
 @dataclass(frozen=True)
@@ -124,9 +151,10 @@ def pack(cache: SlotKVCache, tokens: list[list[int]], parents: list[list[int] | 
             groups.append(AttentionGroup(slice(r, r + 1), n, length + n, None, span, None, None, span, home,
                                          VarlenRows(cache.varlen, (0 if home is not None else slot,), (length,), (n,))))
             continue
-        mask, pos = build_attention([length], [parents[r]], n, length + n, dtype, device)
+        kv_len = key_span(length + n, cache._capacity if home is None else cache._own[home].capacity)
+        mask, pos = build_attention([length], [parents[r]], n, kv_len, dtype, device)
         positions[0, span] = pos[0].cpu()
-        groups.append(AttentionGroup(slice(r, r + 1), n, length + n, mask, span, None, None, span, home))
+        groups.append(AttentionGroup(slice(r, r + 1), n, kv_len, mask, span, None, None, span, home))
     q_len = max((sizes[r] for r in shared), default=0)
     if q_len and cache.varlen is not None and all(parents[r] is None for r in shared if sizes[r]):
         count = sum(sizes[r] for r in shared)
@@ -148,7 +176,7 @@ def pack(cache: SlotKVCache, tokens: list[list[int]], parents: list[list[int] | 
         for a, b in split_rows(own_sizes, ends, cache.group_overhead):
             seg = range(a, b)
             q_seg = max(own_sizes[a:b])
-            kv_len = max(ends[r] for r in seg if own_sizes[r])
+            kv_len = key_span(max(ends[r] for r in seg if own_sizes[r]), cache._capacity)
             mask, pos = build_attention(lengths[a:b], [parents[r] if r in shared else None for r in seg], q_seg, kv_len,
                                         dtype, device)
             real = torch.arange(q_seg) < torch.tensor(own_sizes[a:b]).unsqueeze(1)
@@ -265,7 +293,7 @@ def _pack_padded(cache: SlotKVCache, tokens: list[list[int]], sizes: list[int], 
     # Keys up to the longest row's last real token, as in pack(): no query is masked whole (a
     # pad sees its row's prefix, or, in a row with none, its own position, below q_len <= kv_len)
     if kv_len is None:
-        kv_len = max(lengths[r] + sizes[r] for r in range(width) if sizes[r])
+        kv_len = key_span(max(lengths[r] + sizes[r] for r in range(width) if sizes[r]), cache._capacity)
     mask, positions = build_attention(lengths, parents, q_len, kv_len, dtype, device)
     ids = [t + [t[-1] if t else 0] * (q_len - len(t)) for t in tokens]
     cache._rows = rows

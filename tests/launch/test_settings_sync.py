@@ -42,7 +42,8 @@ CHANGED = dict(target="demo:other", host="0.0.0.0", port=6000, budget=11, policy
                local_budget=40, local_max_depth=4, local_max_width=2, local_max_k=5, latency_profile="/p",
                max_local_requests=8, max_local_waiting=9, transit_tokens=4, transit_alone=True, attention="masked", pad_rows=True, cuda_graphs=True, torch_compile=True,
                async_shares="free", tool_call_parser="llama3_json", reasoning_parser="qwen3", local_draft_adapt=True,
-               local_adapt_every=5, local_adapt_dir="/adapted", local_admission="slo", local_floor=0.5)
+               local_adapt_every=5, local_adapt_dir="/adapted", local_admission="slo", local_floor=0.5,
+               batch_invariant=True)
 
 
 def test_the_launchers_spec_file_carries_every_setting(launched):
