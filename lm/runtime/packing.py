@@ -14,7 +14,7 @@ bit between a one-token step and a verification step. Padded to whole runs of 16
 add exact zeros in whole vectors: measured on this project's CPUs, a query's output is then the
 same bit for bit whatever else its call holds, one query alone or a draft's, other rows beside it,
 a prompt chunk of a thousand (``tests/lm/runtime/test_packing.py``). That makes greedy speculative
-output in bf16 equal plain decoding's one request at a time; at any batch it takes linear layers
+output in bf16 equal plain decoding's one request at a time; at a batch it takes linear layers
 that are batch invariant too (:mod:`goodspeed.lm.runtime.invariant`; docs/DESIGN.md, *Lossless in
 bf16*).
 """
