@@ -197,7 +197,7 @@ class VerifierSpec(DeclaredSettings):
                                   to="engine.torch_compile")
     batch_invariant: bool = setting(False, "run the target's linear layers in runs of at most 32 rows, so a token's logits are "
                                            "the same bit for bit in any step and greedy output in bf16 equals plain decoding's "
-                                           "at a batch too (without it: one request at a time); bf16 on a CPU only; a forward of "
+                                           "at a batch too (without it: one request at a time); bf16 on a CPU with AMX only; a forward of "
                                            "over 32 tokens costs more in its linear layers (goodspeed.lm.runtime.invariant)", to="engine.batch_invariant")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
     dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)

@@ -68,8 +68,8 @@ class EngineConfig:
     # Batch invariance (goodspeed.lm.runtime.invariant): every linear layer of the target runs its
     # rows in runs of at most 32, so a token's logits are the same bit for bit whatever else its
     # step holds, and greedy output in bf16 equals plain decoding's at batch > 1 too (without it:
-    # one request at a time; as measured, docs/DESIGN.md, *Lossless in bf16*). bf16 on a CPU only (the runner
-    # refuses others); off by default: a forward of over 32 tokens costs more in its linear layers.
+    # one request at a time; as measured, docs/DESIGN.md, *Lossless in bf16*). bf16 on a CPU with
+    # AMX only (the runner refuses others); off by default: a forward of over 32 tokens costs more.
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

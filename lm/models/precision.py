@@ -20,20 +20,26 @@ DTYPES = {  # accepted name -> the torch dtype's attribute name (torch.float32, 
 }
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bfloat16 natively (``/proc/cpuinfo``'s flags: x86
-    ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``); False where it cannot tell."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``'s ``flags`` on x86, ``Features`` on Arm); empty
+    where it cannot tell."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return False
+            return set()
     flags = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
             flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return flags
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (``/proc/cpuinfo``'s flags: x86
+    ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``); False where it cannot tell."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:

@@ -11,7 +11,7 @@ depend on what else its forward holds:
 * **Attention** summed a row's softmax over however many keys its call was given; packed forwards
   now read keys in whole runs of :data:`goodspeed.lm.runtime.packing.KEY_ALIGN`, which makes it
   exact at no cost, always on.
-* **Linear layers.** On this project's CPUs (oneDNN's bf16 matmul, with and without AMX) a row's
+* **Linear layers.** On this project's CPU (oneDNN's bf16 matmul on AMX, one thread or two) a row's
   result is the same for every number of rows up to 32, and past 32 the library takes another
   blocking: over SmolLM2-135M's shapes, 1 or 2 rows of a call of 33-600 differ from the same row
   computed alone, and nearly every row of its 49,152-wide LM head. With ``batch_invariant`` every
@@ -21,13 +21,15 @@ depend on what else its forward holds:
 The cost is the second's: a forward of more than 32 tokens (a batch's verification step, a prompt)
 makes ``ceil(rows / 32)`` calls of each linear layer instead of one, and a call of a few rows costs
 most of what one of 32 does (SmolLM2-135M on 2 cores: a forward of 33-64 tokens 1.34-1.39x, of 300
-1.98x; docs/MEASUREMENTS.md, *Lossless in bf16*); a forward of up to 32 tokens costs nothing more. Hence off by default: without it, greedy output in bf16 equals
-plain decoding's one request at a time (each prompt prefilled in a forward of its own, every other
+1.98x; docs/MEASUREMENTS.md, *Lossless in bf16*); a forward of up to 32 tokens costs nothing
+more. Hence off by default: without it, greedy output in bf16 equals plain decoding's one request
+at a time (each prompt prefilled in a forward of its own, every other
 forward under 32 tokens: docs/DESIGN.md, *Lossless in bf16*), and may part from it in a last bit
 where a forward holds more.
 
-Measured on CPU in bf16 only; the option refuses other devices and dtypes rather than promise what
-was not measured (GPU kernels pick their blockings by other rules).
+Measured on a CPU with AMX (``amx_bf16``) in bf16 only; the option refuses other devices, dtypes
+and CPUs rather than promise what was not measured (a CPU without AMX runs bf16 matmuls through
+other kernels; GPU kernels pick their blockings by other rules).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from goodspeed.lm.models.precision import cpu_flags
 
 LINEAR_ROWS = 32  # the most rows one call of a linear layer takes under batch_invariant
 
@@ -63,10 +67,13 @@ def _rows_in_runs(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def batch_invariance_missing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why ``batch_invariant`` cannot be promised for a target on ``device`` in ``dtype`` (None: it can)."""
+def batch_invariance_missing(device: torch.device, dtype: torch.dtype, flags: set[str] | None = None) -> str | None:
+    """Why ``batch_invariant`` cannot be promised for a target on ``device`` in ``dtype`` (None: it
+    can); ``flags``: the CPU's (:func:`~goodspeed.lm.models.precision.cpu_flags`, read if None)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return f"it is measured for bf16 on a CPU only (this target: {dtype} on {device})"
+    if "amx_bf16" not in (cpu_flags() if flags is None else flags):
+        return "it is measured on CPUs with AMX (amx_bf16) only, which this one lacks"
     return None
 
 

@@ -6,15 +6,17 @@ import doctest
 import pytest
 import torch
 
-from goodspeed.lm.models.precision import cpu_has_native_bf16
+from goodspeed.lm.models.precision import cpu_flags
 from goodspeed.lm.runtime import invariant, packing
-from goodspeed.lm.runtime.invariant import LINEAR_ROWS, make_batch_invariant, runs
+from goodspeed.lm.runtime.invariant import LINEAR_ROWS, batch_invariance_missing, make_batch_invariant, runs
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
 from modelkit import tiny_llama
 
 # SmolLM2-135M's hidden width into a wide layer: a shape where oneDNN's bf16 matmul blocks calls of
-# more than 32 rows otherwise than a lone row (measured on CPUs with avx512_bf16 / AMX)
+# more than 32 rows otherwise than a lone row (measured on a CPU with AMX)
 WIDE = (576, 4096)
+AMX = "amx_bf16" in cpu_flags()
+measured_here = pytest.mark.skipif(not AMX, reason="batch invariance is measured on CPUs with AMX (amx_bf16) only")
 ROW_COUNTS = (1, 31, LINEAR_ROWS, LINEAR_ROWS + 1, 56, 200)
 
 
@@ -26,15 +28,15 @@ def _rows_alone_and_together(layer):
         return {m: torch.equal(layer(x[:m]), alone[:m]) for m in ROW_COUNTS}
 
 
+@measured_here
 def test_rows_in_runs_equal_each_row_alone_at_every_row_count():
     """With the layer made batch invariant, a call of 1 to 200 rows gives each row exactly what the
-    row alone gives. Negative control (where measured: a CPU that computes bf16 natively): the same
-    layer as torch runs it parts from the lone rows in a call of more than 32."""
+    row alone gives. Negative control: the same layer as torch runs it parts from the lone rows in
+    a call of more than 32."""
     layer = torch.nn.Linear(*WIDE, bias=True).to(torch.bfloat16)
-    if cpu_has_native_bf16():
-        as_is = _rows_alone_and_together(layer)
-        assert all(as_is[m] for m in ROW_COUNTS if m <= LINEAR_ROWS)
-        assert not all(as_is[m] for m in ROW_COUNTS if m > LINEAR_ROWS)
+    as_is = _rows_alone_and_together(layer)
+    assert all(as_is[m] for m in ROW_COUNTS if m <= LINEAR_ROWS)
+    assert not all(as_is[m] for m in ROW_COUNTS if m > LINEAR_ROWS)
     wrapper = torch.nn.Sequential(layer)
     assert make_batch_invariant(wrapper) == 1 and make_batch_invariant(wrapper) == 1  # idempotent
     assert all(_rows_alone_and_together(layer).values())
@@ -60,6 +62,7 @@ def test_rows_in_runs_keep_the_shape_and_the_values_of_a_3d_input():
     assert torch.allclose(out.float(), reference.float(), atol=0.05, rtol=0.02)  # bf16 rounding apart
 
 
+@measured_here
 def test_the_engine_option_turns_the_targets_linear_layers_invariant():
     target = tiny_llama(1, dtype=torch.bfloat16)
     engine = VerificationEngine(target, EngineConfig(batch_invariant=True))
@@ -73,5 +76,11 @@ def test_the_engine_option_turns_the_targets_linear_layers_invariant():
 def test_the_engine_option_refuses_what_was_not_measured():
     with pytest.raises(ValueError, match="bf16 on a CPU only.*float64"):
         VerificationEngine(tiny_llama(1), EngineConfig(batch_invariant=True))
+    assert "AMX" in batch_invariance_missing(torch.device("cpu"), torch.bfloat16, {"avx2", "avx512_bf16"})
+    assert batch_invariance_missing(torch.device("cpu"), torch.bfloat16, {"avx512_bf16", "amx_bf16"}) is None
+    assert "CPU only" in batch_invariance_missing(torch.device("cuda"), torch.bfloat16, {"amx_bf16"})
+    if not AMX:
+        with pytest.raises(ValueError, match="AMX"):
+            VerificationEngine(tiny_llama(1, dtype=torch.bfloat16), EngineConfig(batch_invariant=True))
     with pytest.raises(ValueError, match="not with cuda_graphs or torch_compile"):
         EngineConfig(batch_invariant=True, torch_compile=True)
