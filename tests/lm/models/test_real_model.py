@@ -351,28 +351,6 @@ def bf16_targets():
     return load_causal_lm("real:smollm2-135m", dtype="bfloat16"), load_causal_lm("real:smollm2-135m", dtype="bfloat16")
 
 
-def _bf16_greedy(engine, prompts, source, batch, eos):
-    """Greedy outputs of ``prompts`` served ``batch`` at a time by plain decoding or a lookup."""
-    from goodspeed.lm.decoding.draft_source import DraftSpec
-    from goodspeed.lm.decoding.params import SamplingParams
-
-    if source == "plain":
-        config, draft = LocalConfig(policy="none", max_requests=batch), DraftSpec.parse("ngram").build(None, engine.vocab_size)
-    else:
-        config = LocalConfig(policy="goodput", k=6, max_k=6, budget=32, max_requests=batch)
-        draft = DraftSpec.parse(source).build(None, engine.vocab_size)
-    outputs = []
-    for start in range(0, len(prompts), batch):
-        serving = LocalServing(engine, draft, config)
-        ids = [serving.submit(p, SamplingParams(temperature=0.0), max_new_tokens=48, eos_token_ids=eos)
-               for p in prompts[start : start + batch]]
-        while serving.step() is not None:
-            pass
-        done = {r.request_id: list(r.generated) for r in serving.finished}
-        outputs += [done[i] for i in ids]
-    return outputs
-
-
 @pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="bf16 exactness is measured on CPUs with AMX (amx_bf16) only")
 def test_bf16_speculative_output_is_plain_decodings_token_for_token(bf16_targets):
     """In bf16 a position's logits are the same bit for bit in any step shape (keys read in whole
@@ -381,17 +359,25 @@ def test_bf16_speculative_output_is_plain_decodings_token_for_token(bf16_targets
     as torch runs the layers, and at batch 8 batch invariant; plain decoding at batch 8 too. Sixteen
     tasks of the per-task benchmark, 48 tokens each. (The negative controls are the logits-level
     tests': tests/lm/runtime/test_packing.py, test_invariant.py.)"""
+    from bench.bench_invariance import serve  # the benchmark's own serving: lookups under the goodput policy
     from bench.bench_workloads import load_tasks
 
     as_is, invariant = bf16_targets
     tok = as_is.tokenizer
     prompts = [chat_prompt_ids(tok, t["messages"]) for t in load_tasks()[::3][:16]]
     eos = [tok.eos_token_id]
+
+    def greedy(engine, source, batch):
+        """The outputs of ``prompts`` served ``batch`` at a time (one request alone: one at a time)."""
+        if batch == 1:
+            return [serve(engine, [p], source, 1, eos, 48)[0][0] for p in prompts]
+        return serve(engine, prompts, source, batch, eos, 48)[0]
+
     engine = VerificationEngine(as_is.model, EngineConfig(seed=0))
-    reference = _bf16_greedy(engine, prompts, "plain", 1, eos)
-    assert _bf16_greedy(engine, prompts, "ngram", 1, eos) == reference
-    assert _bf16_greedy(engine, prompts, "plain", 8, eos) == reference
+    reference = greedy(engine, "plain", 1)
+    assert greedy(engine, "ngram", 1) == reference
+    assert greedy(engine, "plain", 8) == reference
     exact = VerificationEngine(invariant.model, EngineConfig(seed=0, batch_invariant=True))
-    exact_reference = _bf16_greedy(exact, prompts, "plain", 1, eos)
+    exact_reference = greedy(exact, "plain", 1)
     for source in ("ngram", "suffix"):
-        assert _bf16_greedy(exact, prompts, source, 8, eos) == exact_reference
+        assert greedy(exact, source, 8) == exact_reference
