@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--logs", type=Path, help="where the processes' logs go (default: a new temporary directory)")
     args = parser.parse_args(argv)
     target, draft = PAIRS[args.pair]
-    dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")
+    dtype = str(resolve_dtype(args.dtype, "cpu", target)).removeprefix("torch.")
     tasks = cooking(args.requests, args.seed)
     out = args.logs or Path(tempfile.mkdtemp(prefix="bench-adapt-"))  # the processes' logs
     out.mkdir(parents=True, exist_ok=True)

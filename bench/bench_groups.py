@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"command": " ".join(["python -m bench.bench_groups", *(argv if argv is not None else sys.argv[1:])]),
                   "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-                  "target": args.target, "dtype": resolve_dtype(args.dtype, "cpu"), "threads": args.threads,
+                  "target": args.target, "dtype": resolve_dtype(args.dtype, "cpu", args.target), "threads": args.threads,
                   "repeats": args.repeats, "group_overhead_pairs": split, "sdpa_fit": fit,
                   "contexts_at_end": [len(r.committed) for r in serving._active.values()], "shapes": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"command": " ".join(["python -m bench.bench_local_steps", *(argv if argv is not None else sys.argv[1:])]),
                   "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-                  "target": args.target, "dtype": resolve_dtype(args.dtype, "cpu"), "threads": args.threads, "runs": results}
+                  "target": args.target, "dtype": resolve_dtype(args.dtype, "cpu", args.target), "threads": args.threads, "runs": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     if args.max_local_waiting < args.max_local_requests:
         parser.error("--max-local-waiting must hold --max-local-requests requests (they are sent at once to measure capacity)")
     target, draft = PAIRS[args.pair]
-    dtype = str(resolve_dtype(args.dtype, "cpu")).removeprefix("torch.")
+    dtype = str(resolve_dtype(args.dtype, "cpu", target)).removeprefix("torch.")
     loads = [float(x) for x in args.loads.split(",") if x]
     logs = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     prompts = prompts_of(target)

@@ -701,7 +701,7 @@ def main(argv=None) -> int:
     report = {"command": " ".join(["python -m bench.bench_workloads", *(argv if argv is not None else sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(args.device),
               "pair": {"target": target, "draft": draft}, "dtype": args.dtype, "device": args.device,
-              "resolved_dtype": resolve_dtype(args.dtype, args.device), "node_resolved_dtype": resolve_dtype(args.dtype),
+              "resolved_dtype": resolve_dtype(args.dtype, args.device, target), "node_resolved_dtype": resolve_dtype(args.dtype, "cpu", draft),
               "max_tokens": args.max_tokens, "max_draft_len": args.max_draft_len, "tasks": len(tasks)}
     for mode in modes:
         report[mode] = MODES[mode](args, tasks, target, draft, args.dtype, out)

@@ -126,7 +126,7 @@ def _drafter(args: argparse.Namespace) -> int:
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--seed", type=int, default=None,
                         help="root seed: every random stream of this process derives from it and its role and name "
                              "(default: fresh OS entropy, logged so the run can be replayed)")

@@ -207,6 +207,7 @@ def profile(args: argparse.Namespace) -> int:
     fitted = {}
     for role, spec in (("target", args.target), ("draft", args.draft)):
         model = load_causal_lm(spec, dtype=args.dtype, device=args.device).model
+        result[f"{role}_dtype"] = str(model.dtype).removeprefix("torch.")  # auto resolved for this model
         log = (lambda line, role=role: print(f"  {role} {line}", file=sys.stderr)) if not args.quiet else None
         samples, fitted[role] = profile_model(model, repeats=args.repeats, progress=log, cuda_graphs=args.cuda_graphs,
                                                torch_compile=args.torch_compile)

@@ -200,7 +200,9 @@ class VerifierSpec(DeclaredSettings):
                                            "at a batch too (without it: one request at a time); bf16 on a CPU with AMX only; a forward of "
                                            "over 32 tokens costs more in its linear layers (goodspeed.lm.runtime.invariant)", to="engine.batch_invariant")
     device: str = setting("cpu", "the target's (and the local draft's) torch device: cpu, cuda or cuda:N")
-    dtype: str = setting("float32", "the target's (and the local draft's) torch dtype", choices=DTYPES)
+    dtype: str = setting("auto", "the target's (and the local draft's) torch dtype; auto: bf16 where the device computes it "
+                                 "natively (a GPU, a CPU with avx512_bf16 / amx_bf16 / Arm bf16), float32 elsewhere and "
+                                 "for the demo models", choices=DTYPES)
     seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and name "
                                      "(default: fresh OS entropy, logged so the run can be replayed; in a spec: the "
                                      "spec's top-level seed)", to=("engine.seed", "local.seed"))
@@ -331,7 +333,8 @@ class DrafterSpec(DeclaredSettings):
     count: int = 1
     max_prompts: int | None = None
     device: str = setting("cpu", "cpu, cuda or cuda:N")
-    dtype: str = setting("float32", "the draft's weights", choices=DTYPES)
+    dtype: str = setting("auto", "the draft's weights; auto: bf16 where the device computes it natively, float32 "
+                                 "elsewhere and for the demo models", choices=DTYPES)
     seed: int | None = setting(None, "root seed: every random stream of this process derives from it and its role and "
                                "name (default: the spec's top-level seed, else fresh OS entropy, logged so the run can "
                                "be replayed)", to=("client.seed", "node.seed"))

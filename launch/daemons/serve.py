@@ -22,6 +22,7 @@ from goodspeed.launch.spec import SpecError, VerifierSpec
 from goodspeed.lm.runtime.attention import varlen_missing
 from goodspeed.lm.decoding.draft_source import DraftSpec
 from goodspeed.lm.models.loading import LoadedModel, load_causal_lm, torch_dtype
+from goodspeed.lm.models.precision import resolve_dtype
 from goodspeed.scheduler import smoothing_of
 from goodspeed.verifier.auth import TokenAuth
 from goodspeed.verifier.engine import EngineConfig, VerificationEngine
@@ -43,7 +44,7 @@ def engine_config(opts: VerifierSpec) -> EngineConfig:
                               prefill_chunk=opts.prefill_chunk or None)
     except ValueError as exc:
         raise SpecError(f"verifier: {exc}") from None
-    if config.attention == "varlen" and (need := varlen_missing(opts.device, torch_dtype(opts.dtype, opts.device))):
+    if config.attention == "varlen" and (need := varlen_missing(opts.device, torch_dtype(opts.dtype, opts.device, opts.target))):
         raise SpecError(f"verifier: attention 'varlen' (flash's varlen kernel) needs {need}; device {opts.device}, "
                         f"dtype {opts.dtype}: use 'auto' or 'masked'")
     if config.cuda_graphs and torch.device(opts.device).type != "cuda":
@@ -137,7 +138,7 @@ async def serve(opts: VerifierSpec, log: JsonLog | None = None) -> int:
     if opts.local_draft is not None:
         local_config(opts)
         local_draft_source(opts)
-    log.event("loading", target=opts.target, device=opts.device, dtype=opts.dtype)
+    log.event("loading", target=opts.target, device=opts.device, dtype=resolve_dtype(opts.dtype, opts.device, opts.target))
     engine, target = build_engine(opts)
     log.event("attention", path=engine.attention)
     smoothing = engine.config.smoothing

@@ -77,10 +77,10 @@ def ensure_models(specs: list[str], progress: bool = True, log=print) -> None:
             get_real(family, progress=progress, log=log)
 
 
-def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """The torch dtype of ``name`` (``auto`` resolved for ``device``: :func:`resolve_dtype`)."""
+def torch_dtype(name: str, device: str = "cpu", model: str | None = None) -> torch.dtype:
+    """The torch dtype of ``name`` (``auto`` resolved for ``device`` and ``model``: :func:`resolve_dtype`)."""
     try:
-        return getattr(torch, DTYPES[resolve_dtype(name, device)])
+        return getattr(torch, DTYPES[resolve_dtype(name, device, model)])
     except KeyError:
         raise ModelLoadError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
 
@@ -105,7 +105,7 @@ def _check_quantization(config) -> None:
 def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """Load ``spec`` (hub id, directory or ``demo:<name>``) in inference mode on ``device``, in
     ``dtype`` (``auto``: :func:`resolve_dtype`)."""
-    dev, torch_type = check_device(device), torch_dtype(dtype, device)
+    dev, torch_type = check_device(device), torch_dtype(dtype, device, spec)
     path = resolve_model_path(spec)
     try:
         config = AutoConfig.from_pretrained(path)

@@ -1,7 +1,10 @@
 """Precision names: what ``--dtype`` and a spec's ``dtype`` accept, and ``auto``'s choice.
 
-``auto`` is bfloat16 where the device computes it natively (a CUDA device with bf16; a CPU whose
-flags say ``avx512_bf16``, ``amx_bf16`` or Arm's ``bf16``) and float32 elsewhere. Names only
+``auto`` (the default of a spec's and the CLI's ``dtype``) is bfloat16 where the device computes it
+natively (a CUDA device with bf16; a CPU whose flags say ``avx512_bf16``, ``amx_bf16`` or Arm's
+``bf16``) and float32 elsewhere, and float32 for the embedded demo models (``demo:<name>``: at
+about 1M parameters their forwards measured about 1.4x slower in bf16 on a CPU with AMX, the
+casts outweighing the smaller weights; docs/MEASUREMENTS.md, *Lossless in bf16*). Names only
 here (every settings check reads them; torch is imported where a device is resolved).
 """
 
@@ -42,11 +45,17 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> str:
-    """``auto``: ``bfloat16`` where ``device`` computes it natively (a CUDA device with bf16, a CPU
-    with native bf16: :func:`cpu_has_native_bf16`), else ``float32``; any other name as it is."""
+FLOAT32_MODELS = ("demo:",)  # model names (prefixes) that ``auto`` keeps in float32: too small for bf16 to pay
+
+
+def resolve_dtype(name: str, device: str = "cpu", model: str | None = None) -> str:
+    """``auto``: ``float32`` for a ``model`` named in :data:`FLOAT32_MODELS`, else ``bfloat16`` where
+    ``device`` computes it natively (a CUDA device with bf16, a CPU with native bf16:
+    :func:`cpu_has_native_bf16`), else ``float32``; any other name as it is."""
     if name != "auto":
         return name
+    if model is not None and model.startswith(FLOAT32_MODELS):
+        return "float32"
     import torch
 
     dev = torch.device(device)

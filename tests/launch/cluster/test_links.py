@@ -207,7 +207,8 @@ def test_launch_with_an_edge_link_is_lossless_and_reports_receive_time(tmp_path)
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p}) + "\n" for i, p in enumerate(prompt_ids)))
     drafter = {"draft": str(paths["draft"]), "prompts": str(prompts), "max_new_tokens": 12}
     spec = load_spec(tmp_path / "spec.toml", data={
-        "verifier": {"target": str(paths["target"]), "budget": 8, "round_deadline_ms": 1000},
+        # float32, as the reference below (auto is bf16 on a CPU with native bf16)
+        "verifier": {"target": str(paths["target"]), "budget": 8, "round_deadline_ms": 1000, "dtype": "float32"},
         "drafters": [{"name": "near", **drafter}, {"name": "far", **drafter, "link": {"rtt_ms": 60, "jitter_ms": 5, "mbit": 20}}],
     })
     summary = launch_local(spec, tmp_path / "run", log=lambda *a: None, live=False)

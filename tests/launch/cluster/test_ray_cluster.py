@@ -150,7 +150,9 @@ def write_spec(path, verifier, drafters):
 def tiny_spec(tmp_path, models, **drafter_b):
     paths, prompts, _ = models
     common = {"prompts": str(prompts), "max_new_tokens": MAX_NEW}
-    return write_spec(tmp_path / "spec.toml", {"target": str(paths["target"]), "budget": 8, "round_deadline_ms": 1000, "resources": {"h100": 1}},
+    # float32, as the reference (auto is bf16 on a CPU with native bf16)
+    return write_spec(tmp_path / "spec.toml", {"target": str(paths["target"]), "budget": 8, "round_deadline_ms": 1000, "resources": {"h100": 1},
+                                               "dtype": "float32"},
                       [{"name": "good", "draft": str(paths["draft"]), "resources": {"l4": 1}, **common},
                        {"name": "weak", "draft": str(paths["weak"]), "node": "edge-1", **common, **drafter_b}])
 

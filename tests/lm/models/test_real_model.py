@@ -150,7 +150,8 @@ def test_processes_verifier_and_drafters(pair, prompts, reference, tmp_path):
     prompt_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
     drafters = tuple(DrafterSpec(name=n, draft="real:smollm2-135m-draft", prompts=str(prompt_file), max_new_tokens=NEW, max_prompts=2)
                      for n in ("a", "b"))
-    spec = LaunchSpec(VerifierSpec(target="real:smollm2-135m", budget=12, max_draft_len=8, round_deadline_ms=5000), drafters)
+    spec = LaunchSpec(VerifierSpec(target="real:smollm2-135m", budget=12, max_draft_len=8, round_deadline_ms=5000,
+                                   dtype="float32"), drafters)  # as the reference (auto: bf16 on a CPU with native bf16)
     summary = launch_local(spec, tmp_path / "run", live=False)
     assert all(r["exit_code"] == 0 for r in summary["drafters"].values())
     for name in ("a", "b"):
