@@ -96,6 +96,7 @@ TASKS = Path(__file__).resolve().parent / "workloads" / "tasks.jsonl"
 PAIRS = {"real": ("real:smollm2-135m", "real:smollm2-135m-draft"), "demo": ("demo:target", "demo:draft-distilled")}
 SOURCES = ("model", "ngram", "suffix", "hybrid")
 COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+ROUND_TRIPS = "drafter_round_trip_seconds_count"  # an edge node's drafts sent (each a round trip to the verifier)
 
 
 def load_tasks(path: Path = TASKS) -> list[dict]:
@@ -360,11 +361,11 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
         for i, task in enumerate(tasks):
             for config in in_turn(list(ports), i):
                 port = ports[config]
-                before = counters(port)
+                before = counters(port, COUNTERS + (ROUND_TRIPS,))
                 reply = post(port, task, args.max_tokens)
-                after = counters(port)
+                after = counters(port, COUNTERS + (ROUND_TRIPS,))
                 rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
-                             **{k: after[k] - before[k] for k in COUNTERS}})
+                             **{k: after[k] - before[k] for k in COUNTERS + (ROUND_TRIPS,)}})
             keep_partial(args, "edge", list(ports), rows)
             print(f"edge: {i + 1}/{len(tasks)} tasks", file=sys.stderr, flush=True)
     return summarize(rows, list(ports))
@@ -607,6 +608,8 @@ def summarize(rows: list[dict], configs: list[str], batched: bool = False) -> di
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "equal_to_plain": sum(text_of(r["output"]) == plain[r["id"]] for r in mine),
             }
+            if trips := sum(r.get(ROUND_TRIPS, 0) for r in mine):  # an edge node's: what decoding ahead saves
+                table[category][config]["round_trips_per_token"] = round(trips / tokens, 3)
             if batched:  # each request's TPOT over plain decoding's of the same request: the slowest, and how many lost 3%
                 ratios = [x for x in tpot_over_plain(mine, [plain_rows[r["id"]] for r in mine]) if x is not None]
                 table[category][config].update(tpot_over_plain_max=max(ratios, default=None),

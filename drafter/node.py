@@ -74,6 +74,11 @@ from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength
 MAX_REPAIRS = 3  # session losses one request survives
 DRAFT_LENGTH_RULES = ("goodput", "allotted")  # NodeConfig.draft_length
 HEALTH_EVERY_S = 1.0  # how often the node checks its verifier's health
+# Where the proposal of a lookup that reads the request's own text alone (``own_text_only``:
+# ``ngram``) does not pay, the verifier decodes up to this many rounds by itself, stopping sooner
+# where the text holds a match that would (DraftRequest.decode_ahead_until_match): a round trip
+# saved a token meanwhile
+LOOKUP_DECODE_AHEAD = 8
 
 
 @dataclass(frozen=True)
@@ -435,7 +440,8 @@ class EdgeNode:
                 await self._discard(session)
                 continue
             req.started(reply.draft_length, reply.round_index)
-            req.decode_ahead = "decode_ahead" in applied_features(reply)
+            features = applied_features(reply)
+            req.decode_ahead, req.until_match = "decode_ahead" in features, "decode_ahead_until_match" in features
             if (why := unapplied_setting(req.sampling, reply)) is not None:
                 raise RequestError("upstream", f"{why}: this request needs it; upgrade the verifier or leave it out")
             if start.prompt_logprobs is not None and not reply.prompt_logprobs:
@@ -526,15 +532,19 @@ class EdgeNode:
         session, length, round_index = req.session, req.length, req.round_index
         self._looked.pop(req.key, None)  # a round lost with its session is not heard
         if req.ahead > 0:  # the verifier decodes this round by itself: nothing to draft or send
-            req.ahead -= 1
             req.drafted_last = 0
             verdict = await session.verdict(round_index, self.config.verdict_timeout_s)
+            req.ahead = verdict.decode_ahead_left if req.until_match else req.ahead - 1
             await self._heard(req, verdict)
             return verdict
-        ahead = 0
+        ahead = until = 0
         if (self.config.draft_length == "goodput" and self._inline and self.drafter.free_proposals
                 and (costs := self.paying.round_costs()) is not None):
             draft = self._paying_lookup(req, await self._draft(req, length), costs)
+            if not draft.token_ids and req.until_match and self.drafter.own_text_only:
+                # nothing pays here: the verifier decodes until the text holds a match that would
+                ahead = LOOKUP_DECODE_AHEAD
+                until = self.evidence.paying_from(req.key, length, *costs, self.paying.draft_s_per_token)
         else:
             if self.config.draft_length == "goodput":
                 length = self.paying.length(req.key, req.length)
@@ -544,7 +554,7 @@ class EdgeNode:
         req.drafted_last = len(draft.token_ids)
         message = draft_to_pb(session.session_id, round_index, DraftOutput(draft.token_ids, draft.probs), req.sampling)
         if ahead and not draft.token_ids:  # nothing forced by a grammar was drafted either
-            message.decode_ahead, req.ahead = ahead, ahead
+            message.decode_ahead, message.decode_ahead_until_match, req.ahead = ahead, until, ahead
         sent = time.perf_counter()
         try:
             reply = await self.stub.SubmitDraft(message, timeout=self.config.verdict_timeout_s, metadata=self.metadata)
@@ -556,6 +566,8 @@ class EdgeNode:
                 raise SessionLost() from None
             raise
         verdict = reply.verdict if reply.HasField("verdict") else await session.verdict(round_index, self.config.verdict_timeout_s)
+        if message.decode_ahead and req.until_match:  # fewer where it stopped at a match or the request ended
+            req.ahead = verdict.decode_ahead_left
         round_s = time.perf_counter() - sent
         self.node_metrics.round_trip_seconds.observe(round_s)
         self.node_metrics.draft_length.observe(req.length)  # what the verifier allotted (the draft may be shorter)

@@ -71,6 +71,7 @@ class NodeRequest(DraftSession):
         self.last_verdict_at: float | None = None  # when its previous verdict came (SLO admission's rounds)
         self.drafted_last = 0  # tokens its last round drafted: none, and no draft KV past its text to roll back
         self.decode_ahead = False  # its verifier decodes rounds ahead of an empty draft (StartRequestReply.features)
+        self.until_match = False  # ... and stops at a match, counting the rounds left in each verdict (the same)
         self.ahead = 0  # rounds the verifier is decoding by itself before this node drafts again
 
     def lost(self) -> None:

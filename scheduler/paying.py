@@ -407,6 +407,27 @@ class EvidenceAcceptance:
             kept.append((n, probe))
         return kept
 
+    def paying_from(self, request: Hashable, length: int, step_s: float, verify_s_per_token: float,
+                    longest_s_per_token: float) -> int:
+        """The shortest match (evidence, 1..``max_evidence``) from which a lookup of ``length``
+        tokens backed by it, or by any longer match, would be drafted for ``request`` now by
+        :meth:`keep` (probes aside), 0 where the longest class would not: what a node decoding
+        ahead waits for (``decode_ahead_until_match``). For one proposal :func:`paying_lengths`
+        keeps some tokens iff some ``s`` has ``(1 + sum_{j<=s} a^j) / (step_s + (verify_s_per_token
+        + longest_s_per_token) s) > 1 / step_s``; that is checked for every class at once."""
+        if length <= 0:
+            return 0
+        rates = np.array([self.rate(request, e) for e in range(1, self.max_evidence + 1)])[:, None]
+        s = np.arange(1, length + 1)
+        gains = np.cumsum(rates ** s, axis=1)  # [class, s]: expected tokens taken of the first s
+        pays = ((1.0 + gains) / (step_s + (verify_s_per_token + longest_s_per_token) * s) > 1.0 / step_s).any(axis=1)
+        if not pays[-1]:
+            return 0
+        first = len(pays)
+        while first > 0 and pays[first - 1]:
+            first -= 1
+        return first + 1
+
     def observe(self, request: Hashable, evidence: int, drafted: int, accepted: int, probe: bool = False) -> None:
         """A verdict on ``drafted`` looked-up tokens backed by ``evidence`` (tokens a grammar forced
         before them aside): ``accepted`` of them taken. ``probe``: the draft was a probe."""

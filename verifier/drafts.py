@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from goodspeed.proto import MAX_DECODE_AHEAD
+from goodspeed.proto import MAX_DECODE_AHEAD, MAX_UNTIL_MATCH
 from goodspeed.verifier.errors import (
     DraftTooLongError,
     InvalidProbabilityError,
@@ -34,6 +34,11 @@ def validate_draft(draft: Draft, vocab_size: int, allotted: int, needs_probs: bo
         raise MalformedDraftError(f"decode_ahead must lie in 0..{MAX_DECODE_AHEAD}, got {draft.decode_ahead}")
     if draft.decode_ahead and n:
         raise MalformedDraftError("decode_ahead goes with an empty draft only (the verifier decodes those rounds itself)")
+    if not 0 <= draft.decode_ahead_until_match <= MAX_UNTIL_MATCH:
+        raise MalformedDraftError(f"decode_ahead_until_match must lie in 0..{MAX_UNTIL_MATCH}, "
+                                  f"got {draft.decode_ahead_until_match}")
+    if draft.decode_ahead_until_match and not draft.decode_ahead:
+        raise MalformedDraftError("decode_ahead_until_match goes with decode_ahead only")
     if n > allotted:
         raise DraftTooLongError(f"drafted {n} tokens but the allocation for this round is {allotted}")
     ids = np.asarray(draft.token_ids, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)

@@ -21,9 +21,13 @@ allocation*, *A round costs O(new tokens)*) is a composition of stages, each in 
 ``decode_ahead = m`` (:class:`~goodspeed.verifier.types.Draft`): the engine then queues the
 session's next ``m`` rounds itself, each an empty draft (plain decoding: the target's own
 token, sampled as any round's bonus token), so the drafter skips a round trip a token while it
-drafts nothing; it drafts again for the round after them (sooner if the request ends). Each
-round is a round as any other (its verdict, the allocation, the budget), so the output's
-distribution and the fairness bookkeeping are unchanged.
+drafts nothing; it drafts again for the round after them (sooner if the request ends). With
+``decode_ahead_until_match = n`` it stops sooner, after a round whose text ends in ``n`` tokens
+that occurred earlier in it (followed by a token there): a lookup matching ``n`` tokens, which the
+drafter finds worth drafting, has something to propose. Each verdict says how many rounds are
+still queued (``decode_ahead_left``). Each round is a round as any other (its verdict, the
+allocation, the budget), and whether the next is queued reads committed text only, so the
+output's distribution and the fairness bookkeeping are unchanged.
 
 Requests arrive whole (:class:`~goodspeed.serving.generation.GenerationRequest`, built once at each
 door) and are checked by :mod:`~goodspeed.verifier.admission` before any state changes; misuse
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -52,6 +57,16 @@ from goodspeed.verifier.sessions import EngineConfig, Request
 from goodspeed.verifier.types import Draft, PrefillStep, RoundResult, RoundTimings, Verdict
 from goodspeed.verifier.verify_rows import RowVerifier
 from goodspeed.verifier.warm_up import warm_up_steps
+
+
+def repeats_its_tail(tokens: Sequence[int], n: int) -> bool:
+    """Whether the last ``n`` of ``tokens`` occurred earlier in them, followed by a token there
+    (a lookup matching ``n`` tokens would propose: :class:`goodspeed.lm.decoding.lookup.NgramIndex`)."""
+    if n <= 0 or len(tokens) <= n:
+        return False
+    text = np.asarray(tokens, dtype=np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)  # every n tokens with a successor
+    return bool((windows == text[-n:]).all(axis=1).any())
 
 
 class VerificationEngine:
@@ -247,16 +262,20 @@ class VerificationEngine:
 
     def _decode_ahead(self, rows, verdicts: dict[str, Verdict]) -> tuple[str, ...]:
         """Queue the next round of each session whose verified draft asked the engine to decode
-        ahead (an empty draft carrying one round fewer), unless its request ended; returns them."""
+        ahead (an empty draft carrying one round fewer), unless its request ended or its text now
+        ends in the match the draft waits for; each verdict says how many rounds are left
+        queued. Returns the sessions queued."""
         queued = []
         for row in rows:
-            ahead, session = row.draft.decode_ahead, row.session
-            if not ahead or row.transit:
+            ahead, session, key = row.draft.decode_ahead, row.session, row.input.key
+            if not ahead or row.transit or (verdict := verdicts.get(key)) is None:
                 continue
-            verdict = verdicts.get(row.input.key)
-            if verdict is not None and not verdict.finished and session.request is not None and session.pending is None:
-                session.pending = Draft(session.round_index, [], decode_ahead=ahead - 1)
-                queued.append(row.input.key)
+            until = row.draft.decode_ahead_until_match
+            if (not verdict.finished and session.request is not None and session.pending is None
+                    and not (until and repeats_its_tail(session.request.committed, until))):
+                session.pending = Draft(session.round_index, [], decode_ahead=ahead - 1, decode_ahead_until_match=until)
+                verdicts[key] = session.last_verdict = replace(verdict, decode_ahead_left=ahead)  # a retry's answer too
+                queued.append(key)
         return tuple(queued)
 
     def run_round(self, uniforms: dict[str, np.ndarray] | None = None, periods: dict[str, float] | None = None,

@@ -40,7 +40,7 @@ def draft_from_pb(msg: pb.DraftRequest, vocab_size: int) -> Draft:
     elif kind == "sparse":
         sparse = [SparseProbs(list(row.token_ids), list(row.probs)) for row in msg.sparse.rows]
     return Draft(int(msg.round_index), tokens, parents=parents, dense_probs=dense, sparse_probs=sparse,
-                 decode_ahead=int(msg.decode_ahead))
+                 decode_ahead=int(msg.decode_ahead), decode_ahead_until_match=int(msg.decode_ahead_until_match))
 
 
 def verdict_to_pb(v: Verdict) -> pb.Verdict:
@@ -60,6 +60,7 @@ def verdict_to_pb(v: Verdict) -> pb.Verdict:
         num_transit=v.num_transit,
         logprobs=logprobs_to_pb(v.logprobs),
         prompt_logprobs=logprobs_to_pb(v.prompt_logprobs),
+        decode_ahead_left=v.decode_ahead_left,
     )
 
 

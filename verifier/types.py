@@ -31,7 +31,9 @@ class Draft:
 
     ``decode_ahead`` (an empty draft only): after this round the verifier decodes that many more
     rounds of the request by itself, one token a round, each with its verdict, before the
-    drafter's next draft (:mod:`goodspeed.verifier.engine`, *Decoding ahead*).
+    drafter's next draft (:mod:`goodspeed.verifier.engine`, *Decoding ahead*);
+    ``decode_ahead_until_match`` (with it): fewer, stopping after a round whose text ends in that
+    many tokens that occurred earlier in it (0: all of them).
     """
 
     round_index: int
@@ -40,6 +42,7 @@ class Draft:
     dense_probs: np.ndarray | None = None
     sparse_probs: Sequence[SparseProbs] | None = None
     decode_ahead: int = 0
+    decode_ahead_until_match: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +69,7 @@ class Verdict:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids, for a request that asked for them
     # A request's first verdict, where it asked for them: one per prompt token after the first
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    decode_ahead_left: int = 0  # rounds the verifier still decodes by itself after this one (a draft's decode_ahead)
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,9 @@ class LookupDraft:
     name = ""
     graphs = None  # no fixed-shape forwards to warm up
     free_proposals = True  # proposing costs no forward: a policy may look up the longest draft, then keep what pays
+    # proposals read the request's own committed text alone, so a verifier holding that text can tell
+    # where one appears (an edge node's decode_ahead_until_match); not where other requests' text counts
+    own_text_only = False
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = int(vocab_size)
@@ -274,6 +277,7 @@ class PromptLookup(LookupDraft):
     """``ngram``: prompt lookup over the request's prompt and output so far (:class:`NgramIndex`)."""
 
     name = "ngram"
+    own_text_only = True
 
     def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 5) -> None:
         super().__init__(vocab_size)

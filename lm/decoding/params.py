@@ -54,6 +54,7 @@ FEATURES = {
     # Not a sampling option: the round protocol's DraftRequest.decode_ahead (a drafter uses it
     # only with a verifier that lists it).
     "decode_ahead": "decoding ahead of an empty draft",
+    "decode_ahead_until_match": "decoding ahead until the text repeats (DraftRequest.decode_ahead_until_match)",
 }
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 32

@@ -332,7 +332,7 @@ def _record_requests(monkeypatch, bw):
     monkeypatch.setattr(bw, "Servers", fake_servers())
     monkeypatch.setattr(bw, "free_port", lambda: next(ports))
     monkeypatch.setattr(bw, "post", post)
-    monkeypatch.setattr(bw, "counters", lambda port, names=None: dict.fromkeys(bw.COUNTERS, 0.0))
+    monkeypatch.setattr(bw, "counters", lambda port, names=bw.COUNTERS: dict.fromkeys(names, 0.0))
     monkeypatch.setattr(bw, "keep_partial", lambda *a, **kw: None)
     return sent
 

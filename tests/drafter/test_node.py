@@ -414,6 +414,48 @@ def test_a_node_whose_drafts_do_not_pay_lets_the_verifier_decode_ahead(models, m
     assert old_trips >= 40 - old_probes and text == old_text, seen
 
 
+def test_a_lookup_whose_proposals_do_not_pay_lets_the_verifier_decode_until_a_match(models, monkeypatch):
+    """A lookup whose proposals the target always rejects (a one-token match, never paying under
+    fixed round costs): the node sends an empty draft with ``decode_ahead`` and, as
+    ``decode_ahead_until_match``, the shortest match from which every longer one would pay
+    (:meth:`~goodspeed.scheduler.EvidenceAcceptance.paying_from`); the verifier decodes until one
+    may, so round trips are a fraction of the tokens. A lookup that also reads other requests'
+    text, and a verifier without the feature (negative controls): every round is a round trip.
+    Greedy text is the target's in each (a sampled request's text depends on when the probes
+    fall, which the windows move: the rounds decoded ahead are empty rounds, whose sampling
+    tests/verifier/test_engine_decode_ahead.py checks)."""
+    from goodspeed.lm.decoding.lookup import PromptLookup
+    from goodspeed.scheduler.paying import EvidenceAcceptance, PayingLength
+
+    monkeypatch.setattr(PayingLength, "round_costs", lambda self: (0.030, 0.003))
+    target, _, tokenizer = models
+    prompt = "def f(x):"
+    wrong = min(set(range(10, 100)) - set(greedy_reference(target, tokenizer.encode(prompt), 40)))
+
+    class AlwaysWrong(PromptLookup):
+        def _propose(self, state, max_tokens):
+            return [wrong] * max_tokens, 1
+
+    asked = []
+    paying_from = EvidenceAcceptance.paying_from
+    monkeypatch.setattr(EvidenceAcceptance, "paying_from", lambda self, *a: asked.append(paying_from(self, *a)) or asked[-1])
+    seen = {}
+    for case in ("own text", "other requests' text", "older verifier"):
+        if case == "older verifier":
+            older_verifier(monkeypatch, "decode_ahead_until_match")
+        source = AlwaysWrong(target.config.vocab_size)
+        source.own_text_only = case != "other requests' text"  # as suffix: matches the verifier cannot see
+        with verifier(models) as server, NodeThread(server.address, source, tokenizer, draft_length="goodput") as edge:
+            out = api_of(edge).completions.create(model="tiny", prompt=prompt, max_tokens=40, **GREEDY)
+            metrics = metric_samples(edge.port)
+        assert out.choices[0].text == reference(models, prompt, 40)
+        seen[case] = (metrics["goodspeed:drafter_round_trip_seconds_count[]"],
+                      metrics["goodspeed:spec_decode_num_drafts_total[]"], len(asked))
+    (trips, _, windows), (other_trips, other_probes, other_windows), (old_trips, old_probes, old_windows) = seen.values()
+    assert windows >= 2 and other_windows == old_windows == windows and all(0 < n <= 8 for n in asked), (seen, asked)
+    assert trips < 40 / 2 and min(other_trips + other_probes, old_trips + old_probes) >= 40, seen
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_client_that_goes_away_frees_the_request_on_the_verifier(models, n):
     """Every choice's request, when the response had several."""

@@ -287,3 +287,24 @@ def test_each_lookup_keeps_what_pays_by_its_evidence_and_one_idle_class_is_probe
     proposals = [("a", 8, 0, 4), ("b", 1, 2, 5), ("c", 1, 0, 3)]
     assert rule.keep(proposals, 0.03, 0.002, 0.0) == [(4, False), (2, False), (0, False)]
     assert rule.keep(proposals, 0.03, 0.002, 0.0) == [(4, False), (3, True), (0, False)]
+
+
+def test_paying_from_is_the_shortest_match_from_which_every_longer_one_keep_would_draft():
+    """paying_from(): the shortest evidence from which every class up to ``max_evidence`` keep()
+    would draft a token of (brute force over the classes, probes aside: keep() is called with each
+    class's wait far off), 0 where the longest would not; it changes no probe wait."""
+    rule = EvidenceAcceptance(max_evidence=6, probe_every=64)
+    for i in range(10):  # class 1 half taken, 2 rejected, 3 half taken, 5+ taken whole, 4 untouched (the prior)
+        rule.observe(f"q{i}", 1, 2, 1)
+        rule.observe(f"q{i}", 2, 3, 0)
+        rule.observe(f"q{i}", 3, 2, 1)
+        rule.observe(f"q{i}", 5, 4, 4)
+    all_costs = ((0.03, 0.002, 0.0), (0.03, 0.01, 0.004), (0.001, 0.05, 0.01))
+    got = [rule.paying_from("r", 4, *costs) for costs in all_costs]
+    assert got[0] == 3 and got[2] == 0, got  # class 1 pays but 2 does not; the last: no class pays
+    assert [s for s in range(64) if 1 in rule.due_probes([], [1])] == [63]  # the waits were not touched
+    assert rule.paying_from("r", 0, *all_costs[0]) == 0
+    for costs, first in zip(all_costs, got):  # keep() counts waits, far from due here
+        pays = [rule.keep([("r", e, 0, 4)], *costs)[0][0] > 0 for e in range(1, 7)]
+        last_not_paying = max((e for e in range(1, 7) if not pays[e - 1]), default=0)
+        assert first == (0 if not pays[-1] else last_not_paying + 1), (costs, pays)

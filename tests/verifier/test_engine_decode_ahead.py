@@ -2,17 +2,18 @@
 and the engine queues the next rounds itself. Each such round is an empty round as any other:
 greedy output token for token the target's, a seeded sampled request's output bit for bit what
 one empty draft a round gives, the first two sampled tokens in the target's distribution
-(chi-square, with a power check); the run stops where the request ends, and a finish or a
-resync drops the round it queued."""
+(chi-square, with a power check); the run stops where the request ends, or with
+``decode_ahead_until_match = n`` after the round whose text ends in ``n`` tokens seen before in it
+(against a brute-force scan), each verdict counting the rounds left; and a finish or a resync
+drops the round it queued."""
 
 import numpy as np
 import pytest
-import torch
 
 from goodspeed.lm.decoding.params import SamplingParams
-from goodspeed.proto import MAX_DECODE_AHEAD
+from goodspeed.proto import MAX_DECODE_AHEAD, MAX_UNTIL_MATCH
 from goodspeed.verifier import errors
-from goodspeed.verifier.engine import EngineConfig, VerificationEngine
+from goodspeed.verifier.engine import EngineConfig, VerificationEngine, repeats_its_tail
 from goodspeed.verifier.types import Draft
 from modelkit import greedy_reference, tiny_llama
 from statkit import count_first_two, exact_first_two, fits
@@ -123,3 +124,67 @@ def test_decode_ahead_goes_with_an_empty_draft_and_a_bound(target, tokens, ahead
         engine.submit(sid, Draft(engine.next_round(sid), tokens, decode_ahead=ahead))
     engine.submit(sid, Draft(engine.next_round(sid), [5]))  # nothing was queued: a good draft is taken
     assert engine.run_round().verdicts[sid].num_drafted == 1
+
+
+def brute_repeats(tokens, n):
+    return 0 < n < len(tokens) and any(tokens[i : i + n] == tokens[-n:] for i in range(len(tokens) - n))
+
+
+def test_repeats_its_tail_is_a_brute_force_scan():
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        tokens = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(0, 14)))]
+        for n in range(0, 6):
+            assert repeats_its_tail(tokens, n) == brute_repeats(tokens, n), (tokens, n)
+
+
+@pytest.mark.parametrize("until", [1, 2, 3])
+def test_decoding_ahead_until_a_match_stops_after_the_round_whose_text_repeats_its_tail(target, until):
+    """The engine decodes ahead while the text does not end in ``until`` tokens seen before in it
+    (with a successor there), and stops after the first round whose text does; every verdict
+    counts the rounds still queued. The greedy text is the target's either way."""
+    window = 40
+    engine = engine_of(target)
+    sid = engine.join("d")
+    engine.start_request(sid, PROMPT, SamplingParams(), 2 * window + 1)  # room for a whole window after the stop
+    reference = greedy_reference(target, PROMPT, window)
+    stop = next((k for k in range(1, window) if brute_repeats(PROMPT + reference[:k], until)), window)  # its tokens
+    assert stop < window, "the target's text must repeat within the window for this test to see a stop"
+    first = engine.next_round(sid)
+    engine.submit(sid, Draft(first, [], decode_ahead=window, decode_ahead_until_match=until))
+    verdicts = [engine.run_round().verdicts[sid] for _ in range(stop)]
+    assert [v.decode_ahead_left for v in verdicts] == list(range(window, window - stop + 1, -1)) + [0]
+    assert [t for v in verdicts for t in v.token_ids] == reference[:stop]
+    assert engine.run_round().verdicts == {} and engine.next_round(sid) == first + stop  # the drafter's turn
+    engine.submit(sid, Draft(first + stop, [], decode_ahead=window))  # no match asked for: the whole window
+    left = [engine.run_round().verdicts[sid].decode_ahead_left for _ in range(window + 1)]
+    assert left == list(range(window, -1, -1))
+
+
+def test_decoding_ahead_until_a_match_that_never_comes_decodes_every_round(target):
+    """A match longer than the text (negative control for the stop): all the rounds asked for."""
+    engine = engine_of(target)
+    sid = engine.join("d")
+    engine.start_request(sid, PROMPT, SamplingParams(), 30)
+    engine.submit(sid, Draft(engine.next_round(sid), [], decode_ahead=10, decode_ahead_until_match=MAX_UNTIL_MATCH))
+    assert [engine.run_round().verdicts[sid].decode_ahead_left for _ in range(11)] == list(range(10, -1, -1))
+
+
+@pytest.mark.parametrize("ahead,until", [(0, 2), (4, MAX_UNTIL_MATCH + 1), (4, -1)], ids=["alone", "too-long", "negative"])
+def test_until_match_goes_with_decode_ahead_and_a_bound(target, ahead, until):
+    engine = engine_of(target)
+    sid = engine.join("d")
+    engine.start_request(sid, PROMPT, SamplingParams(), 20)
+    with pytest.raises(errors.MalformedDraftError, match="decode_ahead_until_match"):
+        engine.submit(sid, Draft(engine.next_round(sid), [], decode_ahead=ahead, decode_ahead_until_match=until))
+
+
+def test_a_retried_draft_that_asked_to_decode_ahead_hears_the_rounds_left(target):
+    """An idempotent retry of the draft returns its verdict as sent, rounds left included."""
+    engine = engine_of(target)
+    sid = engine.join("d")
+    engine.start_request(sid, PROMPT, SamplingParams(), 20)
+    draft = Draft(engine.next_round(sid), [], decode_ahead=5, decode_ahead_until_match=MAX_UNTIL_MATCH)
+    engine.submit(sid, draft)
+    assert engine.run_round().verdicts[sid].decode_ahead_left == 5
+    assert engine.submit(sid, draft).decode_ahead_left == 5

@@ -283,10 +283,11 @@ def test_a_drafter_decoded_ahead_hears_every_round_without_sending_a_draft(model
         sid = stub.Join(pb.JoinRequest(drafter_name="ahead", protocol_version=1)).session_id
         stream = stub.StreamVerdicts(pb.StreamVerdictsRequest(session_id=sid))
         reply = stub.StartRequest(pb.StartRequestRequest(session_id=sid, prompt_ids=PROMPTS[2], max_new_tokens=20))
-        assert "decode_ahead" in reply.features
+        assert "decode_ahead" in reply.features and "decode_ahead_until_match" in reply.features
         stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=reply.round_index, decode_ahead=5))
         run = [next(stream) for _ in range(6)]
         assert [v.round_index for v in run] == list(range(reply.round_index, reply.round_index + 6))
+        assert [v.decode_ahead_left for v in run] == [5, 4, 3, 2, 1, 0]  # the rounds left, on the wire
         stub.SubmitDraft(pb.DraftRequest(session_id=sid, round_index=run[-1].round_index + 1, decode_ahead=8))
         next(stream)
         resync = stub.Resync(pb.ResyncRequest(session_id=sid))
