@@ -97,6 +97,7 @@ PAIRS = {"real": ("real:smollm2-135m", "real:smollm2-135m-draft"), "demo": ("dem
 SOURCES = ("model", "ngram", "suffix", "hybrid")
 COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
 ROUND_TRIPS = "drafter_round_trip_seconds_count"  # an edge node's drafts sent (each a round trip to the verifier)
+EDGE_COUNTERS = COUNTERS + (ROUND_TRIPS,)  # what an edge node's task rows record
 
 
 def load_tasks(path: Path = TASKS) -> list[dict]:
@@ -361,11 +362,11 @@ def edge_mode(args, tasks, target, draft, dtype, out: Path) -> dict:
         for i, task in enumerate(tasks):
             for config in in_turn(list(ports), i):
                 port = ports[config]
-                before = counters(port, COUNTERS + (ROUND_TRIPS,))
+                before = counters(port, EDGE_COUNTERS)
                 reply = post(port, task, args.max_tokens)
-                after = counters(port, COUNTERS + (ROUND_TRIPS,))
+                after = counters(port, EDGE_COUNTERS)
                 rows.append({"config": config, "category": task["category"], "id": task["id"], **reply,
-                             **{k: after[k] - before[k] for k in COUNTERS + (ROUND_TRIPS,)}})
+                             **{k: after[k] - before[k] for k in EDGE_COUNTERS}})
             keep_partial(args, "edge", list(ports), rows)
             print(f"edge: {i + 1}/{len(tasks)} tasks", file=sys.stderr, flush=True)
     return summarize(rows, list(ports))
